@@ -1,0 +1,38 @@
+"""Every key a batch can carry, in one place.
+
+A batch is one ``tensordict.TensorDict`` of batch size ``[B]`` where
+``B = prompts x n``. Letters in shapes: ``B`` batch, ``P`` prompt length,
+``R`` response length. Per-token tensors cover response tokens only.
+"""
+
+# written by the data pipeline
+PROMPT_IDS = "prompt_ids"  # B x P, int64, left-padded
+PROMPT_MASK = "prompt_mask"  # B x P, int64, 1 on real tokens
+DATA_SOURCE = "data_source"  # non-tensor, B strings
+GROUND_TRUTH = "ground_truth"  # non-tensor, B
+EXTRA_INFO = "extra_info"  # non-tensor, B dicts
+PROMPT_TEXT = "prompt_text"  # non-tensor, B strings
+
+# written by the rollout
+RESPONSE_IDS = "response_ids"  # B x R, int64, right-padded
+RESPONSE_MASK = "response_mask"  # B x R, 0 on padding and on tool/observation tokens
+ROLLOUT_LOG_PROBS = "rollout_log_probs"  # B x R, float, the sampler's log-probs
+GROUP = "group"  # B, int64: samples of one prompt share it
+RESPONSE_TEXT = "response_text"  # non-tensor, B strings
+REWARD_BASELINE = "reward_baseline"  # B, float: e.g. ReMax's greedy-rollout score
+
+# written by the reward
+SCORES = "scores"  # B, float: one score per sample
+TOKEN_REWARDS = "token_rewards"  # B x R, float: the score on the last valid token
+
+# written by the policy, the reference and the critic
+LOG_PROBS = "log_probs"  # B x R, the current policy (with grad during updates)
+ENTROPY = "entropy"  # B x R
+OLD_LOG_PROBS = "old_log_probs"  # B x R, the policy before this step's updates
+REF_LOG_PROBS = "ref_log_probs"  # B x R, the frozen reference
+VALUES = "values"  # B x R, the critic
+OLD_VALUES = "old_values"  # B x R, the critic before this step's updates
+
+# written by the estimator
+ADVANTAGES = "advantages"  # B x R
+RETURNS = "returns"  # B x R

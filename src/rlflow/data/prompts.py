@@ -1,0 +1,179 @@
+"""Prompt datasets: verl-style parquet files or in-memory rows, tokenized into left-padded batches.
+
+A row is normalised to ``prompt`` (a string or chat messages), ``ground_truth``,
+``data_source`` and ``extra_info``. verl's layout (``reward_model.ground_truth``)
+is read as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+from rlflow.data import keys as K
+
+TRUNCATION_MODES = ("error", "left", "right")
+
+
+class DataError(ValueError):
+    """A malformed file or row; the message names the file and the row."""
+
+
+def load_rows(source: str | Path | Sequence[dict], prompt_key: str = "prompt") -> tuple[list[dict], str]:
+    """Read rows from a parquet/json/jsonl file (with ``datasets``) or take a list of dicts.
+
+    Returns the normalised rows and a name for error messages.
+    """
+    if isinstance(source, (str, Path)):
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise DataError(f"data file not found: {path}")
+        import datasets
+
+        kind = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}.get(path.suffix)
+        if kind is None:
+            raise DataError(f"{path}: unsupported file type '{path.suffix}' (use .parquet, .json or .jsonl)")
+        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        raw, name = ds.to_list(), str(path)
+    else:
+        raw, name = list(source), "<in-memory rows>"
+    return [normalise_row(r, i, name, prompt_key) for i, r in enumerate(raw)], name
+
+
+def normalise_row(row: dict, index: int, name: str, prompt_key: str = "prompt") -> dict:
+    if not isinstance(row, dict) or prompt_key not in row or row[prompt_key] is None:
+        raise DataError(f"{name}, row {index}: no '{prompt_key}' column (row: {str(row)[:200]})")
+    prompt = row[prompt_key]
+    if not isinstance(prompt, str):
+        try:
+            prompt = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+        except (TypeError, KeyError) as e:
+            raise DataError(f"{name}, row {index}: '{prompt_key}' must be a string or chat messages ({e!r})") from e
+    reward_model = row.get("reward_model") or {}
+    ground_truth = row.get("ground_truth", reward_model.get("ground_truth"))
+    return {
+        "prompt": prompt,
+        "ground_truth": None if ground_truth is None else str(ground_truth),
+        "data_source": str(row.get("data_source") or "unknown"),
+        "extra_info": row.get("extra_info"),
+        "index": index,
+    }
+
+
+def render_prompt(prompt: str | list[dict], tokenizer) -> str:
+    """Chat messages go through the tokenizer's chat template when it has one."""
+    if isinstance(prompt, str):
+        return prompt
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    return "\n".join(m["content"] for m in prompt)
+
+
+def collate(rows: Sequence[dict], tokenizer, max_prompt_length: int | None = None,
+            truncation: str = "error", name: str = "") -> TensorDict:
+    """Tokenize rows into a batch: left-padded ``prompt_ids``/``prompt_mask`` and the non-tensor fields."""
+    texts = [render_prompt(r["prompt"], tokenizer) for r in rows]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    if max_prompt_length is not None:
+        for i, seq in enumerate(ids):
+            if len(seq) > max_prompt_length:
+                if truncation == "error":
+                    raise DataError(
+                        f"{name}, row {rows[i]['index']}: prompt has {len(seq)} tokens > max_prompt_length="
+                        f"{max_prompt_length} (set truncation='left' or 'right', or filter long prompts)"
+                    )
+                ids[i] = seq[-max_prompt_length:] if truncation == "left" else seq[:max_prompt_length]
+    P = max(len(s) for s in ids)
+    pad = tokenizer.pad_token_id
+    prompt_ids = torch.tensor([[pad] * (P - len(s)) + s for s in ids], dtype=torch.long)
+    prompt_mask = torch.tensor([[0] * (P - len(s)) + [1] * len(s) for s in ids], dtype=torch.long)
+    return TensorDict(
+        {
+            K.PROMPT_IDS: prompt_ids,
+            K.PROMPT_MASK: prompt_mask,
+            K.PROMPT_TEXT: NonTensorStack(*texts),
+            K.GROUND_TRUTH: NonTensorStack(*[r["ground_truth"] for r in rows]),
+            K.DATA_SOURCE: NonTensorStack(*[r["data_source"] for r in rows]),
+            K.EXTRA_INFO: NonTensorStack(*[r["extra_info"] for r in rows]),
+        },
+        batch_size=[len(rows)],
+    )
+
+
+class PromptLoader:
+    """Endless, seeded, resumable iteration over prompt batches.
+
+    Each epoch is a permutation drawn from ``seed + epoch``; the position
+    (epoch, index) is the whole state, so a resumed run sees exactly the
+    batches an uninterrupted run would. A last partial batch is skipped
+    (every RL step sees the same number of prompts).
+    """
+
+    def __init__(self, data: "PromptData", batch_size: int, tokenizer):
+        if batch_size > len(data.train):
+            raise DataError(f"batch size {batch_size} > {len(data.train)} training prompts in {data.train_name}")
+        self.data, self.batch_size, self.tokenizer = data, batch_size, tokenizer
+        self.epoch, self.index = 0, 0
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.data.train) // self.batch_size
+
+    def _order(self) -> list[int]:
+        n = len(self.data.train)
+        if not self.data.shuffle:
+            return list(range(n))
+        g = torch.Generator().manual_seed(self.data.seed + self.epoch)
+        return torch.randperm(n, generator=g).tolist()
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        return self
+
+    def __next__(self) -> TensorDict:
+        if self.index + self.batch_size > len(self.data.train):
+            self.epoch, self.index = self.epoch + 1, 0
+        order = self._order()[self.index : self.index + self.batch_size]
+        self.index += self.batch_size
+        return self.data.collate([self.data.train[i] for i in order], self.tokenizer)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+class PromptData:
+    """Training (and optional validation) prompts.
+
+    Args:
+        train: a parquet/json/jsonl path or a list of row dicts.
+        val: the same, for held-out prompts.
+        prompt_key: the column holding the prompt.
+        max_prompt_length: longer prompts raise (``truncation="error"``) or are cut on the left/right.
+        shuffle, seed: per-epoch seeded shuffling.
+    """
+
+    def __init__(self, train, val=None, *, prompt_key: str = "prompt", max_prompt_length: int | None = None,
+                 truncation: str = "error", shuffle: bool = True, seed: int = 0):
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got '{truncation}'")
+        self.train, self.train_name = load_rows(train, prompt_key)
+        self.val, self.val_name = load_rows(val, prompt_key) if val is not None else ([], "")
+        if not self.train:
+            raise DataError(f"{self.train_name}: no rows")
+        self.max_prompt_length, self.truncation = max_prompt_length, truncation
+        self.shuffle, self.seed = shuffle, seed
+
+    def collate(self, rows: Sequence[dict], tokenizer, name: str | None = None) -> TensorDict:
+        return collate(rows, tokenizer, self.max_prompt_length, self.truncation, name or self.train_name)
+
+    def loader(self, batch_size: int, tokenizer) -> PromptLoader:
+        return PromptLoader(self, batch_size, tokenizer)
+
+    def val_batches(self, tokenizer, batch_size: int = 512) -> Iterator[TensorDict]:
+        for start in range(0, len(self.val), batch_size):
+            yield self.collate(self.val[start : start + batch_size], tokenizer, self.val_name)

@@ -1,0 +1,79 @@
+"""Per-token log-probs and entropy of response tokens, without a float32 [B, T, V] logits copy.
+
+The backbone runs once over prompt + response; the LM head and the softmax run
+over chunks of response positions only (prompt positions are never scored).
+Under autograd each chunk is checkpointed, so only its hidden states are kept
+and its logits are recomputed in the backward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+
+def position_ids_from_mask(mask: Tensor) -> Tensor:
+    """Positions that skip left padding: ``cumsum(mask) - 1``, clamped at 0 (what HF generation uses)."""
+    return (mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def _chunk_log_probs(hidden: Tensor, head: nn.Module, ids: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_z = torch.logsumexp(logits, dim=-1)
+    chosen = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - log_z
+    # entropy = log Z - sum softmax(z) * z
+    entropy = log_z - (F.softmax(logits, dim=-1) * logits).sum(-1)
+    return chosen, entropy
+
+
+class TokenLogProbs(nn.Module):
+    """Wraps a Hugging Face causal LM; ``forward`` scores the response tokens.
+
+    Being an ``nn.Module`` whose ``forward`` is the whole computation lets
+    strategies (DDP, FSDP2) wrap it like any model.
+
+    Args:
+        lm: a causal LM (``PreTrainedModel`` with ``get_decoder`` and ``get_output_embeddings``).
+        temperature: logits are divided by it, as the sampler does.
+        chunk_tokens: response positions scored per chunk of the LM head.
+    """
+
+    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_tokens: int = 4096):
+        super().__init__()
+        self.lm = lm
+        self.temperature = temperature
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Shapes: prompt ``B x P`` (left-padded), response ``B x R`` -> log-probs, entropy ``B x R``."""
+        hidden = response_hidden_states(self.lm, prompt_ids, prompt_mask, response_ids)
+        head = self.lm.get_output_embeddings()
+        B, R, H = hidden.shape
+        flat_h, flat_ids = hidden.reshape(B * R, H), response_ids.reshape(B * R)
+        logps, ents = [], []
+        for start in range(0, B * R, self.chunk_tokens):
+            h, ids = flat_h[start : start + self.chunk_tokens], flat_ids[start : start + self.chunk_tokens]
+            if torch.is_grad_enabled() and h.requires_grad:
+                lp, ent = checkpoint(_chunk_log_probs, h, head, ids, self.temperature, use_reentrant=False)
+            else:
+                lp, ent = _chunk_log_probs(h, head, ids, self.temperature)
+            logps.append(lp)
+            ents.append(ent)
+        return torch.cat(logps).view(B, R), torch.cat(ents).view(B, R)
+
+
+def response_hidden_states(lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor) -> Tensor:
+    """Last hidden states at the positions that predict each response token: ``B x R x H``.
+
+    The response attends fully: right padding never influences earlier positions
+    under a causal mask, and tool/observation tokens must be seen by later ones.
+    """
+    P, R = prompt_ids.shape[1], response_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], dim=1)
+    out = lm.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask))
+    return out.last_hidden_state[:, P - 1 : P + R - 1]

@@ -1,0 +1,94 @@
+"""The Policy: a Hugging Face causal LM that scores response tokens."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor, nn
+
+from rlflow.data import keys as K
+from rlflow.models.logprobs import TokenLogProbs
+from rlflow.module import BatchModule
+
+
+class Policy(BatchModule):
+    """A causal LM (any architecture transformers loads, or an in-memory model).
+
+    As a module in the chain it writes ``log_prob_key`` (default ``old_log_probs``)
+    and ``entropy`` without gradients; during updates the Trainer calls
+    :meth:`log_probs` under autograd.
+
+    Args:
+        model: the causal LM.
+        tokenizer: its tokenizer (the rollout decodes with it).
+        temperature: the sampling temperature; log-probs use the same scaled logits.
+        micro_batch_size: rows per forward pass when scoring a batch (``None``: all at once).
+        gradient_checkpointing: recompute activations in the backward pass.
+        log_prob_key / entropy_key: where the scoring pass writes (``entropy_key=None`` skips it).
+    """
+
+    in_keys = (K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer=None,
+        *,
+        temperature: float = 1.0,
+        micro_batch_size: int | None = None,
+        gradient_checkpointing: bool = False,
+        log_prob_key: str = K.OLD_LOG_PROBS,
+        entropy_key: str | None = K.ENTROPY,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.micro_batch_size = micro_batch_size
+        self.log_prob_key, self.entropy_key = log_prob_key, entropy_key
+        self.module: nn.Module = TokenLogProbs(model, temperature=temperature)
+        if gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    @property
+    def out_keys(self) -> tuple[str, ...]:
+        return (self.log_prob_key,) + ((self.entropy_key,) if self.entropy_key else ())
+
+    @property
+    def temperature(self) -> float:
+        return self.module.temperature
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs) -> "Policy":
+        """Load a model folder (weights, config, tokenizer) from local disk."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+        model = AutoModelForCausalLM.from_pretrained(path)
+        return cls(model, tokenizer, **kwargs)
+
+    def log_probs(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
+        """Log-probs and entropy of ``batch``'s response tokens (``B x R`` each), under the caller's grad mode."""
+        return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS])
+
+    @torch.no_grad()
+    def forward(self, batch: TensorDict) -> TensorDict:
+        size = self.micro_batch_size or batch.batch_size[0]
+        parts = [self.log_probs(mb) for mb in batch.split(size)]
+        batch[self.log_prob_key] = torch.cat([lp for lp, _ in parts])
+        if self.entropy_key:
+            batch[self.entropy_key] = torch.cat([ent for _, ent in parts])
+        return batch
+
+    def reference(self) -> "Policy":
+        """A frozen copy that writes ``ref_log_probs`` (the KL anchor)."""
+        frozen = copy.deepcopy(self.model).eval().requires_grad_(False)
+        return Policy(
+            frozen,
+            self.tokenizer,
+            temperature=self.temperature,
+            micro_batch_size=self.micro_batch_size,
+            log_prob_key=K.REF_LOG_PROBS,
+            entropy_key=None,
+        )

@@ -1,0 +1,145 @@
+"""The built-in task: two-digit addition with the sum written in reverse digit order.
+
+``37+45=`` -> ``28`` (82 reversed), exact-match reward. A 0.5M-parameter Qwen2
+learns it in about a minute on two CPU cores: a short supervised warm start
+(cached) brings greedy held-out accuracy to ~0.2, then GRPO lifts it well above.
+Everything is made in code; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from rlflow.data.prompts import PromptData
+from rlflow.models.tiny import char_tokenizer, tiny_qwen2
+
+DATA_SOURCE = "rlflow/addition"
+
+
+def answer(a: int, b: int) -> str:
+    return str(a + b)[::-1]
+
+
+def exact_match(solution_str: str, ground_truth: str) -> float:
+    """1.0 when the response is exactly the answer (surrounding spaces ignored), else 0.0."""
+    return float(solution_str.strip() == ground_truth)
+
+
+def rows(pairs) -> list[dict]:
+    return [{"prompt": f"{a}+{b}=", "ground_truth": answer(a, b), "data_source": DATA_SOURCE} for a, b in pairs]
+
+
+@dataclass(frozen=True)
+class AdditionTask:
+    """Disjoint train / warm-start-validation / held-out splits of all pairs in ``[0, max_operand]``.
+
+    The split is fixed (seed 1234) whatever the run's seed, so held-out
+    accuracy is comparable across runs.
+    """
+
+    max_operand: int = 99
+    held_out: int = 256
+    warm_val: int = 128
+    hidden_size: int = 128
+    num_layers: int = 2
+    max_new_tokens: int = 4
+
+    def splits(self) -> tuple[list[dict], list[dict], list[dict]]:
+        pairs = [(a, b) for a in range(self.max_operand + 1) for b in range(self.max_operand + 1)]
+        random.Random(1234).shuffle(pairs)
+        test, val = pairs[: self.held_out], pairs[self.held_out : self.held_out + self.warm_val]
+        return rows(pairs[self.held_out + self.warm_val :]), rows(val), rows(test)
+
+    def data(self, seed: int = 0) -> PromptData:
+        train, _, test = self.splits()
+        return PromptData(train, val=test, seed=seed)
+
+    def tokenizer(self):
+        return char_tokenizer()
+
+    def model(self, seed: int):
+        tok = self.tokenizer()
+        return tiny_qwen2(len(tok), hidden_size=self.hidden_size, num_layers=self.num_layers,
+                          intermediate_size=4 * self.hidden_size, seed=seed)
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, rows_: list[dict], max_new_tokens: int = 4) -> float:
+    """Exact-match accuracy of greedy decoding on ``rows_``."""
+    from rlflow.data.prompts import collate, load_rows
+    from rlflow.rollout.hf import HFRollout
+
+    rollout = HFRollout(n=1, do_sample=False, max_new_tokens=max_new_tokens)
+    rollout.bind(model, tokenizer)
+    out = rollout(collate(load_rows(rows_)[0], tokenizer))
+    hits = [exact_match(r, g) for r, g in zip(out["response_text"], out["ground_truth"])]
+    return sum(hits) / len(hits)
+
+
+def supervised_warm_start(model, tokenizer, train: list[dict], val: list[dict], *, target: float = 0.15,
+                          lr: float = 1e-3, batch_size: int = 64, max_steps: int = 3000, eval_every: int = 25,
+                          seed: int = 0) -> int:
+    """Train on answer tokens only until greedy accuracy on ``val`` reaches ``target``; returns the step count.
+
+    Budgeted by accuracy, not steps (accuracy jumps within ~150 steps at lr 1e-3).
+
+    Raises:
+        RuntimeError: if ``target`` is not reached within ``max_steps``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    encoded = [(tokenizer(r["prompt"])["input_ids"], tokenizer(r["ground_truth"])["input_ids"] + [eos]) for r in train]
+    for step in range(1, max_steps + 1):
+        idx = torch.randint(len(encoded), (batch_size,), generator=gen).tolist()
+        seqs = [encoded[i] for i in idx]
+        T = max(len(p) + len(a) for p, a in seqs)
+        ids = torch.full((batch_size, T), pad)
+        labels = torch.full((batch_size, T), -100)
+        mask = torch.zeros((batch_size, T), dtype=torch.long)
+        for row, (p, a) in enumerate(seqs):
+            ids[row, : len(p) + len(a)] = torch.tensor(p + a)
+            labels[row, len(p) : len(p) + len(a)] = torch.tensor(a)
+            mask[row, : len(p) + len(a)] = 1
+        model.train()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % eval_every == 0 and greedy_accuracy(model, tokenizer, val) >= target:
+            return step
+    raise RuntimeError(f"warm start did not reach accuracy {target} on the validation prompts in {max_steps} steps")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("RLFLOW_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlflow"
+    return Path(root)
+
+
+def warm_started_model(task: AdditionTask, seed: int, target: float = 0.15, log=print):
+    """The task's model after the supervised warm start, cached on disk by (task, seed, target, versions)."""
+    import transformers
+
+    key = json.dumps({"task": asdict(task), "seed": seed, "target": target, "torch": torch.__version__,
+                      "transformers": transformers.__version__}, sort_keys=True)
+    path = cache_dir() / f"addition-warm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+    model, tok = task.model(seed), task.tokenizer()
+    if path.exists():
+        model.load_state_dict(torch.load(path, map_location="cpu"))
+        log(f"warm start: loaded {path}")
+        return model, tok
+    train, val, _ = task.splits()
+    steps = supervised_warm_start(model, tok, train, val, target=target, seed=seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(model.state_dict(), tmp)
+    tmp.replace(path)  # atomic: a concurrent run never reads half a file
+    log(f"warm start: {steps} supervised steps to accuracy >= {target}; cached at {path}")
+    return model, tok

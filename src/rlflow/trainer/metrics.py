@@ -1,0 +1,74 @@
+"""Per-step metrics under verl's names (``critic/score/mean``, ``response_length/mean``, ...)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+from tensordict import TensorDict
+
+from rlflow.data import keys as K
+
+
+def _summary(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    if values.numel() == 0:
+        return {}
+    v = values.float()
+    return {f"{prefix}/mean": v.mean().item(), f"{prefix}/max": v.max().item(), f"{prefix}/min": v.min().item()}
+
+
+def batch_metrics(batch: TensorDict, max_response_length: int | None = None) -> dict[str, float]:
+    """Data metrics of one step: scores, rewards, advantages, returns, values, lengths."""
+    mask = batch[K.RESPONSE_MASK].bool()
+    out: dict[str, float] = {}
+    out |= _summary("critic/score", batch[K.SCORES])
+    if K.TOKEN_REWARDS in batch.keys():
+        out |= _summary("critic/rewards", batch[K.TOKEN_REWARDS].sum(-1))
+    for key, name in ((K.ADVANTAGES, "critic/advantages"), (K.RETURNS, "critic/returns"), (K.VALUES, "critic/values")):
+        if key in batch.keys():
+            out |= _summary(name, batch[key][mask])
+    if K.VALUES in batch.keys() and K.RETURNS in batch.keys() and mask.any():
+        ret, val = batch[K.RETURNS][mask], batch[K.VALUES][mask]
+        out["critic/vf_explained_var"] = (1 - (ret - val).var() / (ret.var() + 1e-5)).item()
+    resp_len = batch[K.RESPONSE_MASK].sum(-1)
+    out |= _summary("response_length", resp_len)
+    R = max_response_length or batch[K.RESPONSE_IDS].shape[1]
+    out["response_length/clip_ratio"] = (resp_len >= R).float().mean().item()
+    out |= _summary("prompt_length", batch[K.PROMPT_MASK].sum(-1))
+    return out
+
+
+class Timer:
+    """Collects ``timing_s/<phase>`` wall times: ``with timer("gen"): ...``."""
+
+    def __init__(self):
+        self.times: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.times.items()}
+
+
+class MeanAccumulator:
+    """Averages named statistics over micro-batches (and mini-batches)."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def add(self, stats: dict[str, float]) -> None:
+        for k, v in stats.items():
+            self.sums[k] += float(v)
+            self.counts[k] += 1
+
+    def means(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.counts[k] for k in self.sums}

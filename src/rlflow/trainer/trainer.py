@@ -1,0 +1,308 @@
+"""The Trainer: one RL step is rollout -> reward -> log-probs/values -> advantages -> updates -> weight sync.
+
+Built on Lightning Fabric (devices, precision, strategy, loggers, checkpoint IO).
+Every role is a module passed in; the Trainer only moves TensorDicts between
+them, in the order of the data-flow drawing in the docs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import lightning as L
+import torch
+from tensordict import TensorDict
+from tqdm.auto import tqdm
+
+from rlflow.data import keys as K
+from rlflow.data.prompts import PromptData
+from rlflow.module import check_chain
+from rlflow.trainer import checkpoint as ckpt
+from rlflow.trainer.loggers import make_loggers
+from rlflow.trainer.metrics import MeanAccumulator, Timer, batch_metrics
+from rlflow.trainer.schedule import lr_lambda
+
+DATA_KEYS = (K.PROMPT_IDS, K.PROMPT_MASK, K.PROMPT_TEXT, K.GROUND_TRUTH, K.DATA_SOURCE, K.EXTRA_INFO)
+
+
+class Trainer:
+    """Runs RL steps over prompt batches.
+
+    Args:
+        policy, rollout, reward, estimator, loss: the roles (see the concepts page).
+        reference: a frozen policy for the KL term; ``"auto"`` makes one when the loss reads ``ref_log_probs``.
+        critic, value_loss: the value model and its loss (needed when ``estimator.needs_critic``).
+        batch_size: prompts per RL step (each gives ``rollout.n`` samples).
+        mini_batch_size: prompts per optimizer step (default: ``batch_size``, one update per step).
+        micro_batch_size: samples per forward/backward (gradient accumulation; default: the mini-batch).
+        ppo_epochs: passes over the batch per step.
+        lr, critic_lr, weight_decay, warmup_steps, lr_schedule: AdamW and its schedule ("constant" or "cosine").
+        optimizer: ``params -> torch.optim.Optimizer`` to replace AdamW for the policy.
+        max_grad_norm: gradient clipping (``None`` only measures the norm).
+        max_steps: RL steps to run; default ``epochs x steps per epoch``.
+        val_every, val_n: validate every N steps (0: only when asked) with N greedy samples per prompt.
+        save_every, run_dir, resume: checkpoints every N steps under ``run_dir/checkpoints``; ``resume`` is
+            ``None``, ``"auto"`` (latest checkpoint if any) or a checkpoint folder.
+        loggers: names from ``jsonl``, ``csv``, ``tensorboard``, ``wandb``; callbacks: objects with ``on_*`` hooks.
+        accelerator, devices, strategy, precision: passed to ``lightning.Fabric``.
+    """
+
+    def __init__(
+        self, policy, rollout, reward, estimator, loss, *,
+        reference="auto", critic=None, value_loss=None,
+        batch_size: int = 32, mini_batch_size: int | None = None, micro_batch_size: int | None = None,
+        ppo_epochs: int = 1, lr: float = 1e-6, critic_lr: float = 1e-5, weight_decay: float = 0.01,
+        warmup_steps: int = 0, lr_schedule: str = "constant", optimizer: Callable | None = None,
+        max_grad_norm: float | None = 1.0, max_steps: int | None = None, epochs: int = 1,
+        val_every: int = 0, val_n: int = 1, save_every: int = 0, run_dir: str | Path = "runs/rlflow",
+        resume: str | Path | None = None, loggers=("jsonl", "csv", "tensorboard"), callbacks=(),
+        seed: int = 0, progress: bool = True,
+        accelerator: str = "cpu", devices: int = 1, strategy: str = "auto", precision: str = "32-true",
+    ):
+        self.policy, self.rollout, self.reward, self.estimator, self.loss = policy, rollout, reward, estimator, loss
+        self.critic, self.value_loss = critic, value_loss
+        if reference == "auto":
+            reference = policy.reference() if K.REF_LOG_PROBS in loss.in_keys else None
+        self.reference = reference
+        if estimator.needs_critic and (critic is None or value_loss is None):
+            raise ValueError(f"{type(estimator).__name__} needs a critic: pass critic=Critic(...) and value_loss=ValueLoss()")
+        if mini_batch_size is not None and batch_size % mini_batch_size:
+            raise ValueError(f"batch_size={batch_size} is not a multiple of mini_batch_size={mini_batch_size}")
+        self.batch_size, self.mini_batch_size = batch_size, mini_batch_size or batch_size
+        self.micro_batch_size, self.ppo_epochs = micro_batch_size, ppo_epochs
+        self.max_grad_norm, self.max_steps, self.epochs = max_grad_norm, max_steps, epochs
+        self.val_every, self.val_n, self.save_every = val_every, val_n, save_every
+        self.run_dir, self.resume, self.seed, self.progress = Path(run_dir), resume, seed, progress
+        self.lr_schedule, self.warmup_steps = lr_schedule, warmup_steps
+        # With one update per batch the "old" policy is the current one: skip its forward pass.
+        self.needs_old_log_probs = ppo_epochs > 1 or self.mini_batch_size < batch_size
+        self.check_chain()
+
+        self.fabric = L.Fabric(
+            accelerator=accelerator, devices=devices, strategy=strategy, precision=precision,
+            loggers=make_loggers(loggers, self.run_dir), callbacks=list(callbacks),
+        )
+        make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay))
+        self.policy.module, self.optimizer = self.fabric.setup(policy.module, make_opt(policy.module.parameters()))
+        self.rollout.bind(policy.model, policy.tokenizer)
+        if self.reference is not None:
+            self.fabric.to_device(self.reference.model)
+        if critic is not None:
+            critic_opt = torch.optim.AdamW(critic.module.parameters(), lr=critic_lr, weight_decay=weight_decay)
+            critic.module, self.critic_optimizer = self.fabric.setup(critic.module, critic_opt)
+        self.global_step, self.loader, self.schedulers = 0, None, []
+
+    # ------------------------------------------------------------------ checks
+    def check_chain(self) -> None:
+        """Fail now, naming key and module, if some role reads a key nothing writes."""
+        provided_by_update = {K.LOG_PROBS, K.ENTROPY} | ({K.OLD_LOG_PROBS} if not self.needs_old_log_probs else set())
+        chain = [
+            ("rollout", self.rollout), ("reward", self.reward), ("reference", self.reference),
+            ("policy", self.policy if self.needs_old_log_probs else None), ("critic", self.critic),
+            ("estimator", self.estimator),
+        ]
+        available = check_chain(DATA_KEYS, chain)
+        check_chain(available | provided_by_update, [("loss", self.loss)])
+        if self.value_loss is not None:
+            check_chain(available | {K.OLD_VALUES}, [("value_loss", self.value_loss)])
+
+    # ------------------------------------------------------------------ one step
+    def step(self, batch: TensorDict) -> dict[str, float]:
+        """One RL step on a batch of prompts; returns its metrics."""
+        timer, start = Timer(), time.perf_counter()
+        with timer("gen"):
+            batch = self.rollout(batch)
+        self.fabric.call("on_rollout_end", trainer=self, batch=batch)
+        with timer("reward"):
+            batch = self.reward(batch)
+        if self.reference is not None:
+            with timer("ref"):
+                batch = self.reference(batch)
+        if self.needs_old_log_probs:
+            with timer("old_log_prob"):
+                batch = self.policy(batch)
+        if self.critic is not None:
+            with timer("values"):
+                batch = self.critic(batch)
+        with timer("adv"):
+            batch = self.estimator(batch)
+        stats = {}
+        if self.critic is not None:
+            with timer("update_critic"):
+                stats |= self.update_critic(batch)
+        with timer("update_actor"):
+            stats |= self.update_actor(batch)
+        with timer("update_weights"):
+            self.rollout.sync_weights(self.policy.model)
+        for sched in self.schedulers:
+            sched.step()
+        self.global_step += 1
+
+        step_time = time.perf_counter() - start
+        tokens = int(batch[K.PROMPT_MASK].sum() + batch[K.RESPONSE_MASK].sum())
+        metrics = batch_metrics(batch, getattr(self.rollout, "max_new_tokens", None)) | stats
+        metrics |= {f"reward/{k.split('/', 1)[-1]}" if not k.startswith("reward/") else k: v
+                    for k, v in getattr(self.reward, "stats", {}).items()}
+        metrics |= timer.metrics() | {
+            "timing_s/step": step_time,
+            "perf/total_num_tokens": tokens,
+            "perf/time_per_step": step_time,
+            "perf/throughput": tokens / step_time / self.fabric.world_size,
+            "training/global_step": self.global_step,
+            "training/epoch": self.loader.epoch if self.loader else 0,
+        }
+        return metrics
+
+    def _minibatches(self, batch: TensorDict):
+        """(mini-batch, its valid-token count, its sequence count) for every optimizer step of this RL step."""
+        mini = self.mini_batch_size * (batch.batch_size[0] // self.batch_size)  # prompts -> samples
+        for _ in range(self.ppo_epochs):
+            for mb in batch.split(mini):
+                mask = mb[K.RESPONSE_MASK]
+                yield mb, mask.sum().clamp_min(1), (mask.sum(-1) > 0).sum().clamp_min(1)
+
+    def update_actor(self, batch: TensorDict) -> dict[str, float]:
+        """Mini-batch updates with gradient accumulation over micro-batches.
+
+        The loss of each micro-batch is normalised by its mini-batch's token and
+        sequence counts, so the accumulated gradient does not depend on the micro-batch size.
+        """
+        acc, module, opt = MeanAccumulator(), self.policy.module, self.optimizer
+        module.train()
+        for mb, n_tok, n_seq in self._minibatches(batch):
+            for micro in mb.split(self.micro_batch_size or mb.batch_size[0]):
+                log_probs, entropy = self.policy.log_probs(micro)
+                micro[K.LOG_PROBS], micro[K.ENTROPY] = log_probs, entropy
+                if K.OLD_LOG_PROBS not in micro.keys():
+                    micro[K.OLD_LOG_PROBS] = log_probs.detach()
+                out = self.loss(micro, num_tokens=n_tok, num_seqs=n_seq)
+                self.fabric.backward(out.loss)
+                acc.add(out.stats)
+            acc.add(self._optimizer_step(module, opt, "actor"))
+        return acc.means() | {"actor/lr": opt.param_groups[0]["lr"]}
+
+    def update_critic(self, batch: TensorDict) -> dict[str, float]:
+        acc, module, opt = MeanAccumulator(), self.critic.module, self.critic_optimizer
+        module.train()
+        for mb, n_tok, n_seq in self._minibatches(batch):
+            for micro in mb.split(self.micro_batch_size or mb.batch_size[0]):
+                micro[K.OLD_VALUES] = micro[K.VALUES]
+                micro[K.VALUES] = self.critic.values(micro)
+                out = self.value_loss(micro, num_tokens=n_tok, num_seqs=n_seq)
+                self.fabric.backward(out.loss)
+                acc.add(out.stats)
+            acc.add(self._optimizer_step(module, opt, "critic"))
+        return acc.means() | {"critic/lr": opt.param_groups[0]["lr"]}
+
+    def _optimizer_step(self, module, opt, role: str) -> dict[str, float]:
+        """Clip, then step, unless the gradient norm is not finite (then the step is skipped and counted)."""
+        max_norm = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
+        norm = float(self.fabric.clip_gradients(module, opt, max_norm=max_norm, error_if_nonfinite=False))
+        finite = math.isfinite(norm)
+        if finite:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return {f"{role}/grad_norm": norm if finite else float("nan"), f"{role}/skipped_steps": float(not finite)}
+
+    # ------------------------------------------------------------------ validation
+    @torch.no_grad()
+    def validate(self, data: PromptData) -> dict[str, float]:
+        """Greedy (``val_n`` samples, then sampled) scores per data source: ``val-core/<source>/reward/mean@N``."""
+        greedy = self.val_n == 1
+        rollout = self.rollout.with_options(n=self.val_n, do_sample=not greedy,
+                                            temperature=self.rollout.temperature if not greedy else 1.0)
+        scores: dict[str, list[torch.Tensor]] = {}
+        for prompts in data.val_batches(self.policy.tokenizer):
+            batch = self.reward(rollout(self.fabric.to_device(prompts)))
+            per_prompt = batch[K.SCORES].view(-1, self.val_n)
+            sources = list(batch[K.DATA_SOURCE])[:: self.val_n]
+            for i, src in enumerate(sources):
+                scores.setdefault(src, []).append(per_prompt[i])
+        metrics = {}
+        for src, rows in scores.items():
+            s = torch.stack(rows)
+            metrics[f"val-core/{src}/reward/mean@{self.val_n}"] = s.mean().item()
+            if self.val_n > 1:
+                metrics[f"val-core/{src}/reward/best@{self.val_n}/mean"] = s.max(-1).values.mean().item()
+        self.fabric.call("on_validation_end", trainer=self, metrics=metrics)
+        return metrics
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, data: PromptData) -> list[dict[str, float]]:
+        """Train on ``data``; returns every step's metrics (validation metrics merged into their step)."""
+        self.fabric.seed_everything(self.seed)
+        self.loader = data.loader(self.batch_size, self.policy.tokenizer)
+        total = self.max_steps or self.epochs * self.loader.steps_per_epoch
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(self.lr_schedule, self.warmup_steps, total))
+                           for o in self._optimizers()]
+        self._maybe_resume()
+        history = []
+        self.fabric.call("on_fit_start", trainer=self)
+        bar = tqdm(total=total, initial=self.global_step, desc="rl", disable=not self.progress or self.fabric.global_rank)
+        while self.global_step < total:
+            metrics = self.step(self.fabric.to_device(next(self.loader)))
+            if self.val_every and data.val and (self.global_step % self.val_every == 0 or self.global_step == total):
+                t0 = time.perf_counter()
+                metrics |= self.validate(data)
+                metrics["timing_s/testing"] = time.perf_counter() - t0
+            if self.save_every and (self.global_step % self.save_every == 0 or self.global_step == total):
+                self.save()
+            self.fabric.log_dict(metrics, step=self.global_step)
+            self.fabric.call("on_step_end", trainer=self, step=self.global_step, metrics=metrics)
+            history.append(metrics)
+            bar.update(1)
+            bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}", len=f"{metrics['response_length/mean']:.1f}",
+                            pg=f"{metrics.get('actor/pg_loss', 0.0):.3f}")
+        bar.close()
+        self.fabric.call("on_fit_end", trainer=self)
+        for logger in self.fabric.loggers:
+            logger.finalize("success")
+        return history
+
+    def _optimizers(self):
+        return [self.optimizer] + ([self.critic_optimizer] if self.critic is not None else [])
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def state(self) -> dict:
+        state = {"policy": self.policy.module, "optimizer": self.optimizer, "global_step": self.global_step,
+                 "schedulers": [s.state_dict() for s in self.schedulers],
+                 "loader": self.loader.state_dict() if self.loader else None, "rng": ckpt.rng_state()}
+        if self.critic is not None:
+            state |= {"critic": self.critic.module, "critic_optimizer": self.critic_optimizer}
+        return state
+
+    def save(self) -> Path:
+        """Write ``checkpoints/global_step_N/state.ckpt`` and mark it latest."""
+        path = ckpt.step_dir(self.checkpoint_dir, self.global_step)
+        self.fabric.save(path / "state.ckpt", self.state())
+        if self.fabric.global_rank == 0:
+            ckpt.mark_latest(self.checkpoint_dir, self.global_step)
+        return path
+
+    def load(self, path: str | Path) -> None:
+        """Restore model, optimizer, schedule, RNG, data position and step from a checkpoint folder."""
+        state = self.state()
+        rest = self.fabric.load(Path(path) / "state.ckpt", state)
+        state |= rest
+        self.global_step = int(state["global_step"])
+        for sched, s in zip(self.schedulers, state["schedulers"]):
+            sched.load_state_dict(s)
+        if self.loader is not None and state.get("loader"):
+            self.loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state["rng"])
+
+    def _maybe_resume(self) -> None:
+        if self.resume is None:
+            return
+        path = ckpt.latest_checkpoint(self.checkpoint_dir) if self.resume == "auto" else Path(self.resume)
+        if path is None:
+            return
+        self.load(path)
+        self.fabric.print(f"resumed from {path} at step {self.global_step}")
