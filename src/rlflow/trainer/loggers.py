@@ -63,7 +63,7 @@ def make_loggers(names, run_dir: str | Path, project: str = "rlflow", experiment
         if name == "jsonl":
             out.append(JSONLLogger(run_dir))
         elif name == "csv":
-            out.append(CSVLogger(root_dir=run_dir, name="", version=""))
+            out.append(CSVLogger(root_dir=run_dir, name="csv"))  # csv/version_N per launch: a resume never overwrites
         elif name == "tensorboard":
             out.append(TensorBoardLogger(root_dir=run_dir, name="tensorboard", version=""))
         elif name == "wandb":

@@ -58,8 +58,21 @@ class Timer:
         return {f"timing_s/{k}": v for k, v in self.times.items()}
 
 
+def sum_micro_batches(stats: list[dict[str, float]], additive: frozenset[str]) -> dict[str, float]:
+    """One mini-batch's statistics from its micro-batches'.
+
+    Loss terms (``additive``) are each micro-batch's share of the mini-batch loss,
+    so they add up; fractions and means are averaged.
+    """
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for s in stats for k in s):
+        values = [s[key] for s in stats if key in s]
+        out[key] = sum(values) if key in additive else sum(values) / len(values)
+    return out
+
+
 class MeanAccumulator:
-    """Averages named statistics over micro-batches (and mini-batches)."""
+    """Averages named statistics over mini-batches (and epochs)."""
 
     def __init__(self):
         self.sums: dict[str, float] = defaultdict(float)

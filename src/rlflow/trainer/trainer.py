@@ -22,9 +22,11 @@ from rlflow.data.prompts import PromptData
 from rlflow.module import check_chain
 from rlflow.trainer import checkpoint as ckpt
 from rlflow.trainer.loggers import make_loggers
-from rlflow.trainer.metrics import MeanAccumulator, Timer, batch_metrics
+from rlflow.trainer.metrics import MeanAccumulator, Timer, batch_metrics, sum_micro_batches
 from rlflow.trainer.schedule import lr_lambda
 
+# Loss statistics that are each micro-batch's share of its mini-batch's loss (see rlflow.algorithms.losses).
+ADDITIVE_STATS = frozenset({"actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss"})
 DATA_KEYS = (K.PROMPT_IDS, K.PROMPT_MASK, K.PROMPT_TEXT, K.GROUND_TRUTH, K.DATA_SOURCE, K.EXTRA_INFO)
 
 
@@ -173,6 +175,7 @@ class Trainer:
         acc, module, opt = MeanAccumulator(), self.policy.module, self.optimizer
         module.train()
         for mb, n_tok, n_seq in self._minibatches(batch):
+            micro_stats = []
             for micro in mb.split(self.micro_batch_size or mb.batch_size[0]):
                 log_probs, entropy = self.policy.log_probs(micro)
                 micro[K.LOG_PROBS], micro[K.ENTROPY] = log_probs, entropy
@@ -180,7 +183,8 @@ class Trainer:
                     micro[K.OLD_LOG_PROBS] = log_probs.detach()
                 out = self.loss(micro, num_tokens=n_tok, num_seqs=n_seq)
                 self.fabric.backward(out.loss)
-                acc.add(out.stats)
+                micro_stats.append(out.stats)
+            acc.add(sum_micro_batches(micro_stats, ADDITIVE_STATS))
             acc.add(self._optimizer_step(module, opt, "actor"))
         return acc.means() | {"actor/lr": opt.param_groups[0]["lr"]}
 
@@ -188,12 +192,14 @@ class Trainer:
         acc, module, opt = MeanAccumulator(), self.critic.module, self.critic_optimizer
         module.train()
         for mb, n_tok, n_seq in self._minibatches(batch):
+            micro_stats = []
             for micro in mb.split(self.micro_batch_size or mb.batch_size[0]):
                 micro[K.OLD_VALUES] = micro[K.VALUES]
                 micro[K.VALUES] = self.critic.values(micro)
                 out = self.value_loss(micro, num_tokens=n_tok, num_seqs=n_seq)
                 self.fabric.backward(out.loss)
-                acc.add(out.stats)
+                micro_stats.append(out.stats)
+            acc.add(sum_micro_batches(micro_stats, ADDITIVE_STATS))
             acc.add(self._optimizer_step(module, opt, "critic"))
         return acc.means() | {"critic/lr": opt.param_groups[0]["lr"]}
 

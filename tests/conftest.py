@@ -1,0 +1,39 @@
+import os
+
+import pytest
+import torch
+
+from rlflow.models.tiny import char_tokenizer, tiny_qwen2
+from rlflow.tasks.addition import AdditionTask
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    # The warm-start cache is shared by the tests of one session, never with the user's ~/.cache.
+    monkeypatch.setenv("RLFLOW_CACHE", os.environ.get("RLFLOW_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture
+def tokenizer():
+    return char_tokenizer()
+
+
+@pytest.fixture
+def model(tokenizer):
+    return tiny_qwen2(len(tokenizer), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                      intermediate_size=64, seed=0)
+
+
+@pytest.fixture
+def addition_rows():
+    train, _, test = AdditionTask().splits()
+    return train[:64], test[:16]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

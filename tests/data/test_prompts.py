@@ -1,0 +1,82 @@
+import pandas as pd
+import pytest
+import torch
+
+from rlflow.data import keys as K
+from rlflow.data.prompts import DataError, PromptData, collate, load_rows
+
+
+def verl_rows():
+    return [
+        {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "What is 15 + 27?"}],
+         "ability": "math", "reward_model": {"style": "rule", "ground_truth": "42"}, "extra_info": {"index": 0}},
+        {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1?"}],
+         "ability": "math", "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"index": 1}},
+    ]
+
+
+def test_reads_verl_parquet(tmp_path, tokenizer):
+    path = tmp_path / "train.parquet"
+    pd.DataFrame(verl_rows()).to_parquet(path)
+    data = PromptData(path, val=path)
+    assert [r["ground_truth"] for r in data.train] == ["42", "2"]
+    assert data.train[0]["prompt"] == [{"role": "user", "content": "What is 15 + 27?"}]
+    batch = data.collate(data.train, tokenizer)
+    assert list(batch[K.DATA_SOURCE]) == ["openai/gsm8k"] * 2
+    assert batch[K.EXTRA_INFO][1]["index"] == 1
+    assert len(data.val) == 2
+
+
+def test_seed_example_layout_without_data_source(tmp_path):
+    """The seed's minimal example: only prompt and reward_model.ground_truth."""
+    path = tmp_path / "train.parquet"
+    pd.DataFrame([{"prompt": [{"role": "user", "content": "What is 15 + 27?"}],
+                   "reward_model": {"ground_truth": "42"}}]).to_parquet(path)
+    (row,) = PromptData(path).train
+    assert row["ground_truth"] == "42" and row["data_source"] == "unknown"
+
+
+def test_left_padding_and_masks(tokenizer):
+    rows, _ = load_rows([{"prompt": "1+2="}, {"prompt": "11+22="}])
+    batch = collate(rows, tokenizer)
+    assert batch[K.PROMPT_MASK].tolist() == [[0, 0, 1, 1, 1, 1], [1] * 6]
+    assert batch[K.PROMPT_IDS][0, :2].tolist() == [tokenizer.pad_token_id] * 2
+    assert tokenizer.decode(batch[K.PROMPT_IDS][0, 2:]) == "1+2="
+
+
+def test_errors_name_file_and_row(tmp_path, tokenizer):
+    path = tmp_path / "bad.parquet"
+    pd.DataFrame([{"prompt": "1+1="}, {"prompt": None}]).to_parquet(path)
+    with pytest.raises(DataError, match=r"bad.parquet, row 1: no 'prompt'"):
+        PromptData(path)
+    with pytest.raises(DataError, match="not found"):
+        PromptData(tmp_path / "missing.parquet")
+    with pytest.raises(DataError, match=r"row 3: .*question"):
+        PromptData([{"question": "x"}] * 3 + [{"q": 1}], prompt_key="question")
+
+
+def test_truncation_modes(tokenizer):
+    rows = [{"prompt": "12345+1="}]
+    with pytest.raises(DataError, match=r"row 0: prompt has 8 tokens > max_prompt_length=4"):
+        PromptData(rows, max_prompt_length=4).collate(PromptData(rows).train, tokenizer)
+    left = PromptData(rows, max_prompt_length=4, truncation="left")
+    right = PromptData(rows, max_prompt_length=4, truncation="right")
+    assert tokenizer.decode(left.collate(left.train, tokenizer)[K.PROMPT_IDS][0]) == "5+1="
+    assert tokenizer.decode(right.collate(right.train, tokenizer)[K.PROMPT_IDS][0]) == "1234"
+
+
+def test_loader_is_seeded_resumable_and_covers_each_epoch(tokenizer):
+    rows = [{"prompt": f"{i}+0=", "ground_truth": str(i)} for i in range(10)]
+    data = PromptData(rows, seed=3)
+    loader = data.loader(4, tokenizer)
+    seen = [list(next(loader)[K.GROUND_TRUTH]) for _ in range(2)]
+    assert len(set(seen[0] + seen[1])) == 8  # no repeats within an epoch (2 left over are skipped)
+    state = loader.state_dict()
+    expected = [list(next(loader)[K.GROUND_TRUTH]) for _ in range(3)]
+    resumed = data.loader(4, tokenizer)
+    resumed.load_state_dict(state)
+    assert [list(next(resumed)[K.GROUND_TRUTH]) for _ in range(3)] == expected
+    other_seed = PromptData(rows, seed=4).loader(4, tokenizer)
+    assert list(next(other_seed)[K.GROUND_TRUTH]) != seen[0]
+    with pytest.raises(DataError, match="batch size 11 > 10"):
+        data.loader(11, tokenizer)
