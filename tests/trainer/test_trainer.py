@@ -86,7 +86,7 @@ def test_non_finite_gradient_skips_the_step(model, tokenizer, addition_rows, tmp
     trainer, data = make_trainer(model, tokenizer, addition_rows, tmp_path, estimator=Broken(), max_steps=1)
     before = params(trainer.policy.model)
     (metrics,) = trainer.fit(data)
-    assert metrics["actor/skipped_steps"] == 1.0
+    assert metrics["actor/skipped_frac"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, params(trainer.policy.model)))
 
 

@@ -65,6 +65,8 @@ class Policy(BatchModule):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+        if tokenizer.pad_token is None:  # common for base models; prompts need a pad id for left padding
+            tokenizer.pad_token = tokenizer.eos_token
         model = AutoModelForCausalLM.from_pretrained(path)
         return cls(model, tokenizer, **kwargs)
 

@@ -45,10 +45,14 @@ class Trainer:
         optimizer: ``params -> torch.optim.Optimizer`` to replace AdamW for the policy.
         max_grad_norm: gradient clipping (``None`` only measures the norm).
         max_steps: RL steps to run; default ``epochs x steps per epoch``.
-        val_every, val_n: validate every N steps (0: only when asked) with N greedy samples per prompt.
+        val_every, val_n: validate every ``val_every`` steps (0: only when asked) with ``val_n`` samples per
+            prompt: one greedy sample when ``val_n == 1``, else ``val_n`` samples at the rollout's temperature.
         save_every, run_dir, resume: checkpoints every N steps under ``run_dir/checkpoints``; ``resume`` is
             ``None``, ``"auto"`` (latest checkpoint if any) or a checkpoint folder.
         loggers: names from ``jsonl``, ``csv``, ``tensorboard``, ``wandb``; callbacks: objects with ``on_*`` hooks.
+        epochs: passes over the prompts when ``max_steps`` is not given.
+        seed: seeds every RNG at the start of ``fit`` (a resumed run restores the saved RNG state instead).
+        progress: show a progress bar.
         accelerator, devices, strategy, precision: passed to ``lightning.Fabric``.
     """
 
@@ -69,6 +73,9 @@ class Trainer:
         if reference == "auto":
             reference = policy.reference() if K.REF_LOG_PROBS in loss.in_keys else None
         self.reference = reference
+        if abs(policy.temperature - rollout.temperature) > 1e-9:
+            raise ValueError(f"policy temperature {policy.temperature} != rollout temperature {rollout.temperature}: "
+                             "log-probs must be computed from the distribution that was sampled")
         if estimator.needs_critic and (critic is None or value_loss is None):
             raise ValueError(f"{type(estimator).__name__} needs a critic: pass critic=Critic(...) and value_loss=ValueLoss()")
         if mini_batch_size is not None and batch_size % mini_batch_size:
@@ -146,8 +153,7 @@ class Trainer:
         step_time = time.perf_counter() - start
         tokens = int(batch[K.PROMPT_MASK].sum() + batch[K.RESPONSE_MASK].sum())
         metrics = batch_metrics(batch, getattr(self.rollout, "max_new_tokens", None)) | stats
-        metrics |= {f"reward/{k.split('/', 1)[-1]}" if not k.startswith("reward/") else k: v
-                    for k, v in getattr(self.reward, "stats", {}).items()}
+        metrics |= getattr(self.reward, "stats", {})
         metrics |= timer.metrics() | {
             "timing_s/step": step_time,
             "perf/total_num_tokens": tokens,
@@ -211,12 +217,16 @@ class Trainer:
         if finite:
             opt.step()
         opt.zero_grad(set_to_none=True)
-        return {f"{role}/grad_norm": norm if finite else float("nan"), f"{role}/skipped_steps": float(not finite)}
+        return {f"{role}/grad_norm": norm if finite else float("nan"), f"{role}/skipped_frac": float(not finite)}
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
     def validate(self, data: PromptData) -> dict[str, float]:
-        """Greedy (``val_n`` samples, then sampled) scores per data source: ``val-core/<source>/reward/mean@N``."""
+        """Mean score per data source on the validation prompts: ``val-core/<source>/reward/mean@N``.
+
+        One greedy sample per prompt when ``val_n == 1``; otherwise ``val_n`` samples at the rollout's
+        temperature, with ``best@N`` as well.
+        """
         greedy = self.val_n == 1
         rollout = self.rollout.with_options(n=self.val_n, do_sample=not greedy,
                                             temperature=self.rollout.temperature if not greedy else 1.0)

@@ -1,0 +1,184 @@
+"""Policy and value losses: module shells over ``functional``.
+
+A loss reads a (micro-)batch and returns a :class:`LossOutput`. A policy-loss variant
+(GSPO, CISPO, ...) subclasses :class:`PPOLoss` and overrides ``pg_loss`` only; the KL
+and entropy terms, key checks and statistics stay here.
+
+``num_tokens`` / ``num_seqs`` are the counts of the whole mini-batch (see
+``functional.agg_loss``): with them, the losses of the micro-batches sum to the
+mini-batch loss. Statistics follow the same rule: loss terms ("actor/pg_loss",
+"actor/kl_loss", "actor/entropy", "critic/vf_loss") are this call's share, to be
+summed over micro-batches; fractions and means ("actor/pg_clipfrac", "actor/ppo_kl",
+"critic/vf_clipfrac", "critic/vpred_mean") are over this call's tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from rlflow.algorithms import functional as F
+from rlflow.data.keys import (
+    ADVANTAGES,
+    ENTROPY,
+    LOG_PROBS,
+    OLD_LOG_PROBS,
+    OLD_VALUES,
+    REF_LOG_PROBS,
+    RESPONSE_MASK,
+    RETURNS,
+    VALUES,
+)
+
+
+@dataclass
+class LossOutput:
+    """The scalar to backpropagate and statistics named as verl logs them (python floats)."""
+
+    loss: Tensor
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def _require(module, batch: TensorDict) -> None:
+    missing = [k for k in module.in_keys if k not in batch.keys()]
+    if missing:
+        raise KeyError(f"{type(module).__name__} needs batch key(s) {missing}; the batch has {sorted(batch.keys())}")
+
+
+def _to_floats(stats: dict[str, Tensor | float]) -> dict[str, float]:
+    # One device-to-host copy for all tensor stats instead of one sync per .item().
+    names = [k for k, v in stats.items() if isinstance(v, Tensor)]
+    dtype = torch.float32  # at least float32 (bf16 stats would lose digits); float64 stays float64
+    for k in names:
+        dtype = torch.promote_types(dtype, stats[k].dtype)
+    values = torch.stack([stats[k].detach().reshape(()).to(dtype) for k in names]).tolist() if names else []
+    out = {k: float(v) for k, v in stats.items() if not isinstance(v, Tensor)}
+    out.update(zip(names, values))
+    return {k: out[k] for k in stats}  # keep the caller's order
+
+
+def _check_agg(agg: str) -> None:
+    if agg not in F.AGG_MODES:
+        raise ValueError(f"unknown loss aggregation mode {agg!r}; valid modes: {list(F.AGG_MODES)}")
+
+
+class PPOLoss:
+    """Actor objective: ``pg_loss - entropy_coef * agg(H) + kl_coef * agg(kl_penalty(logp, ref))``.
+
+    The default ``pg_loss`` is verl's "vanilla" dual-clip PPO (``functional.ppo_clip_loss``)
+    with ``clip_low = clip_ratio_low or clip_ratio`` and ``clip_high = clip_ratio_high or
+    clip_ratio``; ``clip_ratio_c=None`` disables the dual clip. DAPO's clip-higher is
+    ``clip_ratio_high=0.28``; Dr.GRPO is ``agg="seq-mean-token-sum-norm"``.
+    """
+
+    out_keys: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        clip_ratio: float = 0.2,
+        clip_ratio_low: float | None = None,
+        clip_ratio_high: float | None = None,
+        clip_ratio_c: float | None = 3.0,
+        kl_coef: float = 0.0,
+        kl_type: str = "low_var_kl",
+        entropy_coef: float = 0.0,
+        agg: str = "token-mean",
+    ):
+        if clip_ratio_c is not None and clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
+        _check_agg(agg)
+        F.kl_penalty(torch.zeros(1), torch.zeros(1), kl_type)  # fail now on an unknown kind, not mid-run
+        self.clip_ratio = clip_ratio
+        self.clip_ratio_low = clip_ratio_low
+        self.clip_ratio_high = clip_ratio_high
+        self.clip_ratio_c = clip_ratio_c
+        self.kl_coef = kl_coef
+        self.kl_type = kl_type
+        self.entropy_coef = entropy_coef
+        self.agg = agg
+        self.clip_low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+        self.clip_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+
+    @property
+    def in_keys(self) -> tuple[str, ...]:
+        keys = (LOG_PROBS, OLD_LOG_PROBS, ADVANTAGES, RESPONSE_MASK)
+        if self.kl_coef > 0:
+            keys += (REF_LOG_PROBS,)
+        if self.entropy_coef != 0:
+            keys += (ENTROPY,)
+        return keys
+
+    def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
+        """The policy-gradient term and its stats (names without the "actor/" prefix). Override me."""
+        return F.ppo_clip_loss(
+            batch[LOG_PROBS],
+            batch[OLD_LOG_PROBS],
+            batch[ADVANTAGES],
+            batch[RESPONSE_MASK],
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            clip_c=self.clip_ratio_c,
+            agg=self.agg,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
+
+    def __call__(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> LossOutput:
+        _require(self, batch)
+        agg = partial(F.agg_loss, mask=batch[RESPONSE_MASK], mode=self.agg, num_tokens=num_tokens, num_seqs=num_seqs)
+        pg, pg_stats = self.pg_loss(batch, num_tokens, num_seqs)
+        total = pg
+        stats: dict[str, Tensor | float] = {"actor/pg_loss": pg.detach()}
+        stats.update({f"actor/{k}": v for k, v in pg_stats.items()})
+        if ENTROPY in batch.keys():  # logged whenever present; differentiated only with a coefficient
+            entropy = batch[ENTROPY]
+            entropy_term = agg(entropy if self.entropy_coef != 0 else entropy.detach())
+            if self.entropy_coef != 0:
+                total = total - self.entropy_coef * entropy_term
+            stats["actor/entropy"] = entropy_term.detach()
+        if self.kl_coef > 0:
+            kl = agg(F.kl_penalty(batch[LOG_PROBS], batch[REF_LOG_PROBS], self.kl_type))
+            total = total + self.kl_coef * kl
+            stats["actor/kl_loss"] = kl.detach()
+            stats["actor/kl_coef"] = self.kl_coef
+        return LossOutput(total, _to_floats(stats))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k not in ("clip_low", "clip_high"))
+        return f"{type(self).__name__}({args})"
+
+
+class ValueLoss:
+    """Critic objective (verl ``compute_value_loss``): ``0.5 * agg(max((v-R)^2, (clip(v, V_old +- c)-R)^2))``."""
+
+    in_keys: tuple[str, ...] = (VALUES, OLD_VALUES, RETURNS, RESPONSE_MASK)
+    out_keys: tuple[str, ...] = ()
+
+    def __init__(self, clip_range: float | None = 0.5, agg: str = "token-mean"):
+        _check_agg(agg)
+        self.clip_range = clip_range
+        self.agg = agg
+
+    def __call__(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> LossOutput:
+        _require(self, batch)
+        values, mask = batch[VALUES], batch[RESPONSE_MASK]
+        loss, stats = F.value_loss(
+            values, batch[OLD_VALUES], batch[RETURNS], mask, self.clip_range, self.agg, num_tokens, num_seqs
+        )
+        return LossOutput(
+            loss,
+            _to_floats(
+                {
+                    "critic/vf_loss": loss.detach(),
+                    "critic/vf_clipfrac": stats["vf_clipfrac"],
+                    "critic/vpred_mean": F.masked_mean(values.detach(), mask),
+                }
+            ),
+        )
+
+    def __repr__(self) -> str:
+        return f"ValueLoss(clip_range={self.clip_range!r}, agg={self.agg!r})"

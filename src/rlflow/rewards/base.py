@@ -1,0 +1,214 @@
+"""The Reward role: text in, one score per sample and a per-token reward tensor out.
+
+A subclass implements :meth:`Reward.score`; :meth:`Reward.forward` turns the scores into
+the two tensors the rest of the chain reads:
+
+- ``SCORES``: ``[B]`` float32, one score per sample.
+- ``TOKEN_REWARDS``: ``[B, R]`` float32, zeros except the sample's score on the LAST
+  position where ``RESPONSE_MASK == 1`` (a row without any valid token gets it at
+  position 0, so no score is ever dropped). verl places it at ``mask.sum() - 1``, which
+  is the same for right-padded single-turn masks but wrong when tool/observation tokens
+  put zeros in the middle of the mask.
+
+:func:`run_calls` runs per-sample calls on threads with a per-call timeout; any reward that
+calls user code (functions, sandboxes, judges) can use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import math
+import numbers
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tensordict import NonTensorData, TensorDict
+
+from rlflow.data.keys import (
+    DATA_SOURCE,
+    EXTRA_INFO,
+    GROUND_TRUTH,
+    RESPONSE_MASK,
+    RESPONSE_TEXT,
+    SCORES,
+    TOKEN_REWARDS,
+)
+from rlflow.module import BatchModule
+
+
+class RewardError(RuntimeError):
+    """A reward function failed and the reward was told to raise (``on_error="raise"``)."""
+
+
+class RewardWarning(UserWarning):
+    """A sample's reward failed, timed out or was not finite and was scored 0.0 instead."""
+
+
+def column(batch: TensorDict, key: str) -> list[Any]:
+    """The ``B`` values of a (non-tensor or tensor) column as a plain Python list."""
+    value = batch.get(key)
+    if isinstance(value, NonTensorData):  # one value shared by the whole batch
+        return [value.data] * batch.batch_size[0]
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return list(value)
+
+
+def place_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` scores and a ``[B, R]`` mask -> ``[B, R]`` zeros with each score on its row's
+    last position where ``mask == 1`` (position 0 if the row has none)."""
+    batch, length = mask.shape
+    out = torch.zeros(batch, length, dtype=torch.float32, device=mask.device)
+    if length == 0:
+        return out
+    positions = torch.arange(length, device=mask.device).expand(batch, length)
+    last = torch.where(mask.bool(), positions, torch.full_like(positions, -1)).amax(dim=1).clamp(min=0)
+    out[torch.arange(batch, device=mask.device), last] = scores.to(out.device, torch.float32)
+    return out
+
+
+class Reward(BatchModule):
+    """Base of every reward: implement ``score(batch) -> Tensor[B]``.
+
+    ``self.stats`` (refreshed on every call) holds metrics for the logger:
+    ``reward/errors``, ``reward/timeouts``, ``reward/non_finite`` (counts in this batch) and
+    ``reward/extra/<key>`` (mean over the rows that have it) for every numeric column a
+    subclass put in ``self.extras``. ``self.extras`` maps a key to ``B`` per-row values
+    (``None`` where a row has none), e.g. the ``acc``/``pred`` a scorer returned; it is
+    refreshed on every call too, and non-numeric columns are kept there for inspection.
+    """
+
+    in_keys = (RESPONSE_TEXT, RESPONSE_MASK, DATA_SOURCE, GROUND_TRUTH, EXTRA_INFO)
+    out_keys = (SCORES, TOKEN_REWARDS)
+
+    def __init__(self) -> None:
+        self.stats: dict[str, float] = {}
+        self.extras: dict[str, list[Any]] = {}
+
+    def score(self, batch: TensorDict) -> torch.Tensor:  # pragma: no cover - interface
+        """Return one float per sample, shape ``[B]``. May count events in ``self.stats``."""
+        raise NotImplementedError
+
+    def forward(self, batch: TensorDict) -> TensorDict:
+        self.stats = {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/non_finite": 0.0}
+        self.extras = {}
+        mask = batch.get(RESPONSE_MASK)
+        scores = torch.as_tensor(self.score(batch), dtype=torch.float32).reshape(-1).to(mask.device)
+        if scores.shape[0] != mask.shape[0]:
+            raise ValueError(
+                f"{type(self).__name__}.score returned {scores.shape[0]} scores for a batch of {mask.shape[0]}"
+            )
+        bad = ~torch.isfinite(scores)
+        if bad.any():  # a last guard for subclasses that do not check their own scores
+            rows = bad.nonzero().flatten().tolist()
+            warnings.warn(f"{type(self).__name__}: non-finite score(s) at row(s) {rows}; scored 0.0", RewardWarning, 3)
+            self.stats["reward/non_finite"] += len(rows)
+            scores = torch.where(bad, torch.zeros_like(scores), scores)
+        self.stats.update(self._extra_means())
+        batch.set(SCORES, scores)
+        batch.set(TOKEN_REWARDS, place_on_last_token(scores, mask))
+        return batch
+
+    def _extra_means(self) -> dict[str, float]:
+        means = {}
+        for key, values in self.extras.items():
+            present = [_real(v) for v in values if v is not None]
+            if not present or None in present:
+                continue  # e.g. a predicted answer string: kept in self.extras, no metric
+            finite = [v for v in present if math.isfinite(v)]
+            if finite:
+                means[f"reward/extra/{key}"] = sum(finite) / len(finite)
+        return means
+
+
+def _real(value: Any) -> float | None:
+    """``float(value)`` for a number, bool, numpy scalar or 0-d tensor; ``None`` for anything else."""
+    if isinstance(value, (str, bytes)):
+        return None
+    if isinstance(value, numbers.Real) or getattr(value, "shape", None) == ():
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+class _Timeout(Exception):
+    pass
+
+
+def run_calls(calls: list[Callable[[], Any]], timeout_s: float | None, workers: int) -> list[tuple[str, Any]]:
+    """Run zero-argument calls on ``workers`` daemon threads, each limited to ``timeout_s``.
+
+    Returns, per call in order, ``("ok", result)``, ``("error", exception)`` or ``("timeout", None)``.
+    The limit counts from a call's start, not from its queueing. Python cannot kill a thread:
+    a timed-out call's thread is abandoned (daemon, so it never blocks exit) and replaced, so
+    a hung call delays the batch by at most ``timeout_s``. Awaitable results are awaited on a
+    fresh event loop in the worker thread (cancelled at the limit), so this also works when the
+    caller runs inside an event loop (Jupyter).
+    """
+    results: list[tuple[str, Any] | None] = [None] * len(calls)
+    pending, started, left = collections.deque(range(len(calls))), {}, len(calls)
+    cond = threading.Condition()
+
+    def worker() -> None:
+        nonlocal left
+        while True:
+            with cond:
+                if not pending:
+                    return
+                i = pending.popleft()
+                started[i] = time.monotonic()
+            try:
+                out = ("ok", _resolve(calls[i](), timeout_s))
+            except _Timeout:
+                out = ("timeout", None)
+            except BaseException as exc:  # noqa: BLE001 - a scorer's failure is data, not a crash
+                out = ("error", exc)
+            with cond:
+                if results[i] is not None:  # timed out meanwhile: this thread was replaced
+                    return
+                results[i], left = out, left - 1
+                del started[i]
+                cond.notify()
+
+    def spawn() -> None:
+        threading.Thread(target=worker, daemon=True, name="rlflow-reward").start()
+
+    with cond:
+        for _ in range(min(workers, len(calls))):
+            spawn()
+        while left:
+            wait = None
+            if timeout_s is not None:
+                now = time.monotonic()
+                for i in [i for i, t0 in started.items() if now - t0 >= timeout_s]:
+                    results[i], left = ("timeout", None), left - 1
+                    del started[i]
+                    spawn()
+                wait = min((t0 + timeout_s - now for t0 in started.values()), default=timeout_s)
+            if left:
+                cond.wait(timeout=wait)
+    return results  # type: ignore[return-value]
+
+
+def _resolve(result: Any, timeout_s: float | None) -> Any:
+    """Await an awaitable result on a fresh event loop in this thread, cancelling it at the timeout."""
+    if not inspect.isawaitable(result):
+        return result
+
+    async def wait() -> Any:
+        task = asyncio.ensure_future(result)
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if not done:
+            task.cancel()
+            raise _Timeout
+        return task.result()
+
+    return asyncio.run(wait())

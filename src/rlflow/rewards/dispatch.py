@@ -1,0 +1,48 @@
+"""verl's ``default_compute_score``: pick a rule scorer by ``data_source``.
+
+==========================================================================  ================
+data_source                                                                 scorer
+==========================================================================  ================
+``openai/gsm8k``                                                            :mod:`.gsm8k`
+``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``,                 :mod:`.math`
+``HuggingFaceH4/MATH-500``
+``math_dapo``, ``math``, ``math_dapo_reasoning``, any ``aime*``             :mod:`.math_dapo`
+==========================================================================  ================
+
+verl's code-sandbox, geometry, search and PRIME scorers are not built in: pass your own
+function to :class:`~rlflow.rewards.FunctionReward` for those.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlflow.rewards import gsm8k, math, math_dapo
+
+GSM8K_SOURCES = ("openai/gsm8k",)
+MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
+DAPO_PREFIX = "aime"
+
+
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float | dict:
+    """Score one sample with the rule scorer for its ``data_source``.
+
+    Returns a float (GSM8K, MATH) or a dict with ``"score"`` (DAPO: ``score``, ``acc``, ``pred``).
+
+    Raises:
+        NotImplementedError: for any other data_source, naming it and the supported ones.
+    """
+    if data_source in GSM8K_SOURCES:
+        return float(gsm8k.compute_score(solution_str, ground_truth))
+    if data_source in MATH_SOURCES:
+        return float(math.compute_score(solution_str, ground_truth))
+    if data_source in DAPO_SOURCES or str(data_source).startswith(DAPO_PREFIX):
+        return math_dapo.compute_score(solution_str, ground_truth)
+    supported = ", ".join([*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, f"{DAPO_PREFIX}*"])
+    raise NotImplementedError(
+        f"no built-in reward for data_source={data_source!r}. Supported: {supported}. "
+        "For other data, pass your own function: FunctionReward(my_compute_score)."
+    )

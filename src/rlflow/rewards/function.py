@@ -1,0 +1,247 @@
+"""Any Python callable as a Reward: verl's ``compute_score``, batch functions, simple functions.
+
+Forms, detected once from the signature (or chosen with ``form=``):
+
+- ``"verl"``: ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` per
+  sample. Chosen when a parameter is named ``data_source`` (called by keyword), or for a
+  3-4 argument function that fits no other form (called positionally in that order).
+- ``"batch"``: ``compute_reward(responses, ground_truths) -> B results``, one call per batch.
+  Chosen when the first parameter has a plural name (``responses``, ``solution_strs``,
+  ``completions``, ...) or one is named ``ground_truths``; ``data_sources=`` and
+  ``extra_infos=`` are passed too when the function names them.
+- ``"sample"``: ``fn(response, ground_truth)`` per sample (``extra_info=`` too if named).
+
+A result (per sample, or each item of a batch result) is a number, a bool, or a dict with
+``"score"`` whose other keys go to ``self.extras`` (numeric ones are averaged into
+``stats["reward/extra/<key>"]``). Coroutine functions and awaitable results are awaited.
+
+Per-sample calls run on ``max_workers`` daemon threads. A call running longer than
+``timeout_s`` (counted from its start) is abandoned: its thread is left to finish alone
+(an awaited coroutine is cancelled), so a hung scorer costs at most ``timeout_s``. For the
+batch form ``timeout_s`` limits the one batch call.
+
+Nothing fails silently: a call that raises, times out, or returns anything but a finite
+number is, with ``on_error="zero"``, scored 0.0, counted in ``stats`` (``reward/errors``,
+``reward/timeouts``, ``reward/non_finite``) and reported by a :class:`RewardWarning` naming
+the rows, the first row's data_source and the cause (one warning per distinct cause per call);
+with ``on_error="raise"`` a :class:`RewardError` names the first failing row, its data_source,
+the function and the cause.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from rlflow.data.keys import DATA_SOURCE, EXTRA_INFO, GROUND_TRUTH, RESPONSE_TEXT
+from rlflow.rewards.base import Reward, RewardError, RewardWarning, column, run_calls
+
+FORMS = ("verl", "sample", "batch")
+BATCH_NAMES = frozenset({"responses", "ground_truths", "solution_strs", "solutions", "completions", "texts"})
+_COUNTERS = {"error": "reward/errors", "timeout": "reward/timeouts", "non_finite": "reward/non_finite"}
+_SUPPORTED = (
+    "compute_score(data_source, solution_str, ground_truth, extra_info=None), "
+    "compute_reward(responses, ground_truths) -> list of B scores, fn(response, ground_truth)"
+)
+
+
+class FunctionReward(Reward):
+    """Score samples with ``fn`` (any form above, sync or async).
+
+    Args:
+        fn: the reward function.
+        timeout_s: seconds one sample call (or the batch call) may run; ``None``: no limit.
+        on_error: ``"zero"`` (score 0.0, count, warn) or ``"raise"`` (:class:`RewardError`).
+        max_workers: threads running per-sample calls at once.
+        name: the name used in messages; defaults to ``fn.__name__``.
+        form: ``"verl"``, ``"batch"`` or ``"sample"`` to skip detection.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        timeout_s: float | None = 30.0,
+        on_error: str = "zero",
+        max_workers: int = 4,
+        name: str | None = None,
+        form: str | None = None,
+    ) -> None:
+        super().__init__()
+        if not callable(fn):
+            raise TypeError(f"FunctionReward needs a callable, got {type(fn).__name__}")
+        if on_error not in ("zero", "raise"):
+            raise ValueError(f"on_error must be 'zero' or 'raise', got {on_error!r}")
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self.fn, self.timeout_s, self.on_error, self.max_workers = fn, timeout_s, on_error, max_workers
+        self.name = name or _fn_name(fn)
+        self.form, self._arguments = _plan(fn, form, self.name)
+
+    def __repr__(self) -> str:
+        return f"FunctionReward({self.name}, form={self.form!r}, timeout_s={self.timeout_s})"
+
+    def score(self, batch: TensorDict) -> torch.Tensor:
+        rows = list(zip(*(column(batch, k) for k in (DATA_SOURCE, RESPONSE_TEXT, GROUND_TRUTH, EXTRA_INFO))))
+        if self.form == "batch":
+            results = self._batch_results(rows)
+        else:
+            calls = [functools.partial(self._call, *row) for row in rows]
+            results = run_calls(calls, self.timeout_s, self.max_workers)
+        scores, failures = [], []
+        for i, (status, value) in enumerate(results):
+            if status == "ok":
+                try:
+                    value = _to_score(value, self.extras, i, len(rows))
+                except _BadResult as bad:
+                    status, value = bad.kind, bad
+            if status != "ok":
+                failures.append((i, status, _cause(status, value, self.timeout_s), value))
+                value = 0.0
+            scores.append(value)
+        self._report(failures, [row[0] for row in rows])
+        return torch.tensor(scores, dtype=torch.float32)
+
+    def _call(self, *row: Any) -> Any:
+        args, kwargs = self._arguments(*row)
+        return self.fn(*args, **kwargs)
+
+    def _batch_results(self, rows: list[tuple]) -> list[tuple[str, Any]]:
+        """One call for the whole batch; if that call fails, every row fails with it."""
+        n = len(rows)
+        columns = [list(c) for c in zip(*rows)] or [[]] * 4
+        [(status, value)] = run_calls([functools.partial(self._call, *columns)], self.timeout_s, 1)
+        if status == "ok":
+            if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__len__"):
+                status, value = "error", _BadResult("error", f"returned {type(value).__name__}, not {n} results")
+            elif len(value) != n:
+                status, value = "error", _BadResult("error", f"returned {len(value)} results for a batch of {n}")
+            else:
+                return [("ok", v) for v in value]
+        cause = f"(batch form) {_cause(status, value, self.timeout_s)}"
+        if self.on_error == "raise":
+            raise RewardError(f"reward function {self.name!r} {cause}") from _chained(value)
+        warnings.warn(f"reward function {self.name!r} {cause}; all {n} rows scored 0.0", RewardWarning, 5)
+        self.stats[_COUNTERS[status]] += n
+        return [("ok", 0.0)] * n  # counted and reported above, as one failure of n rows
+
+    def _report(self, failures: list[tuple], sources: list[Any]) -> None:
+        if failures and self.on_error == "raise":
+            row, _, cause, value = failures[0]
+            where = f"row {row} (data_source={sources[row]!r})"
+            raise RewardError(f"reward function {self.name!r} failed on {where}: {cause}") from _chained(value)
+        groups: dict[str, list[int]] = collections.defaultdict(list)
+        for row, status, cause, _ in failures:
+            self.stats[_COUNTERS[status]] += 1
+            groups[cause].append(row)
+        for cause, bad in groups.items():
+            warnings.warn(
+                f"reward function {self.name!r}: {len(bad)} sample(s) {cause}; scored 0.0. "
+                f"First: row {bad[0]} (data_source={sources[bad[0]]!r}); rows {bad[:20]}",
+                RewardWarning,
+                stacklevel=5,  # the line that called the reward
+            )
+
+
+class _BadResult(Exception):
+    """A call returned, but not a usable score; ``kind`` is ``"error"`` or ``"non_finite"``."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _to_score(value: Any, extras: dict[str, list], row: int, n: int) -> float:
+    """A result -> a finite float; a dict's other keys are stored in ``extras[key][row]``."""
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise _BadResult("error", f"returned a dict without 'score' (keys {sorted(map(str, value))})")
+        for key, extra in value.items():
+            if key != "score":
+                extras.setdefault(key, [None] * n)[row] = extra
+        value = value["score"]
+    try:
+        if isinstance(value, (str, bytes)) or value is None:
+            raise TypeError
+        score = float(value)
+    except (TypeError, ValueError):
+        kind = type(value).__name__
+        raise _BadResult("error", f"returned {kind} {value!r:.60}, not a number, bool or dict with 'score'") from None
+    if score != score or abs(score) == float("inf"):
+        raise _BadResult("non_finite", f"returned non-finite score {score}")
+    return score
+
+
+def _cause(status: str, value: Any, timeout_s: float | None) -> str:
+    if status == "timeout":
+        return f"timed out after {timeout_s} s"
+    return str(value) if isinstance(value, _BadResult) else f"raised {type(value).__name__}: {value}"
+
+
+def _chained(value: Any) -> BaseException | None:
+    """The function's own exception, to chain under a RewardError."""
+    return value if isinstance(value, BaseException) and not isinstance(value, _BadResult) else None
+
+
+def _fn_name(fn: Any) -> str:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _plan(fn: Callable[..., Any], form: str | None, name: str) -> tuple[str, Callable[..., tuple]]:
+    """Pick the form -> ``(form, arguments)``; ``arguments(data_source, text, gt, extra) -> (args, kwargs)``."""
+    if form is not None and form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        if form is None:
+            raise TypeError(f"cannot read the signature of {name}; pass form='verl', 'batch' or 'sample'") from None
+        sig = None
+    params = list(sig.parameters.values()) if sig else []
+    names = {p.name for p in params}
+    n_pos = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    if sig is None or any(p.kind is p.VAR_POSITIONAL for p in params):
+        n_pos = 4
+    if form is not None:
+        candidates = [form]
+    elif "data_source" in names:
+        candidates = ["verl"]
+    elif (params and params[0].name in BATCH_NAMES) or "ground_truths" in names:
+        candidates = ["batch"]
+    else:
+        candidates = ["sample", "verl"]
+
+    def arguments_for(kind: str) -> Callable[..., tuple]:
+        if kind == "verl" and {"data_source", "solution_str", "ground_truth"} <= names:
+            extra = "extra_info" in names or any(p.kind is p.VAR_KEYWORD for p in params)
+            keys = ("data_source", "solution_str", "ground_truth", "extra_info")[: 4 if extra else 3]
+            return lambda *row: ((), dict(zip(keys, row)))
+        if kind == "verl":
+            return lambda *row: (row[: max(3, min(n_pos, 4))], {})
+        if kind == "sample":
+            return lambda d, s, g, e: ((s, g), {"extra_info": e} if "extra_info" in names else {})
+        keys = [k for k in ("data_sources", "extra_infos") if k in names]
+        return lambda d, s, g, e: ((s, g), {k: d if k == "data_sources" else e for k in keys})
+
+    problems = []
+    for kind in candidates:
+        arguments = arguments_for(kind)
+        try:
+            if sig is not None:
+                args, kwargs = arguments(None, None, None, None)
+                sig.bind(*args, **kwargs)
+            return kind, arguments
+        except TypeError as exc:
+            problems.append(f"as {kind!r}: {exc}")
+    raise TypeError(f"cannot call reward function {name}{sig} ({'; '.join(problems)}). Supported forms: {_SUPPORTED}")

@@ -1,0 +1,190 @@
+"""PPOLoss and ValueLoss: totals, statistics, declared keys, variants, micro-batching."""
+
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlflow.algorithms import LossOutput, PPOLoss, ValueLoss, functional
+from rlflow.data import keys as K
+
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def hand_batch():
+    # Same tokens as test_functional.ppo_example: (A, ratio) = (+1, 1.5), (+1, 0.5), (-1, 0.5), (-1, 5)
+    # and one masked token. pg_loss = (-1.2 - 0.5 + 0.8 + 3) / 4 = 0.525.
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0, -1.0]])
+    logp = (old + torch.tensor([[1.5, 0.5, 0.5, 5.0, 1.0]]).log()).requires_grad_(True)
+    return TensorDict(
+        {
+            K.LOG_PROBS: logp,
+            K.OLD_LOG_PROBS: old,
+            K.ADVANTAGES: torch.tensor([[1.0, 1.0, -1.0, -1.0, -2.0]]),
+            K.RESPONSE_MASK: torch.tensor([[1, 1, 1, 1, 0]]),
+            K.REF_LOG_PROBS: logp.detach() + torch.tensor([[0.0, 0.5, -0.5, 1.0, 7.0]]),
+            K.ENTROPY: torch.tensor([[1.0, 2.0, 3.0, 6.0, 100.0]]),
+        },
+        batch_size=[1],
+    )
+
+
+def test_ppo_loss_plain_by_hand():
+    out = PPOLoss()(hand_batch())
+    assert isinstance(out, LossOutput)
+    assert out.loss.item() == pytest.approx(0.525, rel=1e-5)
+    assert set(out.stats) == {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
+                              "actor/entropy"}
+    assert all(type(v) is float for v in out.stats.values())
+    assert out.stats["actor/pg_loss"] == pytest.approx(0.525, rel=1e-5)
+    assert out.stats["actor/pg_clipfrac"] == pytest.approx(0.5)
+    assert out.stats["actor/pg_clipfrac_lower"] == pytest.approx(0.25)
+    assert out.stats["actor/entropy"] == pytest.approx(3.0)  # (1 + 2 + 3 + 6) / 4, reported at coef 0
+
+
+def test_ppo_loss_with_kl_and_entropy_by_hand():
+    batch = hand_batch()
+    out = PPOLoss(kl_coef=0.1, kl_type="k1", entropy_coef=0.01)(batch)
+    # k1 = logp - ref = [0, -0.5, 0.5, -1] -> mean -0.25; entropy mean 3
+    assert out.stats["actor/kl_loss"] == pytest.approx(-0.25, rel=1e-5)
+    assert out.stats["actor/kl_coef"] == pytest.approx(0.1)
+    assert out.loss.item() == pytest.approx(0.525 - 0.01 * 3.0 + 0.1 * -0.25, rel=1e-5)
+    (grad,) = torch.autograd.grad(out.loss, batch[K.LOG_PROBS])
+    # pg: only token 2 (-0.5 / 4); k1 adds kl_coef / 4 on each valid token
+    torch.testing.assert_close(grad, torch.tensor([[0.025, -0.1, 0.025, 0.025, 0.0]]))
+
+
+def test_ppo_loss_low_var_kl_default_type():
+    out = PPOLoss(kl_coef=1.0)(hand_batch())
+    d = [0.0, 0.5, -0.5, 1.0]  # ref - logp
+    expected = sum(math.exp(x) - x - 1 for x in d) / 4
+    assert out.stats["actor/kl_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_entropy_only_differentiated_with_a_coefficient():
+    batch = hand_batch()
+    batch[K.ENTROPY] = batch[K.ENTROPY].clone().requires_grad_(True)
+    loss = PPOLoss()(batch).loss
+    assert torch.autograd.grad(loss, batch[K.ENTROPY], allow_unused=True)[0] is None
+    loss = PPOLoss(entropy_coef=0.5)(batch).loss
+    (grad,) = torch.autograd.grad(loss, batch[K.ENTROPY])
+    torch.testing.assert_close(grad, torch.tensor([[-0.125] * 4 + [0.0]]))  # -coef / 4 tokens
+
+
+def test_in_keys_follow_coefficients():
+    base = (K.LOG_PROBS, K.OLD_LOG_PROBS, K.ADVANTAGES, K.RESPONSE_MASK)
+    assert PPOLoss().in_keys == base
+    assert PPOLoss(kl_coef=1e-3).in_keys == base + (K.REF_LOG_PROBS,)
+    assert PPOLoss(entropy_coef=-0.01).in_keys == base + (K.ENTROPY,)
+    assert PPOLoss(kl_coef=1e-3, entropy_coef=1e-3).in_keys == base + (K.REF_LOG_PROBS, K.ENTROPY)
+    assert PPOLoss().out_keys == () and ValueLoss().out_keys == ()
+    batch = hand_batch().exclude(K.REF_LOG_PROBS)
+    PPOLoss()(batch)  # fine without a reference
+    with pytest.raises(KeyError, match=K.REF_LOG_PROBS):
+        PPOLoss(kl_coef=0.1)(batch)
+
+
+def test_clip_ratios_and_validation():
+    loss = PPOLoss(clip_ratio=0.3, clip_ratio_high=0.28)
+    assert (loss.clip_low, loss.clip_high) == (0.3, 0.28)
+    out = loss(hand_batch())
+    # token 1 clipped at 1.28; token 3 clipped at 1 - 0.3 = 0.7
+    assert out.loss.item() == pytest.approx((-1.28 - 0.5 + 0.7 + 3.0) / 4, rel=1e-5)
+    out = PPOLoss(clip_ratio_c=None)(hand_batch())
+    assert out.loss.item() == pytest.approx((-1.2 - 0.5 + 0.8 + 5.0) / 4, rel=1e-5)
+    with pytest.raises(ValueError, match="low_var_kl"):
+        PPOLoss(kl_type="k9")
+    with pytest.raises(ValueError, match="token-mean"):
+        PPOLoss(agg="sum")
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        PPOLoss(clip_ratio_c=0.5)
+    with pytest.raises(ValueError, match="token-mean"):
+        ValueLoss(agg="sum")
+
+
+def test_variant_overrides_pg_loss_only():
+    class CISPO(PPOLoss):
+        """-sg(clip(ratio)) * A * logp (MiniMax-M1)."""
+
+        def pg_loss(self, batch, num_tokens=None, num_seqs=None):
+            logp, mask = batch[K.LOG_PROBS], batch[K.RESPONSE_MASK]
+            ratio = torch.exp(logp - batch[K.OLD_LOG_PROBS]).clamp(1 - self.clip_low, 1 + self.clip_high)
+            per_token = -ratio.detach() * batch[K.ADVANTAGES] * logp
+            loss = functional.agg_loss(per_token, mask, self.agg, num_tokens, num_seqs)
+            return loss, {"is_weight_mean": functional.masked_mean(ratio, mask).detach()}
+
+    batch = hand_batch()
+    out = CISPO(kl_coef=0.1, kl_type="k1")(batch)
+    (grad,) = torch.autograd.grad(out.loss, batch[K.LOG_PROBS])
+    # d/dlogp = -clip(r) * A / 4 + 0.1 / 4: clip(r) = [1.2, 0.8, 0.8, 1.2], A = [1, 1, -1, -1]
+    expected = [(-c * a + 0.1) / 4 for c, a in zip((1.2, 0.8, 0.8, 1.2), (1, 1, -1, -1))] + [0.0]
+    torch.testing.assert_close(grad, torch.tensor([expected]))
+    assert out.stats["actor/is_weight_mean"] == pytest.approx(1.0)  # (1.2 + 0.8 + 0.8 + 1.2) / 4
+    assert "actor/kl_loss" in out.stats and "actor/pg_clipfrac" not in out.stats
+
+
+def test_value_loss_by_hand():
+    values = torch.tensor([[1.0, 2.0, 0.0]], requires_grad=True)
+    batch = TensorDict(
+        {
+            K.VALUES: values,
+            K.OLD_VALUES: torch.tensor([[0.0, 1.8, 0.0]]),
+            K.RETURNS: torch.tensor([[2.0, 0.0, 5.0]]),
+            K.RESPONSE_MASK: torch.tensor([[1, 1, 0]]),
+        },
+        batch_size=[1],
+    )
+    out = ValueLoss()(batch)
+    # see test_functional.test_value_loss_by_hand: 0.5 * (2.25 + 4) / 2
+    assert out.loss.item() == pytest.approx(1.5625)
+    assert out.stats == pytest.approx({"critic/vf_loss": 1.5625, "critic/vf_clipfrac": 0.5, "critic/vpred_mean": 1.5})
+    assert ValueLoss().in_keys == (K.VALUES, K.OLD_VALUES, K.RETURNS, K.RESPONSE_MASK)
+    with pytest.raises(KeyError, match=K.OLD_VALUES):
+        ValueLoss()(batch.exclude(K.OLD_VALUES))
+
+
+def random_batch(gen, b=8, r=6):
+    mask = (torch.rand(b, r, generator=gen) < 0.75).long()
+    mask *= (torch.arange(r)[None] < torch.randint(1, r + 1, (b,), generator=gen)[:, None]).long()
+    mask[2] = 0  # one sample with no valid token
+    rand = lambda: torch.randn(b, r, generator=gen, dtype=torch.float64)  # noqa: E731
+    return TensorDict(
+        {"x": rand(), K.OLD_LOG_PROBS: -rand().abs(), K.REF_LOG_PROBS: -rand().abs(), K.ADVANTAGES: rand(),
+         K.RESPONSE_MASK: mask, K.OLD_VALUES: rand(), K.RETURNS: rand()},
+        batch_size=[b],
+    )
+
+
+def with_model_outputs(batch, theta):
+    """A stand-in policy/critic: outputs that depend on theta, so gradients can be compared."""
+    x = batch["x"]
+    out = batch.clone(False)
+    out[K.LOG_PROBS] = batch[K.OLD_LOG_PROBS] + 0.5 * torch.tanh(x * theta)
+    out[K.ENTROPY] = torch.nn.functional.softplus(x * theta)
+    out[K.VALUES] = batch[K.OLD_VALUES] + torch.sin(x * theta)
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("split", [[3, 1, 4], [1] * 8])
+def test_micro_batches_reproduce_mini_batch(mode, split):
+    """Summed micro-batch losses (mini-batch counts) equal the mini-batch loss and gradient."""
+    gen = torch.Generator().manual_seed(7)
+    batch = random_batch(gen)
+    theta = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    mask = batch[K.RESPONSE_MASK]
+    counts = dict(num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum())
+    for loss_fn in (PPOLoss(clip_ratio=0.1, kl_coef=0.3, entropy_coef=0.05, agg=mode), ValueLoss(0.2, agg=mode)):
+        full = loss_fn(with_model_outputs(batch, theta))
+        (g_full,) = torch.autograd.grad(full.loss, theta)
+        total, g_sum, pg_sum = 0.0, torch.zeros_like(theta), 0.0
+        for idx in torch.arange(8).split(split):
+            part = loss_fn(with_model_outputs(batch[idx], theta), **counts)
+            g_sum += torch.autograd.grad(part.loss, theta)[0]
+            total += part.loss.item()
+            pg_sum += part.stats.get("actor/pg_loss", part.stats.get("critic/vf_loss"))
+        assert total == pytest.approx(full.loss.item(), rel=1e-9)
+        assert pg_sum == pytest.approx(full.stats.get("actor/pg_loss", full.stats.get("critic/vf_loss")), rel=1e-9)
+        torch.testing.assert_close(g_sum, g_full)
+        assert g_full.abs().sum() > 0  # the comparison is not vacuous

@@ -1,0 +1,14 @@
+"""GRPO raises held-out accuracy on the built-in task (the default job, shortened)."""
+
+from rlflow.tasks.default_job import ACCURACY_KEY, build_trainer
+
+
+def test_grpo_raises_held_out_accuracy(tmp_path):
+    trainer, data = build_trainer(seed=0, steps=80, run_dir=tmp_path, progress=False, loggers=())
+    before = trainer.validate(data)[ACCURACY_KEY]
+    history = trainer.fit(data)
+    after = trainer.validate(data)[ACCURACY_KEY]
+    first = sum(m["critic/score/mean"] for m in history[:10]) / 10
+    last = sum(m["critic/score/mean"] for m in history[-10:]) / 10
+    assert last > first + 0.1, (first, last)
+    assert after > before + 0.15, (before, after)
