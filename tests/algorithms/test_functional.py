@@ -1,4 +1,5 @@
-"""rlflow.algorithms.functional against hand-worked numbers and straightforward loops."""
+"""functional: masked statistics, group statistics, KL estimators and loss aggregation,
+against hand-worked numbers and straightforward loops (GRPO/GAE: test_estimators; PPO/value: test_losses)."""
 
 import math
 
@@ -13,10 +14,8 @@ ALL_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 def random_mask(b, r, gen, empty_rows=(0,)):
     """Right-padded masks with holes (tool tokens) and some all-zero rows."""
     mask = (torch.rand(b, r, generator=gen) < 0.7).double()
-    lengths = torch.randint(1, r + 1, (b,), generator=gen)
-    mask *= (torch.arange(r)[None, :] < lengths[:, None]).double()
-    for i in empty_rows:
-        mask[i] = 0
+    mask *= (torch.arange(r)[None, :] < torch.randint(1, r + 1, (b,), generator=gen)[:, None]).double()
+    mask[list(empty_rows)] = 0
     return mask
 
 

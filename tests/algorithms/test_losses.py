@@ -1,4 +1,5 @@
-"""PPOLoss and ValueLoss: totals, statistics, declared keys, variants, micro-batching."""
+"""Policy and value losses: the functional core by hand and by loop, then PPOLoss / ValueLoss
+(totals, statistics, declared keys, variants, micro-batching)."""
 
 import math
 
@@ -6,23 +7,126 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlflow.algorithms import LossOutput, PPOLoss, ValueLoss, functional
+from rlflow.algorithms import LossOutput, PPOLoss, ValueLoss
+from rlflow.algorithms import functional as F
 from rlflow.data import keys as K
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
+# ---------------------------------------------------------------- PPO clip loss
+
+
+def ppo_example():
+    # tokens: (A, ratio) = (+1, 1.5) clipped at 1.2; (+1, 0.5) unclipped; (-1, 0.5) clipped at 0.8;
+    # (-1, 5.0) dual-clipped at 3; (-2, 1.0) masked out
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, -2.0]])
+    ratio = torch.tensor([[1.5, 0.5, 0.5, 5.0, 1.0]])
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0, -1.0]])
+    logp = (old + ratio.log()).requires_grad_(True)
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    return logp, old, adv, mask
+
+
+def test_ppo_clip_loss_by_hand():
+    logp, old, adv, mask = ppo_example()
+    loss, stats = F.ppo_clip_loss(logp, old, adv, mask)
+    # per token max(-A r, -A clip(r)): -1.2, -0.5, 0.8, 5 -> dual clip min(5, 3) = 3
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 0.8 + 3.0) / 4, rel=1e-5)
+    assert stats["pg_clipfrac"].item() == pytest.approx(0.5)  # tokens 1 and 3
+    assert stats["pg_clipfrac_lower"].item() == pytest.approx(0.25)  # token 4
+    assert stats["ppo_kl"].item() == pytest.approx(-sum(map(math.log, (1.5, 0.5, 0.5, 5.0))) / 4, rel=1e-5)
+    assert all(not v.requires_grad and v.dim() == 0 for v in stats.values())
+    (grad,) = torch.autograd.grad(loss, logp)
+    # only the unclipped token has a gradient: d(-A r)/dlogp = -A r = -0.5, over 4 tokens
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -0.125, 0.0, 0.0, 0.0]]))
+
+
+def test_ppo_clip_loss_without_dual_clip_and_asymmetric():
+    logp, old, adv, mask = ppo_example()
+    loss, stats = F.ppo_clip_loss(logp, old, adv, mask, clip_c=None)
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 0.8 + 5.0) / 4, rel=1e-5)
+    assert stats["pg_clipfrac_lower"].item() == 0.0
+    loss, _ = F.ppo_clip_loss(logp, old, adv, mask, clip_low=0.1, clip_high=0.28)
+    # token 1 clipped at 1.28; token 3 clipped at 0.9
+    assert loss.item() == pytest.approx((-1.28 - 0.5 + 0.9 + 3.0) / 4, rel=1e-5)
+    with pytest.raises(ValueError, match="clip_c"):
+        F.ppo_clip_loss(logp, old, adv, mask, clip_c=1.0)
+
+
+def test_ppo_clip_loss_ratio_clamp():
+    logp = torch.tensor([[100.0]])
+    old = torch.tensor([[0.0]])  # exp(100) overflows float32; the +-20 clamp keeps it finite
+    loss, stats = F.ppo_clip_loss(logp, old, torch.tensor([[-1.0]]), torch.ones(1, 1), clip_c=None)
+    assert loss.item() == pytest.approx(math.exp(20), rel=1e-5)
+    assert stats["ppo_kl"].item() == -20.0
+
+
+def ppo_loop(logp, old, adv, mask, lo, hi, c):
+    """verl's vanilla loss per token in plain Python floats, token-mean."""
+    total, n, clipped, lower = 0.0, 0, 0, 0
+    for i in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            if mask[i, t] == 0:
+                continue
+            a, r = adv[i, t].item(), math.exp(max(-20.0, min(20.0, logp[i, t].item() - old[i, t].item())))
+            l1, l2 = -a * r, -a * min(max(r, 1 - lo), 1 + hi)
+            per = max(l1, l2)
+            clipped += l2 > l1
+            if a < 0:
+                lower += per > -a * c
+                per = min(per, -a * c)
+            total, n = total + per, n + 1
+    return total / n, clipped / n, lower / n
+
+
+def test_ppo_clip_loss_matches_loop():
+    gen = torch.Generator().manual_seed(5)
+    old = -torch.rand(6, 8, generator=gen, dtype=torch.float64) * 3
+    logp = old + torch.randn(6, 8, generator=gen, dtype=torch.float64) * 0.6
+    adv = torch.randn(6, 8, generator=gen, dtype=torch.float64) * 2
+    mask = (torch.rand(6, 8, generator=gen) < 0.8).double()
+    loss, stats = F.ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, clip_c=2.0)
+    ref_loss, ref_clip, ref_lower = ppo_loop(logp, old, adv, mask, 0.2, 0.28, 2.0)
+    assert ref_clip > 0 and ref_lower > 0  # the random data exercises both clips
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-9)
+    assert stats["pg_clipfrac"].item() == pytest.approx(ref_clip)
+    assert stats["pg_clipfrac_lower"].item() == pytest.approx(ref_lower)
+
+
+# ---------------------------------------------------------------- value loss
+
+
+def value_example():
+    values = torch.tensor([[1.0, 2.0, 0.0]], requires_grad=True)
+    return values, torch.tensor([[0.0, 1.8, 0.0]]), torch.tensor([[2.0, 0.0, 5.0]]), torch.tensor([[1, 1, 0]])
+
+
+def test_value_loss_functional_by_hand():
+    values, old, returns, mask = value_example()
+    loss, stats = F.value_loss(values, old, returns, mask)
+    # token 1: clip(1, -0.5, 0.5) = 0.5: max((1-2)^2, (0.5-2)^2) = 2.25 (clipped wins)
+    # token 2: inside [1.3, 2.3]: both (2-0)^2 = 4 (not counted as clipped); loss 0.5 * 6.25 / 2
+    assert loss.item() == pytest.approx(1.5625)
+    assert stats["vf_clipfrac"].item() == pytest.approx(0.5)
+    (grad,) = torch.autograd.grad(loss, values)
+    # token 1's winning term is constant in v; token 2: 0.5 * 2 (v - R) / 2 tokens = 2 * 0.5 = 1
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 1.0, 0.0]]))
+    loss, stats = F.value_loss(values, old, returns, mask, clip_range=None)
+    assert loss.item() == pytest.approx(0.5 * (1.0 + 4.0) / 2) and stats["vf_clipfrac"].item() == 0.0
+
+
+# ---------------------------------------------------------------- PPOLoss, ValueLoss
+
 
 def hand_batch():
-    # Same tokens as test_functional.ppo_example: (A, ratio) = (+1, 1.5), (+1, 0.5), (-1, 0.5), (-1, 5)
-    # and one masked token. pg_loss = (-1.2 - 0.5 + 0.8 + 3) / 4 = 0.525.
-    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0, -1.0]])
-    logp = (old + torch.tensor([[1.5, 0.5, 0.5, 5.0, 1.0]]).log()).requires_grad_(True)
+    # ppo_example's tokens (pg_loss 0.525), with a reference and an entropy
+    logp, old, adv, mask = ppo_example()
     return TensorDict(
         {
             K.LOG_PROBS: logp,
             K.OLD_LOG_PROBS: old,
-            K.ADVANTAGES: torch.tensor([[1.0, 1.0, -1.0, -1.0, -2.0]]),
-            K.RESPONSE_MASK: torch.tensor([[1, 1, 1, 1, 0]]),
+            K.ADVANTAGES: adv,
+            K.RESPONSE_MASK: mask,
             K.REF_LOG_PROBS: logp.detach() + torch.tensor([[0.0, 0.5, -0.5, 1.0, 7.0]]),
             K.ENTROPY: torch.tensor([[1.0, 2.0, 3.0, 6.0, 100.0]]),
         },
@@ -111,8 +215,8 @@ def test_variant_overrides_pg_loss_only():
             logp, mask = batch[K.LOG_PROBS], batch[K.RESPONSE_MASK]
             ratio = torch.exp(logp - batch[K.OLD_LOG_PROBS]).clamp(1 - self.clip_low, 1 + self.clip_high)
             per_token = -ratio.detach() * batch[K.ADVANTAGES] * logp
-            loss = functional.agg_loss(per_token, mask, self.agg, num_tokens, num_seqs)
-            return loss, {"is_weight_mean": functional.masked_mean(ratio, mask).detach()}
+            loss = F.agg_loss(per_token, mask, self.agg, num_tokens, num_seqs)
+            return loss, {"is_weight_mean": F.masked_mean(ratio, mask).detach()}
 
     batch = hand_batch()
     out = CISPO(kl_coef=0.1, kl_type="k1")(batch)
@@ -125,18 +229,11 @@ def test_variant_overrides_pg_loss_only():
 
 
 def test_value_loss_by_hand():
-    values = torch.tensor([[1.0, 2.0, 0.0]], requires_grad=True)
-    batch = TensorDict(
-        {
-            K.VALUES: values,
-            K.OLD_VALUES: torch.tensor([[0.0, 1.8, 0.0]]),
-            K.RETURNS: torch.tensor([[2.0, 0.0, 5.0]]),
-            K.RESPONSE_MASK: torch.tensor([[1, 1, 0]]),
-        },
-        batch_size=[1],
-    )
+    values, old, returns, mask = value_example()
+    data = {K.VALUES: values, K.OLD_VALUES: old, K.RETURNS: returns, K.RESPONSE_MASK: mask}
+    batch = TensorDict(data, batch_size=[1])
     out = ValueLoss()(batch)
-    # see test_functional.test_value_loss_by_hand: 0.5 * (2.25 + 4) / 2
+    # see test_value_loss_functional_by_hand: 0.5 * (2.25 + 4) / 2
     assert out.loss.item() == pytest.approx(1.5625)
     assert out.stats == pytest.approx({"critic/vf_loss": 1.5625, "critic/vf_clipfrac": 0.5, "critic/vpred_mean": 1.5})
     assert ValueLoss().in_keys == (K.VALUES, K.OLD_VALUES, K.RETURNS, K.RESPONSE_MASK)
@@ -178,13 +275,13 @@ def test_micro_batches_reproduce_mini_batch(mode, split):
     for loss_fn in (PPOLoss(clip_ratio=0.1, kl_coef=0.3, entropy_coef=0.05, agg=mode), ValueLoss(0.2, agg=mode)):
         full = loss_fn(with_model_outputs(batch, theta))
         (g_full,) = torch.autograd.grad(full.loss, theta)
-        total, g_sum, pg_sum = 0.0, torch.zeros_like(theta), 0.0
+        total, g_sum, stat_sum = 0.0, torch.zeros_like(theta), 0.0
         for idx in torch.arange(8).split(split):
             part = loss_fn(with_model_outputs(batch[idx], theta), **counts)
             g_sum += torch.autograd.grad(part.loss, theta)[0]
             total += part.loss.item()
-            pg_sum += part.stats.get("actor/pg_loss", part.stats.get("critic/vf_loss"))
+            stat_sum += part.stats.get("actor/pg_loss", part.stats.get("critic/vf_loss"))
         assert total == pytest.approx(full.loss.item(), rel=1e-9)
-        assert pg_sum == pytest.approx(full.stats.get("actor/pg_loss", full.stats.get("critic/vf_loss")), rel=1e-9)
+        assert stat_sum == pytest.approx(full.stats.get("actor/pg_loss", full.stats.get("critic/vf_loss")), rel=1e-9)
         torch.testing.assert_close(g_sum, g_full)
         assert g_full.abs().sum() > 0  # the comparison is not vacuous

@@ -71,7 +71,8 @@ class Trainer:
         self.policy, self.rollout, self.reward, self.estimator, self.loss = policy, rollout, reward, estimator, loss
         self.critic, self.value_loss = critic, value_loss
         if reference == "auto":
-            reference = policy.reference() if K.REF_LOG_PROBS in loss.in_keys else None
+            wants_ref = K.REF_LOG_PROBS in set(loss.in_keys) | set(estimator.in_keys)
+            reference = policy.reference() if wants_ref else None
         self.reference = reference
         if abs(policy.temperature - rollout.temperature) > 1e-9:
             raise ValueError(f"policy temperature {policy.temperature} != rollout temperature {rollout.temperature}: "
@@ -86,8 +87,10 @@ class Trainer:
         self.val_every, self.val_n, self.save_every = val_every, val_n, save_every
         self.run_dir, self.resume, self.seed, self.progress = Path(run_dir), resume, seed, progress
         self.lr_schedule, self.warmup_steps = lr_schedule, warmup_steps
-        # With one update per batch the "old" policy is the current one: skip its forward pass.
-        self.needs_old_log_probs = ppo_epochs > 1 or self.mini_batch_size < batch_size
+        # With one update per batch the "old" policy is the current one: skip its forward pass,
+        # unless something before the update (e.g. a KL-in-reward estimator) reads it.
+        self.needs_old_log_probs = (ppo_epochs > 1 or self.mini_batch_size < batch_size
+                                    or K.OLD_LOG_PROBS in estimator.in_keys)
         self.check_chain()
 
         self.fabric = L.Fabric(
