@@ -61,3 +61,40 @@ def check_chain(provided: Iterable[str], modules: Sequence[tuple[str, object]]) 
                 )
         available |= set(getattr(module, "out_keys", ()))
     return available
+
+
+class Chain(BatchModule):
+    """Modules run in order as one: ``Chain(KLInReward(...), GRPO())`` fills the Trainer's estimator slot.
+
+    ``in_keys`` are the keys the chain needs from outside (those no earlier member
+    writes); ``out_keys`` everything the members write. ``needs_critic`` holds if any
+    member needs one. Members with ``state_dict``/``load_state_dict`` (e.g. an adaptive
+    KL controller) are saved in checkpoints through the chain's.
+    """
+
+    def __init__(self, *modules: BatchModule):
+        if not modules:
+            raise ValueError("Chain needs at least one module")
+        self.modules = modules
+        needed, written = [], set()
+        for m in modules:
+            needed += [k for k in m.in_keys if k not in written and k not in needed]
+            written |= set(m.out_keys)
+        self.in_keys, self.out_keys = tuple(needed), tuple(written)
+        self.needs_critic = any(getattr(m, "needs_critic", False) for m in modules)
+
+    def forward(self, batch: TensorDict) -> TensorDict:
+        for m in self.modules:
+            batch = m(batch)
+        return batch
+
+    def state_dict(self) -> dict:
+        return {str(i): m.state_dict() for i, m in enumerate(self.modules) if hasattr(m, "state_dict")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for i, m in enumerate(self.modules):
+            if str(i) in state:
+                m.load_state_dict(state[str(i)])
+
+    def __repr__(self) -> str:
+        return f"Chain({', '.join(type(m).__name__ for m in self.modules)})"

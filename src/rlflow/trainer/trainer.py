@@ -128,8 +128,9 @@ class Trainer:
         with timer("gen"):
             batch = self.rollout(batch)
         self.fabric.call("on_rollout_end", trainer=self, batch=batch)
-        with timer("reward"):
-            batch = self.reward(batch)
+        if self.reward is not None:  # None when the rollout scores its samples itself (e.g. dynamic sampling)
+            with timer("reward"):
+                batch = self.reward(batch)
         if self.reference is not None:
             with timer("ref"):
                 batch = self.reference(batch)
@@ -156,7 +157,8 @@ class Trainer:
         step_time = time.perf_counter() - start
         tokens = int(batch[K.PROMPT_MASK].sum() + batch[K.RESPONSE_MASK].sum())
         metrics = batch_metrics(batch, getattr(self.rollout, "max_new_tokens", None)) | stats
-        metrics |= getattr(self.reward, "stats", {})
+        for role in (self.rollout, self.reward, self.estimator):
+            metrics |= getattr(role, "stats", {})  # e.g. reward/errors, actor/reward_kl_penalty
         metrics |= timer.metrics() | {
             "timing_s/step": step_time,
             "perf/total_num_tokens": tokens,
@@ -225,27 +227,52 @@ class Trainer:
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
     def validate(self, data: PromptData) -> dict[str, float]:
-        """Mean score per data source on the validation prompts: ``val-core/<source>/reward/mean@N``.
+        """Validation metrics per data source, under verl's names.
 
-        One greedy sample per prompt when ``val_n == 1``; otherwise ``val_n`` samples at the rollout's
-        temperature, with ``best@N`` as well.
+        Sampling: ``self.val_sampling`` when set (HFRollout options with ``n``; the verl entry point sets it
+        from ``rollout.val_kwargs``), else one greedy sample per prompt when ``val_n == 1`` and ``val_n``
+        samples at the rollout's temperature otherwise.
+
+        Variables: ``reward`` (the score) and ``acc`` (the scorer's ``acc`` extra, when it returns one). The
+        core variable is ``acc`` when present, else ``reward``; for it ``val-core/<source>/<var>/mean@N`` and,
+        when N > 1, ``best@N/mean`` and ``maj@N/mean`` (majority vote over the scorer's ``pred`` extra).
+        Everything else (``worst@N/mean``, ``std@N``, the other variable) goes under ``val-aux/``.
         """
-        greedy = self.val_n == 1
-        rollout = self.rollout.with_options(n=self.val_n, do_sample=not greedy,
-                                            temperature=self.rollout.temperature if not greedy else 1.0)
-        scores: dict[str, list[torch.Tensor]] = {}
+        # --- verl-compatible validation (val_kwargs sampling, acc / best@N / maj@N); see docs/verl-compat.md
+        from collections import Counter
+
+        opts = getattr(self, "val_sampling", None) or {
+            "n": self.val_n, "do_sample": self.val_n > 1,
+            "temperature": self.rollout.temperature if self.val_n > 1 else 1.0}
+        n = opts["n"]
+        rollout = self.rollout.with_options(**opts)
+        values: dict[str, dict[str, list]] = {}   # source -> variable -> one list of n values per prompt
+        votes: dict[str, list] = {}               # source -> one list of n predictions (or None) per prompt
         for prompts in data.val_batches(self.policy.tokenizer):
             batch = self.reward(rollout(self.fabric.to_device(prompts)))
-            per_prompt = batch[K.SCORES].view(-1, self.val_n)
-            sources = list(batch[K.DATA_SOURCE])[:: self.val_n]
-            for i, src in enumerate(sources):
-                scores.setdefault(src, []).append(per_prompt[i])
+            extras = getattr(self.reward, "extras", {})
+            columns = {"reward": batch[K.SCORES].tolist()}
+            if extras.get("acc") and all(v is not None for v in extras["acc"]):
+                columns["acc"] = [float(v) for v in extras["acc"]]
+            preds, sources = extras.get("pred"), list(batch[K.DATA_SOURCE])
+            for i in range(0, len(sources), n):
+                for var, col in columns.items():
+                    values.setdefault(sources[i], {}).setdefault(var, []).append(col[i : i + n])
+                votes.setdefault(sources[i], []).append([str(p) for p in preds[i : i + n]] if preds else None)
         metrics = {}
-        for src, rows in scores.items():
-            s = torch.stack(rows)
-            metrics[f"val-core/{src}/reward/mean@{self.val_n}"] = s.mean().item()
-            if self.val_n > 1:
-                metrics[f"val-core/{src}/reward/best@{self.val_n}/mean"] = s.max(-1).values.mean().item()
+        for src, per in values.items():
+            core = "acc" if len(per.get("acc", ())) == len(per["reward"]) else "reward"
+            for var, rows in per.items():
+                s, tier = torch.tensor(rows, dtype=torch.float64), ("val-core" if var == core else "val-aux")
+                metrics[f"{tier}/{src}/{var}/mean@{n}"] = s.mean().item()
+                if n == 1:
+                    continue
+                metrics[f"{tier}/{src}/{var}/best@{n}/mean"] = s.max(-1).values.mean().item()
+                metrics[f"val-aux/{src}/{var}/worst@{n}/mean"] = s.min(-1).values.mean().item()
+                metrics[f"val-aux/{src}/{var}/std@{n}"] = s.std(-1, correction=0).mean().item()
+                if all(v is not None for v in votes[src]):  # the value of the first sample with the top answer
+                    maj = [row[p.index(Counter(p).most_common(1)[0][0])] for row, p in zip(rows, votes[src])]
+                    metrics[f"{tier}/{src}/{var}/maj@{n}/mean"] = sum(maj) / len(maj)
         self.fabric.call("on_validation_end", trainer=self, metrics=metrics)
         return metrics
 
@@ -281,6 +308,11 @@ class Trainer:
             logger.finalize("success")
         return history
 
+    def _stateful_roles(self) -> dict:
+        """Non-model roles that carry state across steps (an adaptive KL coefficient, say)."""
+        roles = {"rollout": self.rollout, "reward": self.reward, "estimator": self.estimator, "loss": self.loss}
+        return {k: m for k, m in roles.items() if hasattr(m, "state_dict") and hasattr(m, "load_state_dict")}
+
     def _optimizers(self):
         return [self.optimizer] + ([self.critic_optimizer] if self.critic is not None else [])
 
@@ -292,7 +324,8 @@ class Trainer:
     def state(self) -> dict:
         state = {"policy": self.policy.module, "optimizer": self.optimizer, "global_step": self.global_step,
                  "schedulers": [s.state_dict() for s in self.schedulers],
-                 "loader": self.loader.state_dict() if self.loader else None, "rng": ckpt.rng_state()}
+                 "loader": self.loader.state_dict() if self.loader else None, "rng": ckpt.rng_state(),
+                 "roles": {name: m.state_dict() for name, m in self._stateful_roles().items()}}
         if self.critic is not None:
             state |= {"critic": self.critic.module, "critic_optimizer": self.critic_optimizer}
         return state
@@ -316,6 +349,8 @@ class Trainer:
         if self.loader is not None and state.get("loader"):
             self.loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
+        for name, m in self._stateful_roles().items():
+            m.load_state_dict(state["roles"][name])
 
     def _maybe_resume(self) -> None:
         if self.resume is None:
