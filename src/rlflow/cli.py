@@ -1,27 +1,68 @@
-"""The ``rlflow`` command. ``rlflow train`` with no arguments runs the default job."""
+"""The ``rlflow`` command.
+
+``rlflow train`` with no arguments runs the default job. With verl-style overrides
+(``rlflow train algorithm.adv_estimator=grpo data.train_files=... ``), a verl YAML
+(``--config-path DIR --config-name NAME``) or a native recipe (``--config recipe.yaml``) it runs
+the same path as ``python -m rlflow.trainer.main_ppo``; ``--dry-run`` validates and explains a
+config without training.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+DEFAULT_JOB_FLAGS = {"seed": ("--seed", 0, "data.seed=N"), "steps": ("--steps", 500, "trainer.total_training_steps=N"),
+                     "run_dir": ("--run-dir", None, "trainer.default_local_dir=DIR"),
+                     "no_progress": ("--no-progress", False, "trainer.logger=[console]")}
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlflow", description="Reinforcement-learning post-training for language models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train; with no arguments, GRPO on the built-in addition task (CPU, minutes)")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--steps", type=int, default=500, help="RL steps (default 500)")
-    train.add_argument("--run-dir", default=None, help="where metrics, checkpoints and the reward curve go")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
-
+    train = sub.add_parser(
+        "train", help="train; with no arguments, GRPO on the built-in addition task (CPU, minutes)",
+        description="With no arguments: the default job. With key=value overrides, --config-path/--config-name "
+                    "(a verl YAML) or --config (an rlflow recipe): train from that config, as "
+                    "python -m rlflow.trainer.main_ppo does.")
+    train.add_argument("--seed", type=int, default=0, help="default job: seed")
+    train.add_argument("--steps", type=int, default=500, help="default job: RL steps (default 500)")
+    train.add_argument("--run-dir", default=None, help="default job: where metrics, checkpoints and the reward curve go")
+    train.add_argument("--no-progress", action="store_true", help="default job: no progress bar")
+    train.add_argument("--config-path", "-cp", default=None, help="folder of a verl YAML config")
+    train.add_argument("--config-name", "-cn", default=None, help="name of the verl YAML config in --config-path")
+    train.add_argument("--config", "-c", default=None, help="an rlflow native recipe (YAML)")
+    train.add_argument("--dry-run", action="store_true",
+                       help="validate config and data, print the resolved config, batch arithmetic and cost; stop")
+    train.add_argument("overrides", nargs="*", help="verl keys in Hydra syntax: key=value, +key=value, key=[a,b]")
+    args, extra = parser.parse_known_args(argv)  # overrides may come before and after the flags
+    if args.command != "train" or any(x.startswith("-") for x in extra):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "train":
+        args.overrides += extra
+        if args.overrides or args.config_name or args.config_path or args.config:
+            return _train_from_config(parser, args)
+        if args.dry_run:
+            parser.error("--dry-run needs a config: key=value overrides, --config-path/--config-name, or --config")
         from rlflow.tasks.default_job import run
 
         run(seed=args.seed, steps=args.steps, run_dir=args.run_dir or f"runs/default-seed{args.seed}",
             progress=not args.no_progress)
     return 0
+
+
+def _train_from_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Forward to the verl entry point; the default job's flags have config keys instead."""
+    for attr, (flag, default, key) in DEFAULT_JOB_FLAGS.items():
+        if getattr(args, attr) != default:
+            parser.error(f"{flag} belongs to the default job; with a config, use {key}")
+    from rlflow.config.run import main as run_config
+
+    argv = [*(["--config-path", args.config_path] if args.config_path else []),
+            *(["--config-name", args.config_name] if args.config_name else []),
+            *(["--config", args.config] if args.config else []), *(["--dry-run"] if args.dry_run else []),
+            *args.overrides]
+    return run_config(argv)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,14 @@ class Chain(BatchModule):
             batch = m(batch)
         return batch
 
+    @property
+    def stats(self) -> dict[str, float]:
+        """The members' metrics of the last call, merged (the Trainer logs them)."""
+        out: dict[str, float] = {}
+        for m in self.modules:
+            out |= getattr(m, "stats", {})
+        return out
+
     def state_dict(self) -> dict:
         return {str(i): m.state_dict() for i, m in enumerate(self.modules) if hasattr(m, "state_dict")}
 

@@ -1,7 +1,40 @@
 """Advantage estimators and losses: pure tensor math in ``functional``, key-mapping shells around it."""
 
-from rlflow.algorithms import functional
-from rlflow.algorithms.estimators import GAE, GRPO, AdvantageEstimator
+from rlflow.algorithms import advantages, functional
+from rlflow.algorithms.correction import TruncatedIS
+from rlflow.algorithms.estimators import (
+    GAE,
+    GPG,
+    GRPO,
+    OPO,
+    RLOO,
+    AdvantageEstimator,
+    DrGRPO,
+    GreedyBaseline,
+    GRPOPassK,
+    ReinforcePlusPlus,
+    ReinforcePlusPlusBaseline,
+    ReMax,
+)
+from rlflow.algorithms.kl import AdaptiveKLController, FixedKLController, KLInReward
 from rlflow.algorithms.losses import LossOutput, PPOLoss, ValueLoss
+from rlflow.algorithms import policy_functional
+from rlflow.algorithms.policy_losses import (
+    LOSS_MODES,
+    CISPOLoss,
+    ClipCovLoss,
+    CovSelection,
+    GMPOLoss,
+    GSPOLoss,
+    KLCovLoss,
+    ReinforceLoss,
+    SAPOLoss,
+)
+from rlflow.algorithms.self_play import GroupWinRate, NoAdvantage, SPINLoss, SPPOLoss, UpdateReference
 
-__all__ = ["functional", "AdvantageEstimator", "GRPO", "GAE", "PPOLoss", "ValueLoss", "LossOutput"]
+__all__ = ["functional", "AdvantageEstimator", "GRPO", "GAE", "PPOLoss", "ValueLoss", "LossOutput",
+           "advantages", "DrGRPO", "RLOO", "ReinforcePlusPlus", "ReinforcePlusPlusBaseline", "ReMax", "GreedyBaseline",
+           "OPO", "GPG", "GRPOPassK", "KLInReward", "FixedKLController", "AdaptiveKLController", "TruncatedIS"]
+__all__ += ["policy_functional", "GSPOLoss", "CISPOLoss", "SAPOLoss", "ClipCovLoss", "KLCovLoss", "CovSelection",
+            "GMPOLoss", "ReinforceLoss", "LOSS_MODES", "SPINLoss", "SPPOLoss", "NoAdvantage", "GroupWinRate",
+            "UpdateReference"]

@@ -1,4 +1,4 @@
-"""Advantage estimators: module shells that map batch keys onto ``functional``.
+"""Advantage estimators: module shells that map batch keys onto ``functional`` and ``advantages``.
 
 A new algorithm subclasses :class:`AdvantageEstimator` and overrides ``compute``
 (and ``in_keys`` if it reads more keys); the Trainer never changes.
@@ -10,9 +10,28 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from rlflow.algorithms import advantages as A
 from rlflow.algorithms import functional as F
-from rlflow.data.keys import ADVANTAGES, GROUP, RESPONSE_MASK, RETURNS, TOKEN_REWARDS, VALUES
+from rlflow.data.keys import (
+    ADVANTAGES,
+    DATA_SOURCE,
+    EXTRA_INFO,
+    GROUND_TRUTH,
+    GROUP,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    PROMPT_TEXT,
+    RESPONSE_MASK,
+    RETURNS,
+    REWARD_BASELINE,
+    SCORES,
+    TOKEN_REWARDS,
+    VALUES,
+)
 from rlflow.module import BatchModule
+
+# The prompt-side columns a greedy re-generation carries along (the reward may read them).
+_PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, GROUND_TRUTH, DATA_SOURCE, EXTRA_INFO)
 
 
 class AdvantageEstimator(BatchModule):
@@ -77,4 +96,150 @@ class GAE(AdvantageEstimator):
     def compute(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
         return F.gae_advantages(
             batch[TOKEN_REWARDS], batch[VALUES], batch[RESPONSE_MASK], gamma=self.gamma, lam=self.lam
+        )
+
+
+class DrGRPO(GRPO):
+    """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783).
+
+    GRPO without the std normalisation: ``A_i = s_i - mean_g`` (verl
+    ``norm_adv_by_std_in_grpo=False``). The paper's other two changes live in the loss, not
+    here: pair it with ``PPOLoss(agg="seq-mean-token-sum-norm")`` (a constant length normaliser
+    instead of per-sequence means) and no KL term (``kl_coef=0``, the default).
+    """
+
+    def __init__(self):
+        super().__init__(norm_by_std=False)
+
+
+class RLOO(AdvantageEstimator):
+    """REINFORCE leave-one-out (arXiv 2402.14740; verl ``rloo``): ``A_i = s_i - mean of the others``.
+
+    A singleton group gets 0 (no baseline information; verl's loop ``rloo`` gives it the raw
+    score, its ``rloo_vectorized`` gives 0). See ``advantages.rloo_advantages``.
+    """
+
+    def compute(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
+        return A.rloo_advantages(batch[TOKEN_REWARDS], batch[RESPONSE_MASK], batch[GROUP])
+
+
+class ReinforcePlusPlus(AdvantageEstimator):
+    """REINFORCE++ (arXiv 2501.03262; verl ``reinforce_plus_plus``): discounted returns, whitened over the batch.
+
+    No grouping: reads no ``group``. See ``advantages.reinforce_pp_advantages``.
+    """
+
+    in_keys = (TOKEN_REWARDS, RESPONSE_MASK)
+
+    def __init__(self, gamma: float = 1.0):
+        self.gamma = gamma
+
+    def compute(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
+        return A.reinforce_pp_advantages(batch[TOKEN_REWARDS], batch[RESPONSE_MASK], gamma=self.gamma)
+
+
+class ReinforcePlusPlusBaseline(AdvantageEstimator):
+    """REINFORCE++-baseline (verl ``reinforce_plus_plus_baseline``): ``s_i - mean_g``, then whitened over the batch."""
+
+    def compute(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
+        return A.reinforce_pp_baseline_advantages(batch[TOKEN_REWARDS], batch[RESPONSE_MASK], batch[GROUP])
+
+
+class ReMax(AdvantageEstimator):
+    """ReMax (arXiv 2310.10505; verl ``remax``): reward-to-go minus the greedy response's score.
+
+    Reads ``reward_baseline`` ([B]), written by :class:`GreedyBaseline` placed before it:
+    ``Chain(GreedyBaseline(rollout, reward), ReMax())``. See ``advantages.remax_advantages``.
+    """
+
+    in_keys = (TOKEN_REWARDS, RESPONSE_MASK, REWARD_BASELINE)
+
+    def compute(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
+        return A.remax_advantages(batch[TOKEN_REWARDS], batch[RESPONSE_MASK], batch[REWARD_BASELINE])
+
+
+class GreedyBaseline(BatchModule):
+    """Writes ``reward_baseline`` ([B]): the score of one greedy response per prompt, for :class:`ReMax`.
+
+    For each distinct ``group`` it takes the group's first row's prompt, generates once with
+    ``rollout.with_options(n=1, do_sample=False)`` (the same model the batch was sampled from:
+    pass the Trainer's rollout), scores it with ``reward`` and gives that score to every sample
+    of the group. This is verl's extra ``gen_max`` rollout for ReMax.
+
+    Pass a reward instance of its own (e.g. a second ``FunctionReward`` of the same function):
+    a Reward keeps per-call ``stats``/``extras``, and the Trainer logs the training reward's.
+    ``stats["remax/greedy_score/mean"]`` is the mean greedy score over the prompts.
+    """
+
+    out_keys = (REWARD_BASELINE,)
+
+    def __init__(self, rollout, reward):
+        self.rollout = rollout
+        self.reward = reward
+        produced = set(getattr(rollout, "out_keys", ()))
+        extra = tuple(k for k in getattr(reward, "in_keys", ()) if k not in produced)
+        self.in_keys = tuple(dict.fromkeys((PROMPT_IDS, PROMPT_MASK, GROUP) + extra))
+        self.stats: dict[str, float] = {}
+
+    @torch.no_grad()
+    def forward(self, batch: TensorDict) -> TensorDict:
+        group = batch[GROUP]
+        ids, inverse = torch.unique(group, return_inverse=True)
+        rows = torch.arange(group.shape[0], device=group.device)
+        first = torch.full_like(ids, group.shape[0]).scatter_reduce(0, inverse, rows, "amin")
+        prompt_keys = [k for k in self.in_keys if k != GROUP] + [k for k in _PROMPT_KEYS if k in batch.keys()]
+        prompts = batch.select(*dict.fromkeys(prompt_keys))[first]
+        scored = self.reward(self.rollout.with_options(n=1, do_sample=False)(prompts))
+        scores = scored[SCORES].to(device=group.device, dtype=torch.float32)
+        batch.set(REWARD_BASELINE, scores[inverse])
+        self.stats = {"remax/greedy_score/mean": float(scores.mean())}
+        return batch
+
+    def __repr__(self) -> str:
+        return f"GreedyBaseline(rollout={self.rollout!r}, reward={self.reward!r})"
+
+
+class OPO(AdvantageEstimator):
+    """On-policy RL with optimal baseline (arXiv 2505.23585; verl ``opo``): length-weighted group baseline."""
+
+    def compute(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
+        return A.opo_advantages(batch[TOKEN_REWARDS], batch[RESPONSE_MASK], batch[GROUP])
+
+
+class GPG(AdvantageEstimator):
+    """Group Policy Gradient (arXiv 2504.02546; verl ``gpg``): ``alpha (s_i - mean_g) / f_norm``."""
+
+    def __init__(self, f_norm: float = 1.0):
+        self.f_norm = f_norm
+
+    def compute(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
+        return A.gpg_advantages(batch[TOKEN_REWARDS], batch[RESPONSE_MASK], batch[GROUP], f_norm=self.f_norm)
+
+
+class GRPOPassK(AdvantageEstimator):
+    """GRPO for pass@k (arXiv 2503.19595; verl ``grpo_passk``): only each group's best sample is credited.
+
+    ``k`` is the group size (``rollout.n``), as in verl; ``k=None`` takes whatever size each group
+    has, an integer also checks that every group has exactly ``k`` samples. Groups of fewer than
+    2 samples raise ``ValueError``. See ``advantages.grpo_passk_advantages``.
+    """
+
+    def __init__(self, k: int | None = None, norm_by_std: bool = True, eps: float = 1e-6):
+        if k is not None and k < 2:
+            raise ValueError(f"pass@k needs k >= 2 samples per prompt, got k={k}")
+        self.k = k
+        self.norm_by_std = norm_by_std
+        self.eps = eps
+
+    def compute(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
+        group = batch[GROUP]
+        if self.k is not None:
+            _, count = torch.unique(group, return_counts=True)
+            if (count != self.k).any():
+                raise ValueError(
+                    f"GRPOPassK(k={self.k}) needs groups of exactly k samples (rollout n = k); "
+                    f"got group sizes {sorted(set(count.tolist()))}"
+                )
+        return A.grpo_passk_advantages(
+            batch[TOKEN_REWARDS], batch[RESPONSE_MASK], group, norm_by_std=self.norm_by_std, eps=self.eps
         )

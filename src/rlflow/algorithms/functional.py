@@ -217,6 +217,7 @@ def ppo_clip_loss(
     agg: str = "token-mean",
     num_tokens: float | Tensor | None = None,
     num_seqs: float | Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Dual-clip PPO policy loss (Schulman et al. 2017; Ye et al. 2020; verl "vanilla").
 
@@ -225,6 +226,8 @@ def ppo_clip_loss(
     for ``A < 0``: ``min(c1, -A clip_c)`` (dual clip; ``clip_c=None`` disables it).
     Stats (detached scalars, masked means over this call's tokens): ``pg_clipfrac`` = frac(L2 > L1),
     ``pg_clipfrac_lower`` = frac(c1 > -A clip_c and A < 0), ``ppo_kl`` = mean(-d).
+    ``weights`` ([B, R], optional, e.g. truncated IS weights) multiply the per-token loss after
+    clipping, before aggregation (verl ``rollout_is_weights``); the stats ignore them.
     All inputs [B, R]; returns (scalar loss, stats).
     """
     neg_kl = (log_probs - old_log_probs).clamp(-20, 20)  # keeps exp() finite on stale samples
@@ -246,6 +249,8 @@ def ppo_clip_loss(
         lower = (clipped > loss3) & (advantages < 0)
         per_token = torch.where(advantages < 0, torch.minimum(clipped, loss3), clipped)
         stats["pg_clipfrac_lower"] = masked_mean(lower.to(ratio.dtype), mask).detach()
+    if weights is not None:
+        per_token = per_token * weights
     return agg_loss(per_token, mask, agg, num_tokens, num_seqs), stats
 
 

@@ -25,6 +25,7 @@ from rlflow.algorithms import functional as F
 from rlflow.data.keys import (
     ADVANTAGES,
     ENTROPY,
+    IS_WEIGHTS,
     LOG_PROBS,
     OLD_LOG_PROBS,
     OLD_VALUES,
@@ -73,6 +74,11 @@ class PPOLoss:
     with ``clip_low = clip_ratio_low or clip_ratio`` and ``clip_high = clip_ratio_high or
     clip_ratio``; ``clip_ratio_c=None`` disables the dual clip. DAPO's clip-higher is
     ``clip_ratio_high=0.28``; Dr.GRPO is ``agg="seq-mean-token-sum-norm"``.
+
+    ``is_weights=True`` multiplies the per-token policy loss by the batch's ``is_weights``
+    (truncated importance weights from ``rlflow.algorithms.correction.TruncatedIS``, verl
+    ``rollout_correction.rollout_is``); it adds ``is_weights`` to ``in_keys``, so a chain
+    without a ``TruncatedIS`` before the loss fails when the Trainer is built.
     """
 
     out_keys: tuple[str, ...] = ()
@@ -87,6 +93,7 @@ class PPOLoss:
         kl_type: str = "low_var_kl",
         entropy_coef: float = 0.0,
         agg: str = "token-mean",
+        is_weights: bool = False,
     ):
         if clip_ratio_c is not None and clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
@@ -100,6 +107,7 @@ class PPOLoss:
         self.kl_type = kl_type
         self.entropy_coef = entropy_coef
         self.agg = agg
+        self.is_weights = is_weights
         self.clip_low = clip_ratio if clip_ratio_low is None else clip_ratio_low
         self.clip_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
 
@@ -110,6 +118,8 @@ class PPOLoss:
             keys += (REF_LOG_PROBS,)
         if self.entropy_coef != 0:
             keys += (ENTROPY,)
+        if self.is_weights:
+            keys += (IS_WEIGHTS,)
         return keys
 
     def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
@@ -125,6 +135,7 @@ class PPOLoss:
             agg=self.agg,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
+            weights=batch[IS_WEIGHTS] if self.is_weights else None,
         )
 
     def __call__(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> LossOutput:

@@ -36,3 +36,10 @@ OLD_VALUES = "old_values"  # B x R, the critic before this step's updates
 # written by the estimator
 ADVANTAGES = "advantages"  # B x R
 RETURNS = "returns"  # B x R
+
+# written by an off-policy correction before the loss (rlflow.algorithms.correction)
+IS_WEIGHTS = "is_weights"  # B x R, float: truncated pi_old / pi_rollout, detached, 0 on masked tokens
+
+# self-play and token selection (rlflow.rollout.reference_responses, rlflow.algorithms.policy_losses)
+IS_REFERENCE = "is_reference"  # B, bool: the row holds the prompt's reference (ground-truth) response, not a sample
+COV_SELECTED = "cov_selected"  # B x R, bool: tokens chosen by Clip-Cov / KL-Cov's covariance rule

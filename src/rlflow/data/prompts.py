@@ -15,7 +15,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from rlflow.data import keys as K
 
-TRUNCATION_MODES = ("error", "left", "right")
+TRUNCATION_MODES = ("error", "left", "right", "middle")
 
 
 class DataError(ValueError):
@@ -23,10 +23,14 @@ class DataError(ValueError):
 
 
 def load_rows(source: str | Path | Sequence[dict], prompt_key: str = "prompt") -> tuple[list[dict], str]:
-    """Read rows from a parquet/json/jsonl file (with ``datasets``) or take a list of dicts.
+    """Read rows from a parquet/json/jsonl file (with ``datasets``), a list of such files, or a list of dicts.
 
     Returns the normalised rows and a name for error messages.
     """
+    if isinstance(source, (list, tuple)) and source and all(isinstance(s, (str, Path)) for s in source):
+        parts = [load_rows(s, prompt_key) for s in source]  # several files: rows in order, one name
+        rows = [dict(r, index=i) for i, r in enumerate(r for part, _ in parts for r in part)]
+        return rows, " + ".join(name for _, name in parts)
     if isinstance(source, (str, Path)):
         path = Path(source).expanduser()
         if not path.exists():
@@ -85,7 +89,9 @@ def collate(rows: Sequence[dict], tokenizer, max_prompt_length: int | None = Non
                         f"{name}, row {rows[i]['index']}: prompt has {len(seq)} tokens > max_prompt_length="
                         f"{max_prompt_length} (set truncation='left' or 'right', or filter long prompts)"
                     )
-                ids[i] = seq[-max_prompt_length:] if truncation == "left" else seq[:max_prompt_length]
+                half = max_prompt_length // 2  # "middle" keeps both ends, as verl
+                ids[i] = {"left": seq[-max_prompt_length:], "right": seq[:max_prompt_length],
+                          "middle": seq[:half] + seq[len(seq) - (max_prompt_length - half):]}[truncation]
     P = max(len(s) for s in ids)
     pad = tokenizer.pad_token_id
     prompt_ids = torch.tensor([[pad] * (P - len(s)) + s for s in ids], dtype=torch.long)
@@ -153,12 +159,15 @@ class PromptData:
         train: a parquet/json/jsonl path or a list of row dicts.
         val: the same, for held-out prompts.
         prompt_key: the column holding the prompt.
-        max_prompt_length: longer prompts raise (``truncation="error"``) or are cut on the left/right.
+        max_prompt_length: longer prompts raise (``truncation="error"``) or are cut on the left/right/middle.
         shuffle, seed: per-epoch seeded shuffling.
+        filter_overlong_prompts: drop prompts longer than ``max_prompt_length`` (in tokens, after the chat
+            template) before training, and report how many (see :meth:`filter_overlong`).
     """
 
     def __init__(self, train, val=None, *, prompt_key: str = "prompt", max_prompt_length: int | None = None,
-                 truncation: str = "error", shuffle: bool = True, seed: int = 0):
+                 truncation: str = "error", shuffle: bool = True, seed: int = 0,
+                 filter_overlong_prompts: bool = False):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got '{truncation}'")
         self.train, self.train_name = load_rows(train, prompt_key)
@@ -167,13 +176,33 @@ class PromptData:
             raise DataError(f"{self.train_name}: no rows")
         self.max_prompt_length, self.truncation = max_prompt_length, truncation
         self.shuffle, self.seed = shuffle, seed
+        self.filter_overlong_prompts, self.filtered = filter_overlong_prompts, None
+
+    def filter_overlong(self, tokenizer) -> dict[str, int]:
+        """Drop over-long prompts once (when ``filter_overlong_prompts``); returns the count dropped per split."""
+        if self.filtered is None:
+            self.filtered = {"train": 0, "val": 0}
+            if self.filter_overlong_prompts and self.max_prompt_length is not None:
+                for split in ("train", "val"):
+                    rows = getattr(self, split)
+                    kept = [r for r in rows if len(tokenizer(render_prompt(r["prompt"], tokenizer),
+                                                             add_special_tokens=False)["input_ids"])
+                            <= self.max_prompt_length]
+                    self.filtered[split] = len(rows) - len(kept)
+                    setattr(self, split, kept)
+                if not self.train:
+                    raise DataError(f"{self.train_name}: every prompt is longer than "
+                                    f"max_prompt_length={self.max_prompt_length}")
+        return self.filtered
 
     def collate(self, rows: Sequence[dict], tokenizer, name: str | None = None) -> TensorDict:
         return collate(rows, tokenizer, self.max_prompt_length, self.truncation, name or self.train_name)
 
     def loader(self, batch_size: int, tokenizer) -> PromptLoader:
+        self.filter_overlong(tokenizer)
         return PromptLoader(self, batch_size, tokenizer)
 
     def val_batches(self, tokenizer, batch_size: int = 512) -> Iterator[TensorDict]:
+        self.filter_overlong(tokenizer)
         for start in range(0, len(self.val), batch_size):
             yield self.collate(self.val[start : start + batch_size], tokenizer, self.val_name)

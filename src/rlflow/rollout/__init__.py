@@ -1,1 +1,8 @@
-"""rlflow.rollout"""
+"""Rollouts: turn prompts into samples."""
+
+from rlflow.rollout.hf import HFRollout
+
+from rlflow.rollout.dynamic_sampling import DynamicSampling
+from rlflow.rollout.reference_responses import WithReferenceResponses
+
+__all__ = ["HFRollout", "DynamicSampling", "WithReferenceResponses"]

@@ -16,6 +16,7 @@ from transformers import (
 
 from rlflow.data import keys as K
 from rlflow.module import BatchModule
+from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES, sync_weights
 
 
 class _RecordLogProbs(LogitsProcessor):
@@ -49,8 +50,9 @@ class HFRollout(BatchModule):
     computes them), a ``group`` id per prompt and the decoded text. Non-tensor
     prompt fields (ground truth, data source, ...) are repeated with their rows.
 
-    The model is the policy's own module (``bind``), so weight sync after an
-    update is free; an engine holding its own copy would override ``sync_weights``.
+    On one device the model is the policy's own module (``bind``), so weight sync
+    after an update is free; under FSDP2 the Trainer binds a full copy and
+    ``sync_weights`` refreshes it in buckets.
     """
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK)
@@ -74,15 +76,22 @@ class HFRollout(BatchModule):
         self.max_new_tokens, self.do_sample = max_new_tokens, do_sample
         self.model = None
         self.tokenizer = None
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
 
     def bind(self, model, tokenizer) -> None:
         """Generate with this model and tokenizer from now on."""
         self.model, self.tokenizer = model, tokenizer
 
-    def sync_weights(self, model) -> None:
-        """After an update: the bound model *is* the trained one, so nothing moves."""
-        if model is not self.model:
-            self.model = model
+    def sync_weights(self, trained) -> dict[str, float]:
+        """After an update, bring the engine's weights up to date with ``trained``.
+
+        When the engine generates with the trained module itself (one device, DDP)
+        nothing moves; when it holds its own copy (FSDP2 shards the trained one),
+        the weights are gathered and copied in size-bounded buckets.
+        """
+        if trained is self.model:
+            return {}
+        return sync_weights(trained, self.model, self.bucket_bytes)
 
     def with_options(self, **overrides) -> "HFRollout":
         """A copy with other sampling options (e.g. greedy validation), bound to the same model."""

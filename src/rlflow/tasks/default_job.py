@@ -23,9 +23,14 @@ from rlflow.trainer.trainer import Trainer
 ACCURACY_KEY = f"val-core/{DATA_SOURCE}/reward/mean@1"
 
 
-def build_trainer(seed: int = 0, steps: int = 500, run_dir: str | Path = "runs/default", *, task: AdditionTask | None = None,
-                  batch_size: int = 32, n: int = 8, lr: float = 2e-4, progress: bool = True, **trainer_kwargs):
-    """The modules of the default job, assembled; returns ``(trainer, data)``."""
+def build_trainer(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/default", *, task: AdditionTask | None = None,
+                  batch_size: int = 32, n: int = 8, lr: float = 2e-4, progress: bool = True,
+                  estimator=None, loss=None, **trainer_kwargs):
+    """The modules of the default job, assembled; returns ``(trainer, data)``.
+
+    ``estimator`` / ``loss`` replace the default ``GRPO()`` / ``PPOLoss(clip_ratio=0.2)``
+    (e.g. another advantage estimator on the same task).
+    """
     task = task or AdditionTask()
     model, tokenizer = warm_started_model(task, seed)
     policy = Policy(model, tokenizer, temperature=1.0)
@@ -33,15 +38,15 @@ def build_trainer(seed: int = 0, steps: int = 500, run_dir: str | Path = "runs/d
         policy=policy,
         rollout=HFRollout(n=n, temperature=1.0, max_new_tokens=task.max_new_tokens),
         reward=FunctionReward(exact_match),
-        estimator=GRPO(),
-        loss=PPOLoss(clip_ratio=0.2),
+        estimator=estimator if estimator is not None else GRPO(),
+        loss=loss if loss is not None else PPOLoss(clip_ratio=0.2),
         batch_size=batch_size, lr=lr, weight_decay=0.0, max_steps=steps,
         run_dir=run_dir, seed=seed, progress=progress, **trainer_kwargs,
     )
     return trainer, task.data(seed)
 
 
-def plot_rewards(history: list[dict], path: Path) -> None:
+def plot_rewards(history: list[dict], path: Path, before: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -54,7 +59,8 @@ def plot_rewards(history: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, scores, alpha=0.3, label="batch mean reward")
     ax.plot(steps, smooth, label=f"moving average ({k} steps)")
-    val = [(m["training/global_step"], m[ACCURACY_KEY]) for m in history if ACCURACY_KEY in m]
+    val = ([(0, before)] if before is not None else []) + [
+        (m["training/global_step"], m[ACCURACY_KEY]) for m in history if ACCURACY_KEY in m]
     if val:
         ax.plot(*zip(*val), "o-", label="held-out greedy accuracy")
     ax.set_xlabel("RL step")
@@ -67,7 +73,7 @@ def plot_rewards(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def run(seed: int = 0, steps: int = 500, run_dir: str | Path = "runs/default", progress: bool = True) -> tuple[float, float]:
+def run(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/default", progress: bool = True) -> tuple[float, float]:
     """Run the default job; returns held-out accuracy before and after."""
     torch.manual_seed(seed)
     start = time.perf_counter()
@@ -78,7 +84,7 @@ def run(seed: int = 0, steps: int = 500, run_dir: str | Path = "runs/default", p
     history = trainer.fit(data)
     after = trainer.validate(data)[ACCURACY_KEY]
     elapsed = time.perf_counter() - start
-    plot_rewards(history, run_dir / "reward_curve.png")
+    plot_rewards(history, run_dir / "reward_curve.png", before)
     summary = {"seed": seed, "steps": steps, "before": before, "after": after, "wall_s": round(elapsed, 1)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"{steps} GRPO steps in {elapsed:.0f} s; metrics in {run_dir}/metrics.jsonl, curve in {run_dir}/reward_curve.png")

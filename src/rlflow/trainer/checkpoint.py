@@ -46,3 +46,11 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_hf_metadata(folder: Path, model, tokenizer) -> None:
+    """Config and tokenizer beside the weights (verl's ``huggingface/``), so export needs nothing else."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)

@@ -1,15 +1,17 @@
-"""Loggers: Lightning's CSV and TensorBoard loggers, a JSONL logger, and W&B when installed."""
+"""Loggers: Lightning's CSV and TensorBoard loggers, a JSONL logger, a console logger, and W&B when installed."""
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
+import pprint
 from pathlib import Path
 
 from lightning.fabric.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-LOGGER_NAMES = ("jsonl", "csv", "tensorboard", "wandb")
+LOGGER_NAMES = ("jsonl", "csv", "tensorboard", "wandb", "console")
 
 
 class JSONLLogger(Logger):
@@ -56,11 +58,39 @@ class JSONLLogger(Logger):
             self._file = None
 
 
+class ConsoleLogger(Logger):
+    """verl's console logger: each step's numeric metrics on one line, ``step:N - key:value - ...``."""
+
+    @property
+    def name(self) -> str:
+        return "console"
+
+    @property
+    def version(self) -> str:
+        return ""
+
+    @staticmethod
+    def format(metrics: dict, step: int | None) -> str:
+        parts = [f"step:{step}"] + [f"{k}:{pprint.pformat(v)}" for k, v in metrics.items()
+                                    if isinstance(v, numbers.Number)]
+        return " - ".join(parts)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        print(self.format(metrics, step), flush=True)
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
 def make_loggers(names, run_dir: str | Path, project: str = "rlflow", experiment: str = "run") -> list[Logger]:
-    """Build loggers by name; an unknown name or an uninstalled W&B is a clear error."""
+    """Build loggers by name (a ``Logger`` instance passes through); an unknown name or an uninstalled
+    W&B is a clear error."""
     out: list[Logger] = []
     for name in names:
-        if name == "jsonl":
+        if isinstance(name, Logger):
+            out.append(name)
+        elif name == "jsonl":
             out.append(JSONLLogger(run_dir))
         elif name == "csv":
             out.append(CSVLogger(root_dir=run_dir, name="csv"))  # csv/version_N per launch: a resume never overwrites
@@ -73,7 +103,7 @@ def make_loggers(names, run_dir: str | Path, project: str = "rlflow", experiment
                 raise ImportError("logger 'wandb' needs `pip install wandb` (or rlflow[wandb])") from e
             out.append(WandbLogger(project=project, name=experiment, save_dir=str(run_dir)))
         elif name == "console":
-            continue  # the progress bar and the Trainer's console line do this
+            out.append(ConsoleLogger())
         else:
-            raise ValueError(f"unknown logger '{name}'; choose from {LOGGER_NAMES + ('console',)}")
+            raise ValueError(f"unknown logger '{name}'; choose from {LOGGER_NAMES}")
     return out

@@ -7,6 +7,7 @@ them, in the order of the data-flow drawing in the docs.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from pathlib import Path
@@ -20,7 +21,9 @@ from tqdm.auto import tqdm
 from rlflow.data import keys as K
 from rlflow.data.prompts import PromptData
 from rlflow.module import check_chain
+from rlflow.strategies import resolve_strategy, shards_parameters
 from rlflow.trainer import checkpoint as ckpt
+from rlflow.trainer.distributed import global_sum, rank_shard, reduce_metrics
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.metrics import MeanAccumulator, Timer, batch_metrics, sum_micro_batches
 from rlflow.trainer.schedule import lr_lambda
@@ -53,7 +56,10 @@ class Trainer:
         epochs: passes over the prompts when ``max_steps`` is not given.
         seed: seeds every RNG at the start of ``fit`` (a resumed run restores the saved RNG state instead).
         progress: show a progress bar.
-        accelerator, devices, strategy, precision: passed to ``lightning.Fabric``.
+        accelerator, devices, num_nodes, precision: passed to ``lightning.Fabric``.
+        strategy: ``"auto"``, ``"ddp"``, ``"fsdp2"`` (``"fsdp"`` too) or a Fabric strategy object
+            (see ``rlflow.strategies``). With several processes each one rolls out its share of
+            the prompts; losses are normalised by global token/sequence counts.
     """
 
     def __init__(
@@ -66,7 +72,7 @@ class Trainer:
         val_every: int = 0, val_n: int = 1, save_every: int = 0, run_dir: str | Path = "runs/rlflow",
         resume: str | Path | None = None, loggers=("jsonl", "csv", "tensorboard"), callbacks=(),
         seed: int = 0, progress: bool = True,
-        accelerator: str = "cpu", devices: int = 1, strategy: str = "auto", precision: str = "32-true",
+        accelerator: str = "cpu", devices: int = 1, num_nodes: int = 1, strategy="auto", precision: str = "32-true",
     ):
         self.policy, self.rollout, self.reward, self.estimator, self.loss = policy, rollout, reward, estimator, loss
         self.critic, self.value_loss = critic, value_loss
@@ -94,17 +100,27 @@ class Trainer:
         self.check_chain()
 
         self.fabric = L.Fabric(
-            accelerator=accelerator, devices=devices, strategy=strategy, precision=precision,
-            loggers=make_loggers(loggers, self.run_dir), callbacks=list(callbacks),
+            accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=resolve_strategy(strategy),
+            precision=precision, loggers=make_loggers(loggers, self.run_dir), callbacks=list(callbacks),
         )
+        self.fabric.launch()  # no-op under torchrun or on one device
+        sharded = shards_parameters(self.fabric.strategy)
+        # A sharded policy cannot generate rank by rank (its forward is collective), so the engine gets a full copy.
+        engine_model = copy.deepcopy(policy.model) if sharded else policy.model
         make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay))
-        self.policy.module, self.optimizer = self.fabric.setup(policy.module, make_opt(policy.module.parameters()))
-        self.rollout.bind(policy.model, policy.tokenizer)
+        # Optimizers are built after setup_module: FSDP2 replaces parameters with sharded ones.
+        self.policy.module = self.fabric.setup_module(policy.module)
+        self.optimizer = self.fabric.setup_optimizers(make_opt(self.policy.module.parameters()))
+        self.rollout.bind(self.fabric.to_device(engine_model), policy.tokenizer)
         if self.reference is not None:
-            self.fabric.to_device(self.reference.model)
+            if sharded:
+                self.reference.module = self.fabric.setup_module(self.reference.module)
+            else:
+                self.fabric.to_device(self.reference.model)
         if critic is not None:
-            critic_opt = torch.optim.AdamW(critic.module.parameters(), lr=critic_lr, weight_decay=weight_decay)
-            critic.module, self.critic_optimizer = self.fabric.setup(critic.module, critic_opt)
+            critic.module = self.fabric.setup_module(critic.module)
+            self.critic_optimizer = self.fabric.setup_optimizers(
+                torch.optim.AdamW(critic.module.parameters(), lr=critic_lr, weight_decay=weight_decay))
         self.global_step, self.loader, self.schedulers = 0, None, []
 
     # ------------------------------------------------------------------ checks
@@ -149,33 +165,41 @@ class Trainer:
         with timer("update_actor"):
             stats |= self.update_actor(batch)
         with timer("update_weights"):
-            self.rollout.sync_weights(self.policy.model)
+            stats |= self.rollout.sync_weights(self.policy.model) or {}
         for sched in self.schedulers:
             sched.step()
         self.global_step += 1
 
         step_time = time.perf_counter() - start
-        tokens = int(batch[K.PROMPT_MASK].sum() + batch[K.RESPONSE_MASK].sum())
+        tokens = batch[K.PROMPT_MASK].sum() + batch[K.RESPONSE_MASK].sum()
+        total_tokens = int(global_sum(self.fabric, tokens))
         metrics = batch_metrics(batch, getattr(self.rollout, "max_new_tokens", None)) | stats
         for role in (self.rollout, self.reward, self.estimator):
             metrics |= getattr(role, "stats", {})  # e.g. reward/errors, actor/reward_kl_penalty
         metrics |= timer.metrics() | {
             "timing_s/step": step_time,
-            "perf/total_num_tokens": tokens,
+            "perf/total_num_tokens": total_tokens,
             "perf/time_per_step": step_time,
-            "perf/throughput": tokens / step_time / self.fabric.world_size,
+            "perf/throughput": int(tokens) / step_time,  # per device; averaged over ranks below
             "training/global_step": self.global_step,
             "training/epoch": self.loader.epoch if self.loader else 0,
         }
-        return metrics
+        return reduce_metrics(self.fabric, metrics)
 
     def _minibatches(self, batch: TensorDict):
-        """(mini-batch, its valid-token count, its sequence count) for every optimizer step of this RL step."""
-        mini = self.mini_batch_size * (batch.batch_size[0] // self.batch_size)  # prompts -> samples
+        """(mini-batch, token count, sequence count) for every optimizer step of this RL step.
+
+        The counts are global (all ranks) divided by the number of ranks: gradients are
+        averaged over ranks, so this makes the update equal to one process on the whole batch.
+        """
+        mini = batch.batch_size[0] * self.mini_batch_size // self.batch_size  # prompts -> this rank's samples
+        world = self.fabric.world_size
         for _ in range(self.ppo_epochs):
             for mb in batch.split(mini):
                 mask = mb[K.RESPONSE_MASK]
-                yield mb, mask.sum().clamp_min(1), (mask.sum(-1) > 0).sum().clamp_min(1)
+                n_tok = global_sum(self.fabric, mask.sum()).clamp_min(1) / world
+                n_seq = global_sum(self.fabric, (mask.sum(-1) > 0).sum()).clamp_min(1) / world
+                yield mb, n_tok, n_seq
 
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
         """Mini-batch updates with gradient accumulation over micro-batches.
@@ -250,15 +274,16 @@ class Trainer:
         votes: dict[str, list] = {}               # source -> one list of n predictions (or None) per prompt
         for prompts in data.val_batches(self.policy.tokenizer):
             batch = self.reward(rollout(self.fabric.to_device(prompts)))
-            extras = getattr(self.reward, "extras", {})
-            columns = {"reward": batch[K.SCORES].tolist()}
-            if extras.get("acc") and all(v is not None for v in extras["acc"]):
-                columns["acc"] = [float(v) for v in extras["acc"]]
-            preds, sources = extras.get("pred"), list(batch[K.DATA_SOURCE])
-            for i in range(0, len(sources), n):
-                for var, col in columns.items():
-                    values.setdefault(sources[i], {}).setdefault(var, []).append(col[i : i + n])
-                votes.setdefault(sources[i], []).append([str(p) for p in preds[i : i + n]] if preds else None)
+            extras, scores = getattr(self.reward, "extras", {}), batch[K.SCORES].tolist()
+            accs, preds, sources = extras.get("acc"), extras.get("pred"), list(batch[K.DATA_SOURCE])
+            for i in range(0, len(sources), n):  # one prompt's n samples are contiguous
+                per = values.setdefault(sources[i], {})
+                per.setdefault("reward", []).append(scores[i : i + n])
+                acc, pred = (accs or [None] * len(sources))[i : i + n], (preds or [None] * len(sources))[i : i + n]
+                if all(a is not None for a in acc):
+                    per.setdefault("acc", []).append([float(a) for a in acc])
+                votes.setdefault(sources[i], []).append(
+                    [str(p) for p in pred] if all(p is not None for p in pred) else None)
         metrics = {}
         for src, per in values.items():
             core = "acc" if len(per.get("acc", ())) == len(per["reward"]) else "reward"
@@ -281,6 +306,8 @@ class Trainer:
         """Train on ``data``; returns every step's metrics (validation metrics merged into their step)."""
         self.fabric.seed_everything(self.seed)
         self.loader = data.loader(self.batch_size, self.policy.tokenizer)
+        if hasattr(self.rollout, "bind_prompts"):  # e.g. DAPO's dynamic sampling pulls more prompt batches
+            self.rollout.bind_prompts(self.loader)
         total = self.max_steps or self.epochs * self.loader.steps_per_epoch
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(self.lr_schedule, self.warmup_steps, total))
                            for o in self._optimizers()]
@@ -289,7 +316,8 @@ class Trainer:
         self.fabric.call("on_fit_start", trainer=self)
         bar = tqdm(total=total, initial=self.global_step, desc="rl", disable=not self.progress or self.fabric.global_rank)
         while self.global_step < total:
-            metrics = self.step(self.fabric.to_device(next(self.loader)))
+            prompts = rank_shard(next(self.loader), self.fabric.global_rank, self.fabric.world_size)
+            metrics = self.step(self.fabric.to_device(prompts))
             if self.val_every and data.val and (self.global_step % self.val_every == 0 or self.global_step == total):
                 t0 = time.perf_counter()
                 metrics |= self.validate(data)
@@ -335,7 +363,9 @@ class Trainer:
         path = ckpt.step_dir(self.checkpoint_dir, self.global_step)
         self.fabric.save(path / "state.ckpt", self.state())
         if self.fabric.global_rank == 0:
+            ckpt.save_hf_metadata(path / "huggingface", self.policy.model, self.policy.tokenizer)
             ckpt.mark_latest(self.checkpoint_dir, self.global_step)
+        self.fabric.barrier()
         return path
 
     def load(self, path: str | Path) -> None:
@@ -351,6 +381,7 @@ class Trainer:
         ckpt.set_rng_state(state["rng"])
         for name, m in self._stateful_roles().items():
             m.load_state_dict(state["roles"][name])
+        self.rollout.sync_weights(self.policy.model)  # an engine with its own copy must see the loaded weights
 
     def _maybe_resume(self) -> None:
         if self.resume is None:

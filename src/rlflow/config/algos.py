@@ -1,0 +1,69 @@
+"""Config -> algorithm classes: the candidate constructor values of estimators, losses and KL
+controllers, and the modules chained around an estimator (KL in the reward, ReMax's greedy
+baseline, rollout-correction weights). Classes are looked up by name in :mod:`rlflow.algorithms`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import rlflow.algorithms
+from rlflow.config import tables
+from rlflow.config.loading import NotSupportedError, VerlConfig
+from rlflow.config.resolve import Candidate, class_kwargs, fill, key, resolve_class
+
+A = "actor_rollout_ref.actor"
+
+__all__ = ["ESTIMATOR_POOL", "KL_CTRL_POOL", "KL_IN_REWARD_KEYS", "companions", "loss_pool"]
+
+
+def loss_pool(cfg: VerlConfig) -> dict[str, Candidate]:
+    """Candidate constructor values for policy losses, by parameter name."""
+    use_kl = Candidate((f"{A}.use_kl_loss", f"{A}.kl_loss_coef"),
+                       lambda c: float(c[f"{A}.kl_loss_coef"]) if c[f"{A}.use_kl_loss"] else 0.0, always=True)
+    pool = {name: key(f"{A}.{name}") for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
+                                                   "tau_pos", "tau_neg", "loss_scale_factor")}
+    pool |= {name: key(f"{A}.policy_loss.{name}") for name in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
+                                                                "kl_cov_ratio", "ppo_kl_coef")}
+    return pool | {"kl_coef": use_kl, "kl_type": key(f"{A}.kl_loss_type"), "entropy_coef": key(f"{A}.entropy_coeff"),
+                   "agg": key(f"{A}.loss_agg_mode")}
+
+
+ESTIMATOR_POOL = {"gamma": key("algorithm.gamma"), "lam": key("algorithm.lam"),
+                  "norm_by_std": key("algorithm.norm_adv_by_std_in_grpo"),
+                  "norm_adv_by_std_in_grpo": key("algorithm.norm_adv_by_std_in_grpo")}
+KL_IN_REWARD_KEYS = ("algorithm.kl_penalty", "algorithm.kl_ctrl.type")  # read when use_kl_in_reward is on
+KL_CTRL_POOL = {name: key(f"algorithm.kl_ctrl.{k}") for name, k in (
+    ("kl_coef", "kl_coef"), ("init_coef", "kl_coef"), ("coef", "kl_coef"), ("target_kl", "target_kl"),
+    ("horizon", "horizon"))}
+
+
+def algorithm_class(name: str, key_: str, value: Any) -> type:
+    cls = getattr(rlflow.algorithms, name, None)
+    if cls is None:
+        raise NotSupportedError(key_, value, f"{name} (not in rlflow.algorithms yet)")
+    return cls
+
+
+def companions(cfg: VerlConfig, estimator_cls: type) -> tuple[list, list, tuple | None]:
+    """Modules chained around the estimator: KL in the reward, ReMax's greedy baseline, IS weights."""
+    before, after, controller = [], [], None
+    if cfg["algorithm.use_kl_in_reward"]:
+        ctrl_cls = resolve_class("algorithm.kl_ctrl.type", cfg["algorithm.kl_ctrl.type"], tables.KL_CONTROLLERS,
+                                 rlflow.algorithms)
+        controller = (ctrl_cls, class_kwargs(ctrl_cls, KL_CTRL_POOL, cfg))
+        wrapper = algorithm_class(tables.KL_IN_REWARD, "algorithm.use_kl_in_reward", True)
+        pool = {"kind": key("algorithm.kl_penalty", always=True), "kl_type": key("algorithm.kl_penalty", always=True),
+                "controller": fill("KL controller")}
+        before.append((wrapper, class_kwargs(wrapper, pool, cfg)))
+    if estimator_cls.__name__ in tables.ESTIMATOR_BEFORE:
+        cls = algorithm_class(tables.ESTIMATOR_BEFORE[estimator_cls.__name__], "algorithm.adv_estimator",
+                              cfg["algorithm.adv_estimator"])
+        before.append((cls, class_kwargs(cls, {"rollout": fill("rollout"), "reward": fill("reward")}, cfg)))
+    level = cfg["algorithm.rollout_correction.rollout_is"]
+    if level:
+        cls = algorithm_class(tables.ROLLOUT_IS, "algorithm.rollout_correction.rollout_is", level)
+        pool = {"level": Candidate((), lambda c: level, always=True),
+                "threshold": key("algorithm.rollout_correction.rollout_is_threshold", always=True)}
+        after.append((cls, class_kwargs(cls, pool, cfg)))
+    return before, after, controller

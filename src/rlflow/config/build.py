@@ -1,0 +1,148 @@
+"""Make the objects of a :class:`~rlflow.config.plan.Plan` through rlflow's public constructors.
+
+This is the one path: what the verl entry point runs is ``Trainer(policy=Policy.from_pretrained(...),
+rollout=HFRollout(...), reward=FunctionReward(...), estimator=GRPO(...), loss=PPOLoss(...), ...)``,
+exactly what a Python user writes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlflow.config.loading import ConfigError
+from rlflow.config.plan import Plan
+from rlflow.config.resolve import Fill, instantiate
+from rlflow.config.reward_fn import check_data_sources
+from rlflow.data import keys as K
+from rlflow.data.prompts import DataError, PromptData
+from rlflow.models.critic import Critic
+from rlflow.models.policy import Policy
+from rlflow.rewards import FunctionReward
+from rlflow.trainer.loggers import make_loggers
+from rlflow.trainer.trainer import Trainer
+
+
+def local_model(path: str, key: str) -> str:
+    """A local folder, or a hub name already in the Hugging Face cache; rlflow never downloads."""
+    folder = Path(path).expanduser()
+    if folder.exists():
+        return str(folder)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - any failure means: not available offline
+        raise ConfigError(f"{key}={path!r}: no such local folder, and not in the Hugging Face cache. rlflow never "
+                          f"downloads at run time: fetch it first (huggingface-cli download {path}) or point "
+                          "at a local model folder") from None
+
+
+def load_tokenizer(plan: Plan):
+    """The policy's tokenizer alone (the dry run needs no weights)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(local_model(plan.model_path, "actor_rollout_ref.model.path"),
+                                        padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if plan.chat_template:
+        tok.chat_template = plan.chat_template
+    return tok
+
+
+def build_data(plan: Plan, tokenizer) -> PromptData:
+    """The prompts, filtered once with the policy's tokenizer; the built-in reward must cover their sources."""
+    kw = dict(plan.data_kwargs)
+    try:
+        data = PromptData(kw.pop("train"), val=kw.pop("val"), **kw)
+    except DataError as e:
+        raise ConfigError(f"data.train_files / data.val_files: {e}") from e
+    dropped = data.filter_overlong(tokenizer)
+    if any(dropped.values()):
+        plan.notes.append(f"data.filter_overlong_prompts: dropped {dropped['train']} training and {dropped['val']} "
+                          f"validation prompt(s) longer than max_prompt_length={data.max_prompt_length} tokens")
+    if not plan.custom_reward:
+        check_data_sources({r["data_source"] for r in data.train + data.val}, f"{data.train_name}")
+    return data
+
+
+def total_steps(plan: Plan, data: PromptData) -> int:
+    """verl's rule: ``trainer.total_training_steps`` if set, else epochs x (prompts // train_batch_size)."""
+    batch = plan.trainer_kwargs["batch_size"]
+    if batch > len(data.train):
+        raise ConfigError(f"data.train_batch_size={batch} > {len(data.train)} training prompts in {data.train_name}")
+    return plan.total_training_steps or plan.total_epochs * (len(data.train) // batch)
+
+
+def warmup_steps(plan: Plan, total: int) -> int:
+    steps, ratio = plan.warmup
+    return steps if steps and steps > 0 else int(ratio * total)
+
+
+def build_policy(plan: Plan) -> Policy:
+    policy = Policy.from_pretrained(local_model(plan.model_path, "actor_rollout_ref.model.path"), **plan.policy_kwargs)
+    if plan.chat_template:
+        policy.tokenizer.chat_template = plan.chat_template
+    return policy
+
+
+def build_critic(plan: Plan) -> Critic:
+    from transformers import AutoModelForCausalLM
+
+    kw = dict(plan.critic_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(local_model(plan.critic_path, "critic.model.path"))
+    if kw.pop("gradient_checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return Critic(model, **kw)
+
+
+def build_estimator(plan: Plan, rollout, loss):
+    """The estimator, chained with the modules around it: ``Chain(KLInReward(...), GRPO(), loss.selection())``."""
+    from rlflow.module import Chain
+
+    estimator = instantiate(plan.estimator_cls, plan.estimator_kwargs, "algorithm.*")
+    made = {"rollout": rollout, "reward": FunctionReward(plan.reward_fn)}  # a reward of its own (its stats)
+    if plan.kl_controller:
+        made["KL controller"] = instantiate(*plan.kl_controller, "algorithm.kl_ctrl.*")
+
+    def make(cls, kwargs):
+        return instantiate(cls, {k: made[v.name] if isinstance(v, Fill) else v for k, v in kwargs.items()},
+                           f"{cls.__name__} from algorithm.*")
+
+    modules = [make(*m) for m in plan.before] + [estimator] + [make(*m) for m in plan.after]
+    if hasattr(loss, "selection"):  # covariance losses choose their tokens once per step, over the whole batch
+        modules.append(loss.selection())
+    return Chain(*modules) if len(modules) > 1 else estimator
+
+
+def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, PromptData]:
+    """The Trainer and the prompts of this plan (data is loaded here unless given)."""
+    policy = build_policy(plan)
+    data = data or build_data(plan, policy.tokenizer)
+    total = total_steps(plan, data)
+    loss = instantiate(plan.loss_cls, plan.loss_kwargs, "actor_rollout_ref.actor.*")
+    rollout = instantiate(plan.rollout_cls, plan.rollout_kwargs, "actor_rollout_ref.rollout.*")
+    estimator = build_estimator(plan, rollout, loss)
+    reference = "auto"
+    wants_ref = K.REF_LOG_PROBS in set(loss.in_keys) | set(estimator.in_keys)
+    if wants_ref and plan.ref_micro_batch_size not in (None, policy.micro_batch_size):
+        frozen = policy.reference()
+        reference = Policy(frozen.model, frozen.tokenizer, temperature=policy.temperature,
+                           micro_batch_size=plan.ref_micro_batch_size, log_prob_key=K.REF_LOG_PROBS, entropy_key=None)
+    critic, value_loss = None, None
+    if plan.critic_path is not None:
+        from rlflow.algorithms import ValueLoss
+
+        critic = build_critic(plan)
+        value_loss = instantiate(ValueLoss, plan.value_loss_kwargs, "critic.cliprange_value / critic.loss_agg_mode")
+    run_dir = Path(plan.trainer_kwargs["run_dir"]).expanduser()
+    loggers = make_loggers(plan.loggers, run_dir, project=plan.project, experiment=plan.experiment)
+    trainer = Trainer(
+        policy=policy, rollout=rollout,
+        reward=FunctionReward(plan.reward_fn), estimator=estimator, loss=loss, reference=reference,
+        critic=critic, value_loss=value_loss, max_steps=total, epochs=plan.total_epochs,
+        warmup_steps=warmup_steps(plan, total), loggers=loggers,
+        **(plan.trainer_kwargs | {"run_dir": run_dir}),
+    )
+    trainer.val_sampling = plan.val_sampling  # read by Trainer.validate (verl's rollout.val_kwargs)
+    return trainer, data

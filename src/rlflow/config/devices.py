@@ -1,0 +1,72 @@
+"""Devices, processes, strategy and precision of a verl config, checked against this machine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+
+OFFLOAD_KEYS = (
+    "actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+    "actor_rollout_ref.actor.fsdp_config.offload_policy", "actor_rollout_ref.ref.fsdp_config.param_offload",
+)
+CRITIC_OFFLOAD_KEYS = ("critic.model.fsdp_config.param_offload", "critic.model.fsdp_config.optimizer_offload",
+                       "critic.model.fsdp_config.offload_policy")
+
+
+@dataclass(frozen=True)
+class Devices:
+    accelerator: str      # "cpu" or "cuda", for lightning.Fabric
+    precision: str        # Fabric precision, e.g. "32-true"
+    strategy: str         # Fabric strategy
+    processes: int        # n_gpus_per_node x nnodes
+    offload: bool         # a CPU-offload key is on (only possible on CPU for now)
+
+
+def cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_devices(cfg: VerlConfig, notes: list[str], with_critic: bool) -> Devices:
+    """Check the request against the machine: too many GPUs and multi-process runs are clear errors."""
+    device, per_node, nnodes = cfg["trainer.device"], cfg["trainer.n_gpus_per_node"], cfg["trainer.nnodes"]
+    found = cuda_count()
+    if device not in ("auto", "cuda", "cpu"):
+        raise NotSupportedError("trainer.device", device, f"device '{device}'", "Use trainer.device=cpu or cuda.")
+    if per_node < 1 or nnodes < 1:
+        raise ConfigError(f"trainer.n_gpus_per_node={per_node}, trainer.nnodes={nnodes}: both must be >= 1")
+    wants_gpu = device == "cuda" or (device == "auto" and (found > 0 or per_node > 1))
+    if wants_gpu and per_node > found:
+        fix = ("trainer.device=cpu trainer.n_gpus_per_node=1" if found == 0
+               else "trainer.n_gpus_per_node=1 (rlflow's verl entry point runs one process for now)")
+        raise ConfigError(
+            f"trainer.n_gpus_per_node={per_node} asks for {per_node} GPU(s) per node, but this machine has {found} "
+            f"CUDA device(s) (torch.cuda.device_count() = {found}). To run on what is here, add: {fix}")
+    accelerator = "cuda" if wants_gpu else "cpu"
+    processes = per_node * nnodes
+    if processes > 1:
+        raise NotSupportedError(
+            "trainer.n_gpus_per_node", per_node,
+            f"multi-process training ({per_node} x {nnodes} node(s) = {processes} processes)",
+            "Distributed training (FSDP2 across processes) is its own issue; for now run one process: "
+            "trainer.n_gpus_per_node=1 trainer.nnodes=1")
+    for role in ("actor_rollout_ref.actor", "critic") if with_critic else ("actor_rollout_ref.actor",):
+        strategy = cfg[f"{role}.strategy"]
+        if strategy in ("fsdp", "fsdp2"):
+            notes.append(f"{role}.strategy={strategy} on 1 process: rlflow runs Fabric's single-device strategy "
+                         "(FSDP shards across processes; with one there is nothing to shard)")
+    offload = False
+    for key in OFFLOAD_KEYS + (CRITIC_OFFLOAD_KEYS if with_critic else ()):
+        if cfg[key]:
+            if accelerator != "cpu":
+                raise NotSupportedError(key, True, "CPU offloading on a single GPU",
+                                        "It needs FSDP2 across processes (the distributed issue).")
+            offload = True
+            notes.append(f"{key}=True: on trainer.device=cpu the weights and optimizer state already live in "
+                         "CPU memory, so there is nothing more to offload")
+    precision = cfg["trainer.precision"]
+    if precision == "auto":
+        precision = "bf16-mixed" if accelerator == "cuda" else "32-true"
+    return Devices(accelerator, precision, "auto", processes, offload)

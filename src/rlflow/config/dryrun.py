@@ -1,0 +1,200 @@
+"""``--dry-run``: validate config and data, then print what a run would do and stop.
+
+Prints the resolved config, the objects the run builds (as the Python calls), the data it found,
+the batch arithmetic of one RL step (prompts x n -> mini-batches -> micro-batches per device),
+the schedule, and a rough estimate of memory and compute per step. Loads the tokenizer and the
+model's config, never its weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlflow.config.build import build_data, load_tokenizer, local_model, total_steps, warmup_steps
+from rlflow.config.plan import Plan
+from rlflow.config.resolve import format_kwargs, format_value
+from rlflow.data.prompts import render_prompt
+
+A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+MAX_LENGTH_ROWS = 50_000  # prompts tokenized to measure lengths
+H100_BF16 = 989e12
+
+
+def gib(n_bytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n_bytes >= size:
+            return f"{n_bytes / size:.2f} {unit}"
+    return f"{n_bytes:.0f} B"
+
+
+def count_parameters(path: str) -> tuple[int, object]:
+    """Parameter count from the model's config alone (built on the meta device: no memory, no weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters()), config
+
+
+def prompt_lengths(data, tokenizer) -> list[int]:
+    rows = data.train[:MAX_LENGTH_ROWS]
+    return [len(tokenizer(render_prompt(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"]) for r in rows]
+
+
+def line(label: str, formula: str, value: str) -> str:
+    return f"  {label:<29}{formula:<61} = {value}"
+
+
+def estimator_text(plan: Plan) -> str:
+    def call(cls, kwargs):
+        return f"{cls.__name__}({format_kwargs(kwargs)})"
+
+    parts = [call(*m) for m in plan.before] + [call(plan.estimator_cls, plan.estimator_kwargs)]
+    parts += [call(*m) for m in plan.after] + (["loss.selection()"] if hasattr(plan.loss_cls, "selection") else [])
+    text = f"Chain({', '.join(parts)})" if len(parts) > 1 else parts[0]
+    if plan.kl_controller:
+        text += f"  with <KL controller> = {call(*plan.kl_controller)}"
+    return text
+
+
+def objects_section(plan: Plan) -> list[str]:
+    t = plan.trainer_kwargs
+    out = ["Objects (the same Python API calls a script would make)",
+           f"  policy    = Policy.from_pretrained({plan.model_path!r}, {format_kwargs(plan.policy_kwargs)})",
+           f"  rollout   = {plan.rollout_cls.__name__}({format_kwargs(plan.rollout_kwargs)})",
+           f"  reward    = FunctionReward({format_value(plan.reward_fn)})",
+           f"  estimator = {estimator_text(plan)}",
+           f"  loss      = {plan.loss_cls.__name__}({format_kwargs(plan.loss_kwargs)})"]
+    if plan.critic_path:
+        out += [f"  critic    = Critic(<{plan.critic_path}>, {format_kwargs(plan.critic_kwargs)})",
+                f"  value_loss= ValueLoss({format_kwargs(plan.value_loss_kwargs)})"]
+    out.append(f"  data      = PromptData({format_kwargs(plan.data_kwargs)})")
+    out.append(f"  trainer   = Trainer(..., {format_kwargs(t)})")
+    return out
+
+
+def batch_section(plan: Plan) -> list[str]:
+    t, procs = plan.trainer_kwargs, plan.devices.processes
+    n, bs, mini, epochs = plan.rollout_kwargs["n"], t["batch_size"], t["mini_batch_size"], t["ppo_epochs"]
+    traj, mini_traj = bs * n, mini * n
+    per_dev = mini_traj // procs
+    micro = t["micro_batch_size"] or per_dev
+    lp_micro = plan.policy_kwargs["micro_batch_size"]
+    return [
+        "Batch arithmetic of one RL step (verl units: mini-batches count prompts, micro-batches trajectories)",
+        line("prompts per step", "data.train_batch_size", f"{bs}"),
+        line("samples per prompt", f"{R}.n", f"{n}"),
+        line("trajectories per step", f"{bs} prompts x {n} samples", f"{traj}"),
+        line("mini-batches per step", f"train_batch_size / ppo_mini_batch_size = {bs} / {mini}",
+             f"{bs // mini} mini-batches"),
+        line("optimizer steps per step", f"{bs // mini} mini-batches x ppo_epochs {epochs}", f"{bs // mini * epochs}"),
+        line("trajectories per mini-batch", f"ppo_mini_batch_size x n = {mini} x {n}", f"{mini_traj}"),
+        line("per device", f"{mini_traj} trajectories / {procs} process(es)", f"{per_dev}"),
+        line("micro-batch per device", f"{A}.ppo_micro_batch_size_per_gpu",
+             f"{micro} trajectories" + ("" if t["micro_batch_size"] else " (unset: the whole mini-batch)")),
+        line("grad. accumulation", f"{per_dev} / {micro}", f"{-(-per_dev // micro)} forward/backward passes per "
+                                                           "optimizer step"),
+        line("log-prob micro-batch", f"{R}.log_prob_micro_batch_size_per_gpu",
+             f"{lp_micro or traj} trajectories" + ("" if lp_micro else " (unset: the whole batch)")),
+    ]
+
+
+def schedule_section(plan: Plan, data, total: int) -> list[str]:
+    t, bs = plan.trainer_kwargs, plan.trainer_kwargs["batch_size"]
+    per_epoch, left = len(data.train) // bs, len(data.train) % bs
+    how = (f"trainer.total_training_steps" if plan.total_training_steps
+           else f"total_epochs x steps per epoch = {plan.total_epochs} x {per_epoch}")
+    val = ("never (no data.val_files)" if not data.val else
+           (f"every {t['val_every']} steps and at the last" if t["val_every"] else "only before training")
+           + (", and before training" if plan.val_before_train and t["val_every"] else ""))
+    if data.val and not plan.val_before_train and not t["val_every"]:
+        val = "never (trainer.test_freq=-1, trainer.val_before_train=False)"
+    ckpt = (f"every {t['save_every']} steps and at the last, in {t['run_dir']}/checkpoints/global_step_N"
+            if t["save_every"] else "never (trainer.save_freq=-1)")
+    return ["Schedule",
+            line("training prompts", str(data.train_name)[:50], f"{len(data.train)}"),
+            line("steps per epoch", f"{len(data.train)} // {bs} (a last partial batch is skipped)",
+                 f"{per_epoch} ({left} prompts unused per epoch)"),
+            line("total RL steps", how, f"{total}"),
+            line("lr warm-up", f"{A}.optim.lr_warmup_steps(_ratio)", f"{warmup_steps(plan, total)} steps, then "
+                                                                       f"{t['lr_schedule']}"),
+            f"  validation: {val}; resume: {t['resume'] or 'disabled'}", f"  checkpoints: {ckpt}"]
+
+
+def data_section(plan: Plan, data, lengths: list[int], problems: list[str]) -> list[str]:
+    sources: dict[str, int] = {}
+    for r in data.train:
+        sources[r["data_source"]] = sources.get(r["data_source"], 0) + 1
+    limit = data.max_prompt_length
+    over = sum(x > limit for x in lengths) if limit else 0
+    sampled = f" (first {len(lengths)})" if len(lengths) < len(data.train) else ""
+    if over and data.truncation == "error":
+        problems.append(f"{over} training prompt(s){sampled} are longer than data.max_prompt_length={limit} tokens "
+                        "and data.truncation=error: the run would stop at the first batch holding one. Set "
+                        "data.filter_overlong_prompts=True, or data.truncation=left|right|middle")
+    return ["Data",
+            f"  train: {len(data.train)} prompts in {data.train_name}; validation: {len(data.val)} prompts"
+            f"{' in ' + data.val_name if data.val else ''}",
+            f"  data sources: {', '.join(f'{k} ({v})' for k, v in sources.items())}",
+            f"  prompt tokens{sampled}: max {max(lengths)}, mean {sum(lengths) / len(lengths):.1f}; "
+            f"{over} over max_prompt_length={limit} (truncation={data.truncation})"]
+
+
+def cost_section(plan: Plan, total: int, longest_prompt: int) -> list[str]:
+    n_params, config = count_parameters(local_model(plan.model_path, "actor_rollout_ref.model.path"))
+    n_critic = count_parameters(local_model(plan.critic_path, "critic.model.path"))[0] if plan.critic_path else 0
+    t = plan.trainer_kwargs
+    act = 2 if "bf16" in t["precision"] or "16" in t["precision"] else 4
+    P = min(plan.data_kwargs["max_prompt_length"] or longest_prompt, longest_prompt)
+    Rl = plan.rollout_kwargs["max_new_tokens"]
+    traj = t["batch_size"] * plan.rollout_kwargs["n"]
+    micro = t["micro_batch_size"] or t["mini_batch_size"] * plan.rollout_kwargs["n"]
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    ref = plan.loss_kwargs.get("kl_coef", 0) > 0 or plan.kl_controller is not None
+    states = 16 * n_params + (4 * n_params if ref else 0) + 16 * n_critic
+    kv = 2 * layers * kv_heads * head_dim * act * traj * (P + Rl)
+    ckpt = plan.policy_kwargs["gradient_checkpointing"]
+    per_layer = micro * (P + Rl) * hidden * act * (1 if ckpt else 16)
+    activations = layers * per_layer + 3 * 4096 * config.vocab_size * 4
+    T = traj * (P + Rl)
+    updates = (8 if ckpt else 6) * plan.trainer_kwargs["ppo_epochs"]
+    needs_old = t["ppo_epochs"] > 1 or t["mini_batch_size"] < t["batch_size"]
+    flops = 2 * n_params * T * (1 + ref + needs_old) + updates * n_params * T + (2 + updates) * n_critic * T
+    return [f"Estimate per step (upper bound: every prompt {P} tokens, the longest in the data, + every response "
+            f"{Rl}; precision {t['precision']})",
+            f"  parameters: policy {n_params / 1e6:.2f} M" + (f", critic {n_critic / 1e6:.2f} M" if n_critic else ""),
+            f"  memory: weights + grads + AdamW {gib(states)} (fp32 master: 16 B/param"
+            f"{', + frozen reference 4 B/param' if ref else ''}); KV cache for {traj} sequences {gib(kv)}; "
+            f"activations per micro-batch of {micro} ~{gib(activations)}"
+            f" ({'with' if ckpt else 'without'} gradient checkpointing); peak ~{gib(states + max(kv, activations))}",
+            f"  compute: ~{flops / 1e12:.3g} TFLOP per step, ~{flops * total / 1e15:.3g} PFLOP for {total} steps "
+            f"(~{flops / (0.4 * H100_BF16):.3g} s/step at 40% of one H100's bf16 peak; generation is memory-bound "
+            "and usually slower)"]
+
+
+def dry_run(plan: Plan) -> tuple[str, list[str]]:
+    """The report and its problems (a problem makes the dry run exit non-zero)."""
+    from rlflow.config.run import unused_notes
+
+    tokenizer = load_tokenizer(plan)
+    data = build_data(plan, tokenizer)
+    total = total_steps(plan, data)
+    problems: list[str] = []
+    lengths = prompt_lengths(data, tokenizer)
+    sections = [["Resolved config", plan.cfg.to_yaml()], objects_section(plan),
+                data_section(plan, data, lengths, problems), batch_section(plan), schedule_section(plan, data, total),
+                cost_section(plan, total, max(lengths))]
+    notes = plan.notes + unused_notes(plan.cfg)
+    if notes:
+        sections.append(["Notes"] + [f"  - {n}" for n in notes])
+    if problems:
+        sections.append(["PROBLEMS"] + [f"  - {p}" for p in problems])
+    sections.append([f"Dry run: {'config and data are valid' if not problems else 'problems found'}; "
+                     f"nothing was trained. Run without --dry-run to train ({Path.cwd()})."])
+    return "\n\n".join("\n".join(s) for s in sections), problems

@@ -1,0 +1,264 @@
+"""Load a verl-style config: the packaged default tree, the user's YAML, then Hydra-syntax overrides.
+
+``key=value`` changes a key, ``+key=value`` adds one (only where the tree is open, e.g. under
+``override_config``; still validated), ``++key=value`` sets whether or not it exists, ``key=[a,b]``
+gives a list. Overrides are parsed with Hydra's own grammar. Every key is then checked against the
+default tree: an unknown one is an error naming the full dotted key and its closest matches.
+"""
+
+from __future__ import annotations
+
+import difflib
+import numbers
+import re
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+DEFAULTS_FILE = Path(__file__).with_name("verl_defaults.yaml")
+
+
+class ConfigError(ValueError):
+    """A config key or value that rlflow cannot use; the message names the key."""
+
+
+class NotSupportedError(ConfigError):
+    """A recognised key asks for a feature rlflow does not have yet."""
+
+    def __init__(self, key: str, value: Any, feature: str, hint: str = ""):
+        self.key, self.value, self.feature = key, value, feature
+        super().__init__(f"{key}={value!r}: {feature} is not supported yet in rlflow.{' ' + hint if hint else ''}")
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; an empty dict stays a leaf."""
+    if isinstance(tree, dict) and tree:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out |= flatten(v, f"{prefix}{k}.")
+        return out
+    return {prefix[:-1]: tree}
+
+
+class VerlConfig:
+    """The resolved config: ``cfg["a.b.c"]`` reads a key and records that it was read.
+
+    ``provided`` holds the dotted keys the user's YAML or overrides set; ``defaults`` the resolved
+    default tree. What was read tells, after building, which provided keys changed nothing.
+    """
+
+    def __init__(self, tree: dict, provided: set[str], defaults: dict, deps: dict[str, list[str]] | None = None):
+        self.tree, self.provided, self.defaults = tree, provided, defaults
+        self.flat, self.default_flat = flatten(tree), flatten(defaults)
+        self.deps = deps or {}  # key -> keys its ${...} interpolation reads
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> Any:
+        node = self.tree
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise KeyError(f"config has no key {key!r}")
+            node = node[part]
+        todo = [k for k in self.flat if k == key or k.startswith(key + ".")]
+        while todo:  # reading an interpolated key reads what it points to
+            k = todo.pop()
+            if k not in self.read:
+                self.read.add(k)
+                todo += self.deps.get(k, [])
+        return node
+
+    def is_provided(self, key: str) -> bool:
+        return any(k == key or k.startswith(key + ".") for k in self.provided)
+
+    def to_yaml(self) -> str:
+        return OmegaConf.to_yaml(OmegaConf.create(self.tree))
+
+
+def close_matches(key: str, known: list[str], n: int = 3) -> list[str]:
+    """Closest known dotted keys: by the full key, then by its last part."""
+    matches = difflib.get_close_matches(key, known, n=n, cutoff=0.6)
+    leaf = key.rsplit(".", 1)[-1]
+    by_leaf = {k.rsplit(".", 1)[-1]: k for k in known}
+    for name in difflib.get_close_matches(leaf, list(by_leaf), n=n, cutoff=0.75):
+        full = [k for k in known if k.rsplit(".", 1)[-1] == name]
+        matches += [k for k in full if k not in matches]
+    return matches[:n]
+
+
+def unknown_key_error(key: str, known: list[str], hint: str = "") -> ConfigError:
+    suggestions = close_matches(key, known)
+    did_you_mean = f" Did you mean: {', '.join(suggestions)}?" if suggestions else ""
+    return ConfigError(f"unknown config key '{key}'.{did_you_mean}{hint}")
+
+
+def _known_keys(defaults: DictConfig) -> list[str]:
+    return list(flatten(OmegaConf.to_container(defaults, resolve=False)))
+
+
+def _node(defaults: DictConfig, key: str) -> tuple[bool, bool]:
+    """(exists, open) for a dotted key of the default tree; open: an empty dict above or at it."""
+    node: Any = defaults
+    for part in key.split("."):
+        if isinstance(node, DictConfig) and len(node) == 0:
+            return False, True  # under an open node: any key may be added
+        if not isinstance(node, DictConfig) or part not in node:
+            return False, False
+        node = node[part]
+    return True, isinstance(node, DictConfig) and len(node) == 0
+
+
+def check_keys(tree: Any, defaults: DictConfig, prefix: str = "", source: str = "") -> None:
+    """Every key of ``tree`` must exist in the default tree or sit under an open node."""
+    if not isinstance(tree, dict):
+        return
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        exists, open_ = _node(defaults, key)
+        if not exists and not open_:
+            where = f" (in {source})" if source else ""
+            raise unknown_key_error(key, _known_keys(defaults), where)
+        if exists and not open_:
+            check_keys(v, defaults, key + ".", source)
+
+
+def strip_targets(tree: Any) -> Any:
+    """Drop verl's ``_target_`` entries (dataclass hints with no meaning here)."""
+    if isinstance(tree, dict):
+        return {k: strip_targets(v) for k, v in tree.items() if k != "_target_"}
+    return tree
+
+
+def load_yaml(path: Path) -> dict:
+    """A user's YAML as a plain (unresolved) dict; Hydra's ``defaults``/``hydra`` blocks are handled."""
+    try:
+        tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+    except (OSError, OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from e
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: a config file must be a mapping of keys, got {type(tree).__name__}")
+    for entry in tree.pop("defaults", None) or []:
+        name = entry if isinstance(entry, str) else None
+        if name not in ("_self_", "ppo_trainer"):
+            raise ConfigError(f"{path}: defaults entry {entry!r}: composing other config files is not supported "
+                              "yet; rlflow always starts from verl's ppo_trainer tree")
+    tree.pop("hydra", None)  # searchpath etc.: rlflow's tree is verl's ppo_trainer
+    return strip_targets(tree)
+
+
+def parse_overrides(overrides: list[str]) -> list:
+    """Hydra's override grammar; an unquoted value it rejects (e.g. ``~/data/x``) is taken as a string."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser, parsed = OverridesParser.create(), []
+    for text in overrides:
+        try:
+            [o] = parser.parse_overrides([text])
+        except OverrideParseException as e:
+            key, sep, value = text.partition("=")
+            if not sep or "'" in value:
+                raise ConfigError(f"cannot parse override {text!r}: {e}") from e
+            [o] = parser.parse_overrides([f"{key}='{value}'"])
+        if o.is_sweep_override():
+            raise ConfigError(f"override {text!r} is a multirun sweep, which rlflow does not run; quote the value "
+                              f"for a string with commas ({o.key_or_group}='...')")
+        parsed.append(o)
+    return parsed
+
+
+def apply_override(cfg: DictConfig, defaults: DictConfig, o, provided: set[str]) -> None:
+    from hydra.core.override_parser.types import OverrideType
+
+    key, value = o.key_or_group, (None if o.type == OverrideType.DEL else o.value())
+    if o.package:
+        raise ConfigError(f"override '{o.input_line}': package overrides (@) are not supported")
+    exists, open_ = _node(defaults, key)
+    known = _known_keys(defaults)
+    if o.type == OverrideType.DEL:
+        raise ConfigError(f"override '~{key}': deleting keys is not supported; set {key}=null instead")
+    if not exists and not open_:
+        hint = " ('+' adds keys only under open nodes such as override_config)" if o.type != OverrideType.CHANGE else ""
+        raise unknown_key_error(key, known, hint)
+    in_cfg = OmegaConf.select(cfg, key, default="__missing__") != "__missing__"
+    if o.type == OverrideType.ADD and in_cfg:
+        raise ConfigError(f"override '+{key}={o.get_value_element_as_str()}': {key} already exists; "
+                          f"drop the '+' to change it (or use '++' to set it either way)")
+    if o.type == OverrideType.CHANGE and not in_cfg:
+        raise ConfigError(f"override '{key}=...': {key} is not set yet; add it with +{key}=...")
+    if isinstance(value, dict):
+        check_keys(value, defaults, key + ".", f"override {o.input_line}")
+    OmegaConf.update(cfg, key, value, merge=isinstance(value, dict), force_add=True)
+    provided |= set(flatten(value, key + ".")) if isinstance(value, dict) and value else {key}
+
+
+STR_OR_LIST = ("data.train_files", "data.val_files", "target_modules")  # keys (or last parts) taking either
+
+
+def check_types(tree: dict, defaults: dict) -> None:
+    """A value must have its default's type (ints for floats are fine; a string for a list is wrapped)."""
+    flat_defaults = flatten(defaults)
+    for key, value in flatten(tree).items():
+        default = flat_defaults.get(key)
+        if default is None or value is None:
+            continue
+        if (key in STR_OR_LIST or key.rsplit(".", 1)[-1] in STR_OR_LIST) and isinstance(value, (str, list)):
+            continue
+        ok = (isinstance(value, bool) if isinstance(default, bool)
+              else isinstance(value, int) and not isinstance(value, bool) if isinstance(default, int)
+              else isinstance(value, numbers.Real) and not isinstance(value, bool) if isinstance(default, float)
+              else isinstance(value, str) if isinstance(default, str)
+              else isinstance(value, list) if isinstance(default, list) else True)
+        if not ok:
+            kind = {"bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string", "list": "a list"}
+            raise ConfigError(f"{key}={value!r}: expected {kind.get(type(default).__name__, type(default).__name__)} "
+                              f"(the default is {default!r})")
+
+
+def _wrap_lists(tree: dict, defaults: dict) -> dict:
+    for k, v in tree.items():
+        if isinstance(v, dict) and isinstance(defaults.get(k), dict):
+            _wrap_lists(v, defaults[k])
+        elif isinstance(v, str) and isinstance(defaults.get(k), list):
+            tree[k] = [v]  # trainer.logger=console -> [console], as verl accepts
+    return tree
+
+
+def interpolation_deps(raw: dict) -> dict[str, list[str]]:
+    """``{"a.b": "${c.d}"}`` -> ``{"a.b": ["c.d"]}``; relative ``${.x}`` is taken from the key's parent."""
+    deps = {}
+    for key, value in flatten(raw).items():
+        if isinstance(value, str) and "${" in value:
+            parent = key.rsplit(".", 1)[0] + "." if "." in key else ""
+            refs = re.findall(r"\$\{(?:oc\.select:)?([^},]+)", value)
+            deps[key] = [parent + r[1:] if r.startswith(".") else r for r in refs]
+    return deps
+
+
+def load_config(overrides: list[str] = (), config_file: str | Path | None = None, *,
+                base_overlay: dict | None = None, trees: list[tuple[str, dict]] = ()) -> VerlConfig:
+    """Defaults <- ``base_overlay`` (not counted as set by the user) <- YAML file <- ``trees`` (named
+    key trees, e.g. a translated native recipe) <- overrides; then validate and resolve."""
+    defaults = OmegaConf.load(DEFAULTS_FILE)
+    cfg, provided = defaults.copy(), set()
+    layers = [("rlflow native defaults", base_overlay, False)] if base_overlay else []
+    if config_file is not None:
+        layers.append((str(config_file), load_yaml(Path(config_file)), True))
+    layers += [(source, tree, True) for source, tree in trees]
+    for source, tree, counts in layers:
+        check_keys(tree, defaults, source=source)
+        cfg = OmegaConf.merge(cfg, tree)
+        if counts:
+            provided |= set(flatten(tree))
+    for o in parse_overrides(list(overrides)):
+        apply_override(cfg, defaults, o, provided)
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        default_tree = OmegaConf.to_container(defaults, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot resolve the config: {e}") from e
+    resolved = _wrap_lists(resolved, default_tree)
+    check_types(resolved, default_tree)
+    deps = interpolation_deps(OmegaConf.to_container(cfg, resolve=False))
+    return VerlConfig(resolved, provided, default_tree, deps)

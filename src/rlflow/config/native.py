@@ -1,0 +1,109 @@
+"""rlflow's short native recipe format: the Python API's argument names, translated to verl keys.
+
+A recipe names each object and its constructor arguments::
+
+    policy: {path: models/qwen-0.5b, gradient_checkpointing: true}
+    rollout: {n: 8, temperature: 1.0, max_new_tokens: 256}
+    estimator: grpo                    # or {name: gae, gamma: 1.0, lam: 0.95}
+    loss: {clip_ratio: 0.2, kl_coef: 0.001}
+    reward: my_reward.py:compute_score # optional; default: verl's dispatch by data_source
+    data: {train: train.parquet, val: test.parquet, max_prompt_length: 256}
+    trainer: {batch_size: 32, mini_batch_size: 8, lr: 1.0e-6, max_steps: 100, run_dir: runs/gsm8k}
+
+Every native key maps to exactly one verl key (``NATIVE``), then the verl path runs: one
+validation, one plan, one set of builders. Overrides may use native or verl keys.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from rlflow.config.loading import ConfigError, VerlConfig, flatten, load_config, parse_overrides, unknown_key_error
+
+A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+
+NATIVE = {
+    "policy.path": "actor_rollout_ref.model.path",
+    "policy.gradient_checkpointing": "actor_rollout_ref.model.enable_gradient_checkpointing",
+    "policy.micro_batch_size": f"{R}.log_prob_micro_batch_size_per_gpu",
+    "policy.chat_template": "actor_rollout_ref.model.custom_chat_template",
+    "rollout.engine": f"{R}.name", "rollout.n": f"{R}.n", "rollout.temperature": f"{R}.temperature",
+    "rollout.top_p": f"{R}.top_p", "rollout.top_k": f"{R}.top_k", "rollout.do_sample": f"{R}.do_sample",
+    "rollout.max_new_tokens": "data.max_response_length",
+    "reward.path": "custom_reward_function.path", "reward.name": "custom_reward_function.name",
+    "estimator.name": "algorithm.adv_estimator", "estimator.gamma": "algorithm.gamma",
+    "estimator.lam": "algorithm.lam", "estimator.norm_by_std": "algorithm.norm_adv_by_std_in_grpo",
+    "loss.name": f"{A}.policy_loss.loss_mode", "loss.clip_ratio": f"{A}.clip_ratio",
+    "loss.clip_ratio_low": f"{A}.clip_ratio_low", "loss.clip_ratio_high": f"{A}.clip_ratio_high",
+    "loss.clip_ratio_c": f"{A}.clip_ratio_c", "loss.kl_coef": f"{A}.kl_loss_coef", "loss.kl_type": f"{A}.kl_loss_type",
+    "loss.entropy_coef": f"{A}.entropy_coeff", "loss.agg": f"{A}.loss_agg_mode",
+    "critic.path": "critic.model.path", "critic.lr": "critic.optim.lr",
+    "value_loss.clip_range": "critic.cliprange_value",
+    "data.train": "data.train_files", "data.val": "data.val_files", "data.prompt_key": "data.prompt_key",
+    "data.max_prompt_length": "data.max_prompt_length", "data.truncation": "data.truncation",
+    "data.shuffle": "data.shuffle", "data.seed": "data.seed",
+    "data.filter_overlong_prompts": "data.filter_overlong_prompts",
+    "trainer.batch_size": "data.train_batch_size", "trainer.mini_batch_size": f"{A}.ppo_mini_batch_size",
+    "trainer.micro_batch_size": f"{A}.ppo_micro_batch_size_per_gpu", "trainer.ppo_epochs": f"{A}.ppo_epochs",
+    "trainer.lr": f"{A}.optim.lr", "trainer.weight_decay": f"{A}.optim.weight_decay",
+    "trainer.warmup_steps": f"{A}.optim.lr_warmup_steps", "trainer.lr_schedule": f"{A}.optim.lr_scheduler_type",
+    "trainer.max_grad_norm": f"{A}.grad_clip", "trainer.max_steps": "trainer.total_training_steps",
+    "trainer.epochs": "trainer.total_epochs", "trainer.val_every": "trainer.test_freq",
+    "trainer.val_n": f"{R}.val_kwargs.n", "trainer.val_before_train": "trainer.val_before_train",
+    "trainer.save_every": "trainer.save_freq", "trainer.run_dir": "trainer.default_local_dir",
+    "trainer.resume": "trainer.resume_mode", "trainer.loggers": "trainer.logger", "trainer.device": "trainer.device",
+    "trainer.devices": "trainer.n_gpus_per_node", "trainer.precision": "trainer.precision",
+    "trainer.strategy": f"{A}.strategy",
+}
+
+# What a native recipe starts from (verl's defaults suit clusters; these suit one machine).
+NATIVE_DEFAULTS = {
+    "algorithm": {"adv_estimator": "grpo"},
+    "trainer": {"n_gpus_per_node": 1, "logger": ["console", "jsonl"], "total_epochs": 1, "test_freq": -1,
+                "default_local_dir": "runs/rlflow"},
+    "actor_rollout_ref": {"model": {"enable_gradient_checkpointing": False}},
+}
+
+
+def _shorthand(tree: dict) -> dict:
+    """``estimator: grpo`` -> ``{name: grpo}``; ``reward: file.py:fn`` -> ``{path: file.py, name: fn}``."""
+    tree = dict(tree)
+    for section in ("estimator", "loss"):
+        if isinstance(tree.get(section), str):
+            tree[section] = {"name": tree[section]}
+    if isinstance(tree.get("reward"), str):
+        path, _, name = tree["reward"].partition(":")
+        tree["reward"] = {"path": path, **({"name": name} if name else {})}
+    return tree
+
+
+def to_verl(flat: dict, source: str) -> dict:
+    """Native dotted keys -> a nested tree of verl keys; ``loss.kl_coef > 0`` also turns on ``use_kl_loss``."""
+    out = OmegaConf.create({})
+    for key, value in flat.items():
+        if key not in NATIVE:
+            raise unknown_key_error(key, list(NATIVE), f" (in {source}; native keys are listed in docs/verl-compat.md)")
+        OmegaConf.update(out, NATIVE[key], value, force_add=True)
+        if key == "loss.kl_coef":
+            OmegaConf.update(out, f"{A}.use_kl_loss", bool(value), force_add=True)
+    return OmegaConf.to_container(out)
+
+
+def load_native(path: str | Path, overrides: list[str] = ()) -> VerlConfig:
+    """A native recipe plus overrides (native keys, or verl keys for anything the recipe format lacks)."""
+    try:
+        tree = OmegaConf.to_container(OmegaConf.load(Path(path).expanduser())) or {}
+    except Exception as e:  # noqa: BLE001 - unreadable file: say which
+        raise ConfigError(f"cannot read recipe {path}: {e}") from e
+    trees = [(str(path), to_verl(flatten(_shorthand(tree)), str(path)))]
+    verl_overrides, native_flat = [], {}
+    for text, o in zip(overrides, parse_overrides(list(overrides))):
+        if o.key_or_group in NATIVE:
+            native_flat[o.key_or_group] = o.value()
+        else:
+            verl_overrides.append(text)
+    if native_flat:
+        trees.append(("command-line native overrides", to_verl(native_flat, "the command line")))
+    return load_config(verl_overrides, base_overlay=NATIVE_DEFAULTS, trees=trees)

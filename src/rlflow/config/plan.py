@@ -1,0 +1,279 @@
+"""From a validated verl config to a :class:`Plan`: which rlflow classes to build, with which arguments.
+
+Making the plan reads every key it honours and loads nothing heavy (no weights, no data), so the
+dry run can print it. :mod:`rlflow.config.build` then makes the objects from the plan, through the
+same public constructors a Python user calls. Units follow verl: ``ppo_mini_batch_size`` counts
+prompts, ``*_micro_batch_size_per_gpu`` counts trajectories (samples).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+import rlflow
+import rlflow.algorithms
+import rlflow.rollout
+from rlflow.config import tables
+from rlflow.config.algos import ESTIMATOR_POOL, companions, loss_pool
+from rlflow.config.devices import Devices, resolve_devices
+from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.resolve import class_kwargs, resolve_class
+from rlflow.config.reward_fn import reward_function
+
+A, R, C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclass
+class Plan:
+    """Everything the entry point will build; each ``*_kwargs`` is passed to the public constructor."""
+
+    cfg: VerlConfig
+    devices: Devices
+    model_path: str
+    chat_template: str | None
+    policy_kwargs: dict
+    ref_micro_batch_size: int | None
+    rollout_cls: type
+    rollout_kwargs: dict
+    val_sampling: dict
+    reward_fn: Callable
+    custom_reward: bool
+    estimator_cls: type
+    estimator_kwargs: dict
+    loss_cls: type
+    loss_kwargs: dict
+    before: list[tuple[type, dict]]     # modules chained before the estimator (KL in reward, ReMax's baseline)
+    after: list[tuple[type, dict]]      # ... and after it (rollout-correction weights)
+    kl_controller: tuple | None         # (controller class, its kwargs) for the KL-in-reward module
+    critic_path: str | None
+    critic_kwargs: dict
+    value_loss_kwargs: dict
+    data_kwargs: dict
+    trainer_kwargs: dict
+    total_training_steps: int | None
+    total_epochs: int
+    warmup: tuple[int, float]           # (lr_warmup_steps, lr_warmup_steps_ratio)
+    loggers: list[str]
+    project: str
+    experiment: str
+    val_before_train: bool
+    val_only: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def check_not_supported(cfg: VerlConfig) -> None:
+    for k, (feature, triggered) in tables.NOT_SUPPORTED.items():
+        value = cfg[k]
+        if triggered(value):
+            raise NotSupportedError(k, value, feature)
+    if cfg["global_profiler"].get("tool") or any(cfg[f"{r}.profiler"].get("enable") for r in (A, R, C)):
+        raise NotSupportedError("global_profiler.tool / *.profiler.enable", True, "profiling")
+
+
+def one_of(cfg: VerlConfig, per_gpu: str, global_: str, processes: int) -> int | None:
+    """verl's per-GPU micro size, or its deprecated global form divided by the process count."""
+    a, b = cfg[per_gpu], cfg[global_]
+    if a is not None and b is not None:
+        raise ConfigError(f"set only one of {per_gpu}={a} and {global_}={b} (the latter is deprecated)")
+    return a if b is None else max(1, b // processes)
+
+
+def aliased(cfg: VerlConfig, verl_key: str, alias: str) -> Any:
+    """The seed's spellings (``actor.lr``, ``actor.max_grad_norm``) override verl's key when set."""
+    if cfg[alias] is None:
+        return cfg[verl_key]
+    if cfg.is_provided(verl_key) and cfg[verl_key] != cfg[alias]:
+        raise ConfigError(f"{alias}={cfg[alias]} and {verl_key}={cfg[verl_key]} disagree; set only one")
+    return cfg[alias]
+
+
+def rollout_engine(cfg: VerlConfig) -> type:
+    name = cfg[f"{R}.name"]
+    if name not in tables.ROLLOUT_ENGINES:
+        raise ConfigError(f"{R}.name={name!r}: unknown engine; choose from {', '.join(tables.ROLLOUT_ENGINES)}")
+    package, cls_name = tables.ROLLOUT_ENGINES[name]
+    hint = f"Use {R}.name=hf to generate with transformers."
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise NotSupportedError(f"{R}.name", name, f"the {name} rollout engine (not installed here)", hint)
+    cls = getattr(rlflow.rollout, cls_name, None) or getattr(rlflow, cls_name, None)  # HFRollout: top level
+    if cls is None:
+        raise NotSupportedError(f"{R}.name", name, f"the {name} rollout engine", hint)
+    return cls
+
+
+def schedule(cfg: VerlConfig, role: str) -> str:
+    kind = cfg[f"{role}.optim.warmup_style"] or cfg[f"{role}.optim.lr_scheduler_type"]
+    if kind not in SCHEDULES:
+        raise ConfigError(f"{role}.optim.lr_scheduler_type={kind!r}: choose from {SCHEDULES}")
+    return kind
+
+
+def shared(cfg: VerlConfig, notes: list[str], with_critic: bool, actor_keys: tuple[str, ...], actor_value: Any,
+           critic_keys: tuple[str, ...], critic_value: Any) -> Any:
+    """One value for actor and critic (rlflow's Trainer updates both with one mini-batching, schedule and
+    clipping): the side the user set wins; both set and different is an error; any difference gets a note."""
+    if not with_critic or critic_value == actor_value:
+        return actor_value
+    actor_set, critic_set = any(map(cfg.is_provided, actor_keys)), any(map(cfg.is_provided, critic_keys))
+    if actor_set and critic_set:
+        raise ConfigError(f"{critic_keys[0]}={critic_value!r} differs from {actor_keys[0]}={actor_value!r}: rlflow's "
+                          "Trainer uses one value for actor and critic; set them equal")
+    if critic_set:
+        notes.append(f"{critic_keys[0]}={critic_value!r} applies to the actor too: rlflow's Trainer uses one value "
+                     f"for both ({actor_keys[0]} was verl's default {actor_value!r})")
+        return critic_value
+    notes.append(f"{critic_keys[0]}: the critic uses the actor's {actor_keys[0]}={actor_value!r} "
+                 f"(verl's critic default is {critic_value!r})")
+    return actor_value
+
+
+def make_plan(cfg: VerlConfig) -> Plan:
+    """Resolve every honoured key; raise for unknown values and unsupported features."""
+    notes: list[str] = []
+    algo = cfg["algorithm.adv_estimator"]
+    estimator_cls = resolve_class("algorithm.adv_estimator", algo, tables.ADV_ESTIMATORS, rlflow.algorithms)
+    critic_enable = cfg["critic.enable"]
+    with_critic = bool(estimator_cls.needs_critic) if critic_enable is None else bool(critic_enable)
+    if estimator_cls.needs_critic and not with_critic:
+        raise ConfigError(f"algorithm.adv_estimator={algo} needs a critic, but critic.enable=False")
+    devices = resolve_devices(cfg, notes, with_critic)
+    check_not_supported(cfg)
+    procs = devices.processes
+
+    def same(name: str, actor_value: Any = None, critic_value: Any = None, aliases: tuple[str, ...] = ()) -> Any:
+        a, c = f"{A}.{name}", f"{C}.{name}"
+        return shared(cfg, notes, with_critic, (a,) + aliases, cfg[a] if actor_value is None else actor_value,
+                      (c,), cfg[c] if critic_value is None and with_critic else critic_value)
+
+    n, bs, mini = cfg[f"{R}.n"], cfg["data.train_batch_size"], same("ppo_mini_batch_size")
+    if mini > bs or bs % mini:
+        raise ConfigError(f"data.train_batch_size={bs} must be a multiple of {A}.ppo_mini_batch_size={mini} "
+                          "(both count prompts)")
+    micro = one_of(cfg, f"{A}.ppo_micro_batch_size_per_gpu", f"{A}.ppo_micro_batch_size", procs)
+    if micro is not None and (mini * n) % micro:
+        raise ConfigError(f"a mini-batch holds ppo_mini_batch_size x rollout.n = {mini} x {n} = {mini * n} "
+                          f"trajectories, not a multiple of {A}.ppo_micro_batch_size_per_gpu={micro}")
+    temperature, do_sample = cfg[f"{R}.temperature"], cfg[f"{R}.do_sample"]
+    if not do_sample and temperature == 0:
+        temperature = 1.0  # greedy: log-probs of the unscaled distribution
+    lr = aliased(cfg, f"{A}.optim.lr", f"{A}.lr")
+    grad_clip = same("grad_clip", aliased(cfg, f"{A}.grad_clip", f"{A}.max_grad_norm"), aliases=(f"{A}.max_grad_norm",))
+    optim = same("optim.optimizer")
+    if not hasattr(torch.optim, optim):
+        raise ConfigError(f"{A}.optim.optimizer={optim!r}: torch.optim has no such optimizer")
+    weight_decay, betas = same("optim.weight_decay"), same("optim.betas")
+    make_optimizer = functools.partial(getattr(torch.optim, optim), lr=lr, weight_decay=weight_decay,
+                                       betas=tuple(betas))
+    ppo_epochs, lr_schedule = same("ppo_epochs"), same("optim.lr_scheduler_type", schedule(cfg, A), (
+        schedule(cfg, C) if with_critic else None), aliases=(f"{A}.optim.warmup_style",))
+    warmup = (same("optim.lr_warmup_steps"), same("optim.lr_warmup_steps_ratio"))
+    same("optim.min_lr_ratio")  # checked against NOT_SUPPORTED for the actor; the critic must agree
+
+    critic_path, critic_kwargs, value_loss_kwargs = None, {}, {}
+    if with_critic:
+        critic_micro = one_of(cfg, f"{C}.ppo_micro_batch_size_per_gpu", f"{C}.ppo_micro_batch_size", procs)
+        fwd_micro = one_of(cfg, f"{C}.forward_micro_batch_size_per_gpu", f"{C}.forward_micro_batch_size", procs)
+        if critic_micro is not None and critic_micro != micro:
+            notes.append(f"{C}.ppo_micro_batch_size_per_gpu={critic_micro} and the actor's {micro}: the Trainer "
+                         f"uses one micro-batch size, {min(x for x in (micro, critic_micro) if x)}; gradients "
+                         "do not depend on it")
+            micro = min(x for x in (micro, critic_micro) if x)
+        critic_path = cfg[f"{C}.model.path"]
+        critic_kwargs = {"micro_batch_size": fwd_micro if fwd_micro is not None else critic_micro,
+                         "gradient_checkpointing": cfg[f"{C}.model.enable_gradient_checkpointing"]}
+        value_loss_kwargs = {"clip_range": cfg[f"{C}.cliprange_value"], "agg": cfg[f"{C}.loss_agg_mode"]}
+
+    before, after, kl_controller = companions(cfg, estimator_cls)
+    loss_cls = resolve_class(f"{A}.policy_loss.loss_mode", cfg[f"{A}.policy_loss.loss_mode"],
+                             tables.POLICY_LOSSES, rlflow.algorithms)
+    estimator_kwargs = class_kwargs(estimator_cls, ESTIMATOR_POOL, cfg)
+    cfg_reward = cfg["custom_reward_function"]
+    reward_kwargs = {**cfg["reward_model.reward_kwargs"], **cfg_reward["reward_kwargs"]}
+    manager = cfg["reward_model.reward_manager"]
+    if manager in ("prime", "dapo"):
+        notes.append(f"reward_model.reward_manager={manager}: scores like 'naive' (rlflow runs reward calls on "
+                     "threads with a timeout)")
+    loggers = logger_names(cfg, notes)
+    resume = resume_arg(cfg)
+    val = cfg[f"{R}.val_kwargs"]
+    external = cfg["actor_rollout_ref.model.external_lib"]
+    if external:
+        importlib.import_module(external)  # verl imports it to register custom model classes
+    test_freq, save_freq = cfg["trainer.test_freq"], cfg["trainer.save_freq"]
+    return Plan(
+        cfg=cfg, devices=devices, model_path=cfg["actor_rollout_ref.model.path"],
+        chat_template=cfg["actor_rollout_ref.model.custom_chat_template"],
+        policy_kwargs={"temperature": temperature,
+                       "micro_batch_size": one_of(cfg, f"{R}.log_prob_micro_batch_size_per_gpu",
+                                                  f"{R}.log_prob_micro_batch_size", procs),
+                       "gradient_checkpointing": cfg["actor_rollout_ref.model.enable_gradient_checkpointing"]},
+        ref_micro_batch_size=one_of(cfg, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                                    "actor_rollout_ref.ref.log_prob_micro_batch_size", procs),
+        rollout_cls=rollout_engine(cfg),
+        rollout_kwargs={"n": n, "temperature": temperature, "top_p": cfg[f"{R}.top_p"], "top_k": cfg[f"{R}.top_k"],
+                        "max_new_tokens": cfg[f"{R}.response_length"], "do_sample": do_sample},
+        val_sampling={"n": val["n"], "do_sample": val["do_sample"], "top_p": val["top_p"], "top_k": val["top_k"],
+                      "temperature": val["temperature"] if val["do_sample"] else 1.0},
+        reward_fn=reward_function(cfg_reward["path"], cfg_reward["name"], reward_kwargs, manager),
+        custom_reward=bool(cfg_reward["path"]),
+        estimator_cls=estimator_cls, estimator_kwargs=estimator_kwargs,
+        loss_cls=loss_cls, loss_kwargs=class_kwargs(loss_cls, loss_pool(cfg), cfg,
+                                                    fixed={"is_weights": True} if after else None),
+        before=before, after=after, kl_controller=kl_controller,
+        critic_path=critic_path, critic_kwargs=critic_kwargs, value_loss_kwargs=value_loss_kwargs,
+        data_kwargs={"train": cfg["data.train_files"], "val": cfg["data.val_files"],
+                     "prompt_key": cfg["data.prompt_key"],
+                     "max_prompt_length": cfg["data.max_prompt_length"], "truncation": cfg["data.truncation"],
+                     "shuffle": cfg["data.shuffle"], "seed": cfg["data.seed"],
+                     "filter_overlong_prompts": cfg["data.filter_overlong_prompts"]},
+        trainer_kwargs={
+            "batch_size": bs, "mini_batch_size": mini, "micro_batch_size": micro, "ppo_epochs": ppo_epochs,
+            "lr": lr, "critic_lr": cfg[f"{C}.optim.lr"], "weight_decay": weight_decay,
+            "lr_schedule": lr_schedule, "optimizer": make_optimizer, "max_grad_norm": grad_clip,
+            "val_every": max(test_freq, 0), "val_n": val["n"], "save_every": max(save_freq, 0),
+            "run_dir": cfg["trainer.default_local_dir"], "resume": resume, "seed": cfg["data.seed"],
+            "progress": "console" not in loggers, "accelerator": devices.accelerator, "devices": 1,
+            "strategy": devices.strategy, "precision": devices.precision},
+        total_training_steps=cfg["trainer.total_training_steps"], total_epochs=cfg["trainer.total_epochs"],
+        warmup=warmup,
+        loggers=loggers, project=cfg["trainer.project_name"], experiment=cfg["trainer.experiment_name"],
+        val_before_train=cfg["trainer.val_before_train"], val_only=cfg["trainer.val_only"],
+        notes=notes,
+    )
+
+
+def logger_names(cfg: VerlConfig, notes: list[str]) -> list[str]:
+    out = []
+    for name in cfg["trainer.logger"]:
+        if name in tables.VERL_ONLY_LOGGERS:
+            raise NotSupportedError("trainer.logger", name, f"the {name} logger",
+                                    f"Available: {', '.join(tables.LOGGERS)}.")
+        if name not in tables.LOGGERS:
+            raise ConfigError(f"trainer.logger: unknown logger {name!r}; choose from {', '.join(tables.LOGGERS)}")
+        if name == "wandb" and importlib.util.find_spec("wandb") is None:
+            if cfg.is_provided("trainer.logger"):
+                raise ConfigError("trainer.logger contains wandb, which is not installed: pip install wandb")
+            notes.append("trainer.logger: wandb (verl's default) is not installed; logging to the console only")
+            continue
+        out.append(tables.LOGGERS[name])
+    return out
+
+
+def resume_arg(cfg: VerlConfig):
+    mode, path = cfg["trainer.resume_mode"], cfg["trainer.resume_from_path"]
+    if mode == "auto":
+        return "auto"
+    if mode == "disable":
+        return None
+    if mode == "resume_path":
+        if not path:
+            raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>")
+        return path
+    raise ConfigError(f"trainer.resume_mode={mode!r}: choose from auto, disable, resume_path")

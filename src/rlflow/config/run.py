@@ -1,0 +1,115 @@
+"""The verl-compatible command: ``python -m rlflow.trainer.main_ppo [--config-path P --config-name N]
+[--dry-run] key=value ...`` (and ``rlflow train`` with overrides).
+
+Loads and validates the config, makes the plan, then either prints the dry-run report or builds the
+Trainer and trains: validation before training when ``trainer.val_before_train``, ``fit``, and the
+checkpoints of ``trainer.save_freq`` under ``trainer.default_local_dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rlflow.config import tables
+from rlflow.config.loading import ConfigError, VerlConfig, load_config
+from rlflow.config.plan import Plan, make_plan
+
+USAGE = "python -m rlflow.trainer.main_ppo [--config-path DIR --config-name NAME] [--dry-run] key=value ..."
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="rlflow.trainer.main_ppo", usage=USAGE,
+                                     description="Train with verl's config keys (Hydra override syntax).")
+    parser.add_argument("--config-path", "-cp", default=None, help="folder of the YAML file (relative to the cwd)")
+    parser.add_argument("--config-name", "-cn", default=None, help="YAML file name, with or without .yaml")
+    parser.add_argument("--config", "-c", default=None, help="an rlflow native recipe file (see docs)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate config and data, print the resolved config, batch arithmetic and cost, stop")
+    parser.add_argument("overrides", nargs="*", help="key=value, +key=value, key=[a,b]")
+    args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
+    if args.config_name is None and args.config_path is not None:
+        parser.error("--config-path needs --config-name")
+    if args.config and args.config_name:
+        parser.error("use either --config (rlflow native) or --config-path/--config-name (verl), not both")
+    return args
+
+
+def config_file(config_path: str | None, config_name: str) -> Path:
+    """``--config-path``/``--config-name`` -> a YAML path (relative paths are taken from the cwd)."""
+    name = config_name if config_name.endswith((".yaml", ".yml")) else f"{config_name}.yaml"
+    path = Path(config_path or ".").expanduser() / name
+    if not path.is_file():
+        raise ConfigError(f"--config-path {config_path} --config-name {config_name}: no such file {path}")
+    return path
+
+
+def load(args: argparse.Namespace) -> VerlConfig:
+    if args.config:
+        from rlflow.config.native import load_native
+
+        return load_native(args.config, args.overrides)
+    file = config_file(args.config_path, args.config_name) if args.config_name else None
+    return load_config(args.overrides, config_file=file)
+
+
+def unused_notes(cfg: VerlConfig) -> list[str]:
+    """A note for every key the user set that changes nothing here: nothing is silently ignored."""
+    notes = []
+    for key in sorted(cfg.provided):
+        if key in cfg.read or any(key.startswith(r + ".") for r in cfg.read):
+            continue
+        value = cfg.flat.get(key)
+        reason = tables.inert_reason(key)
+        notes.append(f"{key}={value!r} has no effect in rlflow: {reason}" if reason
+                     else f"{key}={value!r} is not used by this configuration")
+    return notes
+
+
+def print_notes(plan: Plan) -> None:
+    for note in plan.notes + unused_notes(plan.cfg):
+        print(f"[rlflow] note: {note}", flush=True)
+
+
+def train(plan: Plan) -> list[dict]:
+    """Build the Trainer from the plan and run it the way verl's main_ppo does."""
+    from rlflow.config.build import build_trainer
+    from rlflow.trainer import checkpoint as ckpt
+
+    trainer, data = build_trainer(plan)
+    print_notes(plan)
+    run_dir = Path(trainer.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(plan.cfg.to_yaml())
+    if data.val and (plan.val_before_train or plan.val_only):
+        resume = trainer.resume
+        start = ckpt.latest_checkpoint(trainer.checkpoint_dir) if resume == "auto" else resume
+        if start is not None:  # validate the weights training resumes from, as verl does
+            trainer.load(start)
+        metrics = trainer.validate(data)
+        trainer.fabric.log_dict(metrics, step=trainer.global_step)
+        if plan.val_only:
+            return [metrics]
+    elif plan.val_only:
+        raise ConfigError("trainer.val_only=True needs data.val_files")
+    return trainer.fit(data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code. Config errors print one clear message and return 2."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load(args)
+        plan = make_plan(cfg)
+        if args.dry_run:
+            from rlflow.config.dryrun import dry_run
+
+            report, problems = dry_run(plan)
+            print(report)
+            return 1 if problems else 0
+        train(plan)
+    except ConfigError as e:
+        print(f"rlflow: config error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,253 @@
+"""Lookup tables of the verl entry point: config strings -> rlflow class names, and the keys rlflow
+accepts without using them (with the reason) or recognises but does not support yet.
+
+Everything a config string can select is resolved here, once, at the edge: estimator and loss
+names map to class *names* looked up in :mod:`rlflow.algorithms`, so a class another module adds
+plugs in by adding one row (and a missing class is a "not supported yet" error, never a crash).
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import Any, Callable
+
+# algorithm.adv_estimator -> class name in rlflow.algorithms
+ADV_ESTIMATORS = {
+    "gae": "GAE",
+    "grpo": "GRPO",
+    "grpo_vectorized": "GRPO",
+    "grpo_passk": "GRPOPassK",
+    "rloo": "RLOO",
+    "rloo_vectorized": "RLOO",
+    "reinforce_plus_plus": "ReinforcePlusPlus",
+    "reinforce_plus_plus_baseline": "ReinforcePlusPlusBaseline",
+    "remax": "ReMax",
+    "opo": "OPO",
+    "gpg": "GPG",
+    "optimal_token_baseline": "OptimalTokenBaseline",
+    "tir_optimal_token_baseline": "TIROptimalTokenBaseline",
+}
+
+# actor_rollout_ref.actor.policy_loss.loss_mode -> class name in rlflow.algorithms
+POLICY_LOSSES = {
+    "vanilla": "PPOLoss",
+    "gspo": "GSPOLoss",
+    "cispo": "CISPOLoss",
+    "sapo": "SAPOLoss",
+    "clip_cov": "ClipCovLoss",
+    "kl_cov": "KLCovLoss",
+    "geo_mean": "GMPOLoss",
+    "gpg": "ReinforceLoss",
+    "reinforce": "ReinforceLoss",
+}
+
+# algorithm.kl_ctrl.type -> class name; the in-reward KL estimator wrapper's class name
+KL_CONTROLLERS = {"fixed": "FixedKLController", "adaptive": "AdaptiveKLController"}
+KL_IN_REWARD = "KLInReward"
+# modules an estimator needs before it (class name -> class name), and verl's rollout-correction weights
+ESTIMATOR_BEFORE = {"ReMax": "GreedyBaseline"}
+ROLLOUT_IS = "TruncatedIS"
+
+# actor_rollout_ref.rollout.name -> (python package that must import, class name in rlflow.rollout)
+ROLLOUT_ENGINES = {"hf": (None, "HFRollout"), "vllm": ("vllm", "VLLMRollout"), "sglang": ("sglang", "SGLangRollout"),
+                   "trtllm": ("tensorrt_llm", "TRTLLMRollout")}
+
+# trainer.logger names -> rlflow logger names (rlflow.trainer.loggers)
+LOGGERS = {"console": "console", "tensorboard": "tensorboard", "wandb": "wandb", "file": "jsonl", "jsonl": "jsonl",
+           "csv": "csv"}
+VERL_ONLY_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
+
+# ---------------------------------------------------------------------------------------------
+# Keys recognised but not supported yet: key -> (feature, predicate on the value that triggers it)
+
+def _truthy(v: Any) -> bool:
+    return bool(v)
+
+
+def _gt1(v: Any) -> bool:
+    return v is not None and v > 1
+
+
+def _not(*ok: Any) -> Callable[[Any], bool]:
+    return lambda v: v not in ok
+
+
+MEGATRON = "Megatron training"
+LORA = "LoRA"
+MULTI_TURN = "multi-turn tool calling / agent loops"
+DYN_BSZ = "token-budget micro-batches (use_dynamic_bsz; set ppo_micro_batch_size_per_gpu instead)"
+
+NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "data.custom_cls.path": ("custom dataset classes", _truthy),
+    "data.sampler.class_path": ("custom samplers (curriculum)", _truthy),
+    "data.datagen.path": ("dynamic data generation", _truthy),
+    "data.reward_fn_key": ("reading data_source from another column", _not("data_source")),
+    "data.trust_remote_code": ("remote-code tokenizers", _truthy),
+    "data.apply_chat_template_kwargs": ("chat-template arguments", _truthy),
+    "actor_rollout_ref.model.backend": (MEGATRON, _not(None, "fsdp", "fsdp2")),
+    "actor_rollout_ref.model.enable_activation_offload": ("activation offloading", _truthy),
+    "actor_rollout_ref.model.lora_rank": (LORA, lambda v: v > 0),
+    "actor_rollout_ref.model.lora_adapter_path": (LORA, _truthy),
+    "actor_rollout_ref.model.use_liger": ("Liger kernels", _truthy),
+    "actor_rollout_ref.model.use_fused_kernels": ("fused kernels", _truthy),
+    "actor_rollout_ref.model.trust_remote_code": ("remote-code models (trust_remote_code)", _truthy),
+    "actor_rollout_ref.model.override_config": ("model config overrides (override_config)", _truthy),
+    "actor_rollout_ref.actor.strategy": (MEGATRON, _not("fsdp", "fsdp2")),
+    "actor_rollout_ref.actor.use_dynamic_bsz": (DYN_BSZ, _truthy),
+    "actor_rollout_ref.actor.shuffle": ("shuffling within mini-batches", _truthy),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": ("sequence parallelism (Ulysses)", _gt1),
+    "actor_rollout_ref.actor.tensor_model_parallel_size": (MEGATRON, _gt1),
+    "actor_rollout_ref.actor.pipeline_model_parallel_size": (MEGATRON, _gt1),
+    "actor_rollout_ref.actor.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
+    "actor_rollout_ref.actor.lora.enabled": (LORA, _truthy),
+    "actor_rollout_ref.actor.optim.min_lr_ratio": ("a cosine floor (min_lr_ratio)", lambda v: v not in (None, 0, 0.0)),
+    "actor_rollout_ref.actor.optim.num_cycles": ("cosine cycles other than 0.5", _not(0.5)),
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": (DYN_BSZ, _truthy),
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": ("sequence parallelism (Ulysses)", _gt1),
+    "actor_rollout_ref.ref.model": ("a reference model other than the initial policy", _truthy),
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": (DYN_BSZ, _truthy),
+    "actor_rollout_ref.rollout.ignore_eos": ("generation that ignores EOS", _truthy),
+    "actor_rollout_ref.rollout.over_sample_rate": ("rollout over-sampling", _truthy),
+    "actor_rollout_ref.rollout.enable_vision": ("vision-language models", _truthy),
+    "actor_rollout_ref.rollout.multi_turn.enable": (MULTI_TURN, _truthy),
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": (MULTI_TURN, _truthy),
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": (MULTI_TURN, _truthy),
+    "actor_rollout_ref.rollout.agent.default_agent_loop": (MULTI_TURN, _not("single_turn_agent")),
+    "actor_rollout_ref.rollout.agent.agent_loop_config_path": (MULTI_TURN, _truthy),
+    "actor_rollout_ref.rollout.agent.custom_async_server.path": ("custom async rollout servers", _truthy),
+    "actor_rollout_ref.rollout.checkpoint_engine.backend": ("async weight update (checkpoint_engine)", _not("naive")),
+    "actor_rollout_ref.rollout.skip_rollout": ("replaying dumped rollouts", _truthy),
+    "actor_rollout_ref.rollout.trace.backend": ("rollout tracing", _truthy),
+    "critic.strategy": (MEGATRON, _not("fsdp", "fsdp2")),
+    "critic.model.lora_rank": (LORA, lambda v: v > 0),
+    "critic.model.override_config": ("model config overrides (override_config)", _truthy),
+    "critic.model.enable_activation_offload": ("activation offloading", _truthy),
+    "critic.model.trust_remote_code": ("remote-code models (trust_remote_code)", _truthy),
+    "critic.use_dynamic_bsz": (DYN_BSZ, _truthy),
+    "critic.shuffle": ("shuffling within mini-batches", _truthy),
+    "critic.ulysses_sequence_parallel_size": ("sequence parallelism (Ulysses)", _gt1),
+    "critic.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
+    "critic.optim.num_cycles": ("cosine cycles other than 0.5", _not(0.5)),
+    "reward_model.enable": ("reward models (reward_model.enable)", _truthy),
+    "reward_model.sandbox_fusion.url": ("code sandbox rewards (sandbox_fusion)", _truthy),
+    "algorithm.use_pf_ppo": ("PF-PPO", _truthy),
+    "algorithm.rollout_correction.rollout_rs": ("rollout correction (rejection sampling)", _truthy),
+    "algorithm.rollout_correction.bypass_mode": ("rollout correction (bypass mode)", _truthy),
+    "algorithm.filter_groups.enable": ("DAPO dynamic sampling (filter_groups)", _truthy),
+    "trainer.critic_warmup": ("critic warm-up steps", _truthy),
+    "trainer.log_val_generations": ("logging validation generations", _truthy),
+    "trainer.rollout_data_dir": ("dumping rollouts to files", _truthy),
+    "trainer.validation_data_dir": ("dumping validation generations to files", _truthy),
+    "trainer.default_hdfs_dir": ("HDFS checkpoints", _truthy),
+    "trainer.del_local_ckpt_after_load": ("deleting checkpoints after loading", _truthy),
+    "trainer.max_actor_ckpt_to_keep": ("checkpoint rotation", _truthy),
+    "trainer.max_critic_ckpt_to_keep": ("checkpoint rotation", _truthy),
+    "trainer.async_weight_update": ("async weight update", _truthy),
+}
+
+# ---------------------------------------------------------------------------------------------
+# Keys rlflow accepts but that change nothing here (a user who sets one gets a note with the reason).
+
+_ENGINE = "a vLLM/SGLang engine setting; rlflow's HF rollout generates with the policy's own module"
+_SINGLE = "a multi-process/FSDP setting; this run is one process"
+_RAY = "rlflow does not use Ray"
+_PACKED = "rlflow always computes log-probs on response tokens only, in chunks"
+_LOADER = "rlflow reads the data files in the main process"
+_CKPT = "rlflow checkpoints always hold model, optimizer, schedule, data position and RNG"
+_NO_RM = "only used by reward models (reward_model.enable), not supported yet"
+_LORA_ONLY = "only used with LoRA, not supported yet"
+_DYN_ONLY = "only used with use_dynamic_bsz, not supported yet"
+_FILTER_ONLY = "only used with filter_groups / rollout correction / PF-PPO, not supported yet"
+
+INERT: dict[str, str] = {
+    "data.tokenizer": "prompts are tokenized with the policy's tokenizer",
+    "data.use_shm": _LOADER, "data.dataloader_num_workers": _LOADER, "data.filter_overlong_prompts_workers": _LOADER,
+    "data.return_raw_input_ids": "rlflow batches carry prompt ids and text",
+    "data.return_raw_chat": "rlflow keeps the chat messages and renders them with the chat template",
+    "data.return_full_prompt": "rlflow batches carry the rendered prompt text",
+    "data.val_batch_size": "validation runs over all validation prompts in chunks of 512",
+    "data.validation_shuffle": "validation uses every prompt; order does not change its metrics",
+    "data.image_key": "vision data is not supported yet", "data.video_key": "vision data is not supported yet",
+    "data.return_multi_modal_inputs": "vision data is not supported yet",
+    "data.gen_batch_size": _FILTER_ONLY,
+    "actor_rollout_ref.hybrid_engine": "rlflow's rollout always shares the policy's weights",
+    "actor_rollout_ref.nccl_timeout": _SINGLE,
+    "actor_rollout_ref.model.use_shm": _LOADER, "actor_rollout_ref.model.use_remove_padding": _PACKED,
+    "actor_rollout_ref.model.fused_kernel_options.*": "fused kernels are not supported yet",
+    "actor_rollout_ref.model.target_modules": _LORA_ONLY, "actor_rollout_ref.model.exclude_modules": _LORA_ONLY,
+    "actor_rollout_ref.model.lora_alpha": _LORA_ONLY,
+    "actor_rollout_ref.actor.lora.r": _LORA_ONLY, "actor_rollout_ref.actor.lora.alpha": _LORA_ONLY,
+    "actor_rollout_ref.actor.lora.target_modules": _LORA_ONLY,
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": _DYN_ONLY,
+    "actor_rollout_ref.actor.use_torch_compile": "rlflow's chunked log-prob kernel is not compiled",
+    "actor_rollout_ref.actor.entropy_from_logits_with_chunking": _PACKED,
+    "actor_rollout_ref.actor.entropy_checkpointing": _PACKED,
+    "actor_rollout_ref.actor.checkpoint.*": _CKPT, "critic.checkpoint.*": _CKPT,
+    "actor_rollout_ref.actor.fsdp_config.wrap_policy.*": _SINGLE,
+    "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": _SINGLE,
+    "actor_rollout_ref.actor.fsdp_config.fsdp_size": _SINGLE,
+    "actor_rollout_ref.actor.fsdp_config.forward_prefetch": _SINGLE,
+    "actor_rollout_ref.actor.fsdp_config.model_dtype": "parameters stay float32; trainer.precision sets compute",
+    "actor_rollout_ref.actor.optim.total_training_steps": "filled in from trainer.total_training_steps",
+    "critic.optim.total_training_steps": "filled in from trainer.total_training_steps",
+    "actor_rollout_ref.ref.strategy": _SINGLE, "actor_rollout_ref.ref.use_torch_compile": _PACKED,
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": _DYN_ONLY,
+    "actor_rollout_ref.ref.fsdp_config.*": _SINGLE,
+    "actor_rollout_ref.ref.entropy_from_logits_with_chunking": _PACKED,
+    "actor_rollout_ref.ref.entropy_checkpointing": _PACKED,
+    "actor_rollout_ref.rollout.mode": "HF generation runs in the training process",
+    "actor_rollout_ref.rollout.prompt_length": "data.max_prompt_length bounds the prompts",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": _DYN_ONLY,
+    "actor_rollout_ref.rollout.calculate_log_probs": "rlflow's rollout always returns its log-probs",
+    "actor_rollout_ref.rollout.multi_turn.*": "only used with multi_turn.enable, not supported yet",
+    "actor_rollout_ref.rollout.agent.num_workers": "single-turn generation runs in one batch",
+    "actor_rollout_ref.rollout.trace.token2text": "rollout tracing is not supported yet",
+    "actor_rollout_ref.rollout.skip_dump_dir": "rollout dumps are not supported yet",
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": _ENGINE,
+    **{f"actor_rollout_ref.rollout.{k}": _ENGINE for k in (
+        "dtype", "gpu_memory_utilization", "enforce_eager", "cudagraph_capture_sizes", "free_cache_engine",
+        "tensor_model_parallel_size", "tensor_parallel_size", "data_parallel_size", "expert_parallel_size",
+        "pipeline_model_parallel_size", "max_num_batched_tokens", "max_model_len", "max_num_seqs",
+        "disable_log_stats", "multi_stage_wake_up", "enable_chunked_prefill", "load_format", "layered_summon",
+        "update_weights_bucket_megabytes", "engine_kwargs.*")},
+    "critic.rollout_n": "the critic scores every sample of the batch",
+    "critic.model.tokenizer_path": "the critic reads the policy's token ids",
+    "critic.model.external_lib": "actor_rollout_ref.model.external_lib is imported once for both",
+    "critic.model.use_shm": _LOADER, "critic.model.use_remove_padding": _PACKED,
+    "critic.model.fsdp_config.wrap_policy.*": _SINGLE, "critic.model.fsdp_config.reshard_after_forward": _SINGLE,
+    "critic.model.fsdp_config.fsdp_size": _SINGLE, "critic.model.fsdp_config.forward_prefetch": _SINGLE,
+    "critic.model.target_modules": _LORA_ONLY, "critic.model.lora_alpha": _LORA_ONLY,
+    "critic.ppo_max_token_len_per_gpu": _DYN_ONLY, "critic.forward_max_token_len_per_gpu": _DYN_ONLY,
+    "reward_model.strategy": _NO_RM, "reward_model.micro_batch_size": _NO_RM,
+    "reward_model.micro_batch_size_per_gpu": _NO_RM, "reward_model.max_length": _NO_RM,
+    "reward_model.use_dynamic_bsz": _NO_RM, "reward_model.forward_max_token_len_per_gpu": _NO_RM,
+    "reward_model.ulysses_sequence_parallel_size": _NO_RM, "reward_model.model.*": _NO_RM,
+    "reward_model.use_reward_loop": "rlflow scores each batch right after generation",
+    "reward_model.launch_reward_fn_async": "rlflow runs reward calls on worker threads with a timeout",
+    "reward_model.sandbox_fusion.max_concurrent": "code sandbox rewards are not supported yet",
+    "reward_model.sandbox_fusion.memory_limit_mb": "code sandbox rewards are not supported yet",
+    "algorithm.pf_ppo.*": _FILTER_ONLY, "algorithm.filter_groups.metric": _FILTER_ONLY,
+    "algorithm.filter_groups.max_num_gen_batches": _FILTER_ONLY,
+    "algorithm.rollout_correction.*": _FILTER_ONLY,
+    "trainer.balance_batch": "one process holds the whole batch",
+    "trainer.esi_redundant_time": "rlflow saves on save_freq and at the last step",
+    "trainer.ray_wait_register_center_timeout": _RAY,
+    "trainer.use_legacy_worker_impl": "rlflow has one worker implementation",
+    "*.profiler": "profiling is not supported yet", "*.profiler.*": "profiling is not supported yet",
+    "global_profiler": "profiling is not supported yet", "global_profiler.*": "profiling is not supported yet",
+    "ray_kwargs": _RAY, "ray_kwargs.*": _RAY,
+    "data.custom_cls.name": "only used with data.custom_cls.path, not supported yet",
+    "data.sampler.class_name": "only used with data.sampler.class_path, not supported yet",
+    "data.datagen.name": "only used with data.datagen.path, not supported yet",
+    "actor_rollout_ref.rollout.agent.custom_async_server.name": "custom async rollout servers are not supported yet",
+}
+
+
+def inert_reason(key: str) -> str | None:
+    """Why ``key`` changes nothing in rlflow, or ``None`` when it does (or may)."""
+    if key in INERT:
+        return INERT[key]
+    for pattern, reason in INERT.items():
+        if "*" in pattern and fnmatchcase(key, pattern):
+            return reason
+    return None

@@ -1,0 +1,97 @@
+"""FSDP2 on 2 CPU processes (gloo), launched with torchrun as users launch it.
+
+One GRPO step on 2 processes equals one process on the same global batch;
+sharded checkpoints move between world sizes (2 -> 1 -> 2); a failing rank
+takes the whole job down in bounded time; export gives a plain HF folder.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from .worker import build
+
+WORKER = Path(__file__).with_name("worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc, *args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           str(WORKER), *map(str, args)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_ok(nproc, *args):
+    proc = torchrun(nproc, *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return torch.load(Path(args[0]) / "result.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """The reference: 3 steps on one process, no sharding."""
+    out = tmp_path_factory.mktemp("single")
+    trainer, data, record = build(str(out), "auto", steps=3, devices=1)
+    trainer.fit(data)
+    return record.steps, out
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_two_processes_equal_one_and_checkpoints_cross_world_sizes(single_process, tmp_path):
+    reference, _ = single_process
+    two = run_ok(2, tmp_path / "two", "fsdp2", 1)
+    assert two[1]["metrics"]["actor/pg_loss"] == pytest.approx(reference[1]["metrics"]["actor/pg_loss"], abs=1e-5)
+    assert two[1]["metrics"]["critic/score/mean"] == reference[1]["metrics"]["critic/score/mean"]
+    assert_same_weights(two[1]["weights"], reference[1]["weights"])
+    ckpt = tmp_path / "two" / "checkpoints" / "global_step_1"
+    assert (ckpt / "state.ckpt").is_dir()  # sharded (torch.distributed.checkpoint)
+
+    one = run_ok(1, tmp_path / "one", "fsdp2", 2, ckpt)  # written by 2 ranks, resumed on 1
+    assert list(one) == [2]
+    assert_same_weights(one[2]["weights"], reference[2]["weights"])
+
+    again = run_ok(2, tmp_path / "again", "fsdp2", 3, tmp_path / "one" / "checkpoints" / "global_step_2")  # 1 -> 2
+    assert list(again) == [3]
+    assert_same_weights(again[3]["weights"], reference[3]["weights"])
+    assert again[3]["metrics"]["actor/pg_loss"] == pytest.approx(reference[3]["metrics"]["actor/pg_loss"], abs=1e-5)
+
+
+def test_a_failing_rank_ends_every_rank(tmp_path):
+    start = time.monotonic()
+    proc = torchrun(2, tmp_path, "fsdp2", 3, "-", 1, timeout=240)
+    assert proc.returncode != 0
+    assert "injected failure on rank 1" in proc.stdout + proc.stderr
+    assert time.monotonic() - start < 200
+
+
+def test_export_writes_a_plain_hf_folder(single_process, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlflow.trainer.export import export_hf
+
+    reference, out = single_process
+    sharded = run_ok(2, tmp_path / "two", "fsdp2", 1)
+    cases = [(out / "checkpoints" / "global_step_3", reference[3]["weights"]),  # one file
+             (tmp_path / "two" / "checkpoints" / "global_step_1", sharded[1]["weights"])]  # sharded folder
+    for i, (ckpt, expected) in enumerate(cases):
+        folder = export_hf(ckpt, tmp_path / f"hf{i}")
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        assert AutoTokenizer.from_pretrained(folder).pad_token == "<pad>"
+        assert_same_weights(dict(model.named_parameters()), expected)

@@ -1,0 +1,71 @@
+"""Run by torchrun from test_fsdp2.py: a tiny GRPO job under a given strategy.
+
+    python -m torch.distributed.run --nproc_per_node N worker.py OUT STRATEGY STEPS [RESUME] [FAIL_RANK]
+
+Writes, on rank 0, OUT/result.pt with the metrics and the full (gathered) weights
+after every step.
+"""
+
+import sys
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer
+from rlflow.models.tiny import char_tokenizer, tiny_qwen2
+from rlflow.tasks.addition import AdditionTask
+
+
+def starts_with_digit(solution_str: str, ground_truth: str) -> float:
+    return float(solution_str[:1].isdigit())
+
+
+def full_weights(model):
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+class Record:
+    def __init__(self):
+        self.steps = {}
+
+    def on_step_end(self, trainer, step, metrics):
+        weights = full_weights(trainer.policy.model)  # collective: every rank takes part
+        if trainer.fabric.global_rank == 0:
+            self.steps[step] = {"metrics": metrics, "weights": weights}
+
+
+class FailAt:
+    def __init__(self, rank):
+        self.rank = rank
+
+    def on_rollout_end(self, trainer, batch):
+        if trainer.fabric.global_rank == self.rank:
+            raise RuntimeError(f"injected failure on rank {self.rank}")
+
+
+def build(out, strategy, steps, resume=None, fail_rank=None, devices=None):
+    torch.manual_seed(0)
+    tok = char_tokenizer()
+    model = tiny_qwen2(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=0)
+    train, _, _ = AdditionTask().splits()
+    record = Record()
+    callbacks = [record] + ([FailAt(fail_rank)] if fail_rank is not None else [])
+    trainer = Trainer(
+        policy=Policy(model, tok), rollout=HFRollout(n=1, do_sample=False, max_new_tokens=4),
+        reward=FunctionReward(starts_with_digit), estimator=GRPO(), loss=PPOLoss(),
+        batch_size=8, micro_batch_size=2, lr=1e-2, max_steps=steps, save_every=1, run_dir=out, resume=resume,
+        loggers=(), progress=False, callbacks=callbacks, strategy=strategy,
+        devices=devices or int(__import__("os").environ.get("WORLD_SIZE", 1)),
+    )
+    return trainer, PromptData(train[:64], seed=0), record
+
+
+if __name__ == "__main__":
+    out, strategy, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    resume = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] != "-" else None
+    fail_rank = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    trainer, data, record = build(out, strategy, steps, resume, fail_rank)
+    trainer.fit(data)
+    if trainer.fabric.global_rank == 0:
+        torch.save(record.steps, f"{out}/result.pt")
+    trainer.fabric.barrier()  # gloo can abort at teardown unless every rank is done
