@@ -21,7 +21,7 @@ STRATEGY_NAMES = ("auto", "single", "ddp", "fsdp", "fsdp2")
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
-def resolve_strategy(strategy: str | Strategy, timeout: timedelta = DEFAULT_TIMEOUT):
+def resolve_strategy(strategy: str | Strategy, world_size: int = 1, timeout: timedelta = DEFAULT_TIMEOUT):
     """A Fabric strategy from a name; objects pass through.
 
     ``"fsdp"`` is accepted as verl users type it and means FSDP2 here.
@@ -33,7 +33,7 @@ def resolve_strategy(strategy: str | Strategy, timeout: timedelta = DEFAULT_TIME
     if strategy == "ddp":
         return DDPStrategy(timeout=timeout)
     if strategy in ("fsdp", "fsdp2"):
-        return FSDP2(timeout=timeout)
+        return FSDP2(world_size, timeout=timeout)
     raise ValueError(f"unknown strategy '{strategy}'; choose from {STRATEGY_NAMES} or pass a Fabric strategy object")
 
 

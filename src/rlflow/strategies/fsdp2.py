@@ -50,8 +50,12 @@ def fsdp2_parallelize(
     return module
 
 
-def FSDP2(*, param_dtype: torch.dtype | None = None, offload: bool = False,
+def FSDP2(world_size: int, *, param_dtype: torch.dtype | None = None, offload: bool = False,
           timeout: timedelta = timedelta(minutes=10), parallelize_fn=None) -> ModelParallelStrategy:
-    """Fabric's ``ModelParallelStrategy`` running :func:`fsdp2_parallelize` (or your own ``parallelize_fn``)."""
+    """Fabric's ``ModelParallelStrategy`` running :func:`fsdp2_parallelize` (or your own ``parallelize_fn``).
+
+    Every process is one data-parallel rank: ``world_size`` = devices per node x nodes.
+    """
     fn = parallelize_fn or partial(fsdp2_parallelize, param_dtype=param_dtype, offload=offload)
-    return ModelParallelStrategy(parallelize_fn=fn, data_parallel_size="auto", tensor_parallel_size=1, timeout=timeout)
+    return ModelParallelStrategy(parallelize_fn=fn, data_parallel_size=world_size, tensor_parallel_size=1,
+                                 timeout=timeout)

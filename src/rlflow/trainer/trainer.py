@@ -100,7 +100,7 @@ class Trainer:
         self.check_chain()
 
         self.fabric = L.Fabric(
-            accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=resolve_strategy(strategy),
+            accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=resolve_strategy(strategy, devices * num_nodes),
             precision=precision, loggers=make_loggers(loggers, self.run_dir), callbacks=list(callbacks),
         )
         self.fabric.launch()  # no-op under torchrun or on one device
