@@ -115,15 +115,16 @@ def test_too_many_gpus_says_what_was_found_and_how_to_run():
         make_plan(load_config(QUICK_START))
     msg = str(e.value)
     assert "trainer.n_gpus_per_node=8" in msg and "this machine has 0 CUDA device(s)" in msg
-    assert "trainer.device=cpu trainer.n_gpus_per_node=1" in msg
+    assert "trainer.device=cpu (then trainer.n_gpus_per_node=8 runs 8 CPU processes)" in msg
 
 
 def test_one_gpu_found_and_multi_process(monkeypatch):
     monkeypatch.setattr(devices, "cuda_count", lambda: 1)
     with pytest.raises(ConfigError, match=r"has 1 CUDA device.*trainer.n_gpus_per_node=1"):
         make_plan(load_config(QUICK_START))
-    with pytest.raises(NotSupportedError, match=r"multi-process training \(4 x 1 node\(s\) = 4 processes\)"):
-        make_plan(load_config(QUICK_START + ["trainer.device=cpu", "trainer.n_gpus_per_node=4"]))
+    p = make_plan(load_config(QUICK_START + ["trainer.device=cpu", "trainer.n_gpus_per_node=4"]))
+    assert (p.devices.processes, p.devices.strategy) == (4, "fsdp2")
+    assert p.trainer_kwargs["devices"] == 4 and p.trainer_kwargs["strategy"] == "fsdp2"
 
 
 def test_batch_units_are_checked():

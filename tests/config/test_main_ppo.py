@@ -268,3 +268,21 @@ def test_chained_algorithms_train(tiny):
     kl, greedy, _, is_weights, _ = trainer.estimator.modules
     assert {"actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"} <= set(kl.stats)
     assert "remax/greedy_score/mean" in greedy.stats and "rollout_corr/rollout_is_mean" in is_weights.stats
+
+
+def test_two_cpu_processes_through_the_users_launcher(tiny, tmp_path):
+    """`trainer.device=cpu trainer.n_gpus_per_node=2` runs 2 gloo processes (torchrun) with FSDP2."""
+    import os
+    import subprocess
+    import sys
+
+    args = [a for a in tiny if not a.startswith("trainer.n_gpus_per_node")] + [
+        "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=fsdp2", "trainer.save_freq=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "rlflow.trainer.main_ppo", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "launching 2 processes with torchrun" in out
+    assert "step:2 - " in out
+    assert (tmp_path / "run" / "checkpoints" / "global_step_2" / "state.ckpt").is_dir()  # sharded by 2 ranks

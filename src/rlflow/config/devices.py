@@ -22,6 +22,8 @@ class Devices:
     precision: str        # Fabric precision, e.g. "32-true"
     strategy: str         # Fabric strategy
     processes: int        # n_gpus_per_node x nnodes
+    per_node: int         # processes per node (Fabric's devices)
+    nnodes: int
     offload: bool         # a CPU-offload key is on (only possible on CPU for now)
 
 
@@ -39,24 +41,21 @@ def resolve_devices(cfg: VerlConfig, notes: list[str], with_critic: bool) -> Dev
         raise ConfigError(f"trainer.n_gpus_per_node={per_node}, trainer.nnodes={nnodes}: both must be >= 1")
     wants_gpu = device == "cuda" or (device == "auto" and (found > 0 or per_node > 1))
     if wants_gpu and per_node > found:
-        fix = ("trainer.device=cpu trainer.n_gpus_per_node=1" if found == 0
-               else "trainer.n_gpus_per_node=1 (rlflow's verl entry point runs one process for now)")
+        fix = (f"trainer.device=cpu (then trainer.n_gpus_per_node={per_node} runs {per_node} CPU processes)"
+               if found == 0 else f"trainer.n_gpus_per_node={found}")
         raise ConfigError(
             f"trainer.n_gpus_per_node={per_node} asks for {per_node} GPU(s) per node, but this machine has {found} "
             f"CUDA device(s) (torch.cuda.device_count() = {found}). To run on what is here, add: {fix}")
     accelerator = "cuda" if wants_gpu else "cpu"
     processes = per_node * nnodes
-    if processes > 1:
-        raise NotSupportedError(
-            "trainer.n_gpus_per_node", per_node,
-            f"multi-process training ({per_node} x {nnodes} node(s) = {processes} processes)",
-            "Distributed training (FSDP2 across processes) is its own issue; for now run one process: "
-            "trainer.n_gpus_per_node=1 trainer.nnodes=1")
+    strategy = "auto"
     for role in ("actor_rollout_ref.actor", "critic") if with_critic else ("actor_rollout_ref.actor",):
-        strategy = cfg[f"{role}.strategy"]
-        if strategy in ("fsdp", "fsdp2"):
-            notes.append(f"{role}.strategy={strategy} on 1 process: rlflow runs Fabric's single-device strategy "
-                         "(FSDP shards across processes; with one there is nothing to shard)")
+        if cfg[f"{role}.strategy"] in ("fsdp", "fsdp2"):
+            if processes == 1:
+                notes.append(f"{role}.strategy={cfg[f'{role}.strategy']} on 1 process: rlflow runs Fabric's "
+                             "single-device strategy (FSDP shards across processes; with one there is nothing to shard)")
+            else:
+                strategy = "fsdp2"  # verl's fsdp and fsdp2 both mean FSDP2 (fully_shard) here
     offload = False
     for key in OFFLOAD_KEYS + (CRITIC_OFFLOAD_KEYS if with_critic else ()):
         if cfg[key]:
@@ -69,4 +68,4 @@ def resolve_devices(cfg: VerlConfig, notes: list[str], with_critic: bool) -> Dev
     precision = cfg["trainer.precision"]
     if precision == "auto":
         precision = "bf16-mixed" if accelerator == "cuda" else "32-true"
-    return Devices(accelerator, precision, "auto", processes, offload)
+    return Devices(accelerator, precision, strategy, processes, per_node, nnodes, offload)

@@ -9,6 +9,7 @@ checkpoints of ``trainer.save_freq`` under ``trainer.default_local_dir``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -96,6 +97,27 @@ def train(plan: Plan) -> list[dict]:
     return trainer.fit(data)
 
 
+def launch(plan: Plan, argv: list[str]) -> int:
+    """Re-run this command under torchrun with one process per device (CPU processes use gloo).
+
+    One node is launched from here; for several nodes, start ``torchrun`` on each node yourself
+    (see docs/distributed.md) and this command runs as one of its workers.
+    """
+    from torch.distributed.run import main as torchrun
+
+    if plan.devices.nnodes > 1:
+        raise ConfigError(f"trainer.nnodes={plan.devices.nnodes}: start `torchrun --nnodes {plan.devices.nnodes} --nproc_per_node "
+                          f"{plan.devices.per_node} --rdzv_endpoint HOST:PORT -m rlflow.trainer.main_ppo ...` "
+                          "on every node (docs/distributed.md)")
+    print(f"[rlflow] launching {plan.devices.processes} processes with torchrun", flush=True)
+    try:
+        torchrun(["--nproc_per_node", str(plan.devices.processes), "-m", "rlflow.trainer.main_ppo", *argv])
+    except Exception as e:  # torchrun raises ChildFailedError after every worker has been stopped
+        print(f"rlflow: a training process failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code. Config errors print one clear message and return 2."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -108,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             report, problems = dry_run(plan)
             print(report)
             return 1 if problems else 0
+        if plan.devices.processes > 1 and "LOCAL_RANK" not in os.environ:
+            return launch(plan, sys.argv[1:] if argv is None else argv)
         train(plan)
     except ConfigError as e:
         print(f"rlflow: config error: {e}", file=sys.stderr)
