@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-DEFAULT_JOB_FLAGS = {"seed": ("--seed", 0, "data.seed=N"), "steps": ("--steps", 500, "trainer.total_training_steps=N"),
+DEFAULT_JOB_FLAGS = {"seed": ("--seed", 0, "data.seed=N"), "steps": ("--steps", 200, "trainer.total_training_steps=N"),
                      "run_dir": ("--run-dir", None, "trainer.default_local_dir=DIR"),
                      "no_progress": ("--no-progress", False, "trainer.logger=[console]")}
 
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
                     "(a verl YAML) or --config (an rlflow recipe): train from that config, as "
                     "python -m rlflow.trainer.main_ppo does.")
     train.add_argument("--seed", type=int, default=0, help="default job: seed")
-    train.add_argument("--steps", type=int, default=500, help="default job: RL steps (default 500)")
+    train.add_argument("--steps", type=int, default=200, help="default job: RL steps (default 200)")
     train.add_argument("--run-dir", default=None, help="default job: where metrics, checkpoints and the reward curve go")
     train.add_argument("--no-progress", action="store_true", help="default job: no progress bar")
     train.add_argument("--config-path", "-cp", default=None, help="folder of a verl YAML config")
@@ -35,9 +35,17 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--dry-run", action="store_true",
                        help="validate config and data, print the resolved config, batch arithmetic and cost; stop")
     train.add_argument("overrides", nargs="*", help="verl keys in Hydra syntax: key=value, +key=value, key=[a,b]")
+    export = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face folder")
+    export.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/x/checkpoints/global_step_100")
+    export.add_argument("out_dir", help="where config.json, the weights and the tokenizer go")
     args, extra = parser.parse_known_args(argv)  # overrides may come before and after the flags
-    if args.command != "train" or any(x.startswith("-") for x in extra):
+    if (extra and args.command != "train") or any(x.startswith("-") for x in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "export":
+        from rlflow.trainer.export import export_hf
+
+        print(f"exported to {export_hf(args.checkpoint, args.out_dir)}")
+        return 0
     if args.command == "train":
         args.overrides += extra
         if args.overrides or args.config_name or args.config_path or args.config:

@@ -84,6 +84,7 @@ def test_a_failing_rank_ends_every_rank(tmp_path):
 def test_export_writes_a_plain_hf_folder(single_process, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rlflow.cli import main as cli_main
     from rlflow.trainer.export import export_hf
 
     reference, out = single_process
@@ -91,7 +92,16 @@ def test_export_writes_a_plain_hf_folder(single_process, tmp_path):
     cases = [(out / "checkpoints" / "global_step_3", reference[3]["weights"]),  # one file
              (tmp_path / "two" / "checkpoints" / "global_step_1", sharded[1]["weights"])]  # sharded folder
     for i, (ckpt, expected) in enumerate(cases):
-        folder = export_hf(ckpt, tmp_path / f"hf{i}")
+        folder = export_hf(ckpt, tmp_path / f"hf{i}") if i else tmp_path / f"hf{i}"
+        if not i:  # the command users run
+            assert cli_main(["export", str(ckpt), str(folder)]) == 0
         model = AutoModelForCausalLM.from_pretrained(folder)
         assert AutoTokenizer.from_pretrained(folder).pad_token == "<pad>"
         assert_same_weights(dict(model.named_parameters()), expected)
+
+
+def test_ddp_two_processes_equal_one(single_process, tmp_path):
+    reference, _ = single_process
+    ddp = run_ok(2, tmp_path / "ddp", "ddp", 1)
+    assert ddp[1]["metrics"]["actor/pg_loss"] == pytest.approx(reference[1]["metrics"]["actor/pg_loss"], abs=1e-5)
+    assert_same_weights(ddp[1]["weights"], reference[1]["weights"])
