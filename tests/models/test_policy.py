@@ -102,3 +102,15 @@ def test_critic_starts_at_zero_and_reads_the_predicting_position(model, scored_b
     changed[K.RESPONSE_IDS][:, -1] = (changed[K.RESPONSE_IDS][:, -1] + 1) % 40 + 3
     torch.testing.assert_close(critic.values(changed), values)
     assert values.shape == batch[K.RESPONSE_IDS].shape
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(model, tokenizer, scored_batch):
+    grads = []
+    for ckpt in (False, True):
+        policy = Policy(copy.deepcopy(model), tokenizer, gradient_checkpointing=ckpt)
+        policy.model.train()
+        lp, _ = policy.log_probs(batch_of(*scored_batch))
+        lp.sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None]))
+    assert policy.model.is_gradient_checkpointing
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
