@@ -1,7 +1,7 @@
 """Every critic-free advantage estimator on the built-in addition task, chosen by name.
 
     python recipes/algorithms.py --estimator rloo
-    python recipes/algorithms.py --estimator grpo+kl_in_reward --steps 100
+    python recipes/algorithms.py --estimator rloo+kl_in_reward --steps 100
     python recipes/algorithms.py --list
 
 Each entry below is the plain-Python assembly of one algorithm (estimator, and the loss it
@@ -48,9 +48,11 @@ ALGORITHMS = {
     "opo": lambda rollout: (OPO(), PPOLoss(clip_ratio=0.2)),
     "gpg": lambda rollout: (GPG(), PPOLoss(clip_ratio=0.2)),
     "grpo_passk": lambda rollout: (GRPOPassK(), PPOLoss(clip_ratio=0.2)),
-    # KL to the reference subtracted from the token rewards, with verl's adaptive coefficient.
-    "grpo+kl_in_reward": lambda rollout: (
-        Chain(KLInReward(AdaptiveKLController(init_coef=0.01, target_kl=0.01, horizon=10000)), GRPO()),
+    # KL to the reference subtracted from the token rewards, with verl's adaptive coefficient. RLOO, not
+    # GRPO: GRPO divides by the group std, which turns the KL term of an all-equal group into full-size
+    # advantages (see docs/algorithms/kl.md).
+    "rloo+kl_in_reward": lambda rollout: (
+        Chain(KLInReward(AdaptiveKLController(init_coef=0.01, target_kl=0.01, horizon=1000)), RLOO()),
         PPOLoss(clip_ratio=0.2)),
     # Truncated importance weights between the sampler's and the trainer's log-probs.
     "grpo+truncated_is": lambda rollout: (

@@ -1,12 +1,13 @@
 """SPPO, self-play preference optimization (Wu et al. 2024, arXiv 2405.00675), on the built-in task.
 
     python recipes/sppo.py
-    python recipes/sppo.py --eta 4 --update-reference-every 5
+    python recipes/sppo.py --eta 4 --update-reference-every 5 --mini-batch-size 8
 
 Each sample's win rate against its group, ``P_hat(y > pi)``, is read off the rewards
 (``GroupWinRate``); ``SPPOLoss`` regresses the sample's log-ratio to the reference onto
-``eta (P_hat - 1/2)``. ``UpdateReference`` makes the policy the new reference every few steps
-(SPPO's iterations ``pi_t -> pi_t+1``).
+``eta (P_hat - 1/2)``. ``UpdateReference(1)`` makes the policy that sampled the batch the reference,
+so every step is one SPPO iteration ``pi_t -> pi_t+1``; with a reference frozen for many steps the
+squared loss mostly pulls the drifted samples back to it and the task is not learned.
 """
 
 import argparse
@@ -18,7 +19,7 @@ from rlflow.tasks.default_job import ACCURACY_KEY
 
 
 def build(seed: int = 0, steps: int = 40, batch_size: int = 16, n: int = 8, eta: float = 4.0, lr: float = 2e-4,
-          update_reference_every: int = 5, run_dir: str = "runs/sppo", **trainer_kwargs):
+          update_reference_every: int = 1, run_dir: str = "runs/sppo", **trainer_kwargs):
     """The SPPO Trainer on the addition task; returns ``(trainer, data)``."""
     task = AdditionTask()
     model, tokenizer = warm_started_model(task, seed)
@@ -42,12 +43,13 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--eta", type=float, default=4.0)
     p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--update-reference-every", type=int, default=5, help="steps per SPPO iteration (0: never)")
+    p.add_argument("--update-reference-every", type=int, default=1, help="steps per SPPO iteration (0: never)")
+    p.add_argument("--mini-batch-size", type=int, default=None, help="prompts per optimizer step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default="runs/sppo")
     args = p.parse_args()
     trainer, data = build(args.seed, args.steps, args.batch_size, args.n, args.eta, args.lr,
-                          args.update_reference_every, args.run_dir)
+                          args.update_reference_every, args.run_dir, mini_batch_size=args.mini_batch_size)
     before = trainer.validate(data)[ACCURACY_KEY]
     trainer.fit(data)
     print(f"SPPO: held-out accuracy {before:.3f} -> {trainer.validate(data)[ACCURACY_KEY]:.3f}")

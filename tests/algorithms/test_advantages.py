@@ -22,9 +22,10 @@ from rlflow.algorithms import (
 from rlflow.algorithms import advantages as A
 from rlflow.data import keys as K
 from rlflow.data.prompts import collate, load_rows
-from rlflow.module import Chain
+from rlflow.module import Chain, MissingKeyError
 from rlflow.rewards import FunctionReward
 from rlflow.rollout.hf import HFRollout
+from tests.trainer.helpers import make_trainer, starts_with_digit
 
 
 def random_batch(seed, b=24, r=7, dtype=torch.float64):
@@ -440,3 +441,15 @@ def test_greedy_baseline_groups_in_any_order(model, tokenizer):
     batch[K.GROUP] = torch.tensor([70, 5, 70, 5])
     out = GreedyBaseline(rollout, FunctionReward(lambda response, ground_truth: float(ground_truth[0])))(batch)
     assert out[K.REWARD_BASELINE].tolist() == [2.0, 1.0, 2.0, 1.0]  # each row gets its own prompt's score
+
+
+def test_remax_chain_in_the_trainer(model, tokenizer, addition_rows, tmp_path):
+    with pytest.raises(MissingKeyError, match=K.REWARD_BASELINE):  # ReMax without its GreedyBaseline
+        make_trainer(model, tokenizer, addition_rows, tmp_path / "a", estimator=ReMax())
+    engine = HFRollout(max_new_tokens=4)  # make_trainer builds its own rollout: bind this one to its model
+    baseline = GreedyBaseline(engine, FunctionReward(starts_with_digit))
+    trainer, data = make_trainer(model, tokenizer, addition_rows, tmp_path / "b", max_steps=2,
+                                 estimator=Chain(baseline, ReMax()))
+    engine.bind(trainer.rollout.model, trainer.policy.tokenizer)
+    history = trainer.fit(data)
+    assert len(history) == 2 and 0.0 <= baseline.stats["remax/greedy_score/mean"] <= 1.0

@@ -94,8 +94,12 @@ class SPPOLoss(PPOLoss):
     (``policy_functional.sppo_loss``), with ``P_hat - 1/2`` read from the advantages that
     :class:`GroupWinRate` writes. Per row, so any micro-batch split is exact.
 
-    ``eta`` scales the target log-ratio (nats per sequence): the paper's ``eta`` is large for long
-    responses; on short answers a few nats suffice. PPOLoss's clip arguments are unused.
+    ``pi_ref`` should be the policy that sampled the batch (SPPO's ``pi_t``):
+    ``Trainer(callbacks=[UpdateReference(1)])``. Then ``D`` starts at 0 and the first gradient is
+    ``-2 eta (P_hat - 1/2) grad D``; with a reference frozen for many steps, fresh samples have
+    ``D > 0`` on average and the loss mostly pulls them back to it. ``eta`` scales the target
+    log-ratio (nats per sequence; the paper's large values suit long responses) - with one update
+    per step it only scales the gradient. PPOLoss's clip arguments are unused.
     """
 
     def __init__(self, eta: float = 1.0, agg: str = "seq-mean-token-mean", **ppo_kwargs):

@@ -18,15 +18,23 @@ class ValueHeadModel(nn.Module):
     predicts it (the hidden state after the prompt and the first t-1 tokens).
     """
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, remove_padding: bool = False, pack_length: int | None = None):
         super().__init__()
         self.lm = lm
+        self.remove_padding, self.pack_length = remove_padding, pack_length
         hidden = lm.config.hidden_size
         self.value_head = nn.Linear(hidden, 1)
         nn.init.zeros_(self.value_head.weight)  # start from V = 0: no bias before the first update
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor) -> Tensor:
+    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                response_mask: Tensor | None = None) -> Tensor:
+        if self.remove_padding:  # packed sequences; values after each response's end are 0
+            from rlflow.models.packing import pack, packed_hidden_states, unpack
+
+            packed = pack(prompt_ids, prompt_mask, response_ids, response_mask, self.pack_length,
+                          getattr(self.lm.config, "pad_token_id", None) or 0)
+            return unpack(self.value_head(packed_hidden_states(self.lm, packed)).squeeze(-1).float(), packed)
         hidden = response_hidden_states(self.lm, prompt_ids, prompt_mask, response_ids)
         return self.value_head(hidden).squeeze(-1).float()
 
@@ -37,14 +45,16 @@ class Critic(BatchModule):
     Args:
         model: a causal LM whose backbone becomes the value model (its LM head is unused).
         micro_batch_size: rows per forward pass when scoring.
+        remove_padding: run the backbone on packed sequences (``rlflow.models.packing``).
     """
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS)
     out_keys = (K.VALUES,)
 
-    def __init__(self, model: nn.Module, *, micro_batch_size: int | None = None):
-        self.module: nn.Module = ValueHeadModel(model)
+    def __init__(self, model: nn.Module, *, micro_batch_size: int | None = None, remove_padding: bool = False):
+        self.module: nn.Module = ValueHeadModel(model, remove_padding=remove_padding)
         self.micro_batch_size = micro_batch_size
+        self.remove_padding = remove_padding
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "Critic":
@@ -53,6 +63,9 @@ class Critic(BatchModule):
         return cls(AutoModelForCausalLM.from_pretrained(path), **kwargs)
 
     def values(self, batch: TensorDict) -> Tensor:
+        if self.remove_padding:
+            return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS],
+                               batch.get(K.RESPONSE_MASK, None))
         return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS])
 
     @torch.no_grad()

@@ -40,16 +40,28 @@ class TokenLogProbs(nn.Module):
         lm: a causal LM (``PreTrainedModel`` with ``get_decoder`` and ``get_output_embeddings``).
         temperature: logits are divided by it, as the sampler does.
         chunk_tokens: response positions scored per chunk of the LM head.
+        remove_padding: run the backbone on packed sequences (``rlflow.models.packing``); positions
+            after the end of each response (given ``response_mask``) then get 0.
+        pack_length: tokens per packed row (default: the longest sequence of the batch).
     """
 
-    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_tokens: int = 4096):
+    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_tokens: int = 4096,
+                 remove_padding: bool = False, pack_length: int | None = None):
         super().__init__()
         self.lm = lm
         self.temperature = temperature
         self.chunk_tokens = chunk_tokens
+        self.remove_padding, self.pack_length = remove_padding, pack_length
 
-    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                response_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Shapes: prompt ``B x P`` (left-padded), response ``B x R`` -> log-probs, entropy ``B x R``."""
+        if self.remove_padding:
+            from rlflow.models.packing import packed_log_probs
+
+            return packed_log_probs(self.lm, prompt_ids, prompt_mask, response_ids, response_mask,
+                                    temperature=self.temperature, chunk_tokens=self.chunk_tokens,
+                                    pack_length=self.pack_length)
         hidden = response_hidden_states(self.lm, prompt_ids, prompt_mask, response_ids)
         head = self.lm.get_output_embeddings()
         B, R, H = hidden.shape
@@ -66,12 +78,19 @@ class TokenLogProbs(nn.Module):
         return torch.cat(logps).view(B, R), torch.cat(ents).view(B, R)
 
 
-def response_hidden_states(lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor) -> Tensor:
+def response_hidden_states(lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                           response_mask: Tensor | None = None, remove_padding: bool = False,
+                           pack_length: int | None = None) -> Tensor:
     """Last hidden states at the positions that predict each response token: ``B x R x H``.
 
     The response attends fully: right padding never influences earlier positions
     under a causal mask, and tool/observation tokens must be seen by later ones.
+    ``remove_padding`` packs the sequences (``rlflow.models.packing``; zeros after each response's end).
     """
+    if remove_padding:
+        from rlflow.models.packing import packed_response_hidden_states
+
+        return packed_response_hidden_states(lm, prompt_ids, prompt_mask, response_ids, response_mask, pack_length)
     P, R = prompt_ids.shape[1], response_ids.shape[1]
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], dim=1)

@@ -28,6 +28,8 @@ class Policy(BatchModule):
         micro_batch_size: rows per forward pass when scoring a batch (``None``: all at once).
         gradient_checkpointing: recompute activations in the backward pass.
         log_prob_key / entropy_key: where the scoring pass writes (``entropy_key=None`` skips it).
+        remove_padding: score packed sequences without padding (``rlflow.models.packing``); log-probs and
+            entropy after the end of each response (``response_mask``) are then 0.
     """
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS)
@@ -42,12 +44,14 @@ class Policy(BatchModule):
         gradient_checkpointing: bool = False,
         log_prob_key: str = K.OLD_LOG_PROBS,
         entropy_key: str | None = K.ENTROPY,
+        remove_padding: bool = False,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         self.log_prob_key, self.entropy_key = log_prob_key, entropy_key
-        self.module: nn.Module = TokenLogProbs(model, temperature=temperature)
+        self.module: nn.Module = TokenLogProbs(model, temperature=temperature, remove_padding=remove_padding)
+        self.remove_padding = remove_padding
         if gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -72,6 +76,9 @@ class Policy(BatchModule):
 
     def log_probs(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
         """Log-probs and entropy of ``batch``'s response tokens (``B x R`` each), under the caller's grad mode."""
+        if self.remove_padding:
+            return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS],
+                               batch.get(K.RESPONSE_MASK, None))
         return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS])
 
     @torch.no_grad()
@@ -93,4 +100,5 @@ class Policy(BatchModule):
             micro_batch_size=self.micro_batch_size,
             log_prob_key=K.REF_LOG_PROBS,
             entropy_key=None,
+            remove_padding=self.remove_padding,
         )

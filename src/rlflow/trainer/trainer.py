@@ -23,6 +23,7 @@ from rlflow.data.prompts import PromptData
 from rlflow.module import check_chain
 from rlflow.strategies import resolve_strategy, shards_parameters
 from rlflow.trainer import checkpoint as ckpt
+from rlflow.trainer.batching import micro_batches
 from rlflow.trainer.distributed import global_sum, rank_shard, reduce_metrics
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.metrics import MeanAccumulator, Timer, batch_metrics, sum_micro_batches
@@ -43,6 +44,8 @@ class Trainer:
         batch_size: prompts per RL step (each gives ``rollout.n`` samples).
         mini_batch_size: prompts per optimizer step (default: ``batch_size``, one update per step).
         micro_batch_size: samples per forward/backward (gradient accumulation; default: the mini-batch).
+        max_tokens_per_micro_batch: token budget per forward/backward (verl's ``use_dynamic_bsz`` +
+            ``ppo_max_token_len_per_gpu``; see ``rlflow.trainer.batching``); ``None``: split by rows only.
         ppo_epochs: passes over the batch per step.
         lr, critic_lr, weight_decay, warmup_steps, lr_schedule: AdamW and its schedule ("constant" or "cosine").
         optimizer: ``params -> torch.optim.Optimizer`` to replace AdamW for the policy.
@@ -66,6 +69,7 @@ class Trainer:
         self, policy, rollout, reward, estimator, loss, *,
         reference="auto", critic=None, value_loss=None,
         batch_size: int = 32, mini_batch_size: int | None = None, micro_batch_size: int | None = None,
+        max_tokens_per_micro_batch: int | None = None,
         ppo_epochs: int = 1, lr: float = 1e-6, critic_lr: float = 1e-5, weight_decay: float = 0.01,
         warmup_steps: int = 0, lr_schedule: str = "constant", optimizer: Callable | None = None,
         max_grad_norm: float | None = 1.0, max_steps: int | None = None, epochs: int = 1,
@@ -89,6 +93,7 @@ class Trainer:
             raise ValueError(f"batch_size={batch_size} is not a multiple of mini_batch_size={mini_batch_size}")
         self.batch_size, self.mini_batch_size = batch_size, mini_batch_size or batch_size
         self.micro_batch_size, self.ppo_epochs = micro_batch_size, ppo_epochs
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.max_grad_norm, self.max_steps, self.epochs = max_grad_norm, max_steps, epochs
         self.val_every, self.val_n, self.save_every = val_every, val_n, save_every
         self.run_dir, self.resume, self.seed, self.progress = Path(run_dir), resume, seed, progress
@@ -211,7 +216,7 @@ class Trainer:
         module.train()
         for mb, n_tok, n_seq in self._minibatches(batch):
             micro_stats = []
-            for micro in mb.split(self.micro_batch_size or mb.batch_size[0]):
+            for micro in micro_batches(mb, self.micro_batch_size, self.max_tokens_per_micro_batch, self.fabric):
                 log_probs, entropy = self.policy.log_probs(micro)
                 micro[K.LOG_PROBS], micro[K.ENTROPY] = log_probs, entropy
                 if K.OLD_LOG_PROBS not in micro.keys():
@@ -228,7 +233,7 @@ class Trainer:
         module.train()
         for mb, n_tok, n_seq in self._minibatches(batch):
             micro_stats = []
-            for micro in mb.split(self.micro_batch_size or mb.batch_size[0]):
+            for micro in micro_batches(mb, self.micro_batch_size, self.max_tokens_per_micro_batch, self.fabric):
                 micro[K.OLD_VALUES] = micro[K.VALUES]
                 micro[K.VALUES] = self.critic.values(micro)
                 out = self.value_loss(micro, num_tokens=n_tok, num_seqs=n_seq)

@@ -1,0 +1,176 @@
+"""Padding removal: score a batch as packed sequences instead of a padded ``B x (P + R)`` block.
+
+Each row of a batch is a left-padded prompt followed by a right-padded response.
+Packing keeps, per row, the prompt's real tokens and the response up to its last
+token with ``response_mask == 1`` (tool/observation tokens inside the response,
+mask 0 in the middle, are kept: later tokens attend to them; only the trailing
+padding after the end of the response goes). The last response token itself is
+not fed either: no scored position reads its hidden state.
+
+The kept sequences are laid end to end in rows of ``pack_length`` tokens
+(first-fit decreasing), with ``position_ids`` restarting at 0 for each sequence
+and ``attention_mask=None``. transformers (>= 4.5x; checked on 5.x, see
+``masking_utils.find_packed_sequence_indices``; it needs ``use_cache=False``, else
+the default KV cache disables the detection) then detects the packed format from
+the position ids and builds a block-diagonal causal mask (sdpa / eager / flex), or
+passes the sequence boundaries to flash-attention varlen kernels.
+
+``pack_length=None`` makes each packed row as long as the longest sequence of the
+batch: the attention never costs more than in the padded layout (with a dense
+sdpa/eager mask a single packed row of all tokens would cost ``(sum of lengths)^2``).
+With flash-attention, which is linear in the number of sequences, a large
+``pack_length`` (one row) is best.
+
+Only the scored positions come back (``N`` of them, ``N`` = kept response
+tokens), so the LM head and the softmax run over ``N`` positions, not ``B x R``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class Packed:
+    """A packed batch and the index maps back to the ``B x R`` response layout.
+
+    Attributes:
+        input_ids, position_ids: ``rows x pack_length``; the tail of a row after its last
+            sequence is pad tokens forming a sequence of their own (never read).
+        src: ``N`` flat indices into ``rows * pack_length``: the positions predicting the kept response tokens.
+        dst: ``N`` flat indices into ``B * R``: where each of those goes in the response layout.
+        batch_size, response_len: ``B`` and ``R``.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    src: Tensor
+    dst: Tensor
+    batch_size: int
+    response_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the backbone runs over, padding of the packed rows included."""
+        return self.input_ids.numel()
+
+
+def response_lengths(response_mask: Tensor) -> Tensor:
+    """Per row, the index after the last response token with mask 1 (0 for an empty response)."""
+    idx = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
+    return (response_mask.bool() * idx).amax(-1)
+
+
+def pack(
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    response_ids: Tensor,
+    response_mask: Tensor | None = None,
+    pack_length: int | None = None,
+    pad_token_id: int = 0,
+) -> Packed:
+    """Pack the rows' real tokens (see the module docstring). ``response_mask=None`` keeps every response token."""
+    B, P = prompt_ids.shape
+    R = response_ids.shape[1]
+    device = prompt_ids.device
+    resp_len = response_lengths(response_mask) if response_mask is not None else torch.full((B,), R, device=device)
+    ar = torch.arange(R, device=device)
+    # fed tokens: prompt's real ones + response[: len - 1]
+    fed = torch.cat([prompt_mask.bool(), ar[None] < (resp_len[:, None] - 1)], dim=1)  # B x (P + R)
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    seq_len = fed.sum(-1)
+    pos_in_seq = fed.long().cumsum(-1) - 1
+
+    lengths = seq_len.tolist()
+    L = max(max(lengths, default=1), pack_length or 0, 1)
+    # first-fit decreasing over the rows: a Python loop over rows, never over tokens
+    starts, bins = [0] * B, []  # bins: used length of each packed row
+    for i in sorted(range(B), key=lambda i: -lengths[i]):
+        for b, used in enumerate(bins):
+            if used + lengths[i] <= L:
+                starts[i], bins[b] = b * L + used, used + lengths[i]
+                break
+        else:
+            starts[i] = len(bins) * L
+            bins.append(lengths[i])
+    rows = max(len(bins), 1)
+    row_start = torch.tensor(starts, device=device, dtype=torch.long)
+
+    # tails: pad tokens whose positions restart at 0 (a separate sequence nobody attends to)
+    flat_pos = torch.arange(rows * L, device=device).remainder(L).view(rows, L)
+    used = torch.tensor(bins or [0], device=device)
+    position_ids = (flat_pos - used[:, None]).clamp_min(0).view(-1)
+    input_ids = torch.full((rows * L,), pad_token_id, dtype=ids.dtype, device=device)
+    r, c = fed.nonzero(as_tuple=True)
+    target = row_start[r] + pos_in_seq[r, c]
+    input_ids[target] = ids[r, c]
+    position_ids[target] = pos_in_seq[r, c]
+
+    scored = ar[None] < resp_len[:, None]  # B x R
+    b, t = scored.nonzero(as_tuple=True)
+    p_len = prompt_mask.sum(-1)
+    src = row_start[b] + p_len[b] - 1 + t
+    return Packed(input_ids.view(rows, L), position_ids.view(rows, L), src, b * R + t, B, R)
+
+
+def unpack(values: Tensor, packed: Packed) -> Tensor:
+    """``N x ...`` values at the kept positions -> ``B x R x ...``, zeros elsewhere (differentiable)."""
+    out = values.new_zeros((packed.batch_size * packed.response_len, *values.shape[1:]))
+    return out.index_copy(0, packed.dst, values).view(packed.batch_size, packed.response_len, *values.shape[1:])
+
+
+def packed_hidden_states(lm: nn.Module, packed: Packed) -> Tensor:
+    """The backbone over the packed rows; returns the ``N x H`` hidden states at the scored positions."""
+    # use_cache=False: transformers only looks for packed sequences when there is no KV cache
+    out = lm.get_decoder()(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
+                           use_cache=False)
+    hidden = out.last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])[packed.src]
+
+
+def _pad_id(lm: nn.Module) -> int:
+    pad = getattr(getattr(lm, "config", None), "pad_token_id", None)
+    return int(pad) if pad is not None else 0
+
+
+def packed_response_hidden_states(
+    lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+    response_mask: Tensor | None = None, pack_length: int | None = None,
+) -> Tensor:
+    """What ``response_hidden_states`` returns (``B x R x H``), computed packed; zeros after each response's end."""
+    packed = pack(prompt_ids, prompt_mask, response_ids, response_mask, pack_length, _pad_id(lm))
+    return unpack(packed_hidden_states(lm, packed), packed)
+
+
+def packed_log_probs(
+    lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+    response_mask: Tensor | None = None, *, temperature: float = 1.0, chunk_tokens: int = 4096,
+    pack_length: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``TokenLogProbs`` on packed sequences: log-probs and entropy ``B x R`` (0 after each response's end).
+
+    The LM head runs in chunks over the ``N`` kept positions only, checkpointed under autograd.
+    """
+    from rlflow.models.logprobs import _chunk_log_probs
+
+    packed = pack(prompt_ids, prompt_mask, response_ids, response_mask, pack_length, _pad_id(lm))
+    hidden = packed_hidden_states(lm, packed)
+    ids = response_ids.reshape(-1)[packed.dst]
+    head = lm.get_output_embeddings()
+    logps, ents = [], []
+    for start in range(0, ids.shape[0], chunk_tokens):
+        h, i = hidden[start : start + chunk_tokens], ids[start : start + chunk_tokens]
+        if torch.is_grad_enabled() and h.requires_grad:
+            lp, ent = checkpoint(_chunk_log_probs, h, head, i, temperature, use_reentrant=False)
+        else:
+            lp, ent = _chunk_log_probs(h, head, i, temperature)
+        logps.append(lp)
+        ents.append(ent)
+    if not logps:  # no response token anywhere: keep the graph connected to the backbone
+        empty = hidden.sum(-1)[:0].float()
+        logps, ents = [empty], [empty]
+    return unpack(torch.cat(logps), packed), unpack(torch.cat(ents), packed)

@@ -1,0 +1,95 @@
+"""Micro-batches by row count or by token budget (verl: ``use_dynamic_bsz`` + ``ppo_max_token_len_per_gpu``).
+
+The Trainer normalises each micro-batch's loss by its mini-batch's totals, so
+any partition of a mini-batch into micro-batches gives the same gradient: rows
+may be grouped by length freely.
+
+Token count of a row (:func:`row_tokens`): the prompt's real tokens plus the
+response up to its last token with ``response_mask == 1`` (tool/observation tokens
+inside the response count: the model reads them), i.e. what a padding-free pass
+runs over.
+
+Plan with a budget (:func:`plan`): first-fit decreasing. Rows are taken longest
+first and put into the first micro-batch with room (``<= max_tokens`` tokens and
+``< micro_batch_size`` rows when that is given); a row longer than the budget gets
+a micro-batch of its own. Each micro-batch then lists its rows in their original
+order. Without a budget it is ``batch.split(micro_batch_size)``, unchanged.
+
+Several processes: FSDP2/DDP collectives need every rank to run the same number of
+forward/backward passes. With a budget, the ranks all-reduce the maximum count and a
+rank with fewer micro-batches splits its largest (in tokens, with at least two rows)
+in two until the counts match (splitting never breaks the budget). This needs at
+least as many rows on each rank as that maximum count, which holds when ranks hold
+equal row counts (as ``rank_shard`` gives); otherwise it raises.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from rlflow.data import keys as K
+
+
+def row_tokens(batch: TensorDict) -> torch.Tensor:
+    """Tokens per row: prompt mask sum + response length up to its last valid token (``B``, int64)."""
+    n = batch[K.PROMPT_MASK].long().sum(-1)
+    if K.RESPONSE_MASK in batch.keys():
+        mask = batch[K.RESPONSE_MASK]
+        idx = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+        return n + (mask.bool() * idx).amax(-1)
+    if K.RESPONSE_IDS in batch.keys():
+        return n + batch[K.RESPONSE_IDS].shape[1]
+    return n
+
+
+def plan(lengths: list[int], micro_batch_size: int | None, max_tokens: int, min_count: int = 0) -> list[list[int]]:
+    """Row indices of each micro-batch (see the module docstring); at least ``min_count`` of them if possible."""
+    cap = micro_batch_size or len(lengths) or 1
+    groups: list[list[int]] = []
+    used: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for g, members in enumerate(groups):
+            if used[g] + lengths[i] <= max_tokens and len(members) < cap:
+                members.append(i)
+                used[g] += lengths[i]
+                break
+        else:
+            groups.append([i])
+            used.append(lengths[i])
+    while len(groups) < min_count:
+        splittable = [g for g in range(len(groups)) if len(groups[g]) > 1]
+        if not splittable:
+            raise RuntimeError(f"cannot make {min_count} micro-batches out of {len(lengths)} rows: "
+                               "every rank must run the same number of micro-batches")
+        g = max(splittable, key=lambda g: used[g])
+        members = sorted(groups[g], key=lambda i: -lengths[i])
+        a, b = members[0::2], members[1::2]  # alternate by length: two halves of similar size
+        groups[g], used[g] = a, sum(lengths[i] for i in a)
+        groups.append(b)
+        used.append(sum(lengths[i] for i in b))
+    return [sorted(g) for g in groups]
+
+
+def micro_batches(batch: TensorDict, micro_batch_size: int | None, max_tokens: int | None,
+                  fabric=None) -> list[TensorDict]:
+    """Split a mini-batch into micro-batches: by rows (``max_tokens=None``) or by a token budget.
+
+    Args:
+        batch: the mini-batch (rows of this rank).
+        micro_batch_size: at most this many rows per micro-batch (``None``: no limit on rows).
+        max_tokens: at most this many tokens (:func:`row_tokens`) per micro-batch; a longer row goes alone.
+        fabric: a ``lightning.Fabric``; with several processes the micro-batch count is made equal on all ranks.
+    """
+    size = batch.batch_size[0]
+    if max_tokens is None:
+        return list(batch.split(micro_batch_size or size))
+    lengths = row_tokens(batch).tolist()
+    groups = plan(lengths, micro_batch_size, max_tokens)
+    if fabric is not None and fabric.world_size > 1:
+        count = torch.tensor(len(groups), device=fabric.device)
+        most = int(fabric.all_reduce(count, reduce_op="max"))
+        if most > len(groups):
+            groups = plan(lengths, micro_batch_size, max_tokens, min_count=most)
+    device = batch[K.PROMPT_MASK].device
+    return [batch[torch.tensor(g, dtype=torch.long, device=device)] for g in groups]
