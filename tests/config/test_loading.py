@@ -74,7 +74,6 @@ def test_bad_overrides(override, message):
     ("actor_rollout_ref.model.backend=megatron", "Megatron"),
     ("actor_rollout_ref.rollout.name=vllm", "vllm rollout engine"),
     ("actor_rollout_ref.rollout.name=sglang", "sglang rollout engine"),
-    ("actor_rollout_ref.actor.use_dynamic_bsz=true", "use_dynamic_bsz"),
     ("reward_model.enable=true", "reward models"),
     ("trainer.logger=[mlflow]", "mlflow logger"),
 ])
@@ -115,7 +114,7 @@ def test_too_many_gpus_says_what_was_found_and_how_to_run():
         make_plan(load_config(QUICK_START))
     msg = str(e.value)
     assert "trainer.n_gpus_per_node=8" in msg and "this machine has 0 CUDA device(s)" in msg
-    assert "trainer.device=cpu (then trainer.n_gpus_per_node=8 runs 8 CPU processes)" in msg
+    assert "trainer.device=cpu trainer.n_gpus_per_node=1" in msg and "to run 8 CPU processes" in msg
 
 
 def test_one_gpu_found_and_multi_process(monkeypatch):
@@ -243,3 +242,10 @@ def test_seed_ppo_critic_config(tmp_path):
     assert any("critic.ppo_mini_batch_size=64 applies to the actor too" in n for n in p.notes)
     with pytest.raises(ConfigError, match="set them equal"):
         make_plan(load_config(CPU + ["actor_rollout_ref.actor.ppo_mini_batch_size=32"], config_file=tmp_path / "ppo.yaml"))
+
+
+def test_dynamic_bsz_and_remove_padding_reach_the_objects():
+    p = plan("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512")
+    assert p.trainer_kwargs["max_tokens_per_micro_batch"] == 512
+    assert p.policy_kwargs["remove_padding"] is True  # verl's default use_remove_padding=true
+    assert plan().trainer_kwargs["max_tokens_per_micro_batch"] is None

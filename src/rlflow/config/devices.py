@@ -41,7 +41,8 @@ def resolve_devices(cfg: VerlConfig, notes: list[str], with_critic: bool) -> Dev
         raise ConfigError(f"trainer.n_gpus_per_node={per_node}, trainer.nnodes={nnodes}: both must be >= 1")
     wants_gpu = device == "cuda" or (device == "auto" and (found > 0 or per_node > 1))
     if wants_gpu and per_node > found:
-        fix = (f"trainer.device=cpu (then trainer.n_gpus_per_node={per_node} runs {per_node} CPU processes)"
+        fix = (f"trainer.device=cpu trainer.n_gpus_per_node=1 (or keep trainer.n_gpus_per_node={per_node} "
+               f"with trainer.device=cpu to run {per_node} CPU processes)"
                if found == 0 else f"trainer.n_gpus_per_node={found}")
         raise ConfigError(
             f"trainer.n_gpus_per_node={per_node} asks for {per_node} GPU(s) per node, but this machine has {found} "

@@ -68,6 +68,14 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
 
+def token_budget(cfg: VerlConfig, with_critic: bool) -> int | None:
+    """verl's use_dynamic_bsz + ppo_max_token_len_per_gpu -> the Trainer's token budget per micro-batch."""
+    roles = (A, C) if with_critic else (A,)
+    pairs = [(cfg[f"{r}.use_dynamic_bsz"], cfg[f"{r}.ppo_max_token_len_per_gpu"]) for r in roles]
+    budgets = [tokens for on, tokens in pairs if on]
+    return min(budgets) if budgets else None
+
+
 def check_not_supported(cfg: VerlConfig) -> None:
     for k, (feature, triggered) in tables.NOT_SUPPORTED.items():
         value = cfg[k]
@@ -187,7 +195,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
             micro = min(x for x in (micro, critic_micro) if x)
         critic_path = cfg[f"{C}.model.path"]
         critic_kwargs = {"micro_batch_size": fwd_micro if fwd_micro is not None else critic_micro,
-                         "gradient_checkpointing": cfg[f"{C}.model.enable_gradient_checkpointing"]}
+                         "gradient_checkpointing": cfg[f"{C}.model.enable_gradient_checkpointing"],
+                         "remove_padding": cfg[f"{C}.model.use_remove_padding"]}
         value_loss_kwargs = {"clip_range": cfg[f"{C}.cliprange_value"], "agg": cfg[f"{C}.loss_agg_mode"]}
 
     before, after, kl_controller = companions(cfg, estimator_cls)
@@ -213,7 +222,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
         policy_kwargs={"temperature": temperature,
                        "micro_batch_size": one_of(cfg, f"{R}.log_prob_micro_batch_size_per_gpu",
                                                   f"{R}.log_prob_micro_batch_size", procs),
-                       "gradient_checkpointing": cfg["actor_rollout_ref.model.enable_gradient_checkpointing"]},
+                       "gradient_checkpointing": cfg["actor_rollout_ref.model.enable_gradient_checkpointing"],
+                       "remove_padding": cfg["actor_rollout_ref.model.use_remove_padding"]},
         ref_micro_batch_size=one_of(cfg, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
                                     "actor_rollout_ref.ref.log_prob_micro_batch_size", procs),
         rollout_cls=rollout_engine(cfg),
@@ -239,7 +249,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
             "lr_schedule": lr_schedule, "optimizer": make_optimizer, "max_grad_norm": grad_clip,
             "val_every": max(test_freq, 0), "val_n": val["n"], "save_every": max(save_freq, 0),
             "run_dir": cfg["trainer.default_local_dir"], "resume": resume, "seed": cfg["data.seed"],
-            "progress": "console" not in loggers, "accelerator": devices.accelerator, "devices": devices.per_node,
+            "progress": "console" not in loggers, "max_tokens_per_micro_batch": token_budget(cfg, with_critic), "accelerator": devices.accelerator, "devices": devices.per_node,
             "num_nodes": devices.nnodes,
             "strategy": devices.strategy, "precision": devices.precision},
         total_training_steps=cfg["trainer.total_training_steps"], total_epochs=cfg["trainer.total_epochs"],

@@ -93,7 +93,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.model.trust_remote_code": ("remote-code models (trust_remote_code)", _truthy),
     "actor_rollout_ref.model.override_config": ("model config overrides (override_config)", _truthy),
     "actor_rollout_ref.actor.strategy": (MEGATRON, _not("fsdp", "fsdp2")),
-    "actor_rollout_ref.actor.use_dynamic_bsz": (DYN_BSZ, _truthy),
     "actor_rollout_ref.actor.shuffle": ("shuffling within mini-batches", _truthy),
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": ("sequence parallelism (Ulysses)", _gt1),
     "actor_rollout_ref.actor.tensor_model_parallel_size": (MEGATRON, _gt1),
@@ -102,10 +101,8 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.actor.lora.enabled": (LORA, _truthy),
     "actor_rollout_ref.actor.optim.min_lr_ratio": ("a cosine floor (min_lr_ratio)", lambda v: v not in (None, 0, 0.0)),
     "actor_rollout_ref.actor.optim.num_cycles": ("cosine cycles other than 0.5", _not(0.5)),
-    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": (DYN_BSZ, _truthy),
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": ("sequence parallelism (Ulysses)", _gt1),
     "actor_rollout_ref.ref.model": ("a reference model other than the initial policy", _truthy),
-    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": (DYN_BSZ, _truthy),
     "actor_rollout_ref.rollout.ignore_eos": ("generation that ignores EOS", _truthy),
     "actor_rollout_ref.rollout.over_sample_rate": ("rollout over-sampling", _truthy),
     "actor_rollout_ref.rollout.enable_vision": ("vision-language models", _truthy),
@@ -123,7 +120,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "critic.model.override_config": ("model config overrides (override_config)", _truthy),
     "critic.model.enable_activation_offload": ("activation offloading", _truthy),
     "critic.model.trust_remote_code": ("remote-code models (trust_remote_code)", _truthy),
-    "critic.use_dynamic_bsz": (DYN_BSZ, _truthy),
     "critic.shuffle": ("shuffling within mini-batches", _truthy),
     "critic.ulysses_sequence_parallel_size": ("sequence parallelism (Ulysses)", _gt1),
     "critic.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
@@ -156,10 +152,13 @@ _LOADER = "rlflow reads the data files in the main process"
 _CKPT = "rlflow checkpoints always hold model, optimizer, schedule, data position and RNG"
 _NO_RM = "only used by reward models (reward_model.enable), not supported yet"
 _LORA_ONLY = "only used with LoRA, not supported yet"
-_DYN_ONLY = "only used with use_dynamic_bsz, not supported yet"
+_DYN_ONLY = ("the scoring passes (old/ref log-probs) use log_prob_micro_batch_size(_per_gpu); the token budget "
+             "applies to the training micro-batches (actor.use_dynamic_bsz + ppo_max_token_len_per_gpu)")
 _FILTER_ONLY = "only used with filter_groups / rollout correction / PF-PPO, not supported yet"
 
 INERT: dict[str, str] = {
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": _DYN_ONLY,
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": _DYN_ONLY,
     "data.tokenizer": "prompts are tokenized with the policy's tokenizer",
     "data.use_shm": _LOADER, "data.dataloader_num_workers": _LOADER, "data.filter_overlong_prompts_workers": _LOADER,
     "data.return_raw_input_ids": "rlflow batches carry prompt ids and text",
@@ -172,13 +171,12 @@ INERT: dict[str, str] = {
     "data.gen_batch_size": _FILTER_ONLY,
     "actor_rollout_ref.hybrid_engine": "rlflow's rollout always shares the policy's weights",
     "actor_rollout_ref.nccl_timeout": _SINGLE,
-    "actor_rollout_ref.model.use_shm": _LOADER, "actor_rollout_ref.model.use_remove_padding": _PACKED,
+    "actor_rollout_ref.model.use_shm": _LOADER, 
     "actor_rollout_ref.model.fused_kernel_options.*": "fused kernels are not supported yet",
     "actor_rollout_ref.model.target_modules": _LORA_ONLY, "actor_rollout_ref.model.exclude_modules": _LORA_ONLY,
     "actor_rollout_ref.model.lora_alpha": _LORA_ONLY,
     "actor_rollout_ref.actor.lora.r": _LORA_ONLY, "actor_rollout_ref.actor.lora.alpha": _LORA_ONLY,
     "actor_rollout_ref.actor.lora.target_modules": _LORA_ONLY,
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": _DYN_ONLY,
     "actor_rollout_ref.actor.use_torch_compile": "rlflow's chunked log-prob kernel is not compiled",
     "actor_rollout_ref.actor.entropy_from_logits_with_chunking": _PACKED,
     "actor_rollout_ref.actor.entropy_checkpointing": _PACKED,
@@ -213,11 +211,11 @@ INERT: dict[str, str] = {
     "critic.rollout_n": "the critic scores every sample of the batch",
     "critic.model.tokenizer_path": "the critic reads the policy's token ids",
     "critic.model.external_lib": "actor_rollout_ref.model.external_lib is imported once for both",
-    "critic.model.use_shm": _LOADER, "critic.model.use_remove_padding": _PACKED,
+    "critic.model.use_shm": _LOADER, 
     "critic.model.fsdp_config.wrap_policy.*": _SINGLE, "critic.model.fsdp_config.reshard_after_forward": _SINGLE,
     "critic.model.fsdp_config.fsdp_size": _SINGLE, "critic.model.fsdp_config.forward_prefetch": _SINGLE,
     "critic.model.target_modules": _LORA_ONLY, "critic.model.lora_alpha": _LORA_ONLY,
-    "critic.ppo_max_token_len_per_gpu": _DYN_ONLY, "critic.forward_max_token_len_per_gpu": _DYN_ONLY,
+    "critic.forward_max_token_len_per_gpu": _DYN_ONLY,
     "reward_model.strategy": _NO_RM, "reward_model.micro_batch_size": _NO_RM,
     "reward_model.micro_batch_size_per_gpu": _NO_RM, "reward_model.max_length": _NO_RM,
     "reward_model.use_dynamic_bsz": _NO_RM, "reward_model.forward_max_token_len_per_gpu": _NO_RM,
