@@ -31,7 +31,7 @@ LOSSES = {
 
 
 def build(name: str, seed: int = 0, steps: int = 40, batch_size: int = 16, n: int = 8, mini_batch_size: int | None = 8,
-          lr: float = 2e-4, run_dir: str = "runs/losses", **trainer_kwargs):
+          lr: float = 1e-4, run_dir: str = "runs/losses", **trainer_kwargs):
     """The Trainer for loss ``name`` on the addition task; returns ``(trainer, data)``."""
     task = AdditionTask()
     model, tokenizer = warm_started_model(task, seed)
@@ -58,7 +58,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16, help="prompts per step")
     p.add_argument("--mini-batch-size", type=int, default=8, help="prompts per optimizer step")
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
-    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default="runs/losses")
     args = p.parse_args()

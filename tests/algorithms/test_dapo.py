@@ -98,6 +98,14 @@ def test_dynamic_sampling_filters_and_pulls_more_batches():
     assert sampler.stats["reward/errors"] == 0.0
 
 
+def test_dynamic_sampling_keeps_groups_apart_across_rounds():
+    # both rounds keep their prompt 0: the two groups must stay two groups (ids are offset per round)
+    sampler = DynamicSampling(ScriptedRollout(n=2), FunctionReward(by_kind))
+    sampler.bind_prompts(iter([prompts(["mixed", "easy"])]))
+    out = sampler(prompts(["mixed", "hard"]))
+    assert out[K.GROUP].tolist() == [0, 0, 1, 1] and sampler.stats["dapo/num_gen_batches"] == 2
+
+
 def test_dynamic_sampling_one_round_when_enough():
     sampler = DynamicSampling(ScriptedRollout(n=2), FunctionReward(by_kind))
     out = sampler(prompts(["mixed", "mixed"]))  # no loader bound: not needed
@@ -109,7 +117,8 @@ def test_dynamic_sampling_cap_and_missing_loader():
     with pytest.raises(RuntimeError, match="bind_prompts"):
         sampler(prompts(["easy", "mixed"]))
     sampler.bind_prompts(iter([prompts(["hard", "easy"]), prompts(["easy", "hard"])]))
-    with pytest.raises(RuntimeError, match=r"3 generation batches \(max_gen_batches\) gave only 1 .* out of 6 .* 2 are needed"):
+    cap = r"3 generation batches \(max_gen_batches\) gave only 1 .* out of 6 .* 2 are needed"
+    with pytest.raises(RuntimeError, match=cap):
         sampler(prompts(["easy", "mixed"]))
     with pytest.raises(ValueError, match="max_gen_batches"):
         DynamicSampling(ScriptedRollout(n=2), FunctionReward(by_kind), max_gen_batches=0)

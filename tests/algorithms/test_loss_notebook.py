@@ -1,5 +1,6 @@
 """The custom-loss notebook runs top to bottom with nbclient and shows its loss learning."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,10 @@ def stream(cell) -> str:
     return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
 
 
-def test_custom_loss_notebook_runs_and_learns(warm_start_cached, tmp_path):
+def test_custom_loss_notebook_runs_and_learns(warm_start_cached, tmp_path, monkeypatch):
+    # One thread in the kernel: the tiny model gains nothing from two, and on shared cores two threads
+    # that wait on each other made the training cell 25x slower (300 s instead of 13 s).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbformat.validate(nb)
     loss_cell = next(c.source for c in nb.cells if "class TOPRLoss(PPOLoss)" in c.source)
@@ -40,7 +44,8 @@ def test_custom_loss_notebook_runs_and_learns(warm_start_cached, tmp_path):
     hand = next(o for o in outputs if "neg_weight_mean" in o and "tensor(" in o)
     # weights [1, 1, 0.5] on A = [1, -1, -1]: gradient -w A / 3 tokens; padding 0
     assert "'actor/neg_weight_mean': 0.75" in hand
-    assert hand.split("tensor(")[1].replace(" ", "").replace("\n", "").startswith("[[-0.3333,0.3333,0.1667,0.0000]]")
+    grad = [float(x) for x in re.findall(r"-?\d+\.\d+", hand.split("tensor(")[1])]
+    assert grad == pytest.approx([-1 / 3, 1 / 3, 0.5 / 3, 0.0], abs=1e-4)
     assert any("held-out greedy accuracy" in o for o in outputs)
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
                for c in nb.cells for o in c.get("outputs", []))  # the reward curve was drawn

@@ -60,8 +60,9 @@ def test_gspo_log_ratio_clamped_at_10():
 
 
 def test_cispo_by_hand():
-    # tokens (A, r, logp): (+1, 1.5, -1) -> clip 1.2: -1.2*1*(-1) = 1.2; (-1, 0.5, -2) -> clip 0.8: -0.8*(-1)*(-2) = -1.6;
-    # (2, 1.1, -0.5) unclipped: -1.1*2*(-0.5) = 1.1; token-mean = 0.7/3
+    # tokens (A, r, logp): (+1, 1.5, -1) -> clip 1.2: -1.2*1*(-1) = 1.2;
+    # (-1, 0.5, -2) -> clip 0.8: -0.8*(-1)*(-2) = -1.6; (2, 1.1, -0.5) unclipped: -1.1*2*(-0.5) = 1.1;
+    # token-mean = 0.7/3
     logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
     old = logp.detach() - torch.tensor([[1.5, 0.5, 1.1]]).log()
     adv, mask = torch.tensor([[1.0, -1.0, 2.0]]), torch.ones(1, 3)
@@ -103,7 +104,8 @@ def test_gmpo_by_hand():
     adv, mask = torch.tensor([[1.0, 1.0], [-1.0, -1.0]]), torch.ones(2, 2)
     loss, stats = PF.gmpo_loss(logp, old, adv, mask)
     assert loss.item() == pytest.approx(-0.18959400, rel=1e-6)  # mean over the 2 sequences
-    assert stats["pg_clipfrac"].item() == pytest.approx(0.25) and stats["pg_clipfrac_lower"].item() == pytest.approx(0.25)
+    assert stats["pg_clipfrac"].item() == pytest.approx(0.25)
+    assert stats["pg_clipfrac_lower"].item() == pytest.approx(0.25)
     # unclipped tokens: d(-A rho)/dlogp_t = -A rho / |y|, then / 2 sequences; clipped tokens: 0
     torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[-0.3210064, 0.0], [0.0, 0.2262094]]))
 
@@ -130,6 +132,7 @@ def test_clip_cov_select_by_hand():
         assert sel.sum() == 1 and not sel[0, 1] and not sel[0, 4]
         picks.add(int(sel.nonzero()[0, 1]))
     assert picks == {0, 2, 3}  # uniform among the candidates
+    assert PF.clip_cov_select(adv, logp, mask, ratio=1e-6).sum() == 1  # int(ratio * N) = 0: still one token
     again = [PF.clip_cov_select(adv, logp, mask, 0.3, generator=torch.Generator().manual_seed(3)) for _ in range(2)]
     assert torch.equal(*again)  # a seeded generator fixes the choice
     # k = int(0.75 * 4) = 3 with cov bounds (2, 5): only tokens 0 and 2 qualify; exclude drops token 0
@@ -259,7 +262,8 @@ def test_losses_match_loops_of_verl():
         assert loss.item() == pytest.approx(loop_gspo(logp, old, adv, mask, 0.1, 0.15), rel=1e-9)
         # CISPO
         per = loop_token(lambda lp, o, a: -min(max(exp(lp - o), 0.8), 1.28) * a * lp, logp, old, adv, mask)
-        assert PF.cispo_loss(logp, old, adv, mask, 0.2, 0.28)[0].item() == pytest.approx(token_mean(per, mask), rel=1e-9)
+        loss, _ = PF.cispo_loss(logp, old, adv, mask, 0.2, 0.28)
+        assert loss.item() == pytest.approx(token_mean(per, mask), rel=1e-9)
 
         # SAPO
         def sapo(lp, o, a):
@@ -289,16 +293,18 @@ def test_losses_match_loops_of_verl():
         per = [[-adv[i, t].item() * math.exp(logp[i, t].item() - old[i, t].item())
                 + 0.5 * abs(logp[i, t].item() - old[i, t].item()) * ((i, t) in top)
                 for t in range(mask.shape[1])] for i in range(mask.shape[0])]
-        assert PF.kl_cov_loss(logp, old, adv, mask, sel, 0.5)[0].item() == pytest.approx(token_mean(per, mask), rel=1e-9)
+        loss, _ = PF.kl_cov_loss(logp, old, adv, mask, sel, 0.5)
+        assert loss.item() == pytest.approx(token_mean(per, mask), rel=1e-9)
         # Clip-Cov: the candidates are exactly the valid tokens with lb < cov < ub
         cands = {k for k, c in cov.items() if 0.2 < c < 2.0}
         assert cands, "the random data must have candidates"
         sel = PF.clip_cov_select(adv, logp, mask, ratio=1.0, lb=0.2, ub=2.0)
         assert {tuple(x) for x in sel.nonzero().tolist()} == cands
-        per = [[0.0 if (i, t) in cands else max(-adv[i, t].item() * math.exp(logp[i, t].item() - old[i, t].item()),
-                                                -adv[i, t].item() * min(max(math.exp(logp[i, t].item() - old[i, t].item()),
-                                                                            0.8), 1.2))
-                for t in range(mask.shape[1])] for i in range(mask.shape[0])]
+        def ppo_token(i, t):
+            a, r = adv[i, t].item(), math.exp(logp[i, t].item() - old[i, t].item())
+            return max(-a * r, -a * min(max(r, 0.8), 1.2))
+
+        per = [[0.0 if (i, t) in cands else ppo_token(i, t) for t in range(mask.shape[1])] for i in range(mask.shape[0])]
         assert PF.clip_cov_loss(logp, old, adv, mask, sel)[0].item() == pytest.approx(token_mean(per, mask), rel=1e-9)
 
 
@@ -316,7 +322,8 @@ def test_modules_call_their_functions_and_keep_ppo_terms():
     assert GSPOLoss().pg_loss(batch)[0].item() == PF.gspo_loss(logp, old, adv, mask, 3e-4, 4e-4)[0].item()
     assert SAPOLoss(2.0, 3.0).pg_loss(batch)[0].item() == PF.sapo_loss(logp, old, adv, mask, 2.0, 3.0)[0].item()
     assert GMPOLoss().pg_loss(batch)[0].item() == PF.gmpo_loss(logp, old, adv, mask, 0.4, 0.4)[0].item()
-    assert CISPOLoss(clip_ratio_low=1.0).pg_loss(batch)[0].item() == PF.cispo_loss(logp, old, adv, mask, 1.0, 0.2)[0].item()
+    cispo = CISPOLoss(clip_ratio_low=1.0).pg_loss(batch)[0].item()
+    assert cispo == PF.cispo_loss(logp, old, adv, mask, 1.0, 0.2)[0].item()
     assert ReinforceLoss(agg="seq-mean-token-sum").pg_loss(batch)[0].item() == \
         PF.reinforce_loss(logp, adv, mask, "seq-mean-token-sum")[0].item()
     # the KL term of PPOLoss is added to a variant's policy term
@@ -359,7 +366,8 @@ def test_cov_losses_read_the_selection():
 
 def test_clip_cov_generator_state_is_checkpointed():
     logp, old, adv, mask = random_inputs(7)
-    loss = ClipCovLoss(clip_cov_ratio=0.05, clip_cov_lb=-10.0, clip_cov_ub=10.0, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    loss = ClipCovLoss(clip_cov_ratio=0.05, clip_cov_lb=-10.0, clip_cov_ub=10.0, generator=gen)
     sel = loss.selection()
     state = sel.state_dict()
     first = sel(batch_of(logp, old, adv, mask))[K.COV_SELECTED].clone()

@@ -114,7 +114,8 @@ def test_spin_by_hand():
 
 
 def loop_spin(logp, ref, mask, group, is_ref, beta):
-    d = [sum(logp[i, t].item() - ref[i, t].item() for t in range(mask.shape[1]) if mask[i, t]) for i in range(len(group))]
+    d = [sum(logp[i, t].item() - ref[i, t].item() for t in range(mask.shape[1]) if mask[i, t])
+         for i in range(len(group))]
     groups = {}
     for i, g in enumerate(group.tolist()):
         groups.setdefault(g, []).append(i)
@@ -151,7 +152,8 @@ def with_policy(batch, theta):
 def test_spin_matches_loop():
     for seed in range(3):
         batch = with_policy(spin_batch(seed), torch.ones(5, dtype=torch.float64))
-        args = (batch[K.LOG_PROBS], batch[K.REF_LOG_PROBS], batch[K.RESPONSE_MASK], batch[K.GROUP], batch[K.IS_REFERENCE])
+        keys = (K.LOG_PROBS, K.REF_LOG_PROBS, K.RESPONSE_MASK, K.GROUP, K.IS_REFERENCE)
+        args = tuple(batch[k] for k in keys)
         assert PF.spin_loss(*args, beta=0.3)[0].item() == pytest.approx(loop_spin(*args, 0.3), rel=1e-7)
 
 

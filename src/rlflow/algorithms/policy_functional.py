@@ -300,8 +300,9 @@ def spin_loss(
         raise ValueError(
             f"SPIN pairs each group's reference row with its generated rows, but group {g} has "
             f"{int(n_ref[ids == g].item())} reference and {int(n_gen[ids == g].item())} generated row(s) in this "
-            "micro-batch: a micro-batch must hold whole groups (make micro_batch_size a multiple of n + 1) "
-            "and every group needs one reference row (rlflow.rollout.WithReferenceResponses)")
+            "micro-batch: a micro-batch must hold whole groups (split by rows, max_tokens_per_micro_batch=None, with "
+            "a micro_batch_size that is a multiple of n + 1) and every group needs one reference row "
+            "(rlflow.rollout.WithReferenceResponses)")
     delta = sequence_log_ratio(log_probs, ref_log_probs, mask)
     d_ref = torch.zeros(ids.numel(), dtype=delta.dtype, device=delta.device).index_add(0, inverse, delta * is_ref)
     margin = d_ref[inverse] - delta  # [B]; meaningful on generated rows

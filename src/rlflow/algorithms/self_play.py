@@ -69,8 +69,8 @@ class SPINLoss(PPOLoss):
     per (real, generated) pair of a group, averaged (``policy_functional.spin_loss``).
 
     Needs the real response as a row of each group (``is_reference``; ``WithReferenceResponses``) and
-    whole groups in every micro-batch (a ``micro_batch_size`` that is a multiple of ``n + 1``; the loss
-    raises otherwise). PPOLoss's clip arguments are unused; ``kl_coef`` / ``entropy_coef`` still apply.
+    whole groups in every micro-batch: split by rows (no ``max_tokens_per_micro_batch``, whose packing
+    regroups rows) with a ``micro_batch_size`` that is a multiple of ``n + 1``; the loss raises otherwise. PPOLoss's clip arguments are unused; ``kl_coef`` / ``entropy_coef`` still apply.
     """
 
     def __init__(self, beta: float = 0.1, agg: str = "seq-mean-token-mean", **ppo_kwargs):
@@ -81,8 +81,8 @@ class SPINLoss(PPOLoss):
 
     @property
     def in_keys(self) -> tuple[str, ...]:
-        unused = (ADVANTAGES, OLD_LOG_PROBS)
-        return tuple(k for k in dict.fromkeys(super().in_keys + (REF_LOG_PROBS, GROUP, IS_REFERENCE)) if k not in unused)
+        keys = dict.fromkeys(super().in_keys + (REF_LOG_PROBS, GROUP, IS_REFERENCE))
+        return tuple(k for k in keys if k not in (ADVANTAGES, OLD_LOG_PROBS))  # SPIN reads neither
 
     def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
         return PF.spin_loss(batch[LOG_PROBS], batch[REF_LOG_PROBS], batch[RESPONSE_MASK], batch[GROUP],

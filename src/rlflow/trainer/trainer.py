@@ -277,9 +277,10 @@ class Trainer:
         rollout = self.rollout.with_options(**opts)
         values: dict[str, dict[str, list]] = {}   # source -> variable -> one list of n values per prompt
         votes: dict[str, list] = {}               # source -> one list of n predictions (or None) per prompt
+        reward = self.reward or self.rollout.reward  # reward=None: the rollout scores (dynamic sampling)
         for prompts in data.val_batches(self.policy.tokenizer):
-            batch = self.reward(rollout(self.fabric.to_device(prompts)))
-            extras, scores = getattr(self.reward, "extras", {}), batch[K.SCORES].tolist()
+            batch = reward(rollout(self.fabric.to_device(prompts)))
+            extras, scores = getattr(reward, "extras", {}), batch[K.SCORES].tolist()
             accs, preds, sources = extras.get("acc"), extras.get("pred"), list(batch[K.DATA_SOURCE])
             for i in range(0, len(sources), n):  # one prompt's n samples are contiguous
                 per = values.setdefault(sources[i], {})
