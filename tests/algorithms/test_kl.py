@@ -141,9 +141,12 @@ def test_trainer_resume_restores_the_adaptive_coefficient(model, tokenizer, addi
     full, data = make_trainer(model, tokenizer, addition_rows, tmp_path / "full", max_steps=3, save_every=2,
                               estimator=estimator())
     assert full.reference is not None and full.needs_old_log_probs  # the chain reads both
-    full.fit(data)
+    history = full.fit(data)
     values = full.estimator.modules[0].controller.value
     assert values != 0.05  # it moved: the test would notice a coefficient that is not restored
+    # the step metrics carry the chain's stats: the beta each step used, and the measured KL
+    assert history[0]["actor/reward_kl_penalty_coeff"] == 0.05
+    assert history[1]["actor/reward_kl_penalty_coeff"] != 0.05 and "actor/reward_kl_penalty" in history[1]
 
     resumed, data = make_trainer(model, tokenizer, addition_rows, tmp_path / "resumed", max_steps=3,
                                  estimator=estimator(), resume=tmp_path / "full" / "checkpoints" / "global_step_2")

@@ -69,7 +69,7 @@ def test_estimator_raises_reward(name, tmp_path):
     first, last = mean_reward(history)
     assert last > first + MARGIN, (name, first, last)
     if name == "rloo+kl_in_reward":  # the penalty was applied and the adaptive coefficient moved
-        kl = estimator.modules[0]
-        assert kl.controller.value != 0.01 and kl.stats["actor/reward_kl_penalty"] > 0
+        assert history[-1]["actor/reward_kl_penalty"] > 0
+        assert history[-1]["actor/reward_kl_penalty_coeff"] != history[0]["actor/reward_kl_penalty_coeff"] == 0.01
     if name == "grpo+truncated_is":  # sampler and trainer agree here: nothing is truncated
-        assert estimator.modules[0].stats["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
+        assert all(m["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0 for m in history)
