@@ -1,14 +1,15 @@
 """Every estimator raises the batch reward on the built-in task (the default job, shortened).
 
 Each case runs the default job's modules with its own estimator (and loss) from the same
-warm start, 30 steps of 16 prompts x 8 samples, and asserts that the mean batch reward of the
-last 10 steps exceeds that of the first 10 by ``MARGIN``, set well below the smallest margin
-measured over seeds 0-2.
+warm start, 80 steps of 16 prompts x 8 samples (about 10 s each on two idle cores), and
+asserts that the mean batch reward of the last 10 steps exceeds that of the first 10 by
+``MARGIN``. Measured margins over warm-start seeds 0, 1, 2 (the test runs seed 0): 0.074-0.101
+for seed 0, 0.041-0.066 over all three; 40 steps is not enough (seed 2: 0.001-0.010).
 
-ReMax is not here: on this task it does not learn within the budget (measured -0.009 after 30
-steps, +0.023 after 40). Its advantage ``s - greedy score`` is not centred: for the prompts the
-greedy answer gets right every wrong sample is pushed down at once, and with 0/1 rewards that
-first lowers the reward. Its pieces are tested in test_advantages.py, and in the Trainer there.
+ReMax is not here: on this task it learns too slowly for a safe margin (+0.027, +0.038,
++0.014 after 80 steps for seeds 0-2). Its advantage ``s - greedy score`` is not centred: for
+the prompts the greedy answer gets right, every wrong sample is pushed down at once, and with
+0/1 rewards the reward first dips. Its pieces are tested in test_advantages.py (in the Trainer too).
 """
 
 import pytest
@@ -30,8 +31,8 @@ from rlflow.algorithms import (
 from rlflow.module import Chain
 from rlflow.tasks.default_job import build_trainer
 
-STEPS, BATCH, N, LR = 30, 16, 8, 2e-4
-MARGIN = 0.02
+STEPS, BATCH, N, LR = 80, 16, 8, 2e-4
+MARGIN = 0.025
 
 CASES = {  # name -> (estimator, loss or None for the default job's PPOLoss(clip_ratio=0.2))
     "grpo": lambda: (GRPO(), None),
