@@ -5,38 +5,14 @@ sharded checkpoints move between world sizes (2 -> 1 -> 2); a failing rank
 takes the whole job down in bounded time; export gives a plain HF folder.
 """
 
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from .launch import assert_same_weights, run_ok, torchrun
 from .worker import build
-
-WORKER = Path(__file__).with_name("worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(nproc, *args, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           str(WORKER), *map(str, args)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def run_ok(nproc, *args):
-    proc = torchrun(nproc, *args)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(Path(args[0]) / "result.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +22,6 @@ def single_process(tmp_path_factory):
     trainer, data, record = build(str(out), "auto", steps=3, devices=1)
     trainer.fit(data)
     return record.steps, out
-
-
-def assert_same_weights(a, b):
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=2e-5, rtol=1e-4, msg=name)
 
 
 def test_two_processes_equal_one_and_checkpoints_cross_world_sizes(single_process, tmp_path):

@@ -1,7 +1,9 @@
 """Run by torchrun from test_fsdp2.py: a tiny GRPO job under a given strategy.
 
-    python -m torch.distributed.run --nproc_per_node N worker.py OUT STRATEGY STEPS [RESUME] [FAIL_RANK]
+    python -m torch.distributed.run --nproc_per_node N worker.py OUT STRATEGY STEPS [RESUME] [FAIL_RANK] [KEY=VALUE ...]
 
+KEY=VALUE options (integers): ``sp`` (sequence-parallel size), ``remove_padding``,
+``max_tokens`` (token budget per micro-batch), ``val`` (validate every step).
 Writes, on rank 0, OUT/result.pt with the metrics and the full (gathered) weights
 after every step.
 """
@@ -43,28 +45,33 @@ class FailAt:
             raise RuntimeError(f"injected failure on rank {self.rank}")
 
 
-def build(out, strategy, steps, resume=None, fail_rank=None, devices=None):
+def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1, remove_padding=0, max_tokens=None,
+          val=0):
     torch.manual_seed(0)
     tok = char_tokenizer()
     model = tiny_qwen2(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=0)
-    train, _, _ = AdditionTask().splits()
+    train, val_rows, _ = AdditionTask().splits()
     record = Record()
     callbacks = [record] + ([FailAt(fail_rank)] if fail_rank is not None else [])
     trainer = Trainer(
-        policy=Policy(model, tok), rollout=HFRollout(n=1, do_sample=False, max_new_tokens=4),
+        policy=Policy(model, tok, remove_padding=bool(remove_padding)),
+        rollout=HFRollout(n=1, do_sample=False, max_new_tokens=4),
         reward=FunctionReward(starts_with_digit), estimator=GRPO(), loss=PPOLoss(),
-        batch_size=8, micro_batch_size=2, lr=1e-2, max_steps=steps, save_every=1, run_dir=out, resume=resume,
+        batch_size=8, micro_batch_size=2, max_tokens_per_micro_batch=max_tokens, sequence_parallel_size=sp,
+        lr=1e-2, max_steps=steps, save_every=1, run_dir=out, resume=resume, val_every=val,
         loggers=(), progress=False, callbacks=callbacks, strategy=strategy,
         devices=devices or int(__import__("os").environ.get("WORLD_SIZE", 1)),
     )
-    return trainer, PromptData(train[:64], seed=0), record
+    return trainer, PromptData(train[:64], val_rows[:10] if val else None, seed=0), record
 
 
 if __name__ == "__main__":
-    out, strategy, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    resume = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] != "-" else None
-    fail_rank = int(sys.argv[5]) if len(sys.argv) > 5 else None
-    trainer, data, record = build(out, strategy, steps, resume, fail_rank)
+    positional = [a for a in sys.argv[1:] if "=" not in a]
+    options = {k: int(v) for k, v in (a.split("=", 1) for a in sys.argv[1:] if "=" in a)}
+    out, strategy, steps = positional[0], positional[1], int(positional[2])
+    resume = positional[3] if len(positional) > 3 and positional[3] != "-" else None
+    fail_rank = int(positional[4]) if len(positional) > 4 else None
+    trainer, data, record = build(out, strategy, steps, resume, fail_rank, **options)
     trainer.fit(data)
     if trainer.fabric.global_rank == 0:
         torch.save(record.steps, f"{out}/result.pt")

@@ -26,6 +26,13 @@ class ValueHeadModel(nn.Module):
         self.value_head = nn.Linear(hidden, 1)
         nn.init.zeros_(self.value_head.weight)  # start from V = 0: no bias before the first update
         nn.init.zeros_(self.value_head.bias)
+        self.sp_group = None
+
+    def sequence_parallel(self, group) -> None:
+        """Run the backbone sequence-parallel over ``group`` (Ulysses); needs ``remove_padding``."""
+        from rlflow.models.logprobs import enable_sequence_parallel
+
+        self.sp_group = enable_sequence_parallel(self.lm, group, self.remove_padding)
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
                 response_mask: Tensor | None = None) -> Tensor:
@@ -34,7 +41,13 @@ class ValueHeadModel(nn.Module):
 
             packed = pack(prompt_ids, prompt_mask, response_ids, response_mask, self.pack_length,
                           getattr(self.lm.config, "pad_token_id", None) or 0)
-            return unpack(self.value_head(packed_hidden_states(self.lm, packed)).squeeze(-1).float(), packed)
+            if self.sp_group is None:
+                values = self.value_head(packed_hidden_states(self.lm, packed))
+            else:
+                from rlflow.models.ulysses import sequence_parallel_outputs
+
+                values = sequence_parallel_outputs(self.lm, packed, lambda h, _: self.value_head(h), self.sp_group)
+            return unpack(values.squeeze(-1).float(), packed)
         hidden = response_hidden_states(self.lm, prompt_ids, prompt_mask, response_ids)
         return self.value_head(hidden).squeeze(-1).float()
 

@@ -30,6 +30,25 @@ def _chunk_log_probs(hidden: Tensor, head: nn.Module, ids: Tensor, temperature: 
     return chosen, entropy
 
 
+def head_log_probs(hidden: Tensor, ids: Tensor, head: nn.Module, temperature: float = 1.0,
+                   chunk_tokens: int = 4096) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropy of ``ids`` (``N``) from hidden states ``N x H``: the LM head in chunks of
+    ``chunk_tokens`` positions, each checkpointed under autograd (its logits are recomputed in the backward)."""
+    logps, ents = [], []
+    for start in range(0, ids.shape[0], chunk_tokens):
+        h, i = hidden[start : start + chunk_tokens], ids[start : start + chunk_tokens]
+        if torch.is_grad_enabled() and h.requires_grad:
+            lp, ent = checkpoint(_chunk_log_probs, h, head, i, temperature, use_reentrant=False)
+        else:
+            lp, ent = _chunk_log_probs(h, head, i, temperature)
+        logps.append(lp)
+        ents.append(ent)
+    if not logps:  # no position: keep the graph connected to the backbone
+        empty = hidden.sum(-1)[:0].float()
+        return empty, empty
+    return torch.cat(logps), torch.cat(ents)
+
+
 class TokenLogProbs(nn.Module):
     """Wraps a Hugging Face causal LM; ``forward`` scores the response tokens.
 
@@ -43,6 +62,8 @@ class TokenLogProbs(nn.Module):
         remove_padding: run the backbone on packed sequences (``rlflow.models.packing``); positions
             after the end of each response (given ``response_mask``) then get 0.
         pack_length: tokens per packed row (default: the longest sequence of the batch).
+
+    :meth:`sequence_parallel` splits each packed row over a process group (``rlflow.models.ulysses``).
     """
 
     def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_tokens: int = 4096,
@@ -52,6 +73,11 @@ class TokenLogProbs(nn.Module):
         self.temperature = temperature
         self.chunk_tokens = chunk_tokens
         self.remove_padding, self.pack_length = remove_padding, pack_length
+        self.sp_group = None
+
+    def sequence_parallel(self, group) -> None:
+        """Run the backbone sequence-parallel over ``group`` (Ulysses); needs ``remove_padding``."""
+        self.sp_group = enable_sequence_parallel(self.lm, group, self.remove_padding)
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
                 response_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -61,21 +87,28 @@ class TokenLogProbs(nn.Module):
 
             return packed_log_probs(self.lm, prompt_ids, prompt_mask, response_ids, response_mask,
                                     temperature=self.temperature, chunk_tokens=self.chunk_tokens,
-                                    pack_length=self.pack_length)
+                                    pack_length=self.pack_length, sp_group=self.sp_group)
         hidden = response_hidden_states(self.lm, prompt_ids, prompt_mask, response_ids)
-        head = self.lm.get_output_embeddings()
         B, R, H = hidden.shape
-        flat_h, flat_ids = hidden.reshape(B * R, H), response_ids.reshape(B * R)
-        logps, ents = [], []
-        for start in range(0, B * R, self.chunk_tokens):
-            h, ids = flat_h[start : start + self.chunk_tokens], flat_ids[start : start + self.chunk_tokens]
-            if torch.is_grad_enabled() and h.requires_grad:
-                lp, ent = checkpoint(_chunk_log_probs, h, head, ids, self.temperature, use_reentrant=False)
-            else:
-                lp, ent = _chunk_log_probs(h, head, ids, self.temperature)
-            logps.append(lp)
-            ents.append(ent)
-        return torch.cat(logps).view(B, R), torch.cat(ents).view(B, R)
+        logps, ents = head_log_probs(hidden.reshape(B * R, H), response_ids.reshape(B * R),
+                                     self.lm.get_output_embeddings(), self.temperature, self.chunk_tokens)
+        return logps.view(B, R), ents.view(B, R)
+
+
+def enable_sequence_parallel(lm: nn.Module, group, remove_padding: bool):
+    """Checks and switches ``lm`` to Ulysses attention; returns ``group`` (``None`` when it has one rank)."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    if not remove_padding:
+        raise ValueError("sequence parallelism runs on packed sequences: set remove_padding=True "
+                         "(verl: actor_rollout_ref.model.use_remove_padding=True)")
+    from rlflow.models import ulysses
+
+    ulysses.check_heads(lm, dist.get_world_size(group))
+    ulysses.enable(lm)
+    return group
 
 
 def response_hidden_states(lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+
+from rlflow.models.logprobs import head_log_probs
 
 
 @dataclass
@@ -149,28 +150,23 @@ def packed_response_hidden_states(
 def packed_log_probs(
     lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
     response_mask: Tensor | None = None, *, temperature: float = 1.0, chunk_tokens: int = 4096,
-    pack_length: int | None = None,
+    pack_length: int | None = None, sp_group=None,
 ) -> tuple[Tensor, Tensor]:
     """``TokenLogProbs`` on packed sequences: log-probs and entropy ``B x R`` (0 after each response's end).
 
     The LM head runs in chunks over the ``N`` kept positions only, checkpointed under autograd.
+    ``sp_group``: split the sequence over that process group (``rlflow.models.ulysses``).
     """
-    from rlflow.models.logprobs import _chunk_log_probs
-
     packed = pack(prompt_ids, prompt_mask, response_ids, response_mask, pack_length, _pad_id(lm))
-    hidden = packed_hidden_states(lm, packed)
     ids = response_ids.reshape(-1)[packed.dst]
     head = lm.get_output_embeddings()
-    logps, ents = [], []
-    for start in range(0, ids.shape[0], chunk_tokens):
-        h, i = hidden[start : start + chunk_tokens], ids[start : start + chunk_tokens]
-        if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(_chunk_log_probs, h, head, i, temperature, use_reentrant=False)
-        else:
-            lp, ent = _chunk_log_probs(h, head, i, temperature)
-        logps.append(lp)
-        ents.append(ent)
-    if not logps:  # no response token anywhere: keep the graph connected to the backbone
-        empty = hidden.sum(-1)[:0].float()
-        logps, ents = [empty], [empty]
-    return unpack(torch.cat(logps), packed), unpack(torch.cat(ents), packed)
+    if sp_group is None:
+        logps, ents = head_log_probs(packed_hidden_states(lm, packed), ids, head, temperature, chunk_tokens)
+    else:
+        from rlflow.models.ulysses import sequence_parallel_outputs
+
+        def score(hidden: Tensor, index: Tensor) -> Tensor:
+            return torch.stack(head_log_probs(hidden, ids[index], head, temperature, chunk_tokens), dim=-1)
+
+        logps, ents = sequence_parallel_outputs(lm, packed, score, sp_group).unbind(-1)
+    return unpack(logps, packed), unpack(ents, packed)

@@ -8,6 +8,9 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rlflow.data import keys as K
+from rlflow.trainer.batching import row_tokens
+
 
 def rank_shard(batch: TensorDict, rank: int, world_size: int) -> TensorDict:
     """This rank's contiguous share of a prompt batch (every rank draws the same global batch)."""
@@ -49,4 +52,109 @@ def reduce_metrics(fabric, metrics: dict[str, float]) -> dict[str, float]:
             out[key] = column.min().item()
         else:
             out[key] = column.mean().item()
+    return out
+
+
+# ---------------------------------------------------------------- sequence-parallel groups
+def sequence_parallel_group(fabric, size: int):
+    """This rank's group of ``size`` consecutive ranks (Ulysses); ``None`` when ``size == 1``.
+
+    Every rank creates every group (``torch.distributed.new_group`` is collective).
+    """
+    if size == 1:
+        return None
+    world = fabric.world_size
+    if size < 1 or world % size:
+        raise ValueError(f"sequence_parallel_size={size} must divide the number of processes ({world})")
+    mine = None
+    for start in range(0, world, size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= fabric.global_rank < start + size:
+            mine = group
+    return mine
+
+
+def broadcast_batch(batch: TensorDict, group, src: int) -> TensorDict:
+    """``src``'s batch on every rank of ``group`` (the ranks of a sequence-parallel group train on one batch)."""
+    box = [batch if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0].to(batch.device) if box[0] is not None else batch
+
+
+# ---------------------------------------------------------------- balancing tokens across ranks
+PROMPT_ALIGNED = (K.PROMPT_IDS, K.PROMPT_MASK)
+
+
+def partition_equal_counts(lengths: list[int], parts: int) -> list[list[int]]:
+    """Indices into ``lengths`` dealt into ``parts`` lists of equal size with about equal sums.
+
+    Longest first, each to the part with the smallest sum that still has room (ties: lowest part).
+    Each part lists its indices in ascending order. ``len(lengths)`` must be a multiple of ``parts``.
+    """
+    per = len(lengths) // parts
+    members: list[list[int]] = [[] for _ in range(parts)]
+    sums = [0] * parts
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        p = min((p for p in range(parts) if len(members[p]) < per), key=lambda p: (sums[p], p))
+        members[p].append(i)
+        sums[p] += lengths[i]
+    return [sorted(m) for m in members]
+
+
+def _pad_response_aligned(batch: TensorDict, length: int) -> TensorDict:
+    """Right-pad every per-token tensor (``B x R x ...``; prompt tensors excluded) to ``R = length`` with zeros."""
+    out = {}
+    for key, value in batch.items():
+        if value.ndim >= 2 and key not in PROMPT_ALIGNED and value.shape[1] < length:
+            pad = value.new_zeros((value.shape[0], length - value.shape[1], *value.shape[2:]))
+            value = torch.cat([value, pad], dim=1)
+        out[key] = value
+    return TensorDict(out, batch_size=batch.batch_size, device=batch.device)
+
+
+def balance_tokens(batch: TensorDict, fabric, dp_rank: int, dp_size: int, sp_size: int = 1,
+                   mini_batches: int = 1) -> tuple[TensorDict, dict[str, float]]:
+    """Re-deal each mini-batch's rows over the data-parallel ranks: equal rows, about equal tokens per rank.
+
+    Mini-batch ``k`` is the ``k``-th of ``mini_batches`` contiguous slices of every rank's rows (as the
+    Trainer splits them). Every rank gathers the tensors of every rank's rows (non-tensor fields are
+    not carried: the updates read tensors only), pads per-token tensors to the longest response, and
+    takes its part of :func:`partition_equal_counts` over :func:`row_tokens`, mini-batch by
+    mini-batch. The rows of each mini-batch stay the same, so with losses normalised by global
+    counts the updates do too. With sequence parallelism the ranks of a group hold one batch: the
+    first of each group speaks for it. Returns this rank's rows (mini-batch ``k``'s still the
+    ``k``-th slice) and ``perf/`` statistics: the largest rank's tokens over the mean, before and
+    after, averaged over the mini-batches.
+    """
+    n = batch.batch_size[0]
+    longest = fabric.all_reduce(torch.tensor(batch[K.RESPONSE_IDS].shape[1], device=fabric.device), reduce_op="max")
+    tensors = _pad_response_aligned(batch.select(*[k for k, v in batch.items() if type(v) is torch.Tensor]),
+                                    int(longest))
+    gathered = {}
+    for key, value in tensors.items():  # world x n x ...; bool as uint8 (not every backend gathers bool)
+        out = fabric.all_gather(value.to(torch.uint8) if value.dtype == torch.bool else value)
+        out = (out.bool() if value.dtype == torch.bool else out)[::sp_size]  # one copy per SP group
+        gathered[key] = out.reshape(dp_size, mini_batches, n // mini_batches, *value.shape[1:])
+    everyone = TensorDict(gathered, batch_size=[dp_size, mini_batches, n // mini_batches], device=batch.device)
+    mine, before, after = [], [], []
+    for k in range(mini_batches):
+        rows = everyone[:, k].reshape(-1)
+        lengths = row_tokens(rows)
+        parts = partition_equal_counts(lengths.tolist(), dp_size)
+        per_rank = lengths.view(dp_size, -1).sum(-1).float()
+        before.append((per_rank.max() / per_rank.mean().clamp_min(1)).item())
+        per_rank = torch.stack([lengths[p].sum() for p in parts]).float()
+        after.append((per_rank.max() / per_rank.mean().clamp_min(1)).item())
+        mine.append(rows[torch.tensor(parts[dp_rank], dtype=torch.long, device=rows.device)])
+    stats = {"perf/tokens_max_over_mean_before_balance": sum(before) / len(before),
+             "perf/tokens_max_over_mean": sum(after) / len(after)}
+    return torch.cat(mine), stats
+
+
+def gather_objects(fabric, obj) -> list:
+    """Every rank's ``obj`` (picklable), in rank order."""
+    if fabric.world_size == 1:
+        return [obj]
+    out = [None] * fabric.world_size
+    dist.all_gather_object(out, obj)
     return out

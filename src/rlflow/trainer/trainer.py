@@ -24,7 +24,8 @@ from rlflow.module import check_chain
 from rlflow.strategies import resolve_strategy, shards_parameters
 from rlflow.trainer import checkpoint as ckpt
 from rlflow.trainer.batching import micro_batches
-from rlflow.trainer.distributed import global_sum, rank_shard, reduce_metrics
+from rlflow.trainer.distributed import (balance_tokens, broadcast_batch, gather_objects, global_sum, rank_shard,
+                                        reduce_metrics, sequence_parallel_group)
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.metrics import MeanAccumulator, Timer, batch_metrics, sum_micro_batches
 from rlflow.trainer.schedule import lr_lambda
@@ -63,6 +64,11 @@ class Trainer:
         strategy: ``"auto"``, ``"ddp"``, ``"fsdp2"`` (``"fsdp"`` too) or a Fabric strategy object
             (see ``rlflow.strategies``). With several processes each one rolls out its share of
             the prompts; losses are normalised by global token/sequence counts.
+        sequence_parallel_size: ranks that split each sequence (Ulysses, ``rlflow.models.ulysses``; needs
+            ``remove_padding`` on the policy, reference and critic). Consecutive ranks form a group that
+            trains on one batch, so ``batch_size`` is split over ``processes / sequence_parallel_size`` groups.
+        balance_batch: before the updates, re-deal each mini-batch's rows over the data-parallel ranks
+            for equal token counts (verl ``trainer.balance_batch``; ``rlflow.trainer.distributed.balance_tokens``).
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class Trainer:
         resume: str | Path | None = None, loggers=("jsonl", "csv", "tensorboard"), callbacks=(),
         seed: int = 0, progress: bool = True,
         accelerator: str = "cpu", devices: int = 1, num_nodes: int = 1, strategy="auto", precision: str = "32-true",
+        sequence_parallel_size: int = 1, balance_batch: bool = True,
     ):
         self.policy, self.rollout, self.reward, self.estimator, self.loss = policy, rollout, reward, estimator, loss
         self.critic, self.value_loss = critic, value_loss
@@ -109,6 +116,13 @@ class Trainer:
             precision=precision, loggers=make_loggers(loggers, self.run_dir), callbacks=list(callbacks),
         )
         self.fabric.launch()  # no-op under torchrun or on one device
+        self.sp_size, self.balance_batch = sequence_parallel_size, balance_batch
+        self.sp_group = sequence_parallel_group(self.fabric, sequence_parallel_size)
+        self.dp_rank, self.dp_size = self.fabric.global_rank // self.sp_size, self.fabric.world_size // self.sp_size
+        if self.sp_group is not None:  # before the strategy wraps the modules
+            for role in (policy, self.reference, critic):
+                if role is not None:
+                    role.module.sequence_parallel(self.sp_group)
         sharded = shards_parameters(self.fabric.strategy)
         # A sharded policy cannot generate rank by rank (its forward is collective), so the engine gets a full copy.
         engine_model = copy.deepcopy(policy.model) if sharded else policy.model
@@ -152,6 +166,8 @@ class Trainer:
         if self.reward is not None:  # None when the rollout scores its samples itself (e.g. dynamic sampling)
             with timer("reward"):
                 batch = self.reward(batch)
+        if self.sp_group is not None:  # a sequence-parallel group trains on its first rank's samples
+            batch = broadcast_batch(batch, self.sp_group, src=self.dp_rank * self.sp_size)
         if self.reference is not None:
             with timer("ref"):
                 batch = self.reference(batch)
@@ -163,12 +179,16 @@ class Trainer:
                 batch = self.critic(batch)
         with timer("adv"):
             batch = self.estimator(batch)
-        stats = {}
+        stats, update_batch = {}, batch
+        if self.balance_batch and self.dp_size > 1:
+            with timer("balance"):
+                update_batch, stats = balance_tokens(batch, self.fabric, self.dp_rank, self.dp_size, self.sp_size,
+                                                     self.batch_size // self.mini_batch_size)
         if self.critic is not None:
             with timer("update_critic"):
-                stats |= self.update_critic(batch)
+                stats |= self.update_critic(update_batch)
         with timer("update_actor"):
-            stats |= self.update_actor(batch)
+            stats |= self.update_actor(update_batch)
         with timer("update_weights"):
             stats |= self.rollout.sync_weights(self.policy.model) or {}
         for sched in self.schedulers:
@@ -177,7 +197,7 @@ class Trainer:
 
         step_time = time.perf_counter() - start
         tokens = batch[K.PROMPT_MASK].sum() + batch[K.RESPONSE_MASK].sum()
-        total_tokens = int(global_sum(self.fabric, tokens))
+        total_tokens = int(global_sum(self.fabric, tokens)) // self.sp_size
         metrics = batch_metrics(batch, getattr(self.rollout, "max_new_tokens", None)) | stats
         for role in (self.rollout, self.reward, self.estimator):
             metrics |= getattr(role, "stats", {})  # e.g. reward/errors, actor/reward_kl_penalty
@@ -196,9 +216,12 @@ class Trainer:
 
         The counts are global (all ranks) divided by the number of ranks: gradients are
         averaged over ranks, so this makes the update equal to one process on the whole batch.
+        With sequence parallelism each sample is counted on all ``sp`` ranks of its group, and each
+        of them holds a share of its gradient (summed, not averaged, is right): dividing once more by
+        ``sp`` does both.
         """
         mini = batch.batch_size[0] * self.mini_batch_size // self.batch_size  # prompts -> this rank's samples
-        world = self.fabric.world_size
+        world = self.fabric.world_size * self.sp_size
         for _ in range(self.ppo_epochs):
             for mb in batch.split(mini):
                 mask = mb[K.RESPONSE_MASK]
@@ -266,6 +289,9 @@ class Trainer:
         core variable is ``acc`` when present, else ``reward``; for it ``val-core/<source>/<var>/mean@N`` and,
         when N > 1, ``best@N/mean`` and ``maj@N/mean`` (majority vote over the scorer's ``pred`` extra).
         Everything else (``worst@N/mean``, ``std@N``, the other variable) goes under ``val-aux/``.
+
+        With several processes each rank generates for every ``world``-th prompt and the scores are
+        gathered before the metrics, which every rank then holds.
         """
         # --- verl-compatible validation (val_kwargs sampling, acc / best@N / maj@N); see docs/verl-compat.md
         from collections import Counter
@@ -278,7 +304,11 @@ class Trainer:
         values: dict[str, dict[str, list]] = {}   # source -> variable -> one list of n values per prompt
         votes: dict[str, list] = {}               # source -> one list of n predictions (or None) per prompt
         reward = self.reward or self.rollout.reward  # reward=None: the rollout scores (dynamic sampling)
+        rank, world = self.fabric.global_rank, self.fabric.world_size
         for prompts in data.val_batches(self.policy.tokenizer):
+            prompts = prompts[rank::world]
+            if prompts.batch_size[0] == 0:
+                continue
             batch = reward(rollout(self.fabric.to_device(prompts)))
             extras, scores = getattr(reward, "extras", {}), batch[K.SCORES].tolist()
             accs, preds, sources = extras.get("acc"), extras.get("pred"), list(batch[K.DATA_SOURCE])
@@ -290,6 +320,7 @@ class Trainer:
                     per.setdefault("acc", []).append([float(a) for a in acc])
                 votes.setdefault(sources[i], []).append(
                     [str(p) for p in pred] if all(p is not None for p in pred) else None)
+        values, votes = _merge_shards(gather_objects(self.fabric, (values, votes)))
         metrics = {}
         for src, per in values.items():
             core = "acc" if len(per.get("acc", ())) == len(per["reward"]) else "reward"
@@ -322,7 +353,7 @@ class Trainer:
         self.fabric.call("on_fit_start", trainer=self)
         bar = tqdm(total=total, initial=self.global_step, desc="rl", disable=not self.progress or self.fabric.global_rank)
         while self.global_step < total:
-            prompts = rank_shard(next(self.loader), self.fabric.global_rank, self.fabric.world_size)
+            prompts = rank_shard(next(self.loader), self.dp_rank, self.dp_size)
             metrics = self.step(self.fabric.to_device(prompts))
             if self.val_every and data.val and (self.global_step % self.val_every == 0 or self.global_step == total):
                 t0 = time.perf_counter()
@@ -397,3 +428,16 @@ class Trainer:
             return
         self.load(path)
         self.fabric.print(f"resumed from {path} at step {self.global_step}")
+
+
+def _merge_shards(shards: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    """Validation lists of every rank, concatenated in rank order (values and votes stay aligned)."""
+    values: dict[str, dict[str, list]] = {}
+    votes: dict[str, list] = {}
+    for shard_values, shard_votes in shards:
+        for src, per in shard_values.items():
+            for var, rows in per.items():
+                values.setdefault(src, {}).setdefault(var, []).extend(rows)
+        for src, rows in shard_votes.items():
+            votes.setdefault(src, []).extend(rows)
+    return values, votes

@@ -1,0 +1,37 @@
+"""Launching the distributed workers with torchrun, as users launch rlflow, and comparing their results."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+WORKER = Path(__file__).with_name("worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc, *args, timeout=300, worker=WORKER):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           str(worker), *map(str, args)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_ok(nproc, *args, worker=WORKER):
+    proc = torchrun(nproc, *args, worker=worker)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = Path(args[0]) / "result.pt"
+    return torch.load(result, weights_only=False) if result.exists() else None
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=2e-5, rtol=1e-4, msg=name)

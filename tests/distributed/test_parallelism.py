@@ -1,0 +1,82 @@
+"""Sequence parallelism, token balancing, token-budget micro-batches and sharded validation on 2 CPU processes.
+
+Each run is compared with one process on the same global batch: the same weights after a
+step and the same validation metrics.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlflow.trainer.distributed import partition_equal_counts
+
+from .launch import assert_same_weights, run_ok
+from .worker import build
+
+
+def reference(out, **options):
+    trainer, data, record = build(str(out), "auto", steps=1, devices=1, **options)
+    trainer.fit(data)
+    return record.steps[1]
+
+
+def test_ulysses_attention_matches_one_process(tmp_path):
+    """Log-probs, entropy, values and their summed gradients, split over 2 ranks, equal one process's."""
+    result = run_ok(2, tmp_path, worker=Path(__file__).with_name("ulysses_worker.py"))
+    cases = [k for k in result if k != "padded_error"]
+    assert len(cases) == 6
+    for name in cases:
+        assert result[name]["grad_norm"] > 1.0, name  # the gradients compared are not trivially zero
+        assert result[name]["out"] < 1e-5, (name, result[name])
+        assert result[name]["grad"] < 1e-4 * result[name]["grad_norm"], (name, result[name])
+    assert "remove_padding=True" in result["padded_error"]
+
+
+def test_sequence_parallel_trainer_step_equals_one_process(tmp_path):
+    one = reference(tmp_path / "one", remove_padding=1)
+    two = run_ok(2, tmp_path / "sp", "fsdp2", 1, "sp=2", "remove_padding=1")[1]
+    assert two["metrics"]["actor/pg_loss"] == pytest.approx(one["metrics"]["actor/pg_loss"], abs=1e-5)
+    assert two["metrics"]["perf/total_num_tokens"] == one["metrics"]["perf/total_num_tokens"]
+    assert_same_weights(two["weights"], one["weights"])
+
+
+def test_balanced_token_budget_and_sharded_validation_equal_one_process(tmp_path):
+    """DDP on 2 ranks with rows re-dealt by tokens, a token budget per micro-batch (the ranks' counts made
+    equal) and validation split over the ranks: the same update and validation metrics as one process."""
+    one = reference(tmp_path / "one", val=1)
+    two = run_ok(2, tmp_path / "two", "ddp", 1, "max_tokens=12", "val=1")[1]
+    assert_same_weights(two["weights"], one["weights"])
+    val = {k: v for k, v in one["metrics"].items() if k.startswith("val-")}
+    assert val and {k: two["metrics"][k] for k in val} == pytest.approx(val)
+    m = two["metrics"]
+    assert 1.0 <= m["perf/tokens_max_over_mean"] <= m["perf/tokens_max_over_mean_before_balance"]
+
+
+def test_balancing_and_budget_counts_on_skewed_ranks(tmp_path):
+    """Rank 0 holds 8 rows of 14 tokens, rank 1 8 rows of 7 (shorter responses too)."""
+    run_ok(2, tmp_path, worker=Path(__file__).with_name("collectives_worker.py"))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    # each mini-batch (rows 0-3 of both ranks, then 4-7) keeps its rows, now half long, half short on each rank
+    assert r0["row_ids"][:4] + r1["row_ids"][:4] == [0, 2, 100, 102, 1, 3, 101, 103]
+    assert sorted(r0["row_ids"] + r1["row_ids"]) == [*range(8), *range(100, 108)]
+    assert r0["tokens"] == r1["tokens"] == (8 * 14 + 8 * 7) // 2
+    assert r0["stats"]["perf/tokens_max_over_mean_before_balance"] == pytest.approx(112 / 84)
+    assert r0["stats"]["perf/tokens_max_over_mean"] == 1.0
+    assert r0["response_len"] == r1["response_len"] == 8  # padded to the longest response
+    assert r0["cov_dtype"] == "torch.bool" and "data_source" not in r0["keys"]
+    # a 28-token budget gives rank 0 four micro-batches and rank 1 two; rank 1 splits to match
+    assert len(r0["micro_rows"]) == len(r1["micro_rows"]) == 4
+    assert max(r0["micro_tokens"] + r1["micro_tokens"]) <= 28
+
+
+def test_partition_equal_counts_balances_sums():
+    lengths = [9, 1, 8, 2, 7, 3, 6, 4]
+    parts = partition_equal_counts(lengths, 2)
+    assert sorted(i for p in parts for i in p) == list(range(8))
+    assert [len(p) for p in parts] == [4, 4]
+    sums = [sum(lengths[i] for i in p) for p in parts]
+    assert sums == [20, 20]  # by hand: 9, 8 -> p0, p1; 7 -> p1; 6, 4 -> p0; 3, 2 -> p1; 1 -> p0: {9,6,4,1} {8,7,3,2}
+    skewed = [10, 10, 10, 10, 1, 1, 1, 1]  # rank 0 would hold 40 tokens, rank 1 4
+    assert [sum(skewed[i] for i in p) for p in partition_equal_counts(skewed, 2)] == [22, 22]
+    assert partition_equal_counts([5, 5, 5], 3) == [[0], [1], [2]]
