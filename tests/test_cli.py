@@ -18,3 +18,13 @@ def test_unknown_subcommand_is_an_error(capsys):
         main(["fly"])
     assert exc.value.code == 2
     assert "invalid choice: 'fly'" in capsys.readouterr().err
+
+
+def test_prepare_task_writes_the_model_and_parquet_files(tmp_path, monkeypatch, capsys):
+    from rlflow.tasks import export
+
+    monkeypatch.setattr(export, "warm_started_model", lambda task, seed: (task.model(seed), task.tokenizer()))
+    assert main(["prepare-task", "addition", str(tmp_path)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert {p.name for p in tmp_path.iterdir()} == {"model", "train.parquet", "test.parquet"}
+    assert (tmp_path / "model" / "config.json").exists() and (tmp_path / "model" / "tokenizer.json").exists()

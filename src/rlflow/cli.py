@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     export = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face folder")
     export.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/x/checkpoints/global_step_100")
     export.add_argument("out_dir", help="where config.json, the weights and the tokenizer go")
+    prepare = sub.add_parser("prepare-task", help="write a built-in task as a model folder and parquet files",
+                             description="Write OUT_DIR/model, OUT_DIR/train.parquet and OUT_DIR/test.parquet, "
+                                         "which the YAML recipes in recipes/yaml read.")
+    prepare.add_argument("task", choices=["addition"], help="the task (addition: the default job's)")
+    prepare.add_argument("out_dir", help="where model/, train.parquet and test.parquet go")
     args, extra = parser.parse_known_args(argv)  # overrides may come before and after the flags
     if (extra and args.command != "train") or any(x.startswith("-") for x in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -46,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"exported to {export_hf(args.checkpoint, args.out_dir)}")
         return 0
+    if args.command == "prepare-task":
+        from rlflow.tasks.export import main as prepare_task
+
+        return prepare_task([args.out_dir])
     if args.command == "train":
         args.overrides += extra
         if args.overrides or args.config_name or args.config_path or args.config:

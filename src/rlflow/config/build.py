@@ -17,7 +17,8 @@ from rlflow.data import keys as K
 from rlflow.data.prompts import DataError, PromptData
 from rlflow.models.critic import Critic
 from rlflow.models.policy import Policy
-from rlflow.rewards import FunctionReward
+from rlflow.rewards import FunctionReward, OverlongPenalty
+from rlflow.rollout import DynamicSampling
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.trainer import Trainer
 
@@ -96,12 +97,29 @@ def build_critic(plan: Plan) -> Critic:
     return Critic(model, **kw)
 
 
+def build_reward(plan: Plan):
+    """``FunctionReward(fn)``, shaped by ``OverlongPenalty`` when the DAPO reward manager asks for it."""
+    reward = FunctionReward(plan.reward_fn)
+    if plan.overlong:
+        reward = instantiate(OverlongPenalty, {"reward": reward, **plan.overlong},
+                             "reward_model.reward_kwargs.overlong_buffer_cfg.*")
+    return reward
+
+
+def build_sampler(plan: Plan, rollout, reward) -> tuple:
+    """The Trainer's (rollout, reward): ``(DynamicSampling(rollout, reward, ...), None)`` with filter_groups."""
+    if not plan.dynamic_sampling:
+        return rollout, reward
+    return instantiate(DynamicSampling, {"rollout": rollout, "reward": reward, **plan.dynamic_sampling},
+                       "algorithm.filter_groups.*"), None
+
+
 def build_estimator(plan: Plan, rollout, loss):
     """The estimator, chained with the modules around it: ``Chain(KLInReward(...), GRPO(), loss.selection())``."""
     from rlflow.module import Chain
 
     estimator = instantiate(plan.estimator_cls, plan.estimator_kwargs, "algorithm.*")
-    made = {"rollout": rollout, "reward": FunctionReward(plan.reward_fn)}  # a reward of its own (its stats)
+    made = {"rollout": rollout, "reward": build_reward(plan)}  # a reward of its own (its stats)
     if plan.kl_controller:
         made["KL controller"] = instantiate(*plan.kl_controller, "algorithm.kl_ctrl.*")
 
@@ -137,9 +155,9 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
         value_loss = instantiate(ValueLoss, plan.value_loss_kwargs, "critic.cliprange_value / critic.loss_agg_mode")
     run_dir = Path(plan.trainer_kwargs["run_dir"]).expanduser()
     loggers = make_loggers(plan.loggers, run_dir, project=plan.project, experiment=plan.experiment)
+    sampler, reward = build_sampler(plan, rollout, build_reward(plan))
     trainer = Trainer(
-        policy=policy, rollout=rollout,
-        reward=FunctionReward(plan.reward_fn), estimator=estimator, loss=loss, reference=reference,
+        policy=policy, rollout=sampler, reward=reward, estimator=estimator, loss=loss, reference=reference,
         critic=critic, value_loss=value_loss, max_steps=total, epochs=plan.total_epochs,
         warmup_steps=warmup_steps(plan, total), loggers=loggers,
         **(plan.trainer_kwargs | {"run_dir": run_dir}),

@@ -9,9 +9,14 @@ A recipe names each object and its constructor arguments::
     reward: my_reward.py:compute_score # optional; default: verl's dispatch by data_source
     data: {train: train.parquet, val: test.parquet, max_prompt_length: 256}
     trainer: {batch_size: 32, mini_batch_size: 8, lr: 1.0e-6, max_steps: 100, run_dir: runs/gsm8k}
+    dynamic_sampling: {metric: acc, max_gen_batches: 10}           # DAPO (optional)
+    overlong_penalty: {buffer_len: 64, penalty_factor: 1.0}        # DAPO (optional)
+    truncated_is: {level: token, threshold: 2.0}                   # rollout correction (optional)
+    verl: {algorithm.use_kl_in_reward: true}                       # any verl key the format lacks
 
-Every native key maps to exactly one verl key (``NATIVE``), then the verl path runs: one
-validation, one plan, one set of builders. Overrides may use native or verl keys.
+Every native key maps to exactly one verl key (``NATIVE``; a few also switch on what they need,
+``IMPLIES``), then the verl path runs: one validation, one plan, one set of builders. The ``verl``
+section and the overrides take verl keys as they are (overrides may also use native keys).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from omegaconf import OmegaConf
 from rlflow.config.loading import ConfigError, VerlConfig, flatten, load_config, parse_overrides, unknown_key_error
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+FG, OB = "algorithm.filter_groups", "reward_model.reward_kwargs.overlong_buffer_cfg"
 
 NATIVE = {
     "policy.path": "actor_rollout_ref.model.path",
@@ -56,6 +62,24 @@ NATIVE = {
     "trainer.resume": "trainer.resume_mode", "trainer.loggers": "trainer.logger", "trainer.device": "trainer.device",
     "trainer.devices": "trainer.n_gpus_per_node", "trainer.precision": "trainer.precision",
     "trainer.strategy": f"{A}.strategy",
+    # a loss's own arguments (GSPO/SAPO/Clip-Cov/KL-Cov), by the Python names
+    **{f"loss.{k}": f"{A}.{k}" for k in ("tau_pos", "tau_neg")},
+    **{f"loss.{k}": f"{A}.policy_loss.{k}" for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
+                                                      "ppo_kl_coef")},
+    # modules around the rollout, the reward and the estimator, by their class names
+    "dynamic_sampling.enable": f"{FG}.enable", "dynamic_sampling.metric": f"{FG}.metric",
+    "dynamic_sampling.max_gen_batches": f"{FG}.max_num_gen_batches",
+    "overlong_penalty.buffer_len": f"{OB}.len", "overlong_penalty.penalty_factor": f"{OB}.penalty_factor",
+    "truncated_is.level": "algorithm.rollout_correction.rollout_is",
+    "truncated_is.threshold": "algorithm.rollout_correction.rollout_is_threshold",
+}
+
+# Setting a native key also sets these verl keys (unless the recipe sets them itself): native key ->
+# {verl key: value as a function of the native value}.
+IMPLIES = {
+    "loss.kl_coef": {f"{A}.use_kl_loss": bool},
+    "dynamic_sampling.metric": {f"{FG}.enable": lambda v: v is not None},
+    "overlong_penalty.buffer_len": {f"{OB}.enable": bool, "reward_model.reward_manager": lambda v: "dapo"},
 }
 
 # What a native recipe starts from (verl's defaults suit clusters; these suit one machine).
@@ -64,6 +88,7 @@ NATIVE_DEFAULTS = {
     "trainer": {"n_gpus_per_node": 1, "logger": ["console", "jsonl"], "total_epochs": 1, "test_freq": -1,
                 "default_local_dir": "runs/rlflow"},
     "actor_rollout_ref": {"model": {"enable_gradient_checkpointing": False}},
+    "critic": {"model": {"enable_gradient_checkpointing": False}},
 }
 
 
@@ -79,16 +104,21 @@ def _shorthand(tree: dict) -> dict:
     return tree
 
 
-def to_verl(flat: dict, source: str) -> dict:
-    """Native dotted keys -> a nested tree of verl keys; ``loss.kl_coef > 0`` also turns on ``use_kl_loss``."""
+def nested(flat: dict) -> dict:
+    """Dotted keys -> a nested tree."""
     out = OmegaConf.create({})
     for key, value in flat.items():
+        OmegaConf.update(out, key, value, force_add=True)
+    return OmegaConf.to_container(out)
+
+
+def to_verl(flat: dict, source: str) -> dict:
+    """Native dotted keys -> a nested tree of verl keys, with what they imply (``IMPLIES``)."""
+    for key in flat:
         if key not in NATIVE:
             raise unknown_key_error(key, list(NATIVE), f" (in {source}; native keys are listed in docs/verl-compat.md)")
-        OmegaConf.update(out, NATIVE[key], value, force_add=True)
-        if key == "loss.kl_coef":
-            OmegaConf.update(out, f"{A}.use_kl_loss", bool(value), force_add=True)
-    return OmegaConf.to_container(out)
+    implied = {k: make(flat[n]) for n, keys in IMPLIES.items() if n in flat for k, make in keys.items()}
+    return nested(implied | {NATIVE[key]: value for key, value in flat.items()})
 
 
 def load_native(path: str | Path, overrides: list[str] = ()) -> VerlConfig:
@@ -97,7 +127,14 @@ def load_native(path: str | Path, overrides: list[str] = ()) -> VerlConfig:
         tree = OmegaConf.to_container(OmegaConf.load(Path(path).expanduser())) or {}
     except Exception as e:  # noqa: BLE001 - unreadable file: say which
         raise ConfigError(f"cannot read recipe {path}: {e}") from e
-    trees = [(str(path), to_verl(flatten(_shorthand(tree)), str(path)))]
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: a recipe must be a mapping of sections, got {type(tree).__name__}")
+    verl_section = tree.pop("verl", None) or {}
+    if not isinstance(verl_section, dict):
+        raise ConfigError(f"{path}: the verl section must map verl keys to values")
+    trees = [(str(path), to_verl(flatten(_shorthand(tree)) if tree else {}, str(path)))]
+    if verl_section:
+        trees.append((f"{path} (verl section)", nested(flatten(verl_section))))
     verl_overrides, native_flat = [], {}
     for text, o in zip(overrides, parse_overrides(list(overrides))):
         if o.key_or_group in NATIVE:

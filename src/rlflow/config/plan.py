@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ from rlflow.config.resolve import class_kwargs, resolve_class
 from rlflow.config.reward_fn import reward_function
 
 A, R, C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
+FG, OB = "algorithm.filter_groups", "reward_model.reward_kwargs.overlong_buffer_cfg"
 SCHEDULES = ("constant", "cosine")
 
 
@@ -65,6 +67,8 @@ class Plan:
     experiment: str
     val_before_train: bool
     val_only: bool
+    overlong: dict | None = None           # OverlongPenalty's kwargs around the reward (DAPO reward manager)
+    dynamic_sampling: dict | None = None   # DynamicSampling's kwargs: it takes rollout and reward (filter_groups)
     notes: list[str] = field(default_factory=list)
 
 
@@ -204,11 +208,13 @@ def make_plan(cfg: VerlConfig) -> Plan:
                              tables.POLICY_LOSSES, rlflow.algorithms)
     estimator_kwargs = class_kwargs(estimator_cls, ESTIMATOR_POOL, cfg)
     cfg_reward = cfg["custom_reward_function"]
-    reward_kwargs = {**cfg["reward_model.reward_kwargs"], **cfg_reward["reward_kwargs"]}
-    manager = cfg["reward_model.reward_manager"]
+    manager, manager_kwargs = cfg["reward_model.reward_manager"], dict(cfg["reward_model.reward_kwargs"])
+    overlong = overlong_penalty(manager, manager_kwargs, cfg[f"{R}.response_length"])
+    reward_kwargs = {**manager_kwargs, **cfg_reward["reward_kwargs"]}
     if manager in ("prime", "dapo"):
         notes.append(f"reward_model.reward_manager={manager}: scores like 'naive' (rlflow runs reward calls on "
-                     "threads with a timeout)")
+                     f"threads with a timeout){'; overlong shaping: OverlongPenalty' if overlong else ''}")
+    sampling = dynamic_sampling(cfg, notes)
     loggers = logger_names(cfg, notes)
     resume = resume_arg(cfg)
     val = cfg[f"{R}.val_kwargs"]
@@ -256,8 +262,51 @@ def make_plan(cfg: VerlConfig) -> Plan:
         warmup=warmup,
         loggers=loggers, project=cfg["trainer.project_name"], experiment=cfg["trainer.experiment_name"],
         val_before_train=cfg["trainer.val_before_train"], val_only=cfg["trainer.val_only"],
-        notes=notes,
+        overlong=overlong, dynamic_sampling=sampling, notes=notes,
     )
+
+
+def overlong_penalty(manager: str, manager_kwargs: dict, response_length: int) -> dict | None:
+    """verl's DAPO reward-manager arguments (``overlong_buffer_cfg``, ``max_resp_len``; taken out of
+    ``manager_kwargs``, they are not the scorer's) -> OverlongPenalty's kwargs, or None when off."""
+    if manager != "dapo":
+        if "overlong_buffer_cfg" in manager_kwargs:
+            raise ConfigError(f"{OB}: overlong shaping is verl's DAPO reward manager's; set "
+                              "reward_model.reward_manager=dapo")
+        return None
+    buffer, max_len = manager_kwargs.pop("overlong_buffer_cfg", None) or {}, manager_kwargs.pop("max_resp_len", None)
+    if not buffer.get("enable"):
+        return None
+    unknown = set(buffer) - {"enable", "len", "penalty_factor", "log"}
+    if unknown or "len" not in buffer:
+        raise ConfigError(f"{OB}: needs len (and optionally penalty_factor, log); "
+                          f"{'unknown: ' + ', '.join(sorted(unknown)) if unknown else 'len is missing'}")
+    max_len = max_len or response_length
+    if not 0 < buffer["len"] <= max_len:
+        raise ConfigError(f"{OB}.len={buffer['len']}: must be in (0, max_resp_len={max_len}] (max_resp_len defaults "
+                          "to data.max_response_length)")
+    return {"max_response_length": max_len, "buffer_len": buffer["len"],
+            "penalty_factor": buffer.get("penalty_factor", 1.0)}
+
+
+def dynamic_sampling(cfg: VerlConfig, notes: list[str]) -> dict | None:
+    """verl's ``algorithm.filter_groups`` -> DynamicSampling's kwargs, or None when off."""
+    if not cfg[f"{FG}.enable"]:
+        return None
+    metric, cap = cfg[f"{FG}.metric"], cfg[f"{FG}.max_num_gen_batches"]
+    if metric is None:
+        raise ConfigError(f"{FG}.enable=True needs {FG}.metric: {', '.join(tables.FILTER_METRICS)} "
+                          "(or a column of the scorer's result dict)")
+    if metric == "seq_final_reward" and cfg["algorithm.use_kl_in_reward"]:
+        raise NotSupportedError(f"{FG}.metric", metric, "filtering on the KL-penalised reward",
+                                "rlflow filters before the KL penalty is applied; use seq_reward.")
+    if cap <= 0:
+        notes.append(f"{FG}.max_num_gen_batches={cap}: no cap, as in verl (a step generates until "
+                     "data.train_batch_size prompts have informative groups)")
+    kwargs = {"metric": tables.FILTER_METRICS.get(metric, metric), "max_gen_batches": cap if cap > 0 else sys.maxsize}
+    notes.append(f"{FG}: the Trainer gets rollout=DynamicSampling(rollout, reward, "
+                 f"metric={kwargs['metric']!r}, max_gen_batches={cap if cap > 0 else 'unlimited'}) and reward=None")
+    return kwargs
 
 
 def logger_names(cfg: VerlConfig, notes: list[str]) -> list[str]:

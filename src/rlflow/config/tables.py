@@ -47,6 +47,9 @@ KL_IN_REWARD = "KLInReward"
 # modules an estimator needs before it (class name -> class name), and verl's rollout-correction weights
 ESTIMATOR_BEFORE = {"ReMax": "GreedyBaseline"}
 ROLLOUT_IS = "TruncatedIS"
+# algorithm.filter_groups.metric -> DynamicSampling(metric=...); another name is a column of the reward's extras.
+# verl's seq_final_reward is the KL-penalised sum, which equals seq_reward unless use_kl_in_reward is on.
+FILTER_METRICS = {"acc": "acc", "score": "score", "seq_reward": "seq_reward", "seq_final_reward": "seq_reward"}
 
 # actor_rollout_ref.rollout.name -> (python package that must import, class name in rlflow.rollout)
 ROLLOUT_ENGINES = {"hf": (None, "HFRollout"), "vllm": ("vllm", "VLLMRollout"), "sglang": ("sglang", "SGLangRollout"),
@@ -129,7 +132,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "algorithm.use_pf_ppo": ("PF-PPO", _truthy),
     "algorithm.rollout_correction.rollout_rs": ("rollout correction (rejection sampling)", _truthy),
     "algorithm.rollout_correction.bypass_mode": ("rollout correction (bypass mode)", _truthy),
-    "algorithm.filter_groups.enable": ("DAPO dynamic sampling (filter_groups)", _truthy),
     "trainer.critic_warmup": ("critic warm-up steps", _truthy),
     "trainer.log_val_generations": ("logging validation generations", _truthy),
     "trainer.rollout_data_dir": ("dumping rollouts to files", _truthy),
@@ -154,7 +156,8 @@ _NO_RM = "only used by reward models (reward_model.enable), not supported yet"
 _LORA_ONLY = "only used with LoRA, not supported yet"
 _DYN_ONLY = ("the scoring passes (old/ref log-probs) use log_prob_micro_batch_size(_per_gpu); the token budget "
              "applies to the training micro-batches (actor.use_dynamic_bsz + ppo_max_token_len_per_gpu)")
-_FILTER_ONLY = "only used with filter_groups / rollout correction / PF-PPO, not supported yet"
+_PF_RC_ONLY = "only used with PF-PPO or with rollout-correction options that are not supported yet"
+_FILTER_ONLY = "only used with algorithm.filter_groups.enable=True (DynamicSampling)"
 
 INERT: dict[str, str] = {
     "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": _DYN_ONLY,
@@ -168,7 +171,7 @@ INERT: dict[str, str] = {
     "data.validation_shuffle": "validation uses every prompt; order does not change its metrics",
     "data.image_key": "vision data is not supported yet", "data.video_key": "vision data is not supported yet",
     "data.return_multi_modal_inputs": "vision data is not supported yet",
-    "data.gen_batch_size": _FILTER_ONLY,
+    "data.gen_batch_size": "each generation round takes data.train_batch_size prompts (with filter_groups too)",
     "actor_rollout_ref.hybrid_engine": "rlflow's rollout always shares the policy's weights",
     "actor_rollout_ref.nccl_timeout": _SINGLE,
     "actor_rollout_ref.model.use_shm": _LOADER, 
@@ -224,9 +227,10 @@ INERT: dict[str, str] = {
     "reward_model.launch_reward_fn_async": "rlflow runs reward calls on worker threads with a timeout",
     "reward_model.sandbox_fusion.max_concurrent": "code sandbox rewards are not supported yet",
     "reward_model.sandbox_fusion.memory_limit_mb": "code sandbox rewards are not supported yet",
-    "algorithm.pf_ppo.*": _FILTER_ONLY, "algorithm.filter_groups.metric": _FILTER_ONLY,
+    "algorithm.pf_ppo.*": _PF_RC_ONLY, "algorithm.filter_groups.metric": _FILTER_ONLY,
     "algorithm.filter_groups.max_num_gen_batches": _FILTER_ONLY,
-    "algorithm.rollout_correction.*": _FILTER_ONLY,
+    "algorithm.rollout_correction.rollout_is_threshold": "only used with algorithm.rollout_correction.rollout_is",
+    "algorithm.rollout_correction.*": _PF_RC_ONLY,
     "trainer.balance_batch": "one process holds the whole batch",
     "trainer.esi_redundant_time": "rlflow saves on save_freq and at the last step",
     "trainer.ray_wait_register_center_timeout": _RAY,

@@ -7,6 +7,7 @@ data_source                                                                 scor
 ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``,                 :mod:`.math`
 ``HuggingFaceH4/MATH-500``
 ``math_dapo``, ``math``, ``math_dapo_reasoning``, any ``aime*``             :mod:`.math_dapo`
+``rlflow/addition`` (the built-in task)                                     exact match
 ==========================================================================  ================
 
 verl's code-sandbox, geometry, search and PRIME scorers are not built in: pass your own
@@ -23,6 +24,7 @@ GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
 DAPO_PREFIX = "aime"
+ADDITION_SOURCES = ("rlflow/addition",)  # rlflow.tasks.addition.DATA_SOURCE
 
 
 def default_compute_score(
@@ -30,7 +32,8 @@ def default_compute_score(
 ) -> float | dict:
     """Score one sample with the rule scorer for its ``data_source``.
 
-    Returns a float (GSM8K, MATH) or a dict with ``"score"`` (DAPO: ``score``, ``acc``, ``pred``).
+    Returns a float (GSM8K, MATH, the built-in addition task) or a dict with ``"score"``
+    (DAPO: ``score``, ``acc``, ``pred``).
 
     Raises:
         NotImplementedError: for any other data_source, naming it and the supported ones.
@@ -41,7 +44,11 @@ def default_compute_score(
         return float(math.compute_score(solution_str, ground_truth))
     if data_source in DAPO_SOURCES or str(data_source).startswith(DAPO_PREFIX):
         return math_dapo.compute_score(solution_str, ground_truth)
-    supported = ", ".join([*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, f"{DAPO_PREFIX}*"])
+    if data_source in ADDITION_SOURCES:
+        from rlflow.tasks.addition import exact_match  # imported here: the task module loads models
+
+        return exact_match(solution_str, str(ground_truth))
+    supported = ", ".join([*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, f"{DAPO_PREFIX}*", *ADDITION_SOURCES])
     raise NotImplementedError(
         f"no built-in reward for data_source={data_source!r}. Supported: {supported}. "
         "For other data, pass your own function: FunctionReward(my_compute_score)."
