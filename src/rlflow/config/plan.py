@@ -80,6 +80,30 @@ def token_budget(cfg: VerlConfig, with_critic: bool) -> int | None:
     return min(budgets) if budgets else None
 
 
+def sequence_parallel(cfg: VerlConfig, notes: list[str], with_critic: bool, processes: int) -> int:
+    """verl's ``ulysses_sequence_parallel_size`` (actor, ref, critic) -> the Trainer's one size for all roles."""
+    keys = [f"{A}.ulysses_sequence_parallel_size", "actor_rollout_ref.ref.ulysses_sequence_parallel_size"]
+    keys += [f"{C}.ulysses_sequence_parallel_size"] if with_critic else []
+    size = cfg[keys[0]]
+    others = {k: cfg[k] for k in keys[1:] if cfg[k] != size}
+    if size > 1 and others:
+        notes.append(f"{keys[0]}={size} applies to every role (the Trainer has one sequence-parallel size); "
+                     f"ignored: {', '.join(f'{k}={v}' for k, v in others.items())}")
+    if size <= 1:
+        if any(v > 1 for v in others.values()):
+            raise ConfigError(f"{', '.join(others)} > 1 but {keys[0]}={size}: rlflow uses one sequence-parallel "
+                              f"size for every role; set {keys[0]}")
+        return 1
+    if processes % size:
+        raise ConfigError(f"{keys[0]}={size} must divide the number of processes ({processes})")
+    padded = [k for k in ("actor_rollout_ref.model.use_remove_padding",) + ((f"{C}.model.use_remove_padding",)
+                                                                          if with_critic else ()) if not cfg[k]]
+    if padded:
+        raise ConfigError(f"{keys[0]}={size}: sequence parallelism runs on packed sequences; set "
+                          f"{' and '.join(f'{k}=True' for k in padded)}")
+    return size
+
+
 def check_not_supported(cfg: VerlConfig) -> None:
     for k, (feature, triggered) in tables.NOT_SUPPORTED.items():
         value = cfg[k]
@@ -215,6 +239,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         notes.append(f"reward_model.reward_manager={manager}: scores like 'naive' (rlflow runs reward calls on "
                      f"threads with a timeout){'; overlong shaping: OverlongPenalty' if overlong else ''}")
     sampling = dynamic_sampling(cfg, notes)
+    sp_size = sequence_parallel(cfg, notes, with_critic, procs)
     loggers = logger_names(cfg, notes)
     resume = resume_arg(cfg)
     val = cfg[f"{R}.val_kwargs"]
@@ -255,8 +280,9 @@ def make_plan(cfg: VerlConfig) -> Plan:
             "lr_schedule": lr_schedule, "optimizer": make_optimizer, "max_grad_norm": grad_clip,
             "val_every": max(test_freq, 0), "val_n": val["n"], "save_every": max(save_freq, 0),
             "run_dir": cfg["trainer.default_local_dir"], "resume": resume, "seed": cfg["data.seed"],
-            "progress": "console" not in loggers, "max_tokens_per_micro_batch": token_budget(cfg, with_critic), "accelerator": devices.accelerator, "devices": devices.per_node,
-            "num_nodes": devices.nnodes,
+            "progress": "console" not in loggers, "max_tokens_per_micro_batch": token_budget(cfg, with_critic),
+            "sequence_parallel_size": sp_size, "balance_batch": cfg["trainer.balance_batch"],
+            "accelerator": devices.accelerator, "devices": devices.per_node, "num_nodes": devices.nnodes,
             "strategy": devices.strategy, "precision": devices.precision},
         total_training_steps=cfg["trainer.total_training_steps"], total_epochs=cfg["trainer.total_epochs"],
         warmup=warmup,
