@@ -24,7 +24,8 @@ def reference(out, **options):
 def test_ulysses_attention_matches_one_process(tmp_path):
     """Log-probs, entropy, values and their summed gradients, split over 2 ranks, equal one process's."""
     result = run_ok(2, tmp_path, worker=Path(__file__).with_name("ulysses_worker.py"))
-    cases = [k for k in result if k != "padded_error"]
+    assert result["mask_choices"] == [False, True]  # both the block-diagonal mask and plain causal ran
+    cases = [k for k in result if k not in ("padded_error", "mask_choices")]
     assert len(cases) == 6
     for name in cases:
         assert result[name]["grad_norm"] > 1.0, name  # the gradients compared are not trivially zero

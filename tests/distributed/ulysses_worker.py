@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from rlflow.models import ulysses
 from rlflow.models.critic import ValueHeadModel
 from rlflow.models.logprobs import TokenLogProbs
 from rlflow.models.tiny import tiny_qwen2
@@ -60,8 +61,21 @@ def compare(make, args, group, weights):
             "grad_norm": sum(p.grad.norm() ** 2 for p in ref.parameters() if p.grad is not None).item() ** 0.5}
 
 
+def record_mask_choice(log: list):
+    """Observe which attention mask each sequence-parallel forward used (plain causal or block-diagonal)."""
+    choose = ulysses._one_sequence_per_row
+
+    def observed(*args):
+        log.append(choose(*args))
+        return log[-1]
+
+    ulysses._one_sequence_per_row = observed
+
+
 def main(out):
     dist.init_process_group("gloo")
+    causal_only = []
+    record_mask_choice(causal_only)
     group = dist.new_group([0, 1])
     results = {}
     for heads, kv in ((4, 2), (2, 1)):  # kv heads split over 2 ranks; 1 kv head is repeated
@@ -81,6 +95,7 @@ def main(out):
                                  intermediate_size=64)).sequence_parallel(group)
     except ValueError as e:
         results["padded_error"] = str(e)
+    results["mask_choices"] = sorted(set(causal_only))
     if dist.get_rank() == 0:
         torch.save(results, f"{out}/result.pt")
     dist.barrier()

@@ -125,10 +125,10 @@ def _ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     qkv = torch.cat([q, k, v], dim=2).flatten(1, 2)
     qkv = _seq_to_heads(qkv, group, size)
     q, k, v = qkv.split([Hq // size, Hkv // size, Hkv // size], dim=1)
-    if "mask" not in state:  # built once per forward, shared by the layers
-        state["mask"] = block_causal_mask(state["position_ids"])
+    if "mask" not in state:  # built once per forward, shared by the layers; None: plain causal is exact
+        state["mask"] = None if state["causal"] else block_causal_mask(state["position_ids"])
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=state["mask"], dropout_p=dropout, scale=scaling,
-                                         enable_gqa=Hq != Hkv)
+                                         is_causal=state["mask"] is None, enable_gqa=Hq != Hkv)
     out = _heads_to_seq(out, group, size)
     return out.transpose(1, 2).contiguous(), None
 
@@ -174,8 +174,8 @@ def check_heads(model: nn.Module, size: int) -> None:
 
 
 @contextlib.contextmanager
-def _active(group, size: int, position_ids: Tensor):
-    token = _ACTIVE.set({"group": group, "size": size, "position_ids": position_ids})
+def _active(group, size: int, position_ids: Tensor, causal: bool):
+    token = _ACTIVE.set({"group": group, "size": size, "position_ids": position_ids, "causal": causal})
     try:
         yield
     finally:
@@ -196,11 +196,11 @@ def sequence_parallel_outputs(lm: nn.Module, packed: Packed, fn: Callable[[Tenso
     if pad:  # the extra tail is a sequence of its own (positions from 0), never scored
         ids = F.pad(ids, (0, pad))
         pos = torch.cat([pos, torch.arange(pad, device=pos.device).expand(rows, pad)], dim=1)
-    with _active(group, size, pos):
+    row, col = packed.src // L, packed.src % L
+    with _active(group, size, pos, _one_sequence_per_row(pos, row, col)):
         out = lm.get_decoder()(input_ids=ids[:, rank * S : (rank + 1) * S], attention_mask=None,
                                position_ids=pos[:, rank * S : (rank + 1) * S], use_cache=False)
     hidden = out.last_hidden_state  # rows x S x H
-    row, col = packed.src // L, packed.src % L
     owner = col // S
     mine = (owner == rank).nonzero().squeeze(-1)
     local = fn(hidden[row[mine], col[mine] - rank * S], mine)
@@ -208,3 +208,14 @@ def sequence_parallel_outputs(lm: nn.Module, packed: Packed, fn: Callable[[Tenso
     gathered = _GatherRows.apply(local, counts, group)  # rank 0's rows, then rank 1's, ...
     order = torch.argsort(owner, stable=True)  # the same order: positions by owner, src order within
     return gathered.new_zeros(gathered.shape).index_copy(0, order, gathered)
+
+
+def _one_sequence_per_row(position_ids: Tensor, row: Tensor, col: Tensor) -> bool:
+    """True when no row starts a second sequence before its last scored position: then a plain causal
+    mask gives the scored positions exactly what the block-diagonal one does (later tokens are never
+    seen by earlier ones), and attention can use the fused causal kernels without an ``S x S`` mask."""
+    rows, L = position_ids.shape
+    last = torch.full((rows,), -1, dtype=torch.long, device=position_ids.device).scatter_reduce(
+        0, row, col, reduce="amax")
+    starts = (position_ids == 0) & (torch.arange(L, device=position_ids.device)[None] <= last[:, None])
+    return bool((starts.sum(-1) <= 1).all())
