@@ -35,3 +35,9 @@ def assert_same_weights(a, b):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def assert_updates(steps: dict) -> None:
+    """The reference run really trains: every step's gradient is non-zero (else equal weights prove nothing)."""
+    for step, record in steps.items():
+        assert record["metrics"]["actor/grad_norm"] > 0.1, (step, record["metrics"]["actor/grad_norm"])

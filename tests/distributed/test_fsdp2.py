@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .launch import assert_same_weights, run_ok, torchrun
+from .launch import assert_same_weights, assert_updates, run_ok, torchrun
 from .worker import build
 
 
@@ -21,6 +21,7 @@ def single_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
     trainer, data, record = build(str(out), "auto", steps=3, devices=1)
     trainer.fit(data)
+    assert_updates(record.steps)
     return record.steps, out
 
 
@@ -28,7 +29,7 @@ def test_two_processes_equal_one_and_checkpoints_cross_world_sizes(single_proces
     reference, _ = single_process
     two = run_ok(2, tmp_path / "two", "fsdp2", 1)
     assert two[1]["metrics"]["actor/pg_loss"] == pytest.approx(reference[1]["metrics"]["actor/pg_loss"], abs=1e-5)
-    assert two[1]["metrics"]["critic/score/mean"] == reference[1]["metrics"]["critic/score/mean"]
+    assert two[1]["metrics"]["critic/score/mean"] == pytest.approx(reference[1]["metrics"]["critic/score/mean"], abs=1e-6)
     assert_same_weights(two[1]["weights"], reference[1]["weights"])
     ckpt = tmp_path / "two" / "checkpoints" / "global_step_1"
     assert (ckpt / "state.ckpt").is_dir()  # sharded (torch.distributed.checkpoint)

@@ -11,13 +11,14 @@ import torch
 
 from rlflow.trainer.distributed import partition_equal_counts
 
-from .launch import assert_same_weights, run_ok
+from .launch import assert_same_weights, assert_updates, run_ok
 from .worker import build
 
 
 def reference(out, **options):
     trainer, data, record = build(str(out), "auto", steps=1, devices=1, **options)
     trainer.fit(data)
+    assert_updates(record.steps)
     return record.steps[1]
 
 

@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nproc_per_node N worker.py OUT STRATEGY STEPS [RESUME] [FAIL_RANK] [KEY=VALUE ...]
 
 KEY=VALUE options (integers): ``sp`` (sequence-parallel size), ``remove_padding``,
-``max_tokens`` (token budget per micro-batch), ``val`` (validate every step).
+``max_tokens`` (token budget per micro-batch), ``val`` (validate every step), and with
+STRATEGY fsdp2 ``bf16`` (bf16 parameters, fp32 reduction) and ``offload`` (CPU offload policy).
 Writes, on rank 0, OUT/result.pt with the metrics and the full (gathered) weights
 after every step.
 """
@@ -13,13 +14,29 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor
 
-from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer
+from rlflow import FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer
+from rlflow.algorithms.estimators import AdvantageEstimator
+from rlflow.data import keys as K
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from rlflow.tasks.addition import AdditionTask
 
 
-def starts_with_digit(solution_str: str, ground_truth: str) -> float:
-    return float(solution_str[:1].isdigit())
+def varied(solution_str: str, ground_truth: str) -> float:
+    """A score that differs between responses of an untrained model (and is rarely 0)."""
+    return (len(set(solution_str)) + sum(c.isdigit() for c in solution_str)) / 8 - 0.3
+
+
+class ReturnAsAdvantage(AdvantageEstimator):
+    """REINFORCE without a baseline: a token's advantage is its sample's return (gamma 1).
+
+    It depends on the sample alone, so a step's update does not depend on how the samples are
+    split over processes, while greedy samples (one per prompt, identical on any number of
+    processes) still get non-zero advantages (GRPO would give singleton groups 0: no update to compare).
+    """
+
+    def compute(self, batch):
+        returns = batch[K.TOKEN_REWARDS].flip(-1).cumsum(-1).flip(-1) * batch[K.RESPONSE_MASK]
+        return returns, returns
 
 
 def full_weights(model):
@@ -46,8 +63,13 @@ class FailAt:
 
 
 def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1, remove_padding=0, max_tokens=None,
-          val=0):
+          val=0, bf16=0, offload=0):
     torch.manual_seed(0)
+    devices = devices or int(__import__("os").environ.get("WORLD_SIZE", 1))
+    if bf16 or offload:
+        from rlflow.strategies import FSDP2
+
+        strategy = FSDP2(devices, param_dtype=torch.bfloat16 if bf16 else None, offload=bool(offload))
     tok = char_tokenizer()
     model = tiny_qwen2(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=0)
     train, val_rows, _ = AdditionTask().splits()
@@ -56,11 +78,11 @@ def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1,
     trainer = Trainer(
         policy=Policy(model, tok, remove_padding=bool(remove_padding)),
         rollout=HFRollout(n=1, do_sample=False, max_new_tokens=4),
-        reward=FunctionReward(starts_with_digit), estimator=GRPO(), loss=PPOLoss(),
+        reward=FunctionReward(varied), estimator=ReturnAsAdvantage(), loss=PPOLoss(),
         batch_size=8, micro_batch_size=2, max_tokens_per_micro_batch=max_tokens, sequence_parallel_size=sp,
         lr=1e-2, max_steps=steps, save_every=1, run_dir=out, resume=resume, val_every=val,
         loggers=(), progress=False, callbacks=callbacks, strategy=strategy,
-        devices=devices or int(__import__("os").environ.get("WORLD_SIZE", 1)),
+        devices=devices,
     )
     return trainer, PromptData(train[:64], val_rows[:10] if val else None, seed=0), record
 

@@ -235,36 +235,38 @@ class Trainer:
         The loss of each micro-batch is normalised by its mini-batch's token and
         sequence counts, so the accumulated gradient does not depend on the micro-batch size.
         """
-        acc, module, opt = MeanAccumulator(), self.policy.module, self.optimizer
-        module.train()
-        for mb, n_tok, n_seq in self._minibatches(batch):
-            micro_stats = []
-            for micro in micro_batches(mb, self.micro_batch_size, self.max_tokens_per_micro_batch, self.fabric):
-                log_probs, entropy = self.policy.log_probs(micro)
-                micro[K.LOG_PROBS], micro[K.ENTROPY] = log_probs, entropy
-                if K.OLD_LOG_PROBS not in micro.keys():
-                    micro[K.OLD_LOG_PROBS] = log_probs.detach()
-                out = self.loss(micro, num_tokens=n_tok, num_seqs=n_seq)
-                self.fabric.backward(out.loss)
-                micro_stats.append(out.stats)
-            acc.add(sum_micro_batches(micro_stats, ADDITIVE_STATS))
-            acc.add(self._optimizer_step(module, opt, "actor"))
-        return acc.means() | {"actor/lr": opt.param_groups[0]["lr"]}
+        def micro_loss(micro: TensorDict, n_tok, n_seq):
+            log_probs, entropy = self.policy.log_probs(micro)
+            micro[K.LOG_PROBS], micro[K.ENTROPY] = log_probs, entropy
+            if K.OLD_LOG_PROBS not in micro.keys():
+                micro[K.OLD_LOG_PROBS] = log_probs.detach()
+            return self.loss(micro, num_tokens=n_tok, num_seqs=n_seq)
+
+        return self._update(batch, self.policy.module, self.optimizer, "actor", micro_loss)
 
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
-        acc, module, opt = MeanAccumulator(), self.critic.module, self.critic_optimizer
+        def micro_loss(micro: TensorDict, n_tok, n_seq):
+            micro[K.OLD_VALUES] = micro[K.VALUES]
+            micro[K.VALUES] = self.critic.values(micro)
+            return self.value_loss(micro, num_tokens=n_tok, num_seqs=n_seq)
+
+        return self._update(batch, self.critic.module, self.critic_optimizer, "critic", micro_loss)
+
+    def _update(self, batch: TensorDict, module, opt, role: str, micro_loss: Callable) -> dict[str, float]:
+        """The mini-batch / micro-batch loop both updates share; ``micro_loss(micro, n_tok, n_seq)`` -> LossOutput."""
+        acc = MeanAccumulator()
         module.train()
         for mb, n_tok, n_seq in self._minibatches(batch):
             micro_stats = []
             for micro in micro_batches(mb, self.micro_batch_size, self.max_tokens_per_micro_batch, self.fabric):
-                micro[K.OLD_VALUES] = micro[K.VALUES]
-                micro[K.VALUES] = self.critic.values(micro)
-                out = self.value_loss(micro, num_tokens=n_tok, num_seqs=n_seq)
+                out = micro_loss(micro, n_tok, n_seq)
                 self.fabric.backward(out.loss)
                 micro_stats.append(out.stats)
-            acc.add(sum_micro_batches(micro_stats, ADDITIVE_STATS))
-            acc.add(self._optimizer_step(module, opt, "critic"))
-        return acc.means() | {"critic/lr": opt.param_groups[0]["lr"]}
+            stats = sum_micro_batches(micro_stats, ADDITIVE_STATS)
+            # with sequence parallelism each rank's loss is sp x its share (see _minibatches): log one copy
+            acc.add({k: v / self.sp_size if k in ADDITIVE_STATS else v for k, v in stats.items()})
+            acc.add(self._optimizer_step(module, opt, role))
+        return acc.means() | {f"{role}/lr": opt.param_groups[0]["lr"]}
 
     def _optimizer_step(self, module, opt, role: str) -> dict[str, float]:
         """Clip, then step, unless the gradient norm is not finite (then the step is skipped and counted)."""
