@@ -76,3 +76,17 @@ def test_ddp_two_processes_equal_one(single_process, tmp_path):
     ddp = run_ok(2, tmp_path / "ddp", "ddp", 1)
     assert ddp[1]["metrics"]["actor/pg_loss"] == pytest.approx(reference[1]["metrics"]["actor/pg_loss"], abs=1e-5)
     assert_same_weights(ddp[1]["weights"], reference[1]["weights"])
+
+
+def test_bf16_mixed_precision_keeps_fp32_master_weights(single_process, tmp_path):
+    """FSDP2 with bf16 parameters in compute and fp32 gradient reduction (gloo runs it on CPU)."""
+    reference, _ = single_process
+    ref = reference[1]
+    bf16 = run_ok(2, tmp_path / "bf16", "fsdp2", 1, "bf16=1")[1]
+    assert all(w.dtype == torch.float32 for w in bf16["weights"].values())  # the sharded masters stay fp32
+    assert bf16["metrics"]["actor/pg_loss"] == pytest.approx(ref["metrics"]["actor/pg_loss"], rel=1e-2)
+    assert bf16["metrics"]["actor/grad_norm"] == pytest.approx(ref["metrics"]["actor/grad_norm"], rel=1e-2)
+    assert bf16["metrics"]["actor/grad_norm"] != ref["metrics"]["actor/grad_norm"]  # bf16 compute really ran
+    # AdamW's first step moves each weight by about lr (1e-2) in the gradient's sign: bf16 may flip a few signs
+    for name, w in bf16["weights"].items():
+        assert (w - ref["weights"][name]).abs().max() <= 2.5e-2, name
