@@ -1,5 +1,5 @@
 """Policy and value losses: the functional core by hand and by loop, then PPOLoss / ValueLoss
-(totals, statistics, declared keys, variants, micro-batching)."""
+(totals, statistics, declared keys, variants, Dr.GRPO's loss_scale_factor, micro-batching)."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlflow.algorithms import LossOutput, PPOLoss, ValueLoss
+from rlflow.algorithms import LOSS_MODES, LossOutput, PPOLoss, ValueLoss
 from rlflow.algorithms import functional as F
 from rlflow.data import keys as K
 
@@ -226,6 +226,46 @@ def test_variant_overrides_pg_loss_only():
     torch.testing.assert_close(grad, torch.tensor([expected]))
     assert out.stats["actor/is_weight_mean"] == pytest.approx(1.0)  # (1.2 + 0.8 + 0.8 + 1.2) / 4
     assert "actor/kl_loss" in out.stats and "actor/pg_clipfrac" not in out.stats
+
+
+def test_loss_scale_factor_is_the_sum_norm_constant_by_hand():
+    # verl actor.loss_scale_factor: seq-mean-token-sum-norm divides the token sum by it instead of R (= 5 here),
+    # in the policy, KL and entropy terms alike. Per-token pg loss [-1.2, -0.5, 0.8, 3.0] (sum 2.1),
+    # k1 = [0, -0.5, 0.5, -1] (sum -1), entropy [1, 2, 3, 6] (sum 12).
+    batch = hand_batch()
+    kw = dict(agg="seq-mean-token-sum-norm", kl_coef=0.1, kl_type="k1", entropy_coef=0.01)
+    out = PPOLoss(loss_scale_factor=512, **kw)(batch)
+    assert out.stats["actor/pg_loss"] == pytest.approx(2.1 / 512, rel=1e-5)
+    assert out.stats["actor/kl_loss"] == pytest.approx(-1.0 / 512, rel=1e-5)
+    assert out.stats["actor/entropy"] == pytest.approx(12.0 / 512, rel=1e-5)
+    assert out.loss.item() == pytest.approx((2.1 - 0.01 * 12.0 + 0.1 * -1.0) / 512, rel=1e-5)
+    (grad,) = torch.autograd.grad(out.loss, batch[K.LOG_PROBS])
+    # pg: only token 1 is unclipped (-A r = -0.5); k1 adds kl_coef on each valid token; all / 512
+    torch.testing.assert_close(grad, torch.tensor([[0.1, -0.4, 0.1, 0.1, 0.0]]) / 512)
+    default = PPOLoss(**kw)(batch)  # None: the padded response length R = 5
+    assert default.loss.item() == pytest.approx((2.1 - 0.01 * 12.0 + 0.1 * -1.0) / 5, rel=1e-5)
+    # like verl, the other modes ignore it (rlflow warns when the loss is built)
+    with pytest.warns(UserWarning, match="loss_scale_factor=512 only applies to agg='seq-mean-token-sum-norm'"):
+        ignored = PPOLoss(loss_scale_factor=512)
+    assert ignored(batch).loss.item() == PPOLoss()(batch).loss.item()
+    with pytest.raises(ValueError, match="loss_scale_factor must be > 0"):
+        PPOLoss(agg="seq-mean-token-sum-norm", loss_scale_factor=0)
+
+
+@pytest.mark.parametrize("name", sorted(LOSS_MODES))
+def test_loss_scale_factor_reaches_every_policy_loss(name):
+    """Each verl loss_mode's class divides its policy term by loss_scale_factor instead of R."""
+    gen = torch.Generator().manual_seed(3)
+    batch = with_model_outputs(random_batch(gen), torch.randn(6, dtype=torch.float64))
+    batch[K.COV_SELECTED] = torch.rand(batch[K.RESPONSE_MASK].shape, generator=gen) < 0.2  # Clip-Cov / KL-Cov
+    r = batch[K.RESPONSE_MASK].shape[-1]
+    kw = dict(agg="seq-mean-token-sum-norm", kl_coef=0.3, entropy_coef=0.05)
+    by_r = LOSS_MODES[name](**kw)(batch)
+    by_512 = LOSS_MODES[name](loss_scale_factor=512, **kw)(batch)
+    assert by_r.stats["actor/pg_loss"] != 0
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+        assert by_512.stats[key] == pytest.approx(by_r.stats[key] * r / 512, rel=1e-9), key
+    assert by_512.loss.item() == pytest.approx(by_r.loss.item() * r / 512, rel=1e-9)
 
 
 def test_value_loss_by_hand():

@@ -335,13 +335,62 @@ def test_modules_call_their_functions_and_keep_ppo_terms():
     assert LOSS_MODES["geo_mean"] is GMPOLoss and LOSS_MODES["gpg"] is ReinforceLoss
 
 
-def test_is_weights_multiply_the_policy_term():
-    logp, old, adv, mask = random_inputs(5)
+# every policy-loss class: verl's loss_mode table and the ones named in the docs
+ALL_POLICY_LOSSES = sorted(set(LOSS_MODES.values()) | {ReinforceLoss, ClipCovLoss, KLCovLoss}, key=lambda c: c.__name__)
+# their per-token loss depends on the row's other tokens (sequence ratio / geometric mean), so a zero weight on
+# one token is no removal of that token: checked on whole rows only. GMPO takes the weights' geometric mean per row
+# (verl), so a row with a zero weight is (nearly, 1e-10 ** (1 / |y|)) cut out whole.
+ROW_COUPLED = (GSPOLoss, GMPOLoss)
+
+
+@pytest.mark.parametrize("cls", ALL_POLICY_LOSSES, ids=lambda c: c.__name__)
+def test_every_policy_loss_honours_is_weights(cls):
+    """is_weights=True multiplies the per-token policy loss by batch["is_weights"], in every aggregation mode."""
+    logp, old, adv, mask = random_inputs(8)
+    logp = logp.clone().requires_grad_(True)
     batch = batch_of(logp, old, adv, mask)
-    batch[K.IS_WEIGHTS] = torch.full_like(logp, 0.5)
-    for cls in (GSPOLoss, CISPOLoss, SAPOLoss, ReinforceLoss, GMPOLoss):
-        plain, weighted = cls().pg_loss(batch)[0].item(), cls(is_weights=True).pg_loss(batch)[0].item()
-        assert weighted == pytest.approx(0.5 * plain, rel=1e-6), cls
+    batch[K.REF_LOG_PROBS] = old - 0.3
+    gen = torch.Generator().manual_seed(0)
+    batch[K.COV_SELECTED] = torch.rand(mask.shape, generator=gen) < 0.3  # read by Clip-Cov / KL-Cov only
+    assert K.IS_WEIGHTS in cls(is_weights=True).in_keys and K.IS_WEIGHTS not in cls().in_keys
+
+    def weighted(w):
+        out = batch.clone(False)
+        out[K.IS_WEIGHTS] = w
+        return out
+
+    ones, twos = torch.ones_like(old), torch.full_like(old, 2.0)
+    for agg in MODES:
+        plain = cls(agg=agg).pg_loss(batch)[0]
+        assert plain.abs().item() > 1e-3, agg  # not vacuous
+        # w = 1 everywhere: the loss of is_weights=False
+        assert cls(agg=agg, is_weights=True).pg_loss(weighted(ones))[0].item() == pytest.approx(plain.item(), rel=1e-9)
+        # w = 2: the policy term and its gradient double (rel 1e-7: GMPO's geometric mean divides by |y| + 1e-8)
+        double = cls(agg=agg, is_weights=True).pg_loss(weighted(twos))[0]
+        assert double.item() == pytest.approx(2 * plain.item(), rel=1e-7), agg
+        torch.testing.assert_close(grad_of(double, logp), 2 * grad_of(plain, logp))
+    # w = 2 in the full loss: only the policy term doubles, not the KL term
+    out, out2 = cls(kl_coef=0.1, kl_type="k1")(batch), cls(kl_coef=0.1, kl_type="k1", is_weights=True)(weighted(twos))
+    assert out2.stats["actor/pg_loss"] == pytest.approx(2 * out.stats["actor/pg_loss"], rel=1e-7)
+    assert out2.stats["actor/kl_loss"] == out.stats["actor/kl_loss"]
+    assert out2.loss.item() == pytest.approx(out.loss.item() + out.stats["actor/pg_loss"], rel=1e-7)
+
+    # w = 0 on some tokens (token-mean): their terms leave the numerator, the denominator keeps every valid token
+    def removed(keep):
+        fewer = batch.clone(False)
+        fewer[K.RESPONSE_MASK] = mask * keep
+        return cls(agg="token-mean").pg_loss(fewer, num_tokens=mask.sum())[0].item()
+
+    zero_rows = torch.ones_like(old)
+    zero_rows[[0, 3]] = 0.0
+    assert mask[[0, 3]].sum() > 0
+    zeros = [zero_rows]
+    if cls not in ROW_COUPLED:
+        zeros.append((torch.rand(mask.shape, generator=gen, dtype=old.dtype) > 0.3).to(old.dtype))
+    for w in zeros:
+        got = cls(agg="token-mean", is_weights=True).pg_loss(weighted(w))[0].item()
+        assert got == pytest.approx(removed(w), rel=1e-9, abs=1e-9)
+        assert got != pytest.approx(cls(agg="token-mean").pg_loss(batch)[0].item(), rel=1e-6)
 
 
 def test_cov_losses_read_the_selection():

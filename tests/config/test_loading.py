@@ -109,6 +109,14 @@ def test_new_classes_plug_in_through_their_signature(monkeypatch):
     assert p.loss_cls is GSPOLoss and p.loss_kwargs["tau_pos"] == 2.0 and p.loss_kwargs["kl_coef"] == 0.01
 
 
+def test_loss_scale_factor_reaches_the_loss():
+    p = plan("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+             "actor_rollout_ref.actor.loss_scale_factor=512")
+    loss = p.loss_cls(**p.loss_kwargs)
+    assert (loss.agg, loss.loss_scale_factor) == ("seq-mean-token-sum-norm", 512)
+    assert not any("loss_scale_factor" in note for note in unused_notes(p.cfg))
+
+
 def test_too_many_gpus_says_what_was_found_and_how_to_run():
     with pytest.raises(ConfigError) as e:
         make_plan(load_config(QUICK_START))

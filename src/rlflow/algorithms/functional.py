@@ -189,6 +189,8 @@ def agg_loss(
     - ``seq-mean-token-mean``: ``l_i = sum_t L*M / (sum_t M + 1e-8)``; then as above (GRPO paper).
     - ``seq-mean-token-sum-norm`` (Dr.GRPO): ``sum_i l_i / norm_length`` (default ``R``); like verl,
       no division by the number of sequences, and ``num_tokens``/``num_seqs`` are unused.
+      ``norm_length`` is verl's ``actor.loss_scale_factor`` (``PPOLoss(loss_scale_factor=...)``); the
+      other modes ignore it, as verl does.
 
     Pass ``num_tokens``/``num_seqs`` of the whole mini-batch so that the micro-batch losses sum
     exactly to the mini-batch loss (and so do their gradients). Under data parallelism with
@@ -218,6 +220,7 @@ def ppo_clip_loss(
     num_tokens: float | Tensor | None = None,
     num_seqs: float | Tensor | None = None,
     weights: Tensor | None = None,
+    norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Dual-clip PPO policy loss (Schulman et al. 2017; Ye et al. 2020; verl "vanilla").
 
@@ -228,6 +231,7 @@ def ppo_clip_loss(
     ``pg_clipfrac_lower`` = frac(c1 > -A clip_c and A < 0), ``ppo_kl`` = mean(-d).
     ``weights`` ([B, R], optional, e.g. truncated IS weights) multiply the per-token loss after
     clipping, before aggregation (verl ``rollout_is_weights``); the stats ignore them.
+    ``norm_length`` is ``agg_loss``'s (``seq-mean-token-sum-norm`` only).
     All inputs [B, R]; returns (scalar loss, stats).
     """
     neg_kl = (log_probs - old_log_probs).clamp(-20, 20)  # keeps exp() finite on stale samples
@@ -251,7 +255,7 @@ def ppo_clip_loss(
         stats["pg_clipfrac_lower"] = masked_mean(lower.to(ratio.dtype), mask).detach()
     if weights is not None:
         per_token = per_token * weights
-    return agg_loss(per_token, mask, agg, num_tokens, num_seqs), stats
+    return agg_loss(per_token, mask, agg, num_tokens, num_seqs, norm_length), stats
 
 
 def value_loss(

@@ -14,6 +14,7 @@ summed over micro-batches; fractions and means ("actor/pg_clipfrac", "actor/ppo_
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -75,6 +76,11 @@ class PPOLoss:
     clip_ratio``; ``clip_ratio_c=None`` disables the dual clip. DAPO's clip-higher is
     ``clip_ratio_high=0.28``; Dr.GRPO is ``agg="seq-mean-token-sum-norm"``.
 
+    ``loss_scale_factor`` (verl ``actor.loss_scale_factor``) is the constant that
+    ``seq-mean-token-sum-norm`` divides by (``functional.agg_loss``'s ``norm_length``) in the
+    policy, entropy and KL terms; ``None`` divides by the batch's padded response length ``R``.
+    Like verl, the other aggregation modes ignore it (rlflow: with a warning when the loss is built).
+
     ``is_weights=True`` multiplies the per-token policy loss by the batch's ``is_weights``
     (truncated importance weights from ``rlflow.algorithms.correction.TruncatedIS``, verl
     ``rollout_correction.rollout_is``); it adds ``is_weights`` to ``in_keys``, so a chain
@@ -94,10 +100,17 @@ class PPOLoss:
         entropy_coef: float = 0.0,
         agg: str = "token-mean",
         is_weights: bool = False,
+        loss_scale_factor: float | None = None,
     ):
         if clip_ratio_c is not None and clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
         _check_agg(agg)
+        if loss_scale_factor is not None:
+            if not loss_scale_factor > 0:
+                raise ValueError(f"loss_scale_factor must be > 0, got {loss_scale_factor}")
+            if agg != "seq-mean-token-sum-norm":
+                warnings.warn(f"loss_scale_factor={loss_scale_factor} only applies to agg='seq-mean-token-sum-norm'; "
+                              f"with agg={agg!r} it has no effect (as in verl)", stacklevel=2)
         F.kl_penalty(torch.zeros(1), torch.zeros(1), kl_type)  # fail now on an unknown kind, not mid-run
         self.clip_ratio = clip_ratio
         self.clip_ratio_low = clip_ratio_low
@@ -108,6 +121,7 @@ class PPOLoss:
         self.entropy_coef = entropy_coef
         self.agg = agg
         self.is_weights = is_weights
+        self.loss_scale_factor = loss_scale_factor
         self.clip_low = clip_ratio if clip_ratio_low is None else clip_ratio_low
         self.clip_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
 
@@ -136,11 +150,13 @@ class PPOLoss:
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             weights=batch[IS_WEIGHTS] if self.is_weights else None,
+            norm_length=self.loss_scale_factor,
         )
 
     def __call__(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> LossOutput:
         _require(self, batch)
-        agg = partial(F.agg_loss, mask=batch[RESPONSE_MASK], mode=self.agg, num_tokens=num_tokens, num_seqs=num_seqs)
+        agg = partial(F.agg_loss, mask=batch[RESPONSE_MASK], mode=self.agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                      norm_length=self.loss_scale_factor)
         pg, pg_stats = self.pg_loss(batch, num_tokens, num_seqs)
         total = pg
         stats: dict[str, Tensor | float] = {"actor/pg_loss": pg.detach()}

@@ -6,6 +6,9 @@ scalars (means over this call's tokens, or rows). Formulas follow verl
 ``verl/trainer/ppo/core_algos.py`` (``reference/verl.md`` section 2); deviations are marked
 "rlflow:".
 
+Every policy loss takes ``norm_length``, ``functional.agg_loss``'s constant for ``seq-mean-token-sum-norm``
+(verl ``actor.loss_scale_factor``; ``None``: ``R``).
+
 Micro-batching: a loss must not depend on how rows are split into micro-batches, given the
 mini-batch counts ``num_tokens`` / ``num_seqs`` (see ``functional.agg_loss``). Per-token and
 per-sequence quantities (GSPO's sequence ratio, GMPO's geometric mean, SPPO's squared error) are
@@ -32,7 +35,7 @@ def _weighted(per_token: Tensor, weights: Tensor | None) -> Tensor:
 def gspo_loss(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
     clip_low: float = 3e-4, clip_high: float = 4e-4, agg: str = "seq-mean-token-mean",
-    num_tokens=None, num_seqs=None, weights: Tensor | None = None,
+    num_tokens=None, num_seqs=None, weights: Tensor | None = None, norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO, group sequence policy optimization (Zheng et al. 2025, arXiv 2507.18071; verl ``gspo``).
 
@@ -58,13 +61,13 @@ def gspo_loss(
         "ppo_kl": masked_mean(-neg_kl, mask).detach(),
         "seq_ratio_mean": masked_mean(seq_log_ratio.exp(), has_tokens).detach(),
     }
-    return agg_loss(per_token, mask, agg, num_tokens, num_seqs), stats
+    return agg_loss(per_token, mask, agg, num_tokens, num_seqs, norm_length), stats
 
 
 def cispo_loss(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
     clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean",
-    num_tokens=None, num_seqs=None, weights: Tensor | None = None,
+    num_tokens=None, num_seqs=None, weights: Tensor | None = None, norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO, clipped IS-weight policy optimization (MiniMax-M1, arXiv 2506.13585; verl ``cispo``).
 
@@ -81,13 +84,13 @@ def cispo_loss(
         "pg_clipfrac": masked_mean((ratio != clipped).to(ratio.dtype), mask).detach(),
         "ppo_kl": masked_mean(-neg_kl, mask).detach(),
     }
-    return agg_loss(per_token, mask, agg, num_tokens, num_seqs), stats
+    return agg_loss(per_token, mask, agg, num_tokens, num_seqs, norm_length), stats
 
 
 def sapo_loss(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
     tau_pos: float = 1.0, tau_neg: float = 1.05, agg: str = "seq-mean-token-mean",
-    num_tokens=None, num_seqs=None, weights: Tensor | None = None,
+    num_tokens=None, num_seqs=None, weights: Tensor | None = None, norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO, soft adaptive policy optimization (Gao et al. 2025, arXiv 2511.20347; verl ``sapo``).
 
@@ -104,25 +107,25 @@ def sapo_loss(
     soft = torch.sigmoid(tau * (ratio - 1))
     per_token = _weighted(-soft * (4.0 / tau) * advantages, weights)
     stats = {"ppo_kl": masked_mean(-neg_kl, mask).detach(), "gate_mean": masked_mean(soft, mask).detach()}
-    return agg_loss(per_token, mask, agg, num_tokens, num_seqs), stats
+    return agg_loss(per_token, mask, agg, num_tokens, num_seqs, norm_length), stats
 
 
 def reinforce_loss(
     log_probs: Tensor, advantages: Tensor, mask: Tensor, agg: str = "token-mean",
-    num_tokens=None, num_seqs=None, weights: Tensor | None = None,
+    num_tokens=None, num_seqs=None, weights: Tensor | None = None, norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Plain REINFORCE (Williams 1992): per token ``-A * logp`` (verl loss mode ``gpg``, from GPG, arXiv 2504.02546).
 
     No ratio, no clip: off-policy samples (several mini-batches or epochs) are not corrected.
     All inputs [B, R]; returns (scalar loss, no stats).
     """
-    return agg_loss(_weighted(-advantages * log_probs, weights), mask, agg, num_tokens, num_seqs), {}
+    return agg_loss(_weighted(-advantages * log_probs, weights), mask, agg, num_tokens, num_seqs, norm_length), {}
 
 
 def gmpo_loss(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
     clip_low: float = 0.4, clip_high: float = 0.4, agg: str = "seq-mean-token-mean",
-    num_tokens=None, num_seqs=None, weights: Tensor | None = None,
+    num_tokens=None, num_seqs=None, weights: Tensor | None = None, norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GMPO, geometric-mean policy optimization (Zhao et al. 2025, arXiv 2507.20673; verl ``geo_mean``).
 
@@ -154,7 +157,7 @@ def gmpo_loss(
         "ppo_kl": masked_mean(-neg_kl, mask).detach(),
     }
     per_token = seq_loss[:, None].expand_as(log_probs)
-    return agg_loss(per_token, mask, agg, num_tokens, num_seqs), stats
+    return agg_loss(per_token, mask, agg, num_tokens, num_seqs, norm_length), stats
 
 
 # ---------------------------------------------------------------- Clip-Cov / KL-Cov (Cui et al. 2025)
@@ -218,7 +221,7 @@ def kl_cov_select(advantages: Tensor, log_probs: Tensor, mask: Tensor, ratio: fl
 def clip_cov_loss(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, selected: Tensor,
     clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean",
-    num_tokens=None, num_seqs=None, weights: Tensor | None = None,
+    num_tokens=None, num_seqs=None, weights: Tensor | None = None, norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clip-Cov policy loss (Cui et al. 2025; verl ``clip_cov``): PPO's clipped surrogate with the
     ``selected`` (high-covariance) tokens' loss set to 0, so they give no gradient.
@@ -238,12 +241,13 @@ def clip_cov_loss(
         "pg_clipfrac": masked_mean((loss2 > loss1).to(ratio.dtype), mask).detach(),
         "ppo_kl": masked_mean(-neg_kl, mask).detach(),
     }
-    return agg_loss(per_token, mask, agg, num_tokens, num_seqs), stats
+    return agg_loss(per_token, mask, agg, num_tokens, num_seqs, norm_length), stats
 
 
 def kl_cov_loss(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, selected: Tensor,
     kl_coef: float = 1.0, agg: str = "token-mean", num_tokens=None, num_seqs=None, weights: Tensor | None = None,
+    norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """KL-Cov policy loss (Cui et al. 2025; verl ``kl_cov``): the unclipped surrogate ``-A r`` plus
     ``kl_coef * |logp - old|`` on the ``selected`` (high-covariance) tokens.
@@ -262,7 +266,7 @@ def kl_cov_loss(
         "ppo_kl": masked_mean(-neg_kl, mask).detach(),
         "ppo_kl_abs": masked_mean(neg_kl.abs(), mask).detach(),
     }
-    return agg_loss(per_token, mask, agg, num_tokens, num_seqs), stats
+    return agg_loss(per_token, mask, agg, num_tokens, num_seqs, norm_length), stats
 
 
 # ---------------------------------------------------------------- self-play: SPIN, SPPO
@@ -276,6 +280,7 @@ def sequence_log_ratio(log_probs: Tensor, ref_log_probs: Tensor, mask: Tensor) -
 def spin_loss(
     log_probs: Tensor, ref_log_probs: Tensor, mask: Tensor, group: Tensor, is_reference: Tensor,
     beta: float = 0.1, agg: str = "seq-mean-token-mean", num_tokens=None, num_seqs=None,
+    norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SPIN, self-play fine-tuning (Chen et al. 2024, arXiv 2401.01335).
 
@@ -314,7 +319,7 @@ def spin_loss(
         "spin_margin": masked_mean(margin.detach(), gen),
         "spin_accuracy": masked_mean((margin.detach() > 0).to(delta.dtype), gen),
     }
-    return agg_loss(per_token, mask, agg, num_tokens, num_seqs), stats
+    return agg_loss(per_token, mask, agg, num_tokens, num_seqs, norm_length), stats
 
 
 def group_win_rate(scores: Tensor, group: Tensor) -> Tensor:
@@ -331,7 +336,7 @@ def group_win_rate(scores: Tensor, group: Tensor) -> Tensor:
 
 def sppo_loss(
     log_probs: Tensor, ref_log_probs: Tensor, mask: Tensor, win_rate_centered: Tensor, eta: float = 1.0,
-    agg: str = "seq-mean-token-mean", num_tokens=None, num_seqs=None,
+    agg: str = "seq-mean-token-mean", num_tokens=None, num_seqs=None, norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SPPO, self-play preference optimization (Wu et al. 2024, arXiv 2405.00675).
 
@@ -345,5 +350,5 @@ def sppo_loss(
     seq_loss = (delta - eta * win_rate_centered) ** 2
     has_tokens = (mask.sum(-1) > 0).to(delta.dtype)
     per_token = seq_loss[:, None].expand_as(log_probs)
-    return agg_loss(per_token, mask, agg, num_tokens, num_seqs), {
+    return agg_loss(per_token, mask, agg, num_tokens, num_seqs, norm_length), {
         "sppo_log_ratio": masked_mean(delta.detach(), has_tokens)}

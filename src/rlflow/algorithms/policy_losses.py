@@ -1,8 +1,8 @@
 """Policy-loss variants: each a :class:`PPOLoss` that overrides ``pg_loss`` only (math in ``policy_functional``).
 
 The KL and entropy terms, key checks and statistics are PPOLoss's. The other constructor
-arguments (``kl_coef``, ``entropy_coef``, ``agg``, ``is_weights``, ``clip_ratio*``) are PPOLoss's,
-passed through ``**ppo_kwargs``. verl's ``actor.policy_loss.loss_mode`` names map to classes in
+arguments (``kl_coef``, ``entropy_coef``, ``agg``, ``is_weights``, ``loss_scale_factor``, ``clip_ratio*``)
+are PPOLoss's, passed through ``**ppo_kwargs``. verl's ``actor.policy_loss.loss_mode`` names map to classes in
 :data:`LOSS_MODES` (resolved once, at the edge).
 """
 
@@ -40,7 +40,7 @@ class GSPOLoss(_Variant):
 
     def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
         return PF.gspo_loss(*self._inputs(batch), self.clip_low, self.clip_high, self.agg,
-                            num_tokens, num_seqs, self._weights(batch))
+                            num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
 
 
 class CISPOLoss(_Variant):
@@ -51,7 +51,7 @@ class CISPOLoss(_Variant):
 
     def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
         return PF.cispo_loss(*self._inputs(batch), self.clip_low, self.clip_high, self.agg,
-                             num_tokens, num_seqs, self._weights(batch))
+                             num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
 
 
 class SAPOLoss(_Variant):
@@ -68,7 +68,7 @@ class SAPOLoss(_Variant):
 
     def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
         return PF.sapo_loss(*self._inputs(batch), self.tau_pos, self.tau_neg, self.agg,
-                            num_tokens, num_seqs, self._weights(batch))
+                            num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
 
 
 class ReinforceLoss(_Variant):
@@ -76,7 +76,7 @@ class ReinforceLoss(_Variant):
 
     def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
         return PF.reinforce_loss(batch[LOG_PROBS], batch[ADVANTAGES], batch[RESPONSE_MASK], self.agg,
-                                 num_tokens, num_seqs, self._weights(batch))
+                                 num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
 
 
 class GMPOLoss(_Variant):
@@ -93,7 +93,7 @@ class GMPOLoss(_Variant):
 
     def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
         return PF.gmpo_loss(*self._inputs(batch), self.clip_low, self.clip_high, self.agg,
-                            num_tokens, num_seqs, self._weights(batch))
+                            num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
 
 
 class CovSelection(BatchModule):
@@ -167,7 +167,7 @@ class ClipCovLoss(_CovVariant):
 
     def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
         return PF.clip_cov_loss(*self._inputs(batch), batch[COV_SELECTED], self.clip_low, self.clip_high,
-                                self.agg, num_tokens, num_seqs, self._weights(batch))
+                                self.agg, num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
 
 
 class KLCovLoss(_CovVariant):
@@ -190,7 +190,7 @@ class KLCovLoss(_CovVariant):
 
     def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
         return PF.kl_cov_loss(*self._inputs(batch), batch[COV_SELECTED], self.ppo_kl_coef, self.agg,
-                              num_tokens, num_seqs, self._weights(batch))
+                              num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
 
 
 # verl's actor.policy_loss.loss_mode -> class ("vanilla" is PPOLoss itself)
