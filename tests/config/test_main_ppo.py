@@ -286,3 +286,22 @@ def test_two_cpu_processes_through_the_users_launcher(tiny, tmp_path):
     assert "launching 2 processes with torchrun" in out
     assert "step:2 - " in out
     assert (tmp_path / "run" / "checkpoints" / "global_step_2" / "state.ckpt").is_dir()  # sharded by 2 ranks
+
+
+def test_sequence_parallel_through_the_users_launcher(tiny, tmp_path):
+    """verl's ulysses_sequence_parallel_size=2 on 2 CPU processes: one group splits every sequence."""
+    import os
+    import subprocess
+    import sys
+
+    args = [a for a in tiny if not a.startswith("trainer.n_gpus_per_node")] + [
+        "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=fsdp2",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=true",
+        "actor_rollout_ref.actor.use_kl_loss=true"]  # the reference is split too
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "rlflow.trainer.main_ppo", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "sequence parallelism: 1 group(s) of 2 processes" in out
+    assert "step:2 - " in out and "actor/kl_loss" in out

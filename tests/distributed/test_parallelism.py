@@ -27,7 +27,7 @@ def test_ulysses_attention_matches_one_process(tmp_path):
     result = run_ok(2, tmp_path, worker=Path(__file__).with_name("ulysses_worker.py"))
     assert result["mask_choices"] == [False, True]  # both the block-diagonal mask and plain causal ran
     cases = [k for k in result if k not in ("padded_error", "mask_choices")]
-    assert len(cases) == 6
+    assert len(cases) == 8
     for name in cases:
         assert result[name]["grad_norm"] > 1.0, name  # the gradients compared are not trivially zero
         assert result[name]["out"] < 1e-5, (name, result[name])

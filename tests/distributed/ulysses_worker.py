@@ -31,6 +31,12 @@ def batch(seed: int, B=5, P=7, R=9, vocab=20):
     return prompt_ids * prompt_mask, prompt_mask, response_ids, response_mask
 
 
+def checkpointed(lm):
+    lm.train()  # transformers checkpoints layers in training mode only
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return lm
+
+
 def critic(lm):
     """A value model with a random head (the default zero head would give zero backbone gradients)."""
     model = ValueHeadModel(lm, remove_padding=True)
@@ -90,6 +96,8 @@ def main(out):
         results[f"logprobs_packed_h{heads}_kv{kv}"] = compare(  # several sequences per packed row
             lambda: TokenLogProbs(lm(), remove_padding=True, pack_length=24), args, group, w)
         results[f"values_h{heads}_kv{kv}"] = compare(lambda: critic(lm()), args, group, w[:1])
+        results[f"logprobs_checkpointed_h{heads}_kv{kv}"] = compare(  # layers recomputed in the backward pass
+            lambda: TokenLogProbs(checkpointed(lm()), remove_padding=True, pack_length=24), args, group, w)
     try:
         TokenLogProbs(tiny_qwen2(20, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                                  intermediate_size=64)).sequence_parallel(group)

@@ -157,6 +157,7 @@ def enable(model: nn.Module) -> None:
             return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
+    keep_through_checkpointing(model)
     AttentionInterface.register(name, attention)
     if current in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[current])
@@ -175,11 +176,33 @@ def check_heads(model: nn.Module, size: int) -> None:
 
 @contextlib.contextmanager
 def _active(group, size: int, position_ids: Tensor, causal: bool):
-    token = _ACTIVE.set({"group": group, "size": size, "position_ids": position_ids, "causal": causal})
+    with _restored({"group": group, "size": size, "position_ids": position_ids, "causal": causal}):
+        yield
+
+
+@contextlib.contextmanager
+def _restored(state: dict | None):
+    token = _ACTIVE.set(state)
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def checkpoint_context():
+    """``context_fn`` for ``torch.utils.checkpoint``: a layer recomputed in the backward pass (after the
+    forward's context has ended) runs with the sequence-parallel state it was first run with."""
+    return contextlib.nullcontext(), _restored(_ACTIVE.get())
+
+
+def keep_through_checkpointing(model: nn.Module) -> None:
+    """Re-enable a model's gradient checkpointing with :func:`checkpoint_context` (a no-op when it is off)."""
+    on = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5; older: is_gradient_checkpointing
+    if on is None:
+        on = getattr(model, "is_gradient_checkpointing", False)
+    if on:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_context})
 
 
 def sequence_parallel_outputs(lm: nn.Module, packed: Packed, fn: Callable[[Tensor, Tensor], Tensor], group) -> Tensor:

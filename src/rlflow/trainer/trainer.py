@@ -123,6 +123,8 @@ class Trainer:
             for role in (policy, self.reference, critic):
                 if role is not None:
                     role.module.sequence_parallel(self.sp_group)
+            self.fabric.print(f"[rlflow] sequence parallelism: {self.dp_size} group(s) of {self.sp_size} processes "
+                              "split each sequence (Ulysses)")
         sharded = shards_parameters(self.fabric.strategy)
         # A sharded policy cannot generate rank by rank (its forward is collective), so the engine gets a full copy.
         engine_model = copy.deepcopy(policy.model) if sharded else policy.model
