@@ -270,38 +270,32 @@ def test_chained_algorithms_train(tiny):
     assert "remax/greedy_score/mean" in greedy.stats and "rollout_corr/rollout_is_mean" in is_weights.stats
 
 
-def test_two_cpu_processes_through_the_users_launcher(tiny, tmp_path):
-    """`trainer.device=cpu trainer.n_gpus_per_node=2` runs 2 gloo processes (torchrun) with FSDP2."""
+def launch_two_processes(tiny, *extra):
+    """``python -m rlflow.trainer.main_ppo`` with ``trainer.device=cpu trainer.n_gpus_per_node=2``: its output."""
     import os
     import subprocess
     import sys
 
     args = [a for a in tiny if not a.startswith("trainer.n_gpus_per_node")] + [
-        "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=fsdp2", "trainer.save_freq=2"]
+        "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=fsdp2", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "rlflow.trainer.main_ppo", *args], env=env, capture_output=True,
                           text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "launching 2 processes with torchrun" in out
-    assert "step:2 - " in out
+    assert "launching 2 processes with torchrun" in out and "step:2 - " in out
+    return out
+
+
+def test_two_cpu_processes_through_the_users_launcher(tiny, tmp_path):
+    """`trainer.device=cpu trainer.n_gpus_per_node=2` runs 2 gloo processes (torchrun) with FSDP2."""
+    launch_two_processes(tiny, "trainer.save_freq=2")
     assert (tmp_path / "run" / "checkpoints" / "global_step_2" / "state.ckpt").is_dir()  # sharded by 2 ranks
 
 
-def test_sequence_parallel_through_the_users_launcher(tiny, tmp_path):
+def test_sequence_parallel_through_the_users_launcher(tiny):
     """verl's ulysses_sequence_parallel_size=2 on 2 CPU processes: one group splits every sequence."""
-    import os
-    import subprocess
-    import sys
-
-    args = [a for a in tiny if not a.startswith("trainer.n_gpus_per_node")] + [
-        "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=fsdp2",
-        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=true",
-        "actor_rollout_ref.actor.use_kl_loss=true"]  # the reference is split too
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "rlflow.trainer.main_ppo", *args], env=env, capture_output=True,
-                          text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "sequence parallelism: 1 group(s) of 2 processes" in out
-    assert "step:2 - " in out and "actor/kl_loss" in out
+    out = launch_two_processes(
+        tiny, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=true",
+        "actor_rollout_ref.actor.use_kl_loss=true")  # the reference is split too
+    assert "sequence parallelism: 1 group(s) of 2 processes" in out and "actor/kl_loss" in out
