@@ -28,6 +28,14 @@ def global_sum(fabric, value: torch.Tensor) -> torch.Tensor:
     return fabric.all_reduce(value.detach().float().clone(), reduce_op="sum")
 
 
+def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """``world x ...``: every rank's ``tensor`` (same shape everywhere), one collective, no autograd."""
+    world, flat = dist.get_world_size(), tensor.contiguous().reshape(-1)
+    out = flat.new_empty(world * flat.numel())  # a flat output: what every backend accepts
+    dist.all_gather_into_tensor(out, flat)
+    return out.view(world, *tensor.shape)
+
+
 def reduce_metrics(fabric, metrics: dict[str, float]) -> dict[str, float]:
     """One value per metric for the whole job: max of ``*/max``, min of ``*/min``, mean of the rest.
 
@@ -39,7 +47,7 @@ def reduce_metrics(fabric, metrics: dict[str, float]) -> dict[str, float]:
     dist.broadcast_object_list(keys, src=0)
     keys = keys[0]
     local = torch.tensor([float(metrics.get(k, math.nan)) for k in keys], dtype=torch.float64)
-    gathered = fabric.all_gather(local)  # world x K
+    gathered = all_gather(local)  # world x K
     out = {}
     for i, key in enumerate(keys):
         column = gathered[:, i]
@@ -132,7 +140,7 @@ def balance_tokens(batch: TensorDict, fabric, dp_rank: int, dp_size: int, sp_siz
                                     int(longest))
     gathered = {}
     for key, value in tensors.items():  # world x n x ...; bool as uint8 (not every backend gathers bool)
-        out = fabric.all_gather(value.to(torch.uint8) if value.dtype == torch.bool else value)
+        out = all_gather(value.to(torch.uint8) if value.dtype == torch.bool else value)
         out = (out.bool() if value.dtype == torch.bool else out)[::sp_size]  # one copy per SP group
         gathered[key] = out.reshape(dp_size, mini_batches, n // mini_batches, *value.shape[1:])
     everyone = TensorDict(gathered, batch_size=[dp_size, mini_batches, n // mini_batches], device=batch.device)
