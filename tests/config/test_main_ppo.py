@@ -80,8 +80,8 @@ def test_seed_yaml_with_config_path_and_name(tiny, model_dir, data_dir, tmp_path
     assert "actor_rollout_ref.rollout.name='vllm'" in capsys.readouterr().err
     assert main(argv + sizes) == 0
     run = tmp_path / "checkpoints" / "verl_examples" / "grpo_math_qwen7b"
-    assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"  # save_freq=100: last step
-    assert (run / "checkpoints" / "global_step_2" / "state.ckpt").exists()
+    assert (run / "latest_checkpointed_iteration.txt").read_text() == "2"  # save_freq=100: last step
+    assert (run / "global_step_2" / "state.ckpt").exists()  # verl's layout: default_local_dir/global_step_N
 
 
 def test_ppo_with_critic(tiny, model_dir, capsys):
@@ -290,7 +290,7 @@ def launch_two_processes(tiny, *extra):
 def test_two_cpu_processes_through_the_users_launcher(tiny, tmp_path):
     """`trainer.device=cpu trainer.n_gpus_per_node=2` runs 2 gloo processes (torchrun) with FSDP2."""
     launch_two_processes(tiny, "trainer.save_freq=2")
-    assert (tmp_path / "run" / "checkpoints" / "global_step_2" / "state.ckpt").is_dir()  # sharded by 2 ranks
+    assert (tmp_path / "run" / "global_step_2" / "state.ckpt").is_dir()  # sharded by 2 ranks
 
 
 def test_sequence_parallel_through_the_users_launcher(tiny):

@@ -54,8 +54,9 @@ class Trainer:
         max_steps: RL steps to run; default ``epochs x steps per epoch``.
         val_every, val_n: validate every ``val_every`` steps (0: only when asked) with ``val_n`` samples per
             prompt: one greedy sample when ``val_n == 1``, else ``val_n`` samples at the rollout's temperature.
-        save_every, run_dir, resume: checkpoints every N steps under ``run_dir/checkpoints``; ``resume`` is
-            ``None``, ``"auto"`` (latest checkpoint if any) or a checkpoint folder.
+        save_every, run_dir, resume: checkpoints every N steps under ``checkpoint_dir`` (default
+            ``run_dir/checkpoints``; the verl entry point uses ``trainer.default_local_dir`` itself, as verl);
+            ``resume`` is ``None``, ``"auto"`` (latest checkpoint if any) or a checkpoint folder.
         loggers: names from ``jsonl``, ``csv``, ``tensorboard``, ``wandb``; callbacks: objects with ``on_*`` hooks.
         epochs: passes over the prompts when ``max_steps`` is not given.
         seed: seeds every RNG at the start of ``fit`` (a resumed run restores the saved RNG state instead).
@@ -83,7 +84,7 @@ class Trainer:
         resume: str | Path | None = None, loggers=("jsonl", "csv", "tensorboard"), callbacks=(),
         seed: int = 0, progress: bool = True,
         accelerator: str = "cpu", devices: int = 1, num_nodes: int = 1, strategy="auto", precision: str = "32-true",
-        sequence_parallel_size: int = 1, balance_batch: bool = True,
+        sequence_parallel_size: int = 1, balance_batch: bool = True, checkpoint_dir: str | Path | None = None,
     ):
         self.policy, self.rollout, self.reward, self.estimator, self.loss = policy, rollout, reward, estimator, loss
         self.critic, self.value_loss = critic, value_loss
@@ -104,6 +105,7 @@ class Trainer:
         self.max_grad_norm, self.max_steps, self.epochs = max_grad_norm, max_steps, epochs
         self.val_every, self.val_n, self.save_every = val_every, val_n, save_every
         self.run_dir, self.resume, self.seed, self.progress = Path(run_dir), resume, seed, progress
+        self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else self.run_dir / "checkpoints"
         self.lr_schedule, self.warmup_steps = lr_schedule, warmup_steps
         # With one update per batch the "old" policy is the current one: skip its forward pass,
         # unless something before the update (e.g. a KL-in-reward estimator) reads it.
@@ -388,7 +390,8 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     @property
     def checkpoint_dir(self) -> Path:
-        return self.run_dir / "checkpoints"
+        """Where ``global_step_N`` folders and ``latest_checkpointed_iteration.txt`` go."""
+        return self._checkpoint_dir
 
     def state(self) -> dict:
         state = {"policy": self.policy.module, "optimizer": self.optimizer, "global_step": self.global_step,
@@ -400,7 +403,7 @@ class Trainer:
         return state
 
     def save(self) -> Path:
-        """Write ``checkpoints/global_step_N/state.ckpt`` and mark it latest."""
+        """Write ``<checkpoint_dir>/global_step_N/state.ckpt`` and mark it latest."""
         path = ckpt.step_dir(self.checkpoint_dir, self.global_step)
         self.fabric.save(path / "state.ckpt", self.state())
         if self.fabric.global_rank == 0:
