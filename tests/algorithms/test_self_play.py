@@ -201,6 +201,26 @@ def test_spin_loss_module():
         SPINLoss(beta=0)
 
 
+def test_spin_loss_scale_factor():
+    # spin_example with beta 0.5: c0 = 0.444601 on the 2 + 2 + 1 valid tokens of group 0, c1 = log 2 on the 2 + 1 of
+    # group 1; seq-mean-token-sum-norm divides the token sum by loss_scale_factor (default: the padded length R = 3)
+    logp, ref, mask, group, is_ref = spin_example()
+    batch = TensorDict({K.LOG_PROBS: logp, K.REF_LOG_PROBS: ref, K.RESPONSE_MASK: mask, K.GROUP: group,
+                        K.IS_REFERENCE: is_ref}, batch_size=[5])
+    token_sum = 5 * 0.44460055 + 3 * math.log(2)
+    out = SPINLoss(beta=0.5, agg="seq-mean-token-sum-norm", loss_scale_factor=4.0)(batch)
+    assert out.loss.item() == pytest.approx(token_sum / 4, rel=1e-6)
+    default = SPINLoss(beta=0.5, agg="seq-mean-token-sum-norm")(batch)
+    assert default.loss.item() == pytest.approx(token_sum / 3, rel=1e-6)
+
+
+def test_self_play_losses_refuse_is_weights():
+    for loss_cls in (SPINLoss, SPPOLoss):
+        with pytest.raises(ValueError, match=f"{loss_cls.__name__} does not support is_weights=True"):
+            loss_cls(is_weights=True)
+        assert K.IS_WEIGHTS not in loss_cls(is_weights=False).in_keys
+
+
 def test_no_advantage():
     batch = spin_batch(0)
     out = NoAdvantage()(batch)
@@ -247,6 +267,18 @@ def test_sppo_by_hand():
     # dL/dlogp_t = 2 (D - target) / 4 rows, on each token of the row
     torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], torch.tensor([[0.0] * 2, [0.25] * 2, [-0.25] * 2,
                                                                                   [0.25] * 2]))
+
+
+def test_sppo_loss_scale_factor():
+    # test_sppo_by_hand's rows: squared errors [0, 0.25, 0.25, 0.25], each on 2 tokens -> token sum 1.5;
+    # seq-mean-token-sum-norm divides it by loss_scale_factor (default: the padded length R = 2)
+    ref, mask = torch.zeros(4, 2), torch.ones(4, 2)
+    target = torch.tensor([0.25, -0.25, -0.25, 0.25])
+    batch = TensorDict({K.LOG_PROBS: ref + torch.tensor([0.5, 0.0, -1.0, 1.0])[:, None] / 2, K.REF_LOG_PROBS: ref,
+                        K.RESPONSE_MASK: mask, K.ADVANTAGES: target[:, None] * mask}, batch_size=[4])
+    out = SPPOLoss(eta=2.0, agg="seq-mean-token-sum-norm", loss_scale_factor=6.0)(batch)
+    assert out.loss.item() == pytest.approx(1.5 / 6)
+    assert SPPOLoss(eta=2.0, agg="seq-mean-token-sum-norm")(batch).loss.item() == pytest.approx(1.5 / 2)
 
 
 def test_sppo_matches_loop():

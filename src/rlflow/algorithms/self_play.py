@@ -33,6 +33,19 @@ from rlflow.data.keys import (
 )
 
 
+def _no_is_weights(name: str, ppo_kwargs: dict) -> None:
+    """Refuse ``is_weights=True``: truncated IS weights (``TruncatedIS``) reweight a per-token policy
+    gradient of sampled tokens, but SPIN's and SPPO's per-token loss is one sequence-level (SPIN:
+    group-level) value copied onto every token, a regression on ``log pi / pi_ref`` rather than a
+    policy gradient, and SPIN's real response was not sampled by the rollout at all. Multiplying by
+    per-token weights would not correct anything, so rather than ignore the flag the loss raises.
+    """
+    if ppo_kwargs.get("is_weights"):
+        raise ValueError(f"{name} does not support is_weights=True: its loss is a sequence-level term spread over "
+                         "the tokens, not a per-token policy gradient that truncated importance weights (TruncatedIS) "
+                         "could correct; drop is_weights (and TruncatedIS) for this loss")
+
+
 class NoAdvantage(AdvantageEstimator):
     """Zero advantages and returns ([B, R]), for losses that need none (SPIN). Reads only the mask."""
 
@@ -71,11 +84,15 @@ class SPINLoss(PPOLoss):
     Needs the real response as a row of each group (``is_reference``; ``WithReferenceResponses``) and
     whole groups in every micro-batch: split by rows (no ``max_tokens_per_micro_batch``, whose packing
     regroups rows) with a ``micro_batch_size`` that is a multiple of ``n + 1``; the loss raises otherwise. PPOLoss's clip arguments are unused; ``kl_coef`` / ``entropy_coef`` still apply.
+    ``loss_scale_factor`` is the ``seq-mean-token-sum-norm`` divisor, as in PPOLoss. ``is_weights=True``
+    raises ``ValueError``: the loss is a group-level term copied onto every token, not a per-token
+    policy gradient that truncated IS weights could correct.
     """
 
     def __init__(self, beta: float = 0.1, agg: str = "seq-mean-token-mean", **ppo_kwargs):
         if beta <= 0:
             raise ValueError(f"beta must be > 0, got {beta}")
+        _no_is_weights(type(self).__name__, ppo_kwargs)
         super().__init__(agg=agg, **ppo_kwargs)
         self.beta = beta
 
@@ -86,7 +103,8 @@ class SPINLoss(PPOLoss):
 
     def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
         return PF.spin_loss(batch[LOG_PROBS], batch[REF_LOG_PROBS], batch[RESPONSE_MASK], batch[GROUP],
-                            batch[IS_REFERENCE], self.beta, self.agg, num_tokens, num_seqs)
+                            batch[IS_REFERENCE], self.beta, self.agg, num_tokens, num_seqs,
+                            norm_length=self.loss_scale_factor)
 
 
 class SPPOLoss(PPOLoss):
@@ -99,12 +117,16 @@ class SPPOLoss(PPOLoss):
     ``-2 eta (P_hat - 1/2) grad D``; with a reference frozen for many steps, fresh samples have
     ``D > 0`` on average and the loss mostly pulls them back to it. ``eta`` scales the target
     log-ratio (nats per sequence; the paper's large values suit long responses) - with one update
-    per step it only scales the gradient. PPOLoss's clip arguments are unused.
+    per step it only scales the gradient. PPOLoss's clip arguments are unused; ``loss_scale_factor``
+    is the ``seq-mean-token-sum-norm`` divisor, as in PPOLoss. ``is_weights=True`` raises
+    ``ValueError``: the loss is a sequence-level term copied onto every token, not a per-token
+    policy gradient that truncated IS weights could correct.
     """
 
     def __init__(self, eta: float = 1.0, agg: str = "seq-mean-token-mean", **ppo_kwargs):
         if eta <= 0:
             raise ValueError(f"eta must be > 0, got {eta}")
+        _no_is_weights(type(self).__name__, ppo_kwargs)
         super().__init__(agg=agg, **ppo_kwargs)
         self.eta = eta
 
@@ -116,7 +138,7 @@ class SPPOLoss(PPOLoss):
         mask = batch[RESPONSE_MASK]
         target = masked_sum(batch[ADVANTAGES], mask, -1) / mask.sum(-1).clamp(min=1)  # the row's constant value
         return PF.sppo_loss(batch[LOG_PROBS], batch[REF_LOG_PROBS], mask, target, self.eta, self.agg,
-                            num_tokens, num_seqs)
+                            num_tokens, num_seqs, norm_length=self.loss_scale_factor)
 
 
 class UpdateReference:

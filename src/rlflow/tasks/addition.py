@@ -32,6 +32,23 @@ def exact_match(solution_str: str, ground_truth: str) -> float:
     return float(solution_str.strip() == ground_truth)
 
 
+def digit_match(solution_str: str, ground_truth: str) -> float:
+    """Partial credit: the fraction of answer digits right at the right position, length mismatch penalised.
+
+    The response (surrounding spaces ignored) and the answer are compared character by character from
+    the left (the answer is reversed, so position ``i`` is the ``10**i`` digit); the count of equal
+    positions is divided by the longer of the two lengths, so a missing digit counts as wrong and
+    every extra character lowers the score. 1.0 exactly when :func:`exact_match` is 1.0; in ``[0, 1]``.
+    ``digit_match("28", "28") == 1.0``, ``digit_match("29", "28") == 0.5``, ``digit_match("2", "28") == 0.5``,
+    ``digit_match("281", "28") == 2 / 3``, ``digit_match("", "28") == 0.0``.
+    """
+    response = solution_str.strip()
+    longest = max(len(response), len(ground_truth))
+    if longest == 0:
+        return 1.0
+    return sum(r == g for r, g in zip(response, ground_truth)) / longest
+
+
 def rows(pairs) -> list[dict]:
     return [{"prompt": f"{a}+{b}=", "ground_truth": answer(a, b), "data_source": DATA_SOURCE} for a, b in pairs]
 

@@ -25,11 +25,12 @@ ACCURACY_KEY = f"val-core/{DATA_SOURCE}/reward/mean@1"
 
 def build_trainer(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/default", *, task: AdditionTask | None = None,
                   batch_size: int = 32, n: int = 8, lr: float = 2e-4, progress: bool = True,
-                  estimator=None, loss=None, **trainer_kwargs):
+                  estimator=None, loss=None, reward=None, **trainer_kwargs):
     """The modules of the default job, assembled; returns ``(trainer, data)``.
 
-    ``estimator`` / ``loss`` replace the default ``GRPO()`` / ``PPOLoss(clip_ratio=0.2)``
-    (e.g. another advantage estimator on the same task).
+    ``estimator`` / ``loss`` / ``reward`` replace the default ``GRPO()`` / ``PPOLoss(clip_ratio=0.2)`` /
+    ``FunctionReward(exact_match)`` (e.g. another advantage estimator on the same task, or the
+    partial-credit ``FunctionReward(digit_match)``; validation then reports that reward too).
     """
     task = task or AdditionTask()
     model, tokenizer = warm_started_model(task, seed)
@@ -37,7 +38,7 @@ def build_trainer(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/d
     trainer = Trainer(
         policy=policy,
         rollout=HFRollout(n=n, temperature=1.0, max_new_tokens=task.max_new_tokens),
-        reward=FunctionReward(exact_match),
+        reward=reward if reward is not None else FunctionReward(exact_match),
         estimator=estimator if estimator is not None else GRPO(),
         loss=loss if loss is not None else PPOLoss(clip_ratio=0.2),
         batch_size=batch_size, lr=lr, weight_decay=0.0, max_steps=steps,
