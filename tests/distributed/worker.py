@@ -4,7 +4,8 @@
 
 KEY=VALUE options (integers): ``sp`` (sequence-parallel size), ``remove_padding``,
 ``max_tokens`` (token budget per micro-batch), ``val`` (validate every step), and with
-STRATEGY fsdp2 ``bf16`` (bf16 parameters, fp32 reduction) and ``offload`` (CPU offload policy).
+STRATEGY fsdp2 ``bf16`` (bf16 parameters, fp32 reduction) and ``offload`` (CPU offload policy; needs an
+accelerator), and ``cuda`` (run on CUDA devices).
 Writes, on rank 0, OUT/result.pt with the metrics and the full (gathered) weights
 after every step.
 """
@@ -63,7 +64,7 @@ class FailAt:
 
 
 def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1, remove_padding=0, max_tokens=None,
-          val=0, bf16=0, offload=0):
+          val=0, bf16=0, offload=0, cuda=0):
     torch.manual_seed(0)
     devices = devices or int(__import__("os").environ.get("WORLD_SIZE", 1))
     if bf16 or offload:
@@ -82,7 +83,7 @@ def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1,
         batch_size=8, micro_batch_size=2, max_tokens_per_micro_batch=max_tokens, sequence_parallel_size=sp,
         lr=1e-2, max_steps=steps, save_every=1, run_dir=out, resume=resume, val_every=val,
         loggers=(), progress=False, callbacks=callbacks, strategy=strategy,
-        devices=devices,
+        devices=devices, accelerator="cuda" if cuda else "cpu",
     )
     return trainer, PromptData(train[:64], val_rows[:10] if val else None, seed=0), record
 
