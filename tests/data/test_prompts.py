@@ -1,6 +1,5 @@
 import pandas as pd
 import pytest
-import torch
 
 from rlflow.data import keys as K
 from rlflow.data.prompts import DataError, PromptData, collate, load_rows

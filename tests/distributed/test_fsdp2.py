@@ -6,7 +6,6 @@ takes the whole job down in bounded time; export gives a plain HF folder.
 """
 
 import time
-from pathlib import Path
 
 import pytest
 import torch

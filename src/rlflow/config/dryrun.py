@@ -105,7 +105,7 @@ def batch_section(plan: Plan) -> list[str]:
 def schedule_section(plan: Plan, data, total: int) -> list[str]:
     t, bs = plan.trainer_kwargs, plan.trainer_kwargs["batch_size"]
     per_epoch, left = len(data.train) // bs, len(data.train) % bs
-    how = (f"trainer.total_training_steps" if plan.total_training_steps
+    how = ("trainer.total_training_steps" if plan.total_training_steps
            else f"total_epochs x steps per epoch = {plan.total_epochs} x {per_epoch}")
     val = ("never (no data.val_files)" if not data.val else
            (f"every {t['val_every']} steps and at the last" if t["val_every"] else "only before training")
