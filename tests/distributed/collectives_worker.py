@@ -16,7 +16,7 @@ from tensordict import TensorDict
 
 from rlflow.data import keys as K
 from rlflow.trainer.batching import micro_batches, row_tokens
-from rlflow.trainer.distributed import balance_tokens
+from rlflow.trainer.distributed import balance_tokens, gather_in_group
 
 
 def skewed_batch(rank: int, n: int = 8) -> TensorDict:
@@ -83,8 +83,13 @@ def main(out):
     balanced, stats = balance_tokens(batch, fabric, rank, 2, mini_batches=2)
     budget = micro_batches(skewed_batch(rank), None, max_tokens=28, fabric=fabric)  # unbalanced on purpose
     sync = sharded_weight_sync()
+    shard = skewed_batch(rank)
+    shard[K.GROUP] = torch.arange(8) // 2  # 4 prompts x 2 samples on each rank
+    union = gather_in_group(shard, torch.distributed.new_group([0, 1]))
     torch.save({
-        **sync,
+        **sync, "union_row_ids": union["row_id"].tolist(), "union_groups": union[K.GROUP].tolist(),
+        "union_response_len": union[K.RESPONSE_IDS].shape[1], "union_sources": list(union[K.DATA_SOURCE]),
+        "union_mask_rows": union[K.RESPONSE_MASK].sum(-1).tolist(),
         "row_ids": balanced["row_id"].tolist(), "stats": stats, "keys": sorted(balanced.keys()),
         "response_len": balanced[K.RESPONSE_IDS].shape[1], "tokens": int(row_tokens(balanced).sum()),
         "cov_dtype": str(balanced[K.COV_SELECTED].dtype),

@@ -82,11 +82,24 @@ def sequence_parallel_group(fabric, size: int):
     return mine
 
 
-def broadcast_batch(batch: TensorDict, group, src: int) -> TensorDict:
-    """``src``'s batch on every rank of ``group`` (the ranks of a sequence-parallel group train on one batch)."""
-    box = [batch if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0].to(batch.device) if box[0] is not None else batch
+def gather_in_group(batch: TensorDict, group) -> TensorDict:
+    """Every rank's batch of ``group``, concatenated in rank order, on every rank of the group.
+
+    The ranks of a sequence-parallel group generate and score their own prompts, then train on the
+    union. Group ids are offset so that each rank's stay distinct; per-token tensors are padded to
+    the group's longest response.
+    """
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, batch.to("cpu"), group=group)
+    longest = max(p[K.RESPONSE_IDS].shape[1] for p in parts)
+    offset, out = 0, []
+    for part in parts:
+        part = _pad_response_aligned(part, longest)
+        if K.GROUP in part.keys():
+            part.set(K.GROUP, part[K.GROUP] + offset)
+            offset = int(part[K.GROUP].max()) + 1 if part.batch_size[0] else offset
+        out.append(part)
+    return torch.cat(out).to(batch.device)
 
 
 # ---------------------------------------------------------------- balancing tokens across ranks
@@ -111,13 +124,12 @@ def partition_equal_counts(lengths: list[int], parts: int) -> list[list[int]]:
 
 def _pad_response_aligned(batch: TensorDict, length: int) -> TensorDict:
     """Right-pad every per-token tensor (``B x R x ...``; prompt tensors excluded) to ``R = length`` with zeros."""
-    out = {}
+    out = batch.clone(False)
     for key, value in batch.items():
-        if value.ndim >= 2 and key not in PROMPT_ALIGNED and value.shape[1] < length:
+        if type(value) is torch.Tensor and value.ndim >= 2 and key not in PROMPT_ALIGNED and value.shape[1] < length:
             pad = value.new_zeros((value.shape[0], length - value.shape[1], *value.shape[2:]))
-            value = torch.cat([value, pad], dim=1)
-        out[key] = value
-    return TensorDict(out, batch_size=batch.batch_size, device=batch.device)
+            out.set(key, torch.cat([value, pad], dim=1))
+    return out
 
 
 def balance_tokens(batch: TensorDict, fabric, dp_rank: int, dp_size: int, sp_size: int = 1,

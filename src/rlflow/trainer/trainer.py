@@ -24,7 +24,7 @@ from rlflow.module import check_chain
 from rlflow.strategies import resolve_strategy, shards_parameters
 from rlflow.trainer import checkpoint as ckpt
 from rlflow.trainer.batching import micro_batches
-from rlflow.trainer.distributed import (balance_tokens, broadcast_batch, gather_objects, global_sum, rank_shard,
+from rlflow.trainer.distributed import (balance_tokens, gather_in_group, gather_objects, global_sum, rank_shard,
                                         reduce_metrics, sequence_parallel_group)
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.metrics import MeanAccumulator, Timer, batch_metrics, sum_micro_batches
@@ -66,8 +66,8 @@ class Trainer:
             (see ``rlflow.strategies``). With several processes each one rolls out its share of
             the prompts; losses are normalised by global token/sequence counts.
         sequence_parallel_size: ranks that split each sequence (Ulysses, ``rlflow.models.ulysses``; needs
-            ``remove_padding`` on the policy, reference and critic). Consecutive ranks form a group that
-            trains on one batch, so ``batch_size`` is split over ``processes / sequence_parallel_size`` groups.
+            ``remove_padding`` on the policy, reference and critic). Consecutive ranks form a group; each
+            rank generates and scores its own share of the prompts, and the group trains on their union.
         balance_batch: before the updates, re-deal each mini-batch's rows over the data-parallel ranks
             for equal token counts (verl ``trainer.balance_batch``; ``rlflow.trainer.distributed.balance_tokens``).
     """
@@ -170,8 +170,8 @@ class Trainer:
         if self.reward is not None:  # None when the rollout scores its samples itself (e.g. dynamic sampling)
             with timer("reward"):
                 batch = self.reward(batch)
-        if self.sp_group is not None:  # a sequence-parallel group trains on its first rank's samples
-            batch = broadcast_batch(batch, self.sp_group, src=self.dp_rank * self.sp_size)
+        if self.sp_group is not None:  # a sequence-parallel group trains on the union of its ranks' samples
+            batch = gather_in_group(batch, self.sp_group)
         if self.reference is not None:
             with timer("ref"):
                 batch = self.reference(batch)
@@ -359,7 +359,7 @@ class Trainer:
         self.fabric.call("on_fit_start", trainer=self)
         bar = tqdm(total=total, initial=self.global_step, desc="rl", disable=not self.progress or self.fabric.global_rank)
         while self.global_step < total:
-            prompts = rank_shard(next(self.loader), self.dp_rank, self.dp_size)
+            prompts = rank_shard(next(self.loader), self.fabric.global_rank, self.fabric.world_size)
             metrics = self.step(self.fabric.to_device(prompts))
             if self.val_every and data.val and (self.global_step % self.val_every == 0 or self.global_step == total):
                 t0 = time.perf_counter()
