@@ -11,7 +11,7 @@ import torch
 
 from rlflow.trainer.distributed import partition_equal_counts
 
-from .launch import assert_same_weights, assert_updates, run_ok
+from .launch import assert_same_weights, assert_updates, run_ok, torchrun
 from .worker import build
 
 
@@ -82,3 +82,11 @@ def test_partition_equal_counts_balances_sums():
     skewed = [10, 10, 10, 10, 1, 1, 1, 1]  # rank 0 would hold 40 tokens, rank 1 4
     assert [sum(skewed[i] for i in p) for p in partition_equal_counts(skewed, 2)] == [22, 22]
     assert partition_equal_counts([5, 5, 5], 3) == [[0], [1], [2]]
+
+
+def test_distributed_recipe_runs_with_sequence_parallelism(tmp_path):
+    recipe = Path(__file__).parents[2] / "recipes" / "distributed.py"
+    proc = torchrun(2, "--steps", "2", "--sp", "2", "--run-dir", tmp_path, worker=recipe)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "sequence parallelism: 1 group(s) of 2 processes" in out and "held-out accuracy after 2 steps" in out

@@ -155,7 +155,7 @@ def warm_started_model(task: AdditionTask, seed: int, target: float = 0.15, log=
     train, val, _ = task.splits()
     steps = supervised_warm_start(model, tok, train, val, target=target, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one per process: several ranks may warm up at once
     torch.save(model.state_dict(), tmp)
     tmp.replace(path)  # atomic: a concurrent run never reads half a file
     log(f"warm start: {steps} supervised steps to accuracy >= {target}; cached at {path}")
