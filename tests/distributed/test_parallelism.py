@@ -90,3 +90,19 @@ def test_distributed_recipe_runs_with_sequence_parallelism(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "sequence parallelism: 1 group(s) of 2 processes" in out and "held-out accuracy after 2 steps" in out
+
+
+def test_whole_batch_statistics_span_the_processes(tmp_path):
+    """REINFORCE++ whitens over the whole batch and the adaptive KL controller reads its mean KL and size:
+    on 2 processes (each holding half the batch) the statistics, hence the updates, are one process's."""
+    trainer, data, record = build(str(tmp_path / "one"), "auto", steps=2, devices=1, batch_stats=1)
+    trainer.fit(data)
+    assert_updates(record.steps)
+    one = record.steps
+    two = run_ok(2, tmp_path / "two", "fsdp2", 2, "batch_stats=1")
+    for step in (1, 2):
+        for key in ("actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "critic/advantages/max",
+                    "critic/advantages/min", "actor/pg_loss"):
+            assert two[step]["metrics"][key] == pytest.approx(one[step]["metrics"][key], rel=1e-4, abs=1e-6), key
+        assert_same_weights(two[step]["weights"], one[step]["weights"])
+    assert one[2]["metrics"]["actor/reward_kl_penalty_coeff"] != 0.1  # the controller moved

@@ -5,7 +5,8 @@
 KEY=VALUE options (integers): ``sp`` (sequence-parallel size), ``remove_padding``,
 ``max_tokens`` (token budget per micro-batch), ``val`` (validate every step), and with
 STRATEGY fsdp2 ``bf16`` (bf16 parameters, fp32 reduction) and ``offload`` (CPU offload policy; needs an
-accelerator), and ``cuda`` (run on CUDA devices).
+accelerator), ``cuda`` (run on CUDA devices), and ``batch_stats`` (REINFORCE++ whitening and an adaptive KL
+in the reward: statistics of the whole batch).
 Writes, on rank 0, OUT/result.pt with the metrics and the full (gathered) weights
 after every step.
 """
@@ -16,15 +17,17 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from rlflow import FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer
+from rlflow.algorithms import AdaptiveKLController, KLInReward, ReinforcePlusPlus
 from rlflow.algorithms.estimators import AdvantageEstimator
+from rlflow.module import Chain
 from rlflow.data import keys as K
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from rlflow.tasks.addition import AdditionTask
 
 
 def varied(solution_str: str, ground_truth: str) -> float:
-    """A score that differs between responses of an untrained model (and is rarely 0)."""
-    return (len(set(solution_str)) + sum(c.isdigit() for c in solution_str)) / 8 - 0.3
+    """A score that differs between responses and between prompts (and is rarely 0)."""
+    return (len(set(solution_str)) + sum(c.isdigit() for c in solution_str) + int(ground_truth[-1]) / 3) / 8 - 0.3
 
 
 class ReturnAsAdvantage(AdvantageEstimator):
@@ -64,7 +67,7 @@ class FailAt:
 
 
 def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1, remove_padding=0, max_tokens=None,
-          val=0, bf16=0, offload=0, cuda=0):
+          val=0, bf16=0, offload=0, cuda=0, batch_stats=0):
     torch.manual_seed(0)
     devices = devices or int(__import__("os").environ.get("WORLD_SIZE", 1))
     if bf16 or offload:
@@ -79,7 +82,9 @@ def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1,
     trainer = Trainer(
         policy=Policy(model, tok, remove_padding=bool(remove_padding)),
         rollout=HFRollout(n=1, do_sample=False, max_new_tokens=4),
-        reward=FunctionReward(varied), estimator=ReturnAsAdvantage(), loss=PPOLoss(),
+        reward=FunctionReward(varied), loss=PPOLoss(),
+        estimator=Chain(KLInReward(AdaptiveKLController(init_coef=0.1, target_kl=1e-3, horizon=10)),
+                        ReinforcePlusPlus()) if batch_stats else ReturnAsAdvantage(),
         batch_size=8, micro_batch_size=2, max_tokens_per_micro_batch=max_tokens, sequence_parallel_size=sp,
         lr=1e-2, max_steps=steps, save_every=1, run_dir=out, resume=resume, val_every=val,
         loggers=(), progress=False, callbacks=callbacks, strategy=strategy,

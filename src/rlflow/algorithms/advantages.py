@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlflow.algorithms.functional import group_stats, masked_whiten
+from rlflow.algorithms.functional import batch_sum, group_stats, masked_whiten
 
 
 def _group_sum(x: Tensor, group: Tensor) -> Tensor:
@@ -119,7 +119,8 @@ def gpg_advantages(
     """
     s = token_rewards.sum(-1)
     mean, _, n = group_stats(s, group)
-    alpha = s.shape[0] / torch.count_nonzero(s).clamp(min=1).to(s.dtype)
+    size = batch_sum(torch.tensor(float(s.shape[0]), dtype=s.dtype, device=s.device))
+    alpha = size / batch_sum(torch.count_nonzero(s).to(s.dtype)).clamp(min=1)
     a = alpha * (s - torch.where(n > 1, mean, torch.zeros_like(mean))) / f_norm
     return _outcome(a, response_mask)
 

@@ -8,8 +8,35 @@ and are 0 on padding and on tool/observation tokens. Formulas follow verl
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Callable
+
 import torch
 from torch import Tensor
+
+
+_BATCH_SUM: contextvars.ContextVar = contextvars.ContextVar("rlflow_batch_sum", default=None)
+
+
+@contextlib.contextmanager
+def batch_statistics(sum_fn: Callable[[Tensor], Tensor] | None):
+    """Inside, whole-batch statistics (whitening, GPG's ``alpha``, the adaptive KL's mean) sum their
+    parts with ``sum_fn``: the Trainer passes a sum over the processes that each hold a share of the
+    batch, so a statistic of the whole batch is the same on 1 or N processes. ``None``: this process's
+    batch is the whole batch (the default, and what every function here does outside the block).
+    """
+    token = _BATCH_SUM.set(sum_fn)
+    try:
+        yield
+    finally:
+        _BATCH_SUM.reset(token)
+
+
+def batch_sum(x: Tensor) -> Tensor:
+    """``x`` summed over the processes of :func:`batch_statistics` (``x`` itself outside it)."""
+    fn = _BATCH_SUM.get()
+    return x if fn is None else fn(x).to(x.dtype)
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -38,15 +65,17 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
 
 
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """verl: ``(x - mean) * rsqrt(var + eps)`` with whole-batch statistics over masked entries.
+    """verl: ``(x - mean) * rsqrt(var + eps)`` with whole-batch statistics over masked entries
+    (unbiased variance; summed over processes inside :func:`batch_statistics`).
 
     The result is not re-masked (as in verl). ``shift_mean=False`` adds the mean back.
     rlflow: with fewer than 2 valid entries the variance is undefined (verl raises);
     the values are then only centred, ``x - mean``, not scaled (a single valid entry becomes 0).
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
-    scale = torch.where(mask.sum() >= 2, torch.rsqrt(var + eps), torch.ones_like(var))
+    n = batch_sum(mask.sum().to(x.dtype))
+    mean = batch_sum(masked_sum(x, mask)) / (n + 1e-8)
+    var = batch_sum(masked_sum((x - mean) ** 2, mask)) / (n + 1e-8) * n / (n - 1).clamp(min=1)
+    scale = torch.where(n >= 2, torch.rsqrt(var + eps), torch.ones_like(var))
     whitened = (x - mean) * scale
     return whitened if shift_mean else whitened + mean
 

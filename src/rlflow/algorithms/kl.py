@@ -42,7 +42,7 @@ def mean_sequence_kl(kld: Tensor, response_mask: Tensor) -> Tensor:
     """
     per_seq = F.masked_mean(kld, response_mask, -1)
     has_tokens = (response_mask.sum(-1) > 0).to(per_seq.dtype)
-    return F.masked_sum(per_seq, has_tokens) / has_tokens.sum().clamp(min=1)
+    return F.batch_sum(F.masked_sum(per_seq, has_tokens)) / F.batch_sum(has_tokens.sum()).clamp(min=1)
 
 
 class FixedKLController:
@@ -125,7 +125,8 @@ class KLInReward(BatchModule):
             batch[TOKEN_REWARDS], batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], mask, beta, self.kind
         )
         current = float(mean_sequence_kl(kld, mask))
-        self.controller.update(current, n_steps=batch.batch_size[0])
+        rows = F.batch_sum(torch.tensor(float(batch.batch_size[0]), device=mask.device))  # the whole batch's, as verl
+        self.controller.update(current, n_steps=int(rows))
         batch.set(TOKEN_REWARDS, rewards)
         self.stats = {"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta}
         return batch

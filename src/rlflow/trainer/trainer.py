@@ -19,6 +19,7 @@ from tensordict import TensorDict
 from tqdm.auto import tqdm
 
 from rlflow.data import keys as K
+from rlflow.algorithms.functional import batch_statistics
 from rlflow.data.prompts import PromptData
 from rlflow.module import check_chain
 from rlflow.strategies import resolve_strategy, shards_parameters
@@ -181,7 +182,7 @@ class Trainer:
         if self.critic is not None:
             with timer("values"):
                 batch = self.critic(batch)
-        with timer("adv"):
+        with timer("adv"), batch_statistics(self._batch_sum):  # whole-batch statistics span the processes
             batch = self.estimator(batch)
         stats, update_batch = {}, batch
         if self.balance_batch and self.dp_size > 1:
@@ -214,6 +215,10 @@ class Trainer:
             "training/epoch": self.loader.epoch if self.loader else 0,
         }
         return reduce_metrics(self.fabric, metrics)
+
+    def _batch_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """A sum over the processes' shares of the batch (a sequence-parallel group's ranks share one)."""
+        return global_sum(self.fabric, value) / self.sp_size
 
     def _minibatches(self, batch: TensorDict):
         """(mini-batch, token count, sequence count) for every optimizer step of this RL step.
