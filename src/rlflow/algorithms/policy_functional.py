@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as nnF
 from torch import Tensor
 
-from rlflow.algorithms.functional import agg_loss, masked_mean, masked_sum
+from rlflow.algorithms.functional import agg_loss, batch_sum, masked_mean, masked_sum
 
 
 def _weighted(per_token: Tensor, weights: Tensor | None) -> Tensor:
@@ -168,9 +168,12 @@ def token_covariance(advantages: Tensor, log_probs: Tensor, mask: Tensor) -> Ten
 
     The centred product whose batch mean is Cov(logp, A), which drives the change of the policy's
     entropy (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617).
+    Inside ``functional.batch_statistics`` the means are over the whole batch on every process.
     """
     advantages, log_probs = advantages.detach(), log_probs.detach()
-    return (advantages - masked_mean(advantages, mask)) * (log_probs - masked_mean(log_probs, mask))
+    n = batch_sum(mask.sum().to(advantages.dtype)) + 1e-8
+    mean_a, mean_lp = batch_sum(masked_sum(advantages, mask)) / n, batch_sum(masked_sum(log_probs, mask)) / n
+    return (advantages - mean_a) * (log_probs - mean_lp)
 
 
 def _flat_mask(valid: Tensor, chosen: Tensor) -> Tensor:
