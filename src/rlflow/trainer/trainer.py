@@ -210,7 +210,7 @@ class Trainer:
             "timing_s/step": step_time,
             "perf/total_num_tokens": total_tokens,
             "perf/time_per_step": step_time,
-            "perf/throughput": int(tokens) / step_time,  # per device; averaged over ranks below
+            "perf/throughput": int(tokens) / self.sp_size / step_time,  # per device (a group shares its tokens)
             "training/global_step": self.global_step,
             "training/epoch": self.loader.epoch if self.loader else 0,
         }
