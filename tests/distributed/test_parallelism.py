@@ -106,3 +106,24 @@ def test_whole_batch_statistics_span_the_processes(tmp_path):
             assert two[step]["metrics"][key] == pytest.approx(one[step]["metrics"][key], rel=1e-4, abs=1e-6), key
         assert_same_weights(two[step]["weights"], one[step]["weights"])
     assert one[2]["metrics"]["actor/reward_kl_penalty_coeff"] != 0.1  # the controller moved
+
+
+@pytest.mark.parametrize("strategy, options", [("ddp", ()), ("fsdp2", ("sp=2", "remove_padding=1"))])
+def test_ppo_with_a_critic_equals_one_process(tmp_path, strategy, options):
+    """GAE + critic (advantages whitened over the whole batch, value loss, two optimizers): data parallel with
+    balancing, and one FSDP2 sequence-parallel group splitting policy and critic; resumed from a checkpoint."""
+    padding = {"remove_padding": 1} if options else {}
+    trainer, data, record = build(str(tmp_path / "one"), "auto", steps=2, devices=1, critic=1, **padding)
+    trainer.fit(data)
+    assert_updates(record.steps)
+    one = record.steps
+    two = run_ok(2, tmp_path / "two", strategy, 2, "critic=1", *options)
+    # the critic is checkpointed on its own (critic.ckpt): resuming from step 1 gives step 2 again
+    resumed = run_ok(2, tmp_path / "resumed", strategy, 2, tmp_path / "two" / "checkpoints" / "global_step_1",
+                     "critic=1", *options)
+    assert (tmp_path / "two" / "checkpoints" / "global_step_1" / "critic.ckpt").exists() and list(resumed) == [2]
+    for run, steps in ((two, (1, 2)), (resumed, (2,))):
+        for step in steps:
+            for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "critic/advantages/max"):
+                assert run[step]["metrics"][key] == pytest.approx(one[step]["metrics"][key], rel=1e-4, abs=1e-6), key
+            assert_same_weights(run[step]["weights"], one[step]["weights"])

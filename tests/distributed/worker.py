@@ -6,7 +6,7 @@ KEY=VALUE options (integers): ``sp`` (sequence-parallel size), ``remove_padding`
 ``max_tokens`` (token budget per micro-batch), ``val`` (validate every step), and with
 STRATEGY fsdp2 ``bf16`` (bf16 parameters, fp32 reduction) and ``offload`` (CPU offload policy; needs an
 accelerator), ``cuda`` (run on CUDA devices), and ``batch_stats`` (REINFORCE++ whitening and an adaptive KL
-in the reward: statistics of the whole batch).
+in the reward: statistics of the whole batch), ``critic`` (PPO: GAE with a critic, whitened over the batch).
 Writes, on rank 0, OUT/result.pt with the metrics and the full (gathered) weights
 after every step.
 """
@@ -17,7 +17,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from rlflow import FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer
-from rlflow.algorithms import AdaptiveKLController, KLInReward, ReinforcePlusPlus
+from rlflow.algorithms import GAE, AdaptiveKLController, KLInReward, ReinforcePlusPlus, ValueLoss
+from rlflow.models.critic import Critic
 from rlflow.algorithms.estimators import AdvantageEstimator
 from rlflow.module import Chain
 from rlflow.data import keys as K
@@ -67,7 +68,7 @@ class FailAt:
 
 
 def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1, remove_padding=0, max_tokens=None,
-          val=0, bf16=0, offload=0, cuda=0, batch_stats=0):
+          val=0, bf16=0, offload=0, cuda=0, batch_stats=0, critic=0):
     torch.manual_seed(0)
     devices = devices or int(__import__("os").environ.get("WORLD_SIZE", 1))
     if bf16 or offload:
@@ -83,8 +84,12 @@ def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1,
         policy=Policy(model, tok, remove_padding=bool(remove_padding)),
         rollout=HFRollout(n=1, do_sample=False, max_new_tokens=4),
         reward=FunctionReward(varied), loss=PPOLoss(),
-        estimator=Chain(KLInReward(AdaptiveKLController(init_coef=0.1, target_kl=1e-3, horizon=10)),
-                        ReinforcePlusPlus()) if batch_stats else ReturnAsAdvantage(),
+        estimator=GAE(gamma=1.0, lam=0.95) if critic else Chain(
+            KLInReward(AdaptiveKLController(init_coef=0.1, target_kl=1e-3, horizon=10)), ReinforcePlusPlus(),
+        ) if batch_stats else ReturnAsAdvantage(),
+        critic=Critic(tiny_qwen2(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                                 intermediate_size=64, seed=1), remove_padding=bool(remove_padding)) if critic else None,
+        value_loss=ValueLoss() if critic else None, critic_lr=1e-2,
         batch_size=8, micro_batch_size=2, max_tokens_per_micro_batch=max_tokens, sequence_parallel_size=sp,
         lr=1e-2, max_steps=steps, save_every=1, run_dir=out, resume=resume, val_every=val,
         loggers=(), progress=False, callbacks=callbacks, strategy=strategy,

@@ -403,14 +403,18 @@ class Trainer:
                  "schedulers": [s.state_dict() for s in self.schedulers],
                  "loader": self.loader.state_dict() if self.loader else None, "rng": ckpt.rng_state(),
                  "roles": {name: m.state_dict() for name, m in self._stateful_roles().items()}}
-        if self.critic is not None:
-            state |= {"critic": self.critic.module, "critic_optimizer": self.critic_optimizer}
         return state
 
+    def critic_state(self) -> dict:
+        """The critic's share of a checkpoint, in a file of its own: a sharded checkpoint holds one model."""
+        return {"critic": self.critic.module, "critic_optimizer": self.critic_optimizer}
+
     def save(self) -> Path:
-        """Write ``<checkpoint_dir>/global_step_N/state.ckpt`` and mark it latest."""
+        """Write ``<checkpoint_dir>/global_step_N/state.ckpt`` (and ``critic.ckpt``) and mark it latest."""
         path = ckpt.step_dir(self.checkpoint_dir, self.global_step)
         self.fabric.save(path / "state.ckpt", self.state())
+        if self.critic is not None:
+            self.fabric.save(path / "critic.ckpt", self.critic_state())
         if self.fabric.global_rank == 0:
             ckpt.save_hf_metadata(path / "huggingface", self.policy.model, self.policy.tokenizer)
             ckpt.mark_latest(self.checkpoint_dir, self.global_step)
@@ -422,6 +426,8 @@ class Trainer:
         state = self.state()
         rest = self.fabric.load(Path(path) / "state.ckpt", state)
         state |= rest
+        if self.critic is not None:
+            self.fabric.load(Path(path) / "critic.ckpt", self.critic_state())
         self.global_step = int(state["global_step"])
         for sched, s in zip(self.schedulers, state["schedulers"]):
             sched.load_state_dict(s)
