@@ -84,6 +84,9 @@ def test_recipe_dry_runs_builds_and_trains(name, task_dir, tmp_path):
     assert (plan.estimator_cls.__name__, plan.loss_cls.__name__) == (estimator, loss)
     report, problems = dry_run(plan)
     assert not problems and "Dry run: config and data are valid" in report
+    if name == "dapo":  # the objects section shows the wrappers the Trainer gets
+        assert "rollout   = DynamicSampling(HFRollout(" in report and "OverlongPenalty(FunctionReward(" in report
+        assert "reward    = None (DynamicSampling scores its samples)" in report
     trainer, data = build_trainer(plan)
     modules = getattr(trainer.estimator, "modules", None)
     assert (repr(trainer.estimator) if modules else type(trainer.estimator).__name__) == chain

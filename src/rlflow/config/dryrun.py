@@ -62,10 +62,17 @@ def estimator_text(plan: Plan) -> str:
 
 def objects_section(plan: Plan) -> list[str]:
     t = plan.trainer_kwargs
+    rollout = f"{plan.rollout_cls.__name__}({format_kwargs(plan.rollout_kwargs)})"
+    reward = f"FunctionReward({format_value(plan.reward_fn)})"
+    if plan.overlong:  # DAPO's overlong shaping wraps the scorer
+        reward = f"OverlongPenalty({reward}, {format_kwargs(plan.overlong)})"
+    if plan.dynamic_sampling:  # the sampler scores its own samples; the Trainer gets reward=None
+        rollout = f"DynamicSampling({rollout}, {reward}, {format_kwargs(plan.dynamic_sampling)})"
+        reward = "None (DynamicSampling scores its samples)"
     out = ["Objects (the same Python API calls a script would make)",
            f"  policy    = Policy.from_pretrained({plan.model_path!r}, {format_kwargs(plan.policy_kwargs)})",
-           f"  rollout   = {plan.rollout_cls.__name__}({format_kwargs(plan.rollout_kwargs)})",
-           f"  reward    = FunctionReward({format_value(plan.reward_fn)})",
+           f"  rollout   = {rollout}",
+           f"  reward    = {reward}",
            f"  estimator = {estimator_text(plan)}",
            f"  loss      = {plan.loss_cls.__name__}({format_kwargs(plan.loss_kwargs)})"]
     if plan.critic_path:
