@@ -1,0 +1,135 @@
+"""The engine interface: *how* tokens are sampled, apart from *what* a rollout does with prompts.
+
+An engine takes token-id prompts (no padding) and engine-neutral :class:`SamplingParams`, and returns, for
+each prompt, ``n`` :class:`Completion` s carrying the sampled token ids and the sampler's log-prob of each
+one. Engines that hold their own copy of the weights (an in-process vLLM, a server) receive the trained
+weights through :meth:`Engine.load_weights` as size-bounded buckets of ``(name, tensor)`` pairs in Hugging
+Face naming (``rlflow.rollout.weight_sync.full_weight_buckets`` makes them from any strategy's parameters).
+
+The log-prob contract: for the token :math:`y_t` sampled after context :math:`c_t`,
+
+.. math:: \\log p(y_t \\mid c_t) = \\ell_{y_t}/T - \\log \\sum_v e^{\\ell_v / T}
+
+with :math:`\\ell` the model's logits and :math:`T` the temperature, *before* top-k/top-p truncation: the
+distribution the :class:`~rlflow.models.policy.Policy` recomputes. Greedy decoding reports :math:`T = 1`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+WeightBuckets = Iterable[list[tuple[str, Tensor]]]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """rlflow's own sampling options, translated by each engine.
+
+    Attributes:
+        n: completions per prompt.
+        temperature: logits are divided by it before sampling (ignored when ``greedy``).
+        top_p, top_k: nucleus / top-k truncation (``1.0`` / ``-1``: off); log-probs are reported before them.
+        max_new_tokens: the most tokens a completion may have.
+        greedy: argmax decoding (``do_sample=False``); log-probs are then those of :math:`T = 1`.
+        seed: makes one call's sampling reproducible (``None``: the engine's own random stream).
+        stop_token_ids: tokens that end a completion besides the tokenizer's EOS (included in the completion).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 512
+    greedy: bool = False
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError("temperature must be > 0 when sampling; use greedy=True (do_sample=False) for argmax")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def scale_temperature(self) -> float:
+        """The temperature the reported log-probs use: 1 for greedy decoding."""
+        return 1.0 if self.greedy else self.temperature
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p cut the distribution that is sampled."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of one prompt.
+
+    Attributes:
+        token_ids: the generated tokens, the stop/EOS token included when it ended the completion.
+        log_probs: the sampler's log-prob of each token (see the module docstring), ``len(token_ids)`` floats.
+        finish_reason: ``"stop"`` (a stop/EOS token) or ``"length"`` (``max_new_tokens`` reached).
+        extras: anything else an engine reports (e.g. ``policy_version`` for asynchronous rollouts).
+    """
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str
+    extras: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.log_probs):
+            raise ValueError(f"a completion has {len(self.token_ids)} tokens but {len(self.log_probs)} log-probs")
+
+
+class Engine:
+    """Samples completions of token-id prompts. Subclasses implement :meth:`generate` and, when they hold
+    their own copy of the weights (``holds_own_weights``), :meth:`load_weights`."""
+
+    #: True when the engine samples with weights of its own that must be sent after every update
+    #: (vLLM, a server); False when it generates with the trained module itself.
+    holds_own_weights: bool = False
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """Token-id prompts (no padding) -> for each prompt, ``params.n`` completions."""
+        raise NotImplementedError
+
+    async def agenerate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """:meth:`generate` on a worker thread, so an event loop (an agent loop, async rollouts) is not blocked."""
+        return await asyncio.to_thread(self.generate, prompts, params)
+
+    def load_weights(self, buckets: WeightBuckets) -> dict[str, float]:
+        """Load ``[(hf_name, tensor), ...]`` buckets (one call for all of them, consumed bucket by bucket) and
+        reset every cache computed with the old weights (prefix/KV caches).
+
+        Returns metrics: ``weight_sync/buckets``, ``weight_sync/gb`` (bytes moved / 1e9), and engine-specific ones.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot receive weights")
+
+    def sleep(self) -> None:
+        """Free accelerator memory (KV cache, weights) while the trainer updates; no-op where there is none."""
+
+    def wake(self) -> None:
+        """Undo :meth:`sleep` before the next generation."""
+
+    def close(self) -> None:
+        """Release the engine's resources (processes, memory, connections)."""
+
+
+def counted(buckets: WeightBuckets, totals: dict[str, float]):
+    """Yield the pairs of ``buckets`` one by one while counting buckets and bytes into ``totals``."""
+    for bucket in buckets:
+        totals["weight_sync/buckets"] = totals.get("weight_sync/buckets", 0.0) + 1
+        for name, tensor in bucket:
+            totals["weight_sync/gb"] = totals.get("weight_sync/gb", 0.0) + tensor.numel() * tensor.element_size() / 1e9
+            yield name, tensor

@@ -1,0 +1,134 @@
+"""HFEngine: sampling with transformers' ``generate`` (batched, left-padded, KV cache; no per-token Python loop of ours)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor, nn
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets
+from rlflow.rollout.weight_sync import load_bucket
+
+
+class _RecordLogProbs(LogitsProcessor):
+    """Keeps the temperature-scaled log-softmax of the current step so the chosen token's log-prob can be read.
+
+    Only one ``B x V`` step is held at a time: at step t it reads the log-prob of the
+    token chosen at step t-1 (now the last of ``input_ids``) from the stored step.
+    """
+
+    def __init__(self, prompt_len: int):
+        self.prompt_len = prompt_len
+        self.previous: Tensor | None = None
+        self.chosen: list[Tensor] = []
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        self.take(input_ids)
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def take(self, input_ids: Tensor) -> None:
+        if self.previous is not None and input_ids.shape[1] > self.prompt_len + len(self.chosen):
+            self.chosen.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+
+
+def processors(params: SamplingParams, prompt_len: int) -> tuple[LogitsProcessorList, _RecordLogProbs]:
+    """Temperature, then the log-prob recorder, then top-k/top-p: log-probs are read before truncation."""
+    recorder = _RecordLogProbs(prompt_len)
+    procs = []
+    if not params.greedy and params.temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(params.temperature))
+    procs.append(recorder)
+    if not params.greedy and params.top_k > 0:
+        procs.append(TopKLogitsWarper(params.top_k))
+    if not params.greedy and params.top_p < 1.0:
+        procs.append(TopPLogitsWarper(params.top_p))
+    return LogitsProcessorList(procs), recorder
+
+
+def left_padded(prompts: list[list[int]], n: int, pad: int, device) -> tuple[Tensor, Tensor]:
+    """``(ids, mask)`` of shape ``[len(prompts) * n, P]``: each prompt ``n`` times in a row, padded on the left."""
+    P = max(len(p) for p in prompts)
+    rows = [p for p in prompts for _ in range(n)]
+    ids = torch.tensor([[pad] * (P - len(p)) + p for p in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long, device=device)
+    return ids, mask
+
+
+class HFEngine(Engine):
+    """Generates with a transformers causal LM's ``generate``.
+
+    When the model is the trained module itself (one device, DDP) nothing needs to move after an update;
+    when it is a copy (the Trainer makes one under FSDP2, whose sharded forward is collective),
+    :meth:`load_weights` copies buckets into it.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.tokenizer.eos_token_id
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    @torch.no_grad()
+    def generate_padded(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
+        """The tensor form: left-padded ``[N, P]`` prompts (one row per sample) -> ``(sequences[:, P:], log_probs)``,
+        both ``[N, R]``; rows that stopped early are padded (ids with the pad id, log-probs with 0 from ``R``)."""
+        stops = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
+        config = GenerationConfig(
+            max_new_tokens=params.max_new_tokens, do_sample=not params.greedy,
+            temperature=None, top_k=None, top_p=None,  # ours, in processors()
+            eos_token_id=stops or None, pad_token_id=self.tokenizer.pad_token_id, use_cache=True,
+        )
+        P = prompt_ids.shape[1]
+        procs, recorder = processors(params, P)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.random.fork_rng(devices=[prompt_ids.device] if prompt_ids.is_cuda else [],
+                                       enabled=params.seed is not None):
+                if params.seed is not None:
+                    torch.manual_seed(params.seed)
+                sequences = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                                generation_config=config, logits_processor=procs)
+        finally:
+            self.model.train(was_training)
+        recorder.take(sequences)
+        response = sequences[:, P:]
+        R = response.shape[1]
+        log_probs = torch.stack(recorder.chosen[:R], dim=1) if R else response.float()
+        return response, log_probs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        device = next(self.model.parameters()).device
+        ids, mask = left_padded(prompts, params.n, self.tokenizer.pad_token_id, device)
+        response, log_probs = self.generate_padded(ids, mask, params)
+        stops = set(self.eos_token_ids) | set(params.stop_token_ids)
+        out: list[list[Completion]] = []
+        for row, (tokens, lps) in enumerate(zip(response.tolist(), log_probs.tolist())):
+            end = next((i + 1 for i, t in enumerate(tokens) if t in stops), None)
+            done = end is not None
+            end = end if done else len(tokens)
+            if row % params.n == 0:
+                out.append([])
+            out[-1].append(Completion(tokens[:end], lps[:end], "stop" if done else "length"))
+        return out
+
+    def load_weights(self, buckets: WeightBuckets) -> dict[str, float]:
+        start, count, nbytes = time.perf_counter(), 0, 0
+        for bucket in buckets:
+            load_bucket(self.model, bucket)
+            count += 1
+            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        return {"weight_sync/buckets": float(count), "weight_sync/gb": nbytes / 1e9,
+                "weight_sync/load_s": time.perf_counter() - start}
