@@ -23,9 +23,9 @@ from rlflow.algorithms.functional import batch_statistics
 from rlflow.data.prompts import PromptData
 from rlflow.module import check_chain
 from rlflow.strategies import resolve_strategy, shards_parameters
-from rlflow.trainer import checkpoint as ckpt
+from rlflow.trainer import checkpoint as ckpt, validation
 from rlflow.trainer.batching import micro_batches
-from rlflow.trainer.distributed import (balance_tokens, gather_in_group, gather_objects, global_sum, rank_shard,
+from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_sum, rank_shard,
                                         reduce_metrics, sequence_parallel_group)
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.metrics import MeanAccumulator, Timer, batch_metrics, sum_micro_batches
@@ -288,66 +288,9 @@ class Trainer:
         return {f"{role}/grad_norm": norm if finite else float("nan"), f"{role}/skipped_frac": float(not finite)}
 
     # ------------------------------------------------------------------ validation
-    @torch.no_grad()
     def validate(self, data: PromptData) -> dict[str, float]:
-        """Validation metrics per data source, under verl's names.
-
-        Sampling: ``self.val_sampling`` when set (HFRollout options with ``n``; the verl entry point sets it
-        from ``rollout.val_kwargs``), else one greedy sample per prompt when ``val_n == 1`` and ``val_n``
-        samples at the rollout's temperature otherwise.
-
-        Variables: ``reward`` (the score) and ``acc`` (the scorer's ``acc`` extra, when it returns one). The
-        core variable is ``acc`` when present, else ``reward``; for it ``val-core/<source>/<var>/mean@N`` and,
-        when N > 1, ``best@N/mean`` and ``maj@N/mean`` (majority vote over the scorer's ``pred`` extra).
-        Everything else (``worst@N/mean``, ``std@N``, the other variable) goes under ``val-aux/``.
-
-        With several processes each rank generates for every ``world``-th prompt and the scores are
-        gathered before the metrics, which every rank then holds.
-        """
-        # --- verl-compatible validation (val_kwargs sampling, acc / best@N / maj@N); see docs/verl-compat.md
-        from collections import Counter
-
-        opts = getattr(self, "val_sampling", None) or {
-            "n": self.val_n, "do_sample": self.val_n > 1,
-            "temperature": self.rollout.temperature if self.val_n > 1 else 1.0}
-        n = opts["n"]
-        rollout = self.rollout.with_options(**opts)
-        values: dict[str, dict[str, list]] = {}   # source -> variable -> one list of n values per prompt
-        votes: dict[str, list] = {}               # source -> one list of n predictions (or None) per prompt
-        reward = self.reward or self.rollout.reward  # reward=None: the rollout scores (dynamic sampling)
-        rank, world = self.fabric.global_rank, self.fabric.world_size
-        for prompts in data.val_batches(self.policy.tokenizer):
-            prompts = prompts[rank::world]
-            if prompts.batch_size[0] == 0:
-                continue
-            batch = reward(rollout(self.fabric.to_device(prompts)))
-            extras, scores = getattr(reward, "extras", {}), batch[K.SCORES].tolist()
-            accs, preds, sources = extras.get("acc"), extras.get("pred"), list(batch[K.DATA_SOURCE])
-            for i in range(0, len(sources), n):  # one prompt's n samples are contiguous
-                per = values.setdefault(sources[i], {})
-                per.setdefault("reward", []).append(scores[i : i + n])
-                acc, pred = (accs or [None] * len(sources))[i : i + n], (preds or [None] * len(sources))[i : i + n]
-                if all(a is not None for a in acc):
-                    per.setdefault("acc", []).append([float(a) for a in acc])
-                votes.setdefault(sources[i], []).append(
-                    [str(p) for p in pred] if all(p is not None for p in pred) else None)
-        values, votes = _merge_shards(gather_objects(self.fabric, (values, votes)))
-        metrics = {}
-        for src, per in values.items():
-            core = "acc" if len(per.get("acc", ())) == len(per["reward"]) else "reward"
-            for var, rows in per.items():
-                s, tier = torch.tensor(rows, dtype=torch.float64), ("val-core" if var == core else "val-aux")
-                metrics[f"{tier}/{src}/{var}/mean@{n}"] = s.mean().item()
-                if n == 1:
-                    continue
-                metrics[f"{tier}/{src}/{var}/best@{n}/mean"] = s.max(-1).values.mean().item()
-                metrics[f"val-aux/{src}/{var}/worst@{n}/mean"] = s.min(-1).values.mean().item()
-                metrics[f"val-aux/{src}/{var}/std@{n}"] = s.std(-1, correction=0).mean().item()
-                if all(v is not None for v in votes[src]):  # the value of the first sample with the top answer
-                    maj = [row[p.index(Counter(p).most_common(1)[0][0])] for row, p in zip(rows, votes[src])]
-                    metrics[f"{tier}/{src}/{var}/maj@{n}/mean"] = sum(maj) / len(maj)
-        self.fabric.call("on_validation_end", trainer=self, metrics=metrics)
-        return metrics
+        """Validation metrics per data source, under verl's names (see :func:`rlflow.trainer.validation.validate`)."""
+        return validation.validate(self, data)
 
     # ------------------------------------------------------------------ the loop
     def fit(self, data: PromptData) -> list[dict[str, float]]:
@@ -359,7 +302,7 @@ class Trainer:
         total = self.max_steps or self.epochs * self.loader.steps_per_epoch
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(self.lr_schedule, self.warmup_steps, total))
                            for o in self._optimizers()]
-        self._maybe_resume()
+        ckpt.resume(self)
         history = []
         self.fabric.call("on_fit_start", trainer=self)
         bar = tqdm(total=total, initial=self.global_step, desc="rl", disable=not self.progress or self.fabric.global_rank)
@@ -384,11 +327,6 @@ class Trainer:
             logger.finalize("success")
         return history
 
-    def _stateful_roles(self) -> dict:
-        """Non-model roles that carry state across steps (an adaptive KL coefficient, say)."""
-        roles = {"rollout": self.rollout, "reward": self.reward, "estimator": self.estimator, "loss": self.loss}
-        return {k: m for k, m in roles.items() if hasattr(m, "state_dict") and hasattr(m, "load_state_dict")}
-
     def _optimizers(self):
         return [self.optimizer] + ([self.critic_optimizer] if self.critic is not None else [])
 
@@ -398,64 +336,10 @@ class Trainer:
         """Where ``global_step_N`` folders and ``latest_checkpointed_iteration.txt`` go."""
         return self._checkpoint_dir
 
-    def state(self) -> dict:
-        state = {"policy": self.policy.module, "optimizer": self.optimizer, "global_step": self.global_step,
-                 "schedulers": [s.state_dict() for s in self.schedulers],
-                 "loader": self.loader.state_dict() if self.loader else None, "rng": ckpt.rng_state(),
-                 "roles": {name: m.state_dict() for name, m in self._stateful_roles().items()}}
-        return state
-
-    def critic_state(self) -> dict:
-        """The critic's share of a checkpoint, in a file of its own: a sharded checkpoint holds one model."""
-        return {"critic": self.critic.module, "critic_optimizer": self.critic_optimizer}
-
     def save(self) -> Path:
-        """Write ``<checkpoint_dir>/global_step_N/state.ckpt`` (and ``critic.ckpt``) and mark it latest."""
-        path = ckpt.step_dir(self.checkpoint_dir, self.global_step)
-        self.fabric.save(path / "state.ckpt", self.state())
-        if self.critic is not None:
-            self.fabric.save(path / "critic.ckpt", self.critic_state())
-        if self.fabric.global_rank == 0:
-            ckpt.save_hf_metadata(path / "huggingface", self.policy.model, self.policy.tokenizer)
-            ckpt.mark_latest(self.checkpoint_dir, self.global_step)
-        self.fabric.barrier()
-        return path
+        """Write a checkpoint of this step (see :func:`rlflow.trainer.checkpoint.save`)."""
+        return ckpt.save(self)
 
     def load(self, path: str | Path) -> None:
         """Restore model, optimizer, schedule, RNG, data position and step from a checkpoint folder."""
-        state = self.state()
-        rest = self.fabric.load(Path(path) / "state.ckpt", state)
-        state |= rest
-        if self.critic is not None:
-            self.fabric.load(Path(path) / "critic.ckpt", self.critic_state())
-        self.global_step = int(state["global_step"])
-        for sched, s in zip(self.schedulers, state["schedulers"]):
-            sched.load_state_dict(s)
-        if self.loader is not None and state.get("loader"):
-            self.loader.load_state_dict(state["loader"])
-        ckpt.set_rng_state(state["rng"])
-        for name, m in self._stateful_roles().items():
-            m.load_state_dict(state["roles"][name])
-        self.rollout.sync_weights(self.policy.model)  # an engine with its own copy must see the loaded weights
-
-    def _maybe_resume(self) -> None:
-        if self.resume is None:
-            return
-        path = ckpt.latest_checkpoint(self.checkpoint_dir) if self.resume == "auto" else Path(self.resume)
-        if path is None:
-            return
-        self.load(path)
-        self.fabric.print(f"resumed from {path} at step {self.global_step}")
-
-
-def _merge_shards(shards: list[tuple[dict, dict]]) -> tuple[dict, dict]:
-    """Validation lists of every rank, concatenated in rank order (values and votes stay aligned)."""
-    values: dict[str, dict[str, list]] = {}
-    votes: dict[str, list] = {}
-    for shard_values, shard_votes in shards:
-        for src, per in shard_values.items():
-            for var, rows in per.items():
-                values.setdefault(src, {}).setdefault(var, []).extend(rows)
-        for src, rows in shard_votes.items():
-            votes.setdefault(src, []).extend(rows)
-    return values, votes
+        ckpt.load(self, path)
