@@ -149,6 +149,6 @@ def test_trainer_resume_restores_the_adaptive_coefficient(model, tokenizer, addi
     assert history[1]["actor/reward_kl_penalty_coeff"] != 0.05 and "actor/reward_kl_penalty" in history[1]
 
     resumed, data = make_trainer(model, tokenizer, addition_rows, tmp_path / "resumed", max_steps=3,
-                                 estimator=estimator(), resume=tmp_path / "full" / "checkpoints" / "global_step_2")
+                                 estimator=estimator(), resume=tmp_path / "full" / "global_step_2")
     resumed.fit(data)
     assert resumed.estimator.modules[0].controller.value == values

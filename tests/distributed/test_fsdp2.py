@@ -30,14 +30,14 @@ def test_two_processes_equal_one_and_checkpoints_cross_world_sizes(single_proces
     assert two[1]["metrics"]["actor/pg_loss"] == pytest.approx(reference[1]["metrics"]["actor/pg_loss"], abs=1e-5)
     assert two[1]["metrics"]["critic/score/mean"] == pytest.approx(reference[1]["metrics"]["critic/score/mean"], abs=1e-6)
     assert_same_weights(two[1]["weights"], reference[1]["weights"])
-    ckpt = tmp_path / "two" / "checkpoints" / "global_step_1"
+    ckpt = tmp_path / "two" / "global_step_1"
     assert (ckpt / "state.ckpt").is_dir()  # sharded (torch.distributed.checkpoint)
 
     one = run_ok(1, tmp_path / "one", "fsdp2", 2, ckpt)  # written by 2 ranks, resumed on 1
     assert list(one) == [2]
     assert_same_weights(one[2]["weights"], reference[2]["weights"])
 
-    again = run_ok(2, tmp_path / "again", "fsdp2", 3, tmp_path / "one" / "checkpoints" / "global_step_2")  # 1 -> 2
+    again = run_ok(2, tmp_path / "again", "fsdp2", 3, tmp_path / "one" / "global_step_2")  # 1 -> 2
     assert list(again) == [3]
     assert_same_weights(again[3]["weights"], reference[3]["weights"])
     assert again[3]["metrics"]["actor/pg_loss"] == pytest.approx(reference[3]["metrics"]["actor/pg_loss"], abs=1e-5)
@@ -59,8 +59,8 @@ def test_export_writes_a_plain_hf_folder(single_process, tmp_path):
 
     reference, out = single_process
     sharded = run_ok(2, tmp_path / "two", "fsdp2", 1)
-    cases = [(out / "checkpoints" / "global_step_3", reference[3]["weights"]),  # one file
-             (tmp_path / "two" / "checkpoints" / "global_step_1", sharded[1]["weights"])]  # sharded folder
+    cases = [(out / "global_step_3", reference[3]["weights"]),  # one file
+             (tmp_path / "two" / "global_step_1", sharded[1]["weights"])]  # sharded folder
     for i, (ckpt, expected) in enumerate(cases):
         folder = export_hf(ckpt, tmp_path / f"hf{i}") if i else tmp_path / f"hf{i}"
         if not i:  # the command users run

@@ -77,7 +77,7 @@ def test_update_does_not_depend_on_micro_batch_size(model, tokenizer, addition_r
     assert results[0][1]["actor/grad_norm"] == pytest.approx(results[1][1]["actor/grad_norm"], rel=1e-4)
 
 
-def test_non_finite_gradient_skips_the_step(model, tokenizer, addition_rows, tmp_path):
+def test_non_finite_gradient_skips_the_step(model, tokenizer, addition_rows, tmp_path, recwarn):
     class Broken(GRPO):
         def compute(self, batch):
             adv, ret = super().compute(batch)
@@ -88,6 +88,8 @@ def test_non_finite_gradient_skips_the_step(model, tokenizer, addition_rows, tmp
     (metrics,) = trainer.fit(data)
     assert metrics["actor/skipped_frac"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, params(trainer.policy.model)))
+    # the schedule advances over a skipped step on purpose: no PyTorch warning about the order
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
 
 
 def test_resume_continues_exactly(model, tokenizer, addition_rows, tmp_path):
@@ -98,7 +100,7 @@ def test_resume_continues_exactly(model, tokenizer, addition_rows, tmp_path):
 
     resumed, data = make_trainer(model, tokenizer, addition_rows, tmp_path / "resumed", max_steps=4,
                                  lr_schedule="cosine", warmup_steps=1,
-                                 resume=tmp_path / "full" / "checkpoints" / "global_step_2")
+                                 resume=tmp_path / "full" / "global_step_2")
     continued = resumed.fit(data)
     assert [m["training/global_step"] for m in continued] == [3, 4]
     for a, b in zip(uninterrupted[2:], continued):
@@ -110,6 +112,6 @@ def test_resume_continues_exactly(model, tokenizer, addition_rows, tmp_path):
 def test_resume_auto_finds_latest_checkpoint(model, tokenizer, addition_rows, tmp_path):
     first, data = make_trainer(model, tokenizer, addition_rows, tmp_path, max_steps=2, save_every=1)
     first.fit(data)
-    assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
     again, data = make_trainer(model, tokenizer, addition_rows, tmp_path, max_steps=3, resume="auto")
     assert [m["training/global_step"] for m in again.fit(data)] == [3]

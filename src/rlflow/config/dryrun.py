@@ -119,7 +119,7 @@ def schedule_section(plan: Plan, data, total: int) -> list[str]:
            + (", and before training" if plan.val_before_train and t["val_every"] else ""))
     if data.val and not plan.val_before_train and not t["val_every"]:
         val = "never (trainer.test_freq=-1, trainer.val_before_train=False)"
-    ckpt = (f"every {t['save_every']} steps and at the last, in {t['checkpoint_dir']}/global_step_N"
+    ckpt = (f"every {t['save_every']} steps and at the last, in {t['run_dir']}/global_step_N"
             if t["save_every"] else "never (trainer.save_freq=-1)")
     return ["Schedule",
             line("training prompts", str(data.train_name)[:50], f"{len(data.train)}"),

@@ -279,7 +279,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
             "lr": lr, "critic_lr": cfg[f"{C}.optim.lr"], "weight_decay": weight_decay,
             "lr_schedule": lr_schedule, "optimizer": make_optimizer, "max_grad_norm": grad_clip,
             "val_every": max(test_freq, 0), "val_n": val["n"], "save_every": max(save_freq, 0),
-            "run_dir": cfg["trainer.default_local_dir"], "checkpoint_dir": cfg["trainer.default_local_dir"],
+            "run_dir": cfg["trainer.default_local_dir"],
             "resume": resume, "seed": cfg["data.seed"],
             "progress": "console" not in loggers, "max_tokens_per_micro_batch": token_budget(cfg, with_critic),
             "sequence_parallel_size": sp_size, "balance_batch": cfg["trainer.balance_batch"],

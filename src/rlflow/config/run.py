@@ -16,6 +16,7 @@ from pathlib import Path
 from rlflow.config import tables
 from rlflow.config.loading import ConfigError, VerlConfig, load_config
 from rlflow.config.plan import Plan, make_plan
+from rlflow.trainer.checkpoint import CheckpointError
 
 USAGE = "python -m rlflow.trainer.main_ppo [--config-path DIR --config-name NAME] [--dry-run] key=value ..."
 
@@ -78,10 +79,13 @@ def train(plan: Plan) -> list[dict]:
     from rlflow.config.build import build_trainer
     from rlflow.trainer import checkpoint as ckpt
 
+    run_dir = Path(plan.trainer_kwargs["run_dir"]).expanduser()
+    try:  # before the model loads
+        ckpt.check_run_dir(run_dir)
+    except ckpt.CheckpointError as e:
+        raise ConfigError(f"trainer.default_local_dir: {e}") from None
     trainer, data = build_trainer(plan)
     print_notes(plan)
-    run_dir = Path(trainer.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(plan.cfg.to_yaml())
     if data.val and (plan.val_before_train or plan.val_only):
         resume = trainer.resume
@@ -136,4 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rlflow: config error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:  # a checkpoint that cannot be read or written: the message names it
+        print(f"rlflow: checkpoint error: {e}", file=sys.stderr)
+        return 1
     return 0

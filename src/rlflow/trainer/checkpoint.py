@@ -1,35 +1,138 @@
-"""Checkpoint layout (verl's): ``<dir>/global_step_N/state.ckpt`` and ``latest_checkpointed_iteration.txt``."""
+"""Checkpoints in verl's layout, written atomically, that resume on any number of processes.
+
+One folder holds a run: ``run_dir`` (the verl entry point's ``trainer.default_local_dir``)::
+
+    run_dir/
+      latest_checkpointed_iteration.txt   # the step of the newest complete checkpoint (written last)
+      global_step_N/
+        state.ckpt        # policy, optimizer, schedule, data position, RNG: a file (one process, DDP)
+                          # or a torch.distributed.checkpoint folder (FSDP2, one shard per rank)
+        critic.ckpt       # the same for the critic, when there is one
+        huggingface/      # config and tokenizer, so ``rlflow export`` needs nothing else
+      metrics.jsonl, csv/, tensorboard/   # the loggers' files
+
+Atomic: a checkpoint is written into ``.global_step_N.partial`` and renamed to ``global_step_N`` when
+complete; the tracker file is replaced (``os.replace``) after that. A process killed at any point
+leaves the previous checkpoint and a tracker that names a complete folder.
+
+Any layout: a one-file checkpoint loads on FSDP2 (Fabric consolidates it), and a sharded folder loads on
+one process or on DDP (:func:`load_sharded_unsharded`), whatever the number of ranks that wrote it.
+"""
 
 from __future__ import annotations
 
+import os
 import random
+import re
+import shutil
 from pathlib import Path
 
-import numpy as np
-import torch
+
+# torch, numpy and Lightning are imported where used: the config check (check_run_dir) stays light.
 
 TRACKER = "latest_checkpointed_iteration.txt"
+STEP_DIR = re.compile(r"global_step_(\d+)")
+PARTIAL = ".partial"  # suffix of a checkpoint being written (a dot-folder: never taken for a checkpoint)
+LIGHTNING_METADATA = "meta.pt"  # the non-tensor part of a sharded Fabric checkpoint
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint (or the folder for it) cannot be written or read; the message names the path."""
 
 
 def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"global_step_{step}"
 
 
+def partial_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f".global_step_{step}{PARTIAL}"
+
+
+def complete_steps(root: str | Path) -> list[int]:
+    """Steps of the finished ``global_step_N`` folders under ``root``, ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir())
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The checkpoint named by the tracker file, or ``None`` when there is none."""
-    tracker = Path(root) / TRACKER
-    if not tracker.exists():
-        return None
-    path = step_dir(root, int(tracker.read_text().strip()))
-    return path if path.exists() else None
+    """The checkpoint the tracker file names (verl's rule); without a usable tracker, the newest complete
+    ``global_step_N`` (a run killed after its first checkpoint was renamed, before the tracker was written)."""
+    root = Path(root)
+    tracker = root / TRACKER
+    text = tracker.read_text().strip() if tracker.is_file() else ""
+    if text.isdigit() and step_dir(root, int(text)).is_dir():
+        return step_dir(root, int(text))
+    steps = complete_steps(root)
+    return step_dir(root, steps[-1]) if steps else None
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def mark_latest(root: str | Path, step: int) -> None:
-    Path(root, TRACKER).write_text(str(step))
+    """Replace the tracker file in one step (write a temporary file, then ``os.replace``)."""
+    tmp = Path(root, f".{TRACKER}.tmp")
+    with open(tmp, "w") as f:
+        f.write(str(step))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, Path(root, TRACKER))
+    _fsync(Path(root))
 
 
+def publish(partial: Path, final: Path) -> None:
+    """Make a fully written ``partial`` folder the checkpoint ``final`` (flushed to disk, then renamed)."""
+    for dirpath, _, files in os.walk(partial):
+        for name in files:
+            _fsync(Path(dirpath, name))
+    if final.exists():  # a step written again after resuming from an older checkpoint: swap, then drop the old one
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(partial, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(partial, final)
+    _fsync(final.parent)
+
+
+def checkpoint_bytes(*modules) -> int:
+    """A checkpoint's size: the weights and AdamW's two moments of each module (full, not per-rank, sizes)."""
+    return sum(3 * p.numel() * p.element_size() for m in modules if m is not None for p in m.parameters())
+
+
+def check_run_dir(run_dir: str | Path, need_bytes: int = 0) -> None:
+    """Fail now, with the path in the message, if ``run_dir`` cannot be created or written, or has less free
+    space than ``need_bytes`` (a checkpoint is written beside the previous one, which stays until the new one
+    is complete)."""
+    run_dir = Path(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".rlflow-write-test-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"run folder {run_dir} is not writable ({e.strerror or e}): choose another "
+                              "run_dir / trainer.default_local_dir") from None
+    free = shutil.disk_usage(run_dir).free
+    if need_bytes and free < need_bytes:
+        raise CheckpointError(f"run folder {run_dir}: {free / 2**20:.0f} MiB free, a checkpoint needs about "
+                              f"{need_bytes / 2**20:.0f} MiB: free some space or choose another folder")
+
+
+# ---------------------------------------------------------------- RNG and Hugging Face metadata
 def rng_state() -> dict:
     """Every RNG a step draws from, so a resumed run samples exactly what an uninterrupted one would."""
+    import numpy as np
+    import torch
+
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     # plain types and tensors only, so the checkpoint loads with torch.load(weights_only=True)
     numpy_state = [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]
@@ -40,6 +143,9 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     name, keys, pos, has_gauss, gauss = state["numpy"]
@@ -54,6 +160,39 @@ def save_hf_metadata(folder: Path, model, tokenizer) -> None:
     model.config.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
+
+
+# ---------------------------------------------------------------- a sharded checkpoint on unsharded models
+def load_sharded_unsharded(path: Path, state: dict) -> dict:
+    """Load a ``torch.distributed.checkpoint`` folder (written by FSDP2 on any number of ranks) into
+    unsharded objects, as ``fabric.load`` does for its own format: modules and optimizers in place, the
+    rest of ``state`` replaced by the saved values; returns the saved entries ``state`` did not ask for.
+
+    Works without a process group (one process) and on DDP (every rank reads the whole checkpoint).
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from lightning.fabric.wrappers import _unwrap_objects
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    state_objs = {k: _unwrap_objects(v) for k, v in state.items()}
+    modules = {k: v for k, v in state_objs.items() if isinstance(v, torch.nn.Module)}
+    optimizers = {k: v for k, v in state_objs.items() if isinstance(v, torch.optim.Optimizer)}
+    (module_key, module), = modules.items()  # Fabric writes one model per sharded checkpoint
+    no_dist = not torch.distributed.is_initialized()  # one process: read every shard here
+    model_state = {module_key: get_model_state_dict(module)}
+    dcp.load(model_state, checkpoint_id=path, no_dist=no_dist)
+    module.load_state_dict(model_state[module_key])
+    for key, opt in optimizers.items():  # parameter-name keyed, as FSDP2 wrote them
+        opt_state = {key: get_optimizer_state_dict(module, opt)}
+        dcp.load(opt_state, checkpoint_id=path, no_dist=no_dist)
+        set_optimizer_state_dict(module, opt, optim_state_dict=opt_state[key])
+    metadata = torch.load(path / LIGHTNING_METADATA, weights_only=False)  # our own file
+    for key in state.keys() - modules.keys() - optimizers.keys():
+        if key in metadata:
+            state[key] = metadata.pop(key)
+    return metadata
 
 
 # ---------------------------------------------------------------- a Trainer's checkpoint
@@ -77,25 +216,66 @@ def critic_state(trainer) -> dict:
 
 
 def save(trainer) -> Path:
-    """Write ``<checkpoint_dir>/global_step_N/state.ckpt`` (and ``critic.ckpt``) and mark it latest."""
-    fabric = trainer.fabric
-    path = step_dir(trainer.checkpoint_dir, trainer.global_step)
-    fabric.save(path / "state.ckpt", trainer_state(trainer))
-    if trainer.critic is not None:
-        fabric.save(path / "critic.ckpt", critic_state(trainer))
-    if fabric.global_rank == 0:
-        save_hf_metadata(path / "huggingface", trainer.policy.model, trainer.policy.tokenizer)
-        mark_latest(trainer.checkpoint_dir, trainer.global_step)
+    """Write ``<run_dir>/global_step_N`` atomically (see the module docstring) and mark it latest."""
+    fabric, root, step = trainer.fabric, trainer.checkpoint_dir, trainer.global_step
+    partial, final = partial_dir(root, step), step_dir(root, step)
+    if fabric.global_rank == 0:  # folders left by a run killed while saving
+        for stale in Path(root).glob(".global_step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
     fabric.barrier()
-    return path
+    try:
+        fabric.save(partial / "state.ckpt", trainer_state(trainer))
+        if trainer.critic is not None:
+            fabric.save(partial / "critic.ckpt", critic_state(trainer))
+        fabric.barrier()
+        if fabric.global_rank == 0:
+            save_hf_metadata(partial / "huggingface", trainer.policy.model, trainer.policy.tokenizer)
+            publish(partial, final)
+            mark_latest(root, step)
+    except OSError as e:
+        previous = latest_checkpoint(root)
+        raise CheckpointError(f"could not write checkpoint {final} ({e.strerror or e}); "
+                              f"{f'{previous} is still complete' if previous else 'no earlier checkpoint exists'}"
+                              ) from e
+    fabric.barrier()
+    return final
+
+
+def _checked(path: Path, what: str) -> Path:
+    """``path/what``, or an error that says what the folder holds instead."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint folder {path} does not exist" if not path.exists()
+                              else f"checkpoint {path} is a file; pass the global_step_N folder")
+    target = path / what
+    if not target.exists():
+        found = sorted(p.name for p in path.iterdir())[:8]
+        raise CheckpointError(f"{path} is not an rlflow checkpoint: no {what} (found {found or 'an empty folder'})")
+    return target
+
+
+def _load_into(trainer, path: Path, state: dict) -> dict:
+    """``fabric.load`` on any layout; unreadable files and mismatched models are named."""
+    from rlflow.strategies import shards_parameters
+
+    sharded_file = path.is_dir()
+    try:
+        if sharded_file and not shards_parameters(trainer.fabric.strategy):
+            return load_sharded_unsharded(path, state)
+        return trainer.fabric.load(path, state)
+    except (RuntimeError, KeyError, ValueError, EOFError, OSError) as e:
+        text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        hint = ("the model does not match the one that wrote it" if "state_dict" in text or "size mismatch" in text
+                else "it may be incomplete or damaged: resume from an earlier global_step_N")
+        raise CheckpointError(f"cannot load {path}: {hint} ({type(e).__name__}: {text})") from e
 
 
 def load(trainer, path: str | Path) -> None:
     """Restore model, optimizer, schedule, RNG, data position and step from a checkpoint folder."""
+    path = Path(path)
     state = trainer_state(trainer)
-    state |= trainer.fabric.load(Path(path) / "state.ckpt", state)
+    state |= _load_into(trainer, _checked(path, "state.ckpt"), state)
     if trainer.critic is not None:
-        trainer.fabric.load(Path(path) / "critic.ckpt", critic_state(trainer))
+        _load_into(trainer, _checked(path, "critic.ckpt"), critic_state(trainer))
     trainer.global_step = int(state["global_step"])
     for sched, s in zip(trainer.schedulers, state["schedulers"]):
         sched.load_state_dict(s)

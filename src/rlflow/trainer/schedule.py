@@ -22,3 +22,18 @@ def lr_lambda(kind: str, warmup_steps: int, total_steps: int, min_ratio: float =
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def step_schedulers(schedulers) -> None:
+    """Advance the learning-rate schedules one RL step.
+
+    A step whose gradient was not finite skips ``optimizer.step()`` on purpose (and counts it); the schedule
+    still advances, as verl's does, so PyTorch's "``lr_scheduler.step()`` before ``optimizer.step()``"
+    warning describes intended behaviour there and is silenced for this call only.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        for sched in schedulers:
+            sched.step()

@@ -29,7 +29,7 @@ from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_
                                         reduce_metrics, sequence_parallel_group)
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.metrics import MeanAccumulator, Timer, batch_metrics, sum_micro_batches
-from rlflow.trainer.schedule import lr_lambda
+from rlflow.trainer.schedule import lr_lambda, step_schedulers
 
 # Loss statistics that are each micro-batch's share of its mini-batch's loss (see rlflow.algorithms.losses).
 ADDITIVE_STATS = frozenset({"actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss"})
@@ -55,9 +55,12 @@ class Trainer:
         max_steps: RL steps to run; default ``epochs x steps per epoch``.
         val_every, val_n: validate every ``val_every`` steps (0: only when asked) with ``val_n`` samples per
             prompt: one greedy sample when ``val_n == 1``, else ``val_n`` samples at the rollout's temperature.
-        save_every, run_dir, resume: checkpoints every N steps under ``checkpoint_dir`` (default
-            ``run_dir/checkpoints``; the verl entry point uses ``trainer.default_local_dir`` itself, as verl);
-            ``resume`` is ``None``, ``"auto"`` (latest checkpoint if any) or a checkpoint folder.
+        run_dir: the run's one folder (verl's ``trainer.default_local_dir``): the loggers' files, and the
+            checkpoints as ``run_dir/global_step_N`` with ``run_dir/latest_checkpointed_iteration.txt``
+            (``rlflow.trainer.checkpoint``). Checked to be writable before the first step.
+        save_every, resume: a checkpoint every N steps and at the last (0: none); ``resume`` is ``None``,
+            ``"auto"`` (the latest checkpoint in ``run_dir``, if any) or a ``global_step_N`` folder of any run,
+            written by any number of processes.
         loggers: names from ``jsonl``, ``csv``, ``tensorboard``, ``wandb``; callbacks: objects with ``on_*`` hooks.
         epochs: passes over the prompts when ``max_steps`` is not given.
         seed: seeds every RNG at the start of ``fit`` (a resumed run restores the saved RNG state instead).
@@ -85,7 +88,7 @@ class Trainer:
         resume: str | Path | None = None, loggers=("jsonl", "csv", "tensorboard"), callbacks=(),
         seed: int = 0, progress: bool = True,
         accelerator: str = "cpu", devices: int = 1, num_nodes: int = 1, strategy="auto", precision: str = "32-true",
-        sequence_parallel_size: int = 1, balance_batch: bool = True, checkpoint_dir: str | Path | None = None,
+        sequence_parallel_size: int = 1, balance_batch: bool = True,
     ):
         self.policy, self.rollout, self.reward, self.estimator, self.loss = policy, rollout, reward, estimator, loss
         self.critic, self.value_loss = critic, value_loss
@@ -106,7 +109,6 @@ class Trainer:
         self.max_grad_norm, self.max_steps, self.epochs = max_grad_norm, max_steps, epochs
         self.val_every, self.val_n, self.save_every = val_every, val_n, save_every
         self.run_dir, self.resume, self.seed, self.progress = Path(run_dir), resume, seed, progress
-        self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else self.run_dir / "checkpoints"
         self.lr_schedule, self.warmup_steps = lr_schedule, warmup_steps
         # With one update per batch the "old" policy is the current one: skip its forward pass,
         # unless something before the update (e.g. a KL-in-reward estimator) reads it.
@@ -196,8 +198,7 @@ class Trainer:
             stats |= self.update_actor(update_batch)
         with timer("update_weights"):
             stats |= self.rollout.sync_weights(self.policy.model) or {}
-        for sched in self.schedulers:
-            sched.step()
+        step_schedulers(self.schedulers)
         self.global_step += 1
 
         step_time = time.perf_counter() - start
@@ -296,6 +297,9 @@ class Trainer:
     def fit(self, data: PromptData) -> list[dict[str, float]]:
         """Train on ``data``; returns every step's metrics (validation metrics merged into their step)."""
         self.fabric.seed_everything(self.seed)
+        # an unwritable or full disk fails now (on every rank), not at the first save
+        ckpt.check_run_dir(self.run_dir, self.save_every and ckpt.checkpoint_bytes(
+            self.policy.model, self.critic.module if self.critic is not None else None))
         self.loader = data.loader(self.batch_size, self.policy.tokenizer)
         if hasattr(self.rollout, "bind_prompts"):  # e.g. DAPO's dynamic sampling pulls more prompt batches
             self.rollout.bind_prompts(self.loader)
@@ -333,8 +337,8 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     @property
     def checkpoint_dir(self) -> Path:
-        """Where ``global_step_N`` folders and ``latest_checkpointed_iteration.txt`` go."""
-        return self._checkpoint_dir
+        """Where ``global_step_N`` folders and ``latest_checkpointed_iteration.txt`` go: ``run_dir`` (verl's layout)."""
+        return self.run_dir
 
     def save(self) -> Path:
         """Write a checkpoint of this step (see :func:`rlflow.trainer.checkpoint.save`)."""
