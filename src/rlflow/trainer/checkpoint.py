@@ -292,7 +292,9 @@ def resume(trainer) -> None:
     if trainer.resume is None:
         return
     path = latest_checkpoint(trainer.checkpoint_dir) if trainer.resume == "auto" else Path(trainer.resume)
-    if path is None:
-        return
-    load(trainer, path)
-    trainer.fabric.print(f"resumed from {path} at step {trainer.global_step}")
+    if path is not None:
+        load(trainer, path)
+        trainer.fabric.print(f"resumed from {path} at step {trainer.global_step}")
+    for logger in trainer.fabric.loggers:  # rows of steps after the checkpoint are logged again
+        if hasattr(logger, "drop_after"):
+            logger.drop_after(trainer.global_step)

@@ -47,6 +47,20 @@ class JSONLLogger(Logger):
         self._file.flush()
 
     @rank_zero_only
+    def drop_after(self, step: int) -> None:
+        """Forget rows past ``step`` (a resumed run logs those steps again), replacing the file atomically."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines(keepends=True)
+                if line.strip() and (json.loads(line).get("step") or 0) <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(self.path)
+
+    @rank_zero_only
     def log_hyperparams(self, params, *args, **kwargs) -> None:
         self._root.mkdir(parents=True, exist_ok=True)
         (self._root / "hparams.json").write_text(json.dumps(params, indent=2, default=str))

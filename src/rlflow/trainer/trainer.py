@@ -317,9 +317,9 @@ class Trainer:
                 t0 = time.perf_counter()
                 metrics |= self.validate(data)
                 metrics["timing_s/testing"] = time.perf_counter() - t0
+            self.fabric.log_dict(metrics, step=self.global_step)  # before the checkpoint: a resume drops extra rows
             if self.save_every and (self.global_step % self.save_every == 0 or self.global_step == total):
                 self.save()
-            self.fabric.log_dict(metrics, step=self.global_step)
             self.fabric.call("on_step_end", trainer=self, step=self.global_step, metrics=metrics)
             history.append(metrics)
             bar.update(1)
