@@ -35,8 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--dry-run", action="store_true",
                        help="validate config and data, print the resolved config, batch arithmetic and cost; stop")
     train.add_argument("overrides", nargs="*", help="verl keys in Hydra syntax: key=value, +key=value, key=[a,b]")
-    export = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face folder")
-    export.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/x/checkpoints/global_step_100")
+    export = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face folder",
+                            description="Write a checkpoint's policy (config.json, safetensors weights, tokenizer) "
+                                        "as a folder transformers' from_pretrained loads. Checkpoints are "
+                                        "RUN_DIR/global_step_N (RUN_DIR: Trainer(run_dir=...) or "
+                                        "trainer.default_local_dir), written by any number of processes.")
+    export.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/x/global_step_100")
     export.add_argument("out_dir", help="where config.json, the weights and the tokenizer go")
     prepare = sub.add_parser("prepare-task", help="write a built-in task as a model folder and parquet files",
                              description="Write OUT_DIR/model, OUT_DIR/train.parquet and OUT_DIR/test.parquet, "
@@ -47,9 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     if (extra and args.command != "train") or any(x.startswith("-") for x in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "export":
-        from rlflow.trainer.export import export_hf
+        from rlflow.trainer.export import ExportError, export_hf
 
-        print(f"exported to {export_hf(args.checkpoint, args.out_dir)}")
+        try:
+            print(f"exported to {export_hf(args.checkpoint, args.out_dir)}")
+        except ExportError as e:
+            print(f"rlflow export: {e}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "prepare-task":
         from rlflow.tasks.export import main as prepare_task

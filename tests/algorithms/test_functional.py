@@ -8,7 +8,7 @@ import torch
 
 from rlflow.algorithms import functional as F
 
-ALL_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+ALL_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
 
 
 def random_mask(b, r, gen, empty_rows=(0,)):
@@ -162,8 +162,10 @@ M_HAND = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
         ("seq-mean-token-sum", {"num_seqs": 4}, 2.0),
         ("seq-mean-token-mean", {}, 3.25),  # seq means [1.5, 5] / 2
         ("seq-mean-token-mean", {"num_seqs": 5}, 1.3),
-        ("seq-mean-token-sum-norm", {}, 2.0),  # (3 + 5) / R=4, no division by #seqs (verl)
-        ("seq-mean-token-sum-norm", {"norm_length": 8, "num_seqs": 99, "num_tokens": 99}, 1.0),
+        ("seq-mean-token-sum-norm", {}, 1.0),  # (3 + 5) / 2 non-empty seqs / R=4 (verl 0.9.1)
+        ("seq-mean-token-sum-norm", {"norm_length": 8, "num_seqs": 4, "num_tokens": 99}, 0.25),  # 8 / 4 / 8
+        ("token-sum", {}, 8.0),  # 1 + 2 + 5
+        ("token-sum", {"num_tokens": 99, "num_seqs": 99, "norm_length": 7}, 8.0),  # no count divides it
     ],
 )
 def test_agg_loss_by_hand(mode, kwargs, expected):
@@ -182,7 +184,7 @@ def test_agg_loss_unknown_mode():
 
 
 def agg_loop(loss, mask, mode):
-    """The four modes written out with Python loops over sequences and tokens."""
+    """The five modes written out with Python loops over sequences and tokens."""
     seqs, tokens, n_tok = [], 0.0, 0
     for i in range(loss.shape[0]):
         valid = [loss[i, t].item() for t in range(loss.shape[1]) if mask[i, t] > 0]
@@ -192,8 +194,10 @@ def agg_loop(loss, mask, mode):
             seqs.append(sum(valid) / len(valid) if mode == "seq-mean-token-mean" else sum(valid))
     if mode == "token-mean":
         return tokens / n_tok
+    if mode == "token-sum":
+        return tokens
     if mode == "seq-mean-token-sum-norm":
-        return tokens / loss.shape[1]
+        return sum(seqs) / len(seqs) / loss.shape[1]
     return sum(seqs) / len(seqs)
 
 
@@ -224,3 +228,19 @@ def test_agg_loss_micro_batches_sum_to_mini_batch(mode, split):
         total += part.item()
     assert total == pytest.approx(full.item(), rel=1e-9, abs=1e-12)
     torch.testing.assert_close(g_sum, g_full)
+
+
+def test_token_sum_on_two_processes_is_the_sum_over_both():
+    """Two ranks, each with half the rows and gradients averaged (as DDP/FSDP do), under
+    ``data_parallel(2)``: the averaged gradient is that of the sum over every token (verl's ``dp_size``)."""
+    gen = torch.Generator().manual_seed(5)
+    theta = torch.randn(6, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = random_mask(6, 5, gen, empty_rows=(4,))
+    whole = torch.autograd.grad(F.agg_loss(theta ** 2, mask, "token-sum"), theta)[0]
+    ranks = []
+    for rows in (slice(0, 3), slice(3, 6)):
+        with F.data_parallel(2):
+            share = F.agg_loss(theta[rows] ** 2, mask[rows], "token-sum")
+        ranks.append(torch.autograd.grad(share, theta)[0])
+    torch.testing.assert_close((ranks[0] + ranks[1]) / 2, whole)
+    torch.testing.assert_close(whole, 2 * theta.detach() * mask)  # d/dθ Σ θ²·M, by hand

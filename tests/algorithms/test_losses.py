@@ -11,7 +11,7 @@ from rlflow.algorithms import LOSS_MODES, LossOutput, PPOLoss, ValueLoss
 from rlflow.algorithms import functional as F
 from rlflow.data import keys as K
 
-MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
 
 # ---------------------------------------------------------------- PPO clip loss
 

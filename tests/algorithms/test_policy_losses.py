@@ -25,7 +25,7 @@ from rlflow.algorithms import policy_functional as PF
 from rlflow.data import keys as K
 from rlflow.module import Chain
 
-MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
 sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
 
 

@@ -12,7 +12,7 @@ from rlflow.data import keys as K
 from rlflow.module import BatchModule
 from rlflow.rollout import WithReferenceResponses
 
-MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
 
 
 class SampleRollout(BatchModule):
@@ -203,15 +203,16 @@ def test_spin_loss_module():
 
 def test_spin_loss_scale_factor():
     # spin_example with beta 0.5: c0 = 0.444601 on the 2 + 2 + 1 valid tokens of group 0, c1 = log 2 on the 2 + 1 of
-    # group 1; seq-mean-token-sum-norm divides the token sum by loss_scale_factor (default: the padded length R = 3)
+    # group 1; seq-mean-token-sum-norm divides the token sum by the 5 sequences and by loss_scale_factor (default:
+    # the padded length R = 3), as verl 0.9.1
     logp, ref, mask, group, is_ref = spin_example()
     batch = TensorDict({K.LOG_PROBS: logp, K.REF_LOG_PROBS: ref, K.RESPONSE_MASK: mask, K.GROUP: group,
                         K.IS_REFERENCE: is_ref}, batch_size=[5])
     token_sum = 5 * 0.44460055 + 3 * math.log(2)
     out = SPINLoss(beta=0.5, agg="seq-mean-token-sum-norm", loss_scale_factor=4.0)(batch)
-    assert out.loss.item() == pytest.approx(token_sum / 4, rel=1e-6)
+    assert out.loss.item() == pytest.approx(token_sum / 5 / 4, rel=1e-6)
     default = SPINLoss(beta=0.5, agg="seq-mean-token-sum-norm")(batch)
-    assert default.loss.item() == pytest.approx(token_sum / 3, rel=1e-6)
+    assert default.loss.item() == pytest.approx(token_sum / 5 / 3, rel=1e-6)
 
 
 def test_self_play_losses_refuse_is_weights():
@@ -271,14 +272,14 @@ def test_sppo_by_hand():
 
 def test_sppo_loss_scale_factor():
     # test_sppo_by_hand's rows: squared errors [0, 0.25, 0.25, 0.25], each on 2 tokens -> token sum 1.5;
-    # seq-mean-token-sum-norm divides it by loss_scale_factor (default: the padded length R = 2)
+    # seq-mean-token-sum-norm divides it by the 4 sequences and by loss_scale_factor (default: the padded length R = 2)
     ref, mask = torch.zeros(4, 2), torch.ones(4, 2)
     target = torch.tensor([0.25, -0.25, -0.25, 0.25])
     batch = TensorDict({K.LOG_PROBS: ref + torch.tensor([0.5, 0.0, -1.0, 1.0])[:, None] / 2, K.REF_LOG_PROBS: ref,
                         K.RESPONSE_MASK: mask, K.ADVANTAGES: target[:, None] * mask}, batch_size=[4])
     out = SPPOLoss(eta=2.0, agg="seq-mean-token-sum-norm", loss_scale_factor=6.0)(batch)
-    assert out.loss.item() == pytest.approx(1.5 / 6)
-    assert SPPOLoss(eta=2.0, agg="seq-mean-token-sum-norm")(batch).loss.item() == pytest.approx(1.5 / 2)
+    assert out.loss.item() == pytest.approx(1.5 / 4 / 6)
+    assert SPPOLoss(eta=2.0, agg="seq-mean-token-sum-norm")(batch).loss.item() == pytest.approx(1.5 / 4 / 2)
 
 
 def test_sppo_matches_loop():

@@ -17,6 +17,7 @@ from torch import Tensor
 
 
 _BATCH_SUM: contextvars.ContextVar = contextvars.ContextVar("rlflow_batch_sum", default=None)
+_DP_SIZE: contextvars.ContextVar = contextvars.ContextVar("rlflow_dp_size", default=1)
 
 
 @contextlib.contextmanager
@@ -37,6 +38,19 @@ def batch_sum(x: Tensor) -> Tensor:
     """``x`` summed over the processes of :func:`batch_statistics` (``x`` itself outside it)."""
     fn = _BATCH_SUM.get()
     return x if fn is None else fn(x).to(x.dtype)
+
+
+@contextlib.contextmanager
+def data_parallel(world_size: int):
+    """Inside, losses are computed on one of ``world_size`` processes whose gradients are averaged:
+    ``token-sum`` multiplies by it (verl's ``dp_size``), so the loss is the sum over all processes' tokens.
+    The modes with a denominator need nothing here: their ``num_tokens``/``num_seqs`` already carry it.
+    """
+    token = _DP_SIZE.set(world_size)
+    try:
+        yield
+    finally:
+        _DP_SIZE.reset(token)
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -173,7 +187,7 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl
     ``kl``/``k1``: ``logp - ref``; ``abs``: ``|logp - ref|``; ``mse``/``k2``: ``0.5 (logp - ref)^2``;
     ``low_var_kl``/``k3``: ``d = clamp(ref - logp, -20, 20)``, ``clamp(exp(d) - d - 1, -10, 10)``.
     A ``+`` suffix (``k3+``) keeps the forward value but uses the k2 gradient:
-    ``k2 - k2.detach() + fwd.detach()`` (rlflow: verl raises on the suffix, see verl.md).
+    ``k2 - k2.detach() + fwd.detach()`` (verl 0.9.1 accepts ``k1+`` and ``k3+`` the same way).
     log_probs, ref_log_probs: [B, R]; returns [B, R].
     """
     base = kind[:-1] if kind.endswith("+") else kind
@@ -186,7 +200,7 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl
     return k2 - k2.detach() + fwd.detach()
 
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
 
 
 def _nonzero(count):
@@ -210,21 +224,23 @@ def agg_loss(
     num_seqs: float | Tensor | None = None,
     norm_length: float | None = None,
 ) -> Tensor:
-    """Reduce a per-token loss [B, R] to a scalar (verl ``agg_loss``).
+    """Reduce a per-token loss [B, R] to a scalar (verl 0.9.1 ``core_algos.agg_loss``).
 
     - ``token-mean``: ``sum(L*M) / num_tokens`` (default ``sum(M)``), DAPO's token-level loss.
     - ``seq-mean-token-sum``: ``l_i = sum_t L*M``; ``sum_{i: |M_i|>0} l_i / num_seqs``
       (default: number of sequences with a valid token).
     - ``seq-mean-token-mean``: ``l_i = sum_t L*M / (sum_t M + 1e-8)``; then as above (GRPO paper).
-    - ``seq-mean-token-sum-norm`` (Dr.GRPO): ``sum_i l_i / norm_length`` (default ``R``); like verl,
-      no division by the number of sequences, and ``num_tokens``/``num_seqs`` are unused.
-      ``norm_length`` is verl's ``actor.loss_scale_factor`` (``PPOLoss(loss_scale_factor=...)``); the
-      other modes ignore it, as verl does.
+    - ``seq-mean-token-sum-norm`` (Dr.GRPO): ``seq-mean-token-sum / norm_length`` (default ``R``), i.e.
+      ``sum_i l_i / (num_seqs * norm_length)``, as verl 0.9.1. ``norm_length`` is verl's
+      ``actor.loss_scale_factor`` (``PPOLoss(loss_scale_factor=...)``); the other modes ignore it, as verl does.
+    - ``token-sum``: ``sum(L*M) * dp_size`` (verl 0.9.1): the sum over every valid token of every process
+      (``dp_size`` from :func:`data_parallel`, 1 outside it); no count divides it.
 
     Pass ``num_tokens``/``num_seqs`` of the whole mini-batch so that the micro-batch losses sum
     exactly to the mini-batch loss (and so do their gradients). Under data parallelism with
-    averaged gradients, pass the global count divided by the world size (verl's ``dp_size``).
-    rlflow: a zero denominator is replaced by 1, so an empty mask gives 0, not NaN.
+    averaged gradients, pass the global count divided by the world size (verl's
+    ``batch_num_tokens / dp_size`` and ``global_batch_size / dp_size``).
+    rlflow: a zero denominator is replaced by 1, so an empty mask gives 0, not NaN (verl returns 0 too).
     """
     if mode == "token-mean":
         return masked_sum(loss_mat, mask) / _nonzero(num_tokens if num_tokens is not None else mask.sum())
@@ -233,7 +249,9 @@ def agg_loss(
     if mode == "seq-mean-token-mean":
         return _seq_mean(masked_mean(loss_mat, mask, -1), mask, num_seqs)
     if mode == "seq-mean-token-sum-norm":
-        return masked_sum(loss_mat, mask) / (norm_length or mask.shape[-1])
+        return _seq_mean(masked_sum(loss_mat, mask, -1), mask, num_seqs) / (norm_length or mask.shape[-1])
+    if mode == "token-sum":
+        return masked_sum(loss_mat, mask) * _DP_SIZE.get()
     raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {list(AGG_MODES)}")
 
 

@@ -1,6 +1,6 @@
 """Export a checkpoint's policy as a plain Hugging Face folder that ``from_pretrained`` loads.
 
-    rlflow export runs/x/checkpoints/global_step_100 ./exported
+    rlflow export runs/x/global_step_100 ./exported
 
 Works for one-file checkpoints and for sharded ones (``torch.distributed.checkpoint``
 folders written by FSDP2), whatever the number of ranks that wrote them.
@@ -14,6 +14,26 @@ from pathlib import Path
 import torch
 
 POLICY_PREFIX = "lm."  # the policy's weights sit under TokenLogProbs.lm
+
+
+class ExportError(ValueError):
+    """The folder is not a checkpoint that can be exported; the message names it and says why."""
+
+
+def check_checkpoint(checkpoint: Path) -> None:
+    """Fail with a message naming ``checkpoint`` unless it is a ``global_step_N`` folder of a run."""
+    from rlflow.trainer.checkpoint import latest_checkpoint
+
+    if not checkpoint.exists():
+        raise ExportError(f"checkpoint folder {checkpoint} does not exist")
+    if not checkpoint.is_dir():
+        raise ExportError(f"{checkpoint} is a file, not a checkpoint folder (pass RUN_DIR/global_step_N)")
+    if not (checkpoint / "state.ckpt").exists():
+        latest = latest_checkpoint(checkpoint)
+        hint = f"; this looks like a run folder: its latest checkpoint is {latest}" if latest else ""
+        raise ExportError(f"{checkpoint} is not an rlflow checkpoint: no state.ckpt{hint}")
+    if not (checkpoint / "huggingface").exists():
+        raise ExportError(f"{checkpoint} has no huggingface/ folder (config and tokenizer); is it an rlflow checkpoint?")
 
 
 def load_policy_state(state_path: Path) -> dict[str, torch.Tensor]:
@@ -35,15 +55,24 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write ``config.json``, weights (safetensors) and the tokenizer of the checkpoint's policy to ``out_dir``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    checkpoint, out_dir = Path(checkpoint).expanduser(), Path(out_dir).expanduser()
+    check_checkpoint(checkpoint)
     meta = checkpoint / "huggingface"
-    if not meta.exists():
-        raise FileNotFoundError(f"{checkpoint} has no huggingface/ folder (config and tokenizer); is it an rlflow checkpoint?")
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(meta))
-    missing, unexpected = model.load_state_dict(load_policy_state(checkpoint / "state.ckpt"), strict=False)
+    try:
+        weights = load_policy_state(checkpoint / "state.ckpt")
+    except Exception as e:  # noqa: BLE001 - a torn or foreign file: say which one
+        raise ExportError(f"cannot read {checkpoint / 'state.ckpt'}: it may be incomplete or damaged "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from e
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # shapes differ from huggingface/config.json
+        raise ExportError(f"{checkpoint}: the weights do not fit huggingface/config.json "
+                          f"({str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e})") from e
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+        raise ExportError(f"{checkpoint}: checkpoint does not match the model: missing {sorted(set(missing) - tied)}, "
+                          f"unexpected {unexpected}")
     model.tie_weights()
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(meta).save_pretrained(out_dir)

@@ -19,7 +19,7 @@ from tensordict import TensorDict
 from tqdm.auto import tqdm
 
 from rlflow.data import keys as K
-from rlflow.algorithms.functional import batch_statistics
+from rlflow.algorithms.functional import batch_statistics, data_parallel
 from rlflow.data.prompts import PromptData
 from rlflow.module import check_chain
 from rlflow.strategies import resolve_strategy, shards_parameters
@@ -269,7 +269,8 @@ class Trainer:
         for mb, n_tok, n_seq in self._minibatches(batch):
             micro_stats = []
             for micro in micro_batches(mb, self.micro_batch_size, self.max_tokens_per_micro_batch, self.fabric):
-                out = micro_loss(micro, n_tok, n_seq)
+                with data_parallel(self.fabric.world_size):  # token-sum's factor; see _minibatches for the counts
+                    out = micro_loss(micro, n_tok, n_seq)
                 self.fabric.backward(out.loss)
                 micro_stats.append(out.stats)
             stats = sum_micro_batches(micro_stats, ADDITIVE_STATS)
