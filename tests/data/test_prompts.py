@@ -18,6 +18,7 @@ def test_reads_verl_parquet(tmp_path, tokenizer):
     path = tmp_path / "train.parquet"
     pd.DataFrame(verl_rows()).to_parquet(path)
     data = PromptData(path, val=path)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     assert [r["ground_truth"] for r in data.train] == ["42", "2"]
     assert data.train[0]["prompt"] == [{"role": "user", "content": "What is 15 + 27?"}]
     batch = data.collate(data.train, tokenizer)
@@ -55,7 +56,7 @@ def test_errors_name_file_and_row(tmp_path, tokenizer):
 
 
 def test_truncation_modes(tokenizer):
-    rows = [{"prompt": "12345+1="}]
+    rows = [{"prompt": "12345+1=", "ground_truth": "12346"}]
     with pytest.raises(DataError, match=r"row 0: prompt has 8 tokens > max_prompt_length=4"):
         PromptData(rows, max_prompt_length=4).collate(PromptData(rows).train, tokenizer)
     left = PromptData(rows, max_prompt_length=4, truncation="left")

@@ -42,8 +42,14 @@ def load_tokenizer(plan: Plan):
     """The policy's tokenizer alone (the dry run needs no weights)."""
     from transformers import AutoTokenizer
 
+    from rlflow.models.checks import ModelFolderError, check_tokenizer
+
     tok = AutoTokenizer.from_pretrained(local_model(plan.model_path, "actor_rollout_ref.model.path"),
                                         padding_side="left")
+    try:
+        check_tokenizer(tok, source=plan.model_path)
+    except ModelFolderError as e:
+        raise ConfigError(f"actor_rollout_ref.model.path: {e}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if plan.chat_template:
@@ -58,7 +64,13 @@ def build_data(plan: Plan, tokenizer) -> PromptData:
         data = PromptData(kw.pop("train"), val=kw.pop("val"), **kw)
     except DataError as e:
         raise ConfigError(f"data.train_files / data.val_files: {e}") from e
-    dropped = data.filter_overlong(tokenizer)
+    if any(data.skipped.values()):
+        plan.notes.append(f"data.missing_ground_truth=skip: dropped {data.skipped['train']} training and "
+                          f"{data.skipped['val']} validation row(s) without reward_model.ground_truth")
+    try:
+        dropped = data.filter_overlong(tokenizer)
+    except DataError as e:
+        raise ConfigError(f"data.train_files / data.val_files: {e}") from e
     if any(dropped.values()):
         plan.notes.append(f"data.filter_overlong_prompts: dropped {dropped['train']} training and {dropped['val']} "
                           f"validation prompt(s) longer than max_prompt_length={data.max_prompt_length} tokens")
@@ -81,7 +93,13 @@ def warmup_steps(plan: Plan, total: int) -> int:
 
 
 def build_policy(plan: Plan) -> Policy:
-    policy = Policy.from_pretrained(local_model(plan.model_path, "actor_rollout_ref.model.path"), **plan.policy_kwargs)
+    from rlflow.models.checks import ModelFolderError
+
+    try:
+        policy = Policy.from_pretrained(local_model(plan.model_path, "actor_rollout_ref.model.path"),
+                                        **plan.policy_kwargs)
+    except ModelFolderError as e:
+        raise ConfigError(f"actor_rollout_ref.model.path: {e}") from None
     if plan.chat_template:
         policy.tokenizer.chat_template = plan.chat_template
     return policy
@@ -90,8 +108,15 @@ def build_policy(plan: Plan) -> Policy:
 def build_critic(plan: Plan) -> Critic:
     from transformers import AutoModelForCausalLM
 
+    from rlflow.models.checks import ModelFolderError, check_model_folder
+
     kw = dict(plan.critic_kwargs)
-    model = AutoModelForCausalLM.from_pretrained(local_model(plan.critic_path, "critic.model.path"))
+    path = local_model(plan.critic_path, "critic.model.path")
+    try:
+        check_model_folder(path, tokenizer=False)
+    except ModelFolderError as e:
+        raise ConfigError(f"critic.model.path: {e}") from None
+    model = AutoModelForCausalLM.from_pretrained(path)
     if kw.pop("gradient_checkpointing"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return Critic(model, **kw)

@@ -273,7 +273,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
                      "prompt_key": cfg["data.prompt_key"],
                      "max_prompt_length": cfg["data.max_prompt_length"], "truncation": cfg["data.truncation"],
                      "shuffle": cfg["data.shuffle"], "seed": cfg["data.seed"],
-                     "filter_overlong_prompts": cfg["data.filter_overlong_prompts"]},
+                     "filter_overlong_prompts": cfg["data.filter_overlong_prompts"],
+                     "missing_ground_truth": cfg["data.missing_ground_truth"]},
         trainer_kwargs={
             "batch_size": bs, "mini_batch_size": mini, "micro_batch_size": micro, "ppo_epochs": ppo_epochs,
             "lr": lr, "critic_lr": cfg[f"{C}.optim.lr"], "weight_decay": weight_decay,

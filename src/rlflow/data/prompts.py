@@ -16,6 +16,7 @@ from tensordict import NonTensorStack, TensorDict
 from rlflow.data import keys as K
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
+MISSING_GROUND_TRUTH = ("error", "skip", "allow")  # PromptData(missing_ground_truth=...)
 
 
 class DataError(ValueError):
@@ -40,7 +41,11 @@ def load_rows(source: str | Path | Sequence[dict], prompt_key: str = "prompt") -
         kind = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}.get(path.suffix)
         if kind is None:
             raise DataError(f"{path}: unsupported file type '{path.suffix}' (use .parquet, .json or .jsonl)")
-        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        try:
+            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        except Exception as e:  # noqa: BLE001 - pyarrow/json errors of every kind: name the file
+            cause = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            raise DataError(f"{path}: cannot be read as {kind} ({type(e).__name__}: {cause})") from e
         raw, name = ds.to_list(), str(path)
     else:
         raw, name = list(source), "<in-memory rows>"
@@ -55,9 +60,17 @@ def normalise_row(row: dict, index: int, name: str, prompt_key: str = "prompt") 
         try:
             prompt = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
         except (TypeError, KeyError) as e:
-            raise DataError(f"{name}, row {index}: '{prompt_key}' must be a string or chat messages ({e!r})") from e
+            raise DataError(f"{name}, row {index}: '{prompt_key}' must be a string or chat messages "
+                            f"[{{'role': ..., 'content': ...}}] ({e!r})") from e
+    if not prompt or (isinstance(prompt, str) and not prompt.strip()):
+        raise DataError(f"{name}, row {index}: '{prompt_key}' is empty")
     reward_model = row.get("reward_model") or {}
+    if not isinstance(reward_model, dict):
+        raise DataError(f"{name}, row {index}: 'reward_model' must be a mapping with a 'ground_truth' "
+                        f"(got {type(reward_model).__name__})")
     ground_truth = row.get("ground_truth", reward_model.get("ground_truth"))
+    if isinstance(ground_truth, float) and ground_truth != ground_truth:  # NaN: pandas' missing value
+        ground_truth = None
     return {
         "prompt": prompt,
         "ground_truth": None if ground_truth is None else str(ground_truth),
@@ -67,18 +80,47 @@ def normalise_row(row: dict, index: int, name: str, prompt_key: str = "prompt") 
     }
 
 
+def drop_missing_ground_truth(rows: list[dict], name: str, mode: str) -> tuple[list[dict], int]:
+    """Rows without a ground truth: an error naming the first (``"error"``), dropped and counted
+    (``"skip"``), or kept with ``None`` (``"allow"``, for rewards that need none). Returns (rows, dropped)."""
+    missing = [r for r in rows if r["ground_truth"] is None]
+    if not missing or mode == "allow":
+        return rows, 0
+    if mode == "error":
+        raise DataError(
+            f"{name}, row {missing[0]['index']}: no ground truth (column 'reward_model.ground_truth', or "
+            f"'ground_truth'); {len(missing)} of {len(rows)} rows lack one. Add it, or drop and count such rows "
+            "with missing_ground_truth='skip' (verl entry point: data.missing_ground_truth=skip), or keep them "
+            "with 'allow' when the reward needs no ground truth")
+    kept = [r for r in rows if r["ground_truth"] is not None]
+    if not kept:
+        raise DataError(f"{name}: every row lacks a ground truth ('reward_model.ground_truth')")
+    return kept, len(missing)
+
+
 def render_prompt(prompt: str | list[dict], tokenizer) -> str:
-    """Chat messages go through the tokenizer's chat template when it has one."""
+    """Chat messages go through the tokenizer's chat template (see :func:`check_chat_template`)."""
     if isinstance(prompt, str):
         return prompt
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+
+
+def check_chat_template(rows: Sequence[dict], name: str, tokenizer) -> None:
+    """Chat-message prompts need the tokenizer's chat template: fail before the first step if it has none."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-    return "\n".join(m["content"] for m in prompt)
+        return
+    chat = next((r for r in rows if not isinstance(r["prompt"], str)), None)
+    if chat is not None:
+        source = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise DataError(f"{name}, row {chat['index']}: the prompt is chat messages but the tokenizer ({source}) has no "
+                        "chat template: set tokenizer.chat_template (verl entry point: "
+                        "actor_rollout_ref.model.custom_chat_template), or store prompts as plain strings")
 
 
 def collate(rows: Sequence[dict], tokenizer, max_prompt_length: int | None = None,
             truncation: str = "error", name: str = "") -> TensorDict:
     """Tokenize rows into a batch: left-padded ``prompt_ids``/``prompt_mask`` and the non-tensor fields."""
+    check_chat_template(rows, name, tokenizer)
     texts = [render_prompt(r["prompt"], tokenizer) for r in rows]
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     if max_prompt_length is not None:
@@ -163,23 +205,35 @@ class PromptData:
         shuffle, seed: per-epoch seeded shuffling.
         filter_overlong_prompts: drop prompts longer than ``max_prompt_length`` (in tokens, after the chat
             template) before training, and report how many (see :meth:`filter_overlong`).
+        missing_ground_truth: rows without ``reward_model.ground_truth`` (or ``ground_truth``): ``"error"``
+            (the default) names the file and the first such row; ``"skip"`` drops them and counts them in
+            ``skipped``; ``"allow"`` keeps them (``ground_truth=None``) for rewards that need none.
     """
 
     def __init__(self, train, val=None, *, prompt_key: str = "prompt", max_prompt_length: int | None = None,
                  truncation: str = "error", shuffle: bool = True, seed: int = 0,
-                 filter_overlong_prompts: bool = False):
+                 filter_overlong_prompts: bool = False, missing_ground_truth: str = "error"):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got '{truncation}'")
+        if missing_ground_truth not in MISSING_GROUND_TRUTH:
+            raise ValueError(f"missing_ground_truth must be one of {MISSING_GROUND_TRUTH}, got '{missing_ground_truth}'")
         self.train, self.train_name = load_rows(train, prompt_key)
         self.val, self.val_name = load_rows(val, prompt_key) if val is not None else ([], "")
         if not self.train:
             raise DataError(f"{self.train_name}: no rows")
+        self.train, dropped_train = drop_missing_ground_truth(self.train, self.train_name, missing_ground_truth)
+        self.val, dropped_val = drop_missing_ground_truth(self.val, self.val_name, missing_ground_truth)
+        self.skipped = {"train": dropped_train, "val": dropped_val}  # rows without a ground truth, dropped
         self.max_prompt_length, self.truncation = max_prompt_length, truncation
         self.shuffle, self.seed = shuffle, seed
         self.filter_overlong_prompts, self.filtered = filter_overlong_prompts, None
 
     def filter_overlong(self, tokenizer) -> dict[str, int]:
-        """Drop over-long prompts once (when ``filter_overlong_prompts``); returns the count dropped per split."""
+        """Drop over-long prompts once (when ``filter_overlong_prompts``); returns the count dropped per split.
+
+        First checks that chat-message prompts have a chat template to render them (else a DataError)."""
+        check_chat_template(self.train, self.train_name, tokenizer)
+        check_chat_template(self.val, self.val_name, tokenizer)
         if self.filtered is None:
             self.filtered = {"train": 0, "val": 0}
             if self.filter_overlong_prompts and self.max_prompt_length is not None:

@@ -46,6 +46,12 @@ class Policy(BatchModule):
         entropy_key: str | None = K.ENTROPY,
         remove_padding: bool = False,
     ):
+        if tokenizer is not None:  # ids beyond the embedding table would fail mid-generation
+            from rlflow.models.checks import check_tokenizer
+
+            check_tokenizer(tokenizer, model)
+            if tokenizer.pad_token is None:  # common for base models; prompts need a pad id for left padding
+                tokenizer.pad_token = tokenizer.eos_token
         self.model = model
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
@@ -68,9 +74,12 @@ class Policy(BatchModule):
         """Load a model folder (weights, config, tokenizer) from local disk."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from rlflow.models.checks import check_model_folder, check_tokenizer
+
+        if Path(path).expanduser().exists():  # a local folder: a clear error now rather than from transformers
+            path = check_model_folder(path)
         tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-        if tokenizer.pad_token is None:  # common for base models; prompts need a pad id for left padding
-            tokenizer.pad_token = tokenizer.eos_token
+        check_tokenizer(tokenizer, source=str(path))
         model = AutoModelForCausalLM.from_pretrained(path)
         return cls(model, tokenizer, **kwargs)
 

@@ -249,7 +249,9 @@ def _checked(path: Path, what: str) -> Path:
     target = path / what
     if not target.exists():
         found = sorted(p.name for p in path.iterdir())[:8]
-        raise CheckpointError(f"{path} is not an rlflow checkpoint: no {what} (found {found or 'an empty folder'})")
+        latest = latest_checkpoint(path)
+        hint = f"; this looks like a run folder: its latest checkpoint is {latest}" if latest else ""
+        raise CheckpointError(f"{path} is not an rlflow checkpoint: no {what} (found {found or 'an empty folder'}){hint}")
     return target
 
 
@@ -263,7 +265,8 @@ def _load_into(trainer, path: Path, state: dict) -> dict:
             return load_sharded_unsharded(path, state)
         return trainer.fabric.load(path, state)
     except (RuntimeError, KeyError, ValueError, EOFError, OSError) as e:
-        text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        text = " ".join(lines[:2])[:400] if lines else type(e).__name__  # torch's state_dict errors: header, first key
         hint = ("the model does not match the one that wrote it" if "state_dict" in text or "size mismatch" in text
                 else "it may be incomplete or damaged: resume from an earlier global_step_N")
         raise CheckpointError(f"cannot load {path}: {hint} ({type(e).__name__}: {text})") from e
