@@ -14,7 +14,6 @@ after every step.
 import sys
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from rlflow import FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer
 from rlflow.algorithms import GAE, AdaptiveKLController, KLInReward, ReinforcePlusPlus, ValueLoss
@@ -45,7 +44,10 @@ class ReturnAsAdvantage(AdvantageEstimator):
 
 
 def full_weights(model):
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    """Every rank's full weights, gathered as the engine's weight sync gathers them (CPU-offloaded shards too)."""
+    from rlflow.rollout.weight_sync import full_weight_buckets
+
+    return {n: t.detach().cpu().clone() for bucket in full_weight_buckets(model) for n, t in bucket}
 
 
 class Record:

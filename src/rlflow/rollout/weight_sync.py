@@ -6,6 +6,10 @@ dimension, FSDP2's layout) are gathered bucket by bucket too: every rank lays it
 local shards, each padded to the shard size ``ceil(rows / world)``, end to end, one
 ``all_gather_into_tensor`` brings all ranks' buffers, and each full tensor is cut back
 out. Parameters with any other placement are gathered with ``full_tensor()``.
+
+With FSDP2's CPU offload the shards live on the CPU while the process group is NCCL, which
+cannot gather CPU tensors: each bucket is moved to a device the group's backend serves
+(:func:`collective_device`, the current GPU there) before the collective, one bucket at a time.
 """
 
 from __future__ import annotations
@@ -26,8 +30,32 @@ def _row_sharded(param: Tensor) -> bool:
             and param.placements[0] == Shard(0))
 
 
+_BACKEND_DEVICES = {"nccl": ("cuda",), "gloo": ("cpu", "cuda"), "mpi": ("cpu",), "xccl": ("xpu",), "hccl": ("npu",)}
+
+
+def pick_device(supported: list[str], tensor_device: torch.device) -> torch.device:
+    """The device a collective runs on: the tensor's own when the backend serves its device type, else the
+    current device of the first type it serves (``cuda`` for NCCL: CPU-offloaded shards go to the GPU)."""
+    if tensor_device.type in supported:
+        return tensor_device
+    kind = supported[0]
+    module = getattr(torch, kind, None)
+    index = module.current_device() if module is not None and module.is_available() else 0
+    return torch.device(kind, index)
+
+
+def collective_device(group, tensor_device: torch.device) -> torch.device:
+    """:func:`pick_device` for ``group``'s backend (its device types as PyTorch records them)."""
+    types = [d.type for d in getattr(group, "_device_types", None) or ()]
+    if not types:  # older PyTorch: from the backend name ("nccl", or "cpu:gloo,cuda:nccl")
+        name = dist.get_backend(group)
+        types = [part.split(":")[0] for part in name.split(",")] if ":" in name else list(_BACKEND_DEVICES.get(name, ("cpu",)))
+    return pick_device(types, tensor_device)
+
+
 def gather_row_sharded(params: list[DTensor]) -> list[Tensor]:
-    """Full tensors of DTensors sharded on dim 0 over the same 1-D mesh and of one dtype: one collective."""
+    """Full tensors of DTensors sharded on dim 0 over the same 1-D mesh and of one dtype: one collective
+    (on :func:`collective_device`; the full tensors are returned there)."""
     mesh = params[0].device_mesh
     world = mesh.size()
     layout, pieces = [], []
@@ -38,9 +66,11 @@ def gather_row_sharded(params: list[DTensor]) -> list[Tensor]:
         padded[: local.numel()] = local
         pieces.append(padded)
         layout.append((p.shape, chunk * inner))
+    group = mesh.get_group()
     flat = torch.cat(pieces)
+    flat = flat.to(collective_device(group, flat.device))  # CPU-offloaded shards under NCCL: to the GPU
     out = flat.new_empty(world * flat.numel())
-    dist.all_gather_into_tensor(out, flat, group=mesh.get_group())
+    dist.all_gather_into_tensor(out, flat, group=group)
     out, offset, full = out.view(world, -1), 0, []
     for shape, size in layout:  # rank r's rows are r*chunk ...: concatenated in rank order, padding at the end
         full.append(out[:, offset : offset + size].reshape(-1, *shape[1:])[: shape[0]])
@@ -68,7 +98,7 @@ def full_weight_buckets(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYT
 def _gathered(bucket: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
     """Full tensors for a bucket: one all-gather per mesh for the row-sharded ones, ``full_tensor()`` for other DTensors."""
     sharded = [(i, p) for i, (_, p) in enumerate(bucket) if _row_sharded(p)]
-    full = [None if _row_sharded(p) else p.full_tensor().detach() if isinstance(p, DTensor) else p.detach()
+    full = [None if _row_sharded(p) else _full_tensor(p) if isinstance(p, DTensor) else p.detach()
             for _, p in bucket]
     by_mesh: dict[int, list[tuple[int, DTensor]]] = {}
     for i, p in sharded:
@@ -77,6 +107,16 @@ def _gathered(bucket: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
         for (i, _), tensor in zip(members, gather_row_sharded([p for _, p in members])):
             full[i] = tensor
     return [(name, tensor) for (name, _), tensor in zip(bucket, full)]
+
+
+def _full_tensor(param: DTensor) -> Tensor:
+    """``full_tensor()`` of any other placement, its local part first moved where the mesh's backend can gather it."""
+    local = param.to_local().detach()
+    device = collective_device(param.device_mesh.get_group(), local.device)
+    if device != local.device:
+        param = DTensor.from_local(local.to(device), param.device_mesh, param.placements, run_check=False,
+                                   shape=param.shape, stride=param.stride())
+    return param.full_tensor().detach()
 
 
 @torch.no_grad()

@@ -57,5 +57,8 @@ def FSDP2(world_size: int, *, param_dtype: torch.dtype | None = None, offload: b
     Every process is one data-parallel rank: ``world_size`` = devices per node x nodes.
     """
     fn = parallelize_fn or partial(fsdp2_parallelize, param_dtype=param_dtype, offload=offload)
+    # Offloaded shards and gradients live on the CPU, which NCCL cannot reduce or gather (gradient clipping,
+    # full tensors): give the process group gloo for CPU tensors beside NCCL for GPU ones, as torchtitan does.
+    backend = "cuda:nccl,cpu:gloo" if offload else None
     return ModelParallelStrategy(parallelize_fn=fn, data_parallel_size=world_size, tensor_parallel_size=1,
-                                 timeout=timeout)
+                                 timeout=timeout, process_group_backend=backend)

@@ -23,7 +23,7 @@ from rlflow.algorithms.functional import batch_statistics, data_parallel
 from rlflow.data.prompts import PromptData
 from rlflow.module import check_chain
 from rlflow.strategies import resolve_strategy, shards_parameters
-from rlflow.trainer import checkpoint as ckpt, validation
+from rlflow.trainer import checkpoint as ckpt, numerics, validation
 from rlflow.trainer.batching import micro_batches
 from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_sum, rank_shard,
                                         reduce_metrics, sequence_parallel_group)
@@ -173,6 +173,7 @@ class Trainer:
         if self.reward is not None:  # None when the rollout scores its samples itself (e.g. dynamic sampling)
             with timer("reward"):
                 batch = self.reward(batch)
+        health = numerics.guard_rewards(batch)  # a NaN reward must not reach whole-batch statistics
         if self.sp_group is not None:  # a sequence-parallel group trains on the union of its ranks' samples
             batch = gather_in_group(batch, self.sp_group)
         if self.reference is not None:
@@ -205,6 +206,7 @@ class Trainer:
         tokens = batch[K.PROMPT_MASK].sum() + batch[K.RESPONSE_MASK].sum()
         total_tokens = int(global_sum(self.fabric, tokens)) // self.sp_size
         metrics = batch_metrics(batch, getattr(self.rollout, "max_new_tokens", None)) | stats
+        metrics |= health | numerics.batch_health(batch)
         for role in (self.rollout, self.reward, self.estimator):
             metrics |= getattr(role, "stats", {})  # e.g. reward/errors, actor/reward_kl_penalty
         metrics |= timer.metrics() | {
@@ -235,8 +237,8 @@ class Trainer:
         for _ in range(self.ppo_epochs):
             for mb in batch.split(mini):
                 mask = mb[K.RESPONSE_MASK]
-                n_tok = global_sum(self.fabric, mask.sum()).clamp_min(1) / world
-                n_seq = global_sum(self.fabric, (mask.sum(-1) > 0).sum()).clamp_min(1) / world
+                n_tok = global_sum(self.fabric, mask.sum()) / world
+                n_seq = global_sum(self.fabric, (mask.sum(-1) > 0).sum()) / world
                 yield mb, n_tok, n_seq
 
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
@@ -267,6 +269,9 @@ class Trainer:
         acc = MeanAccumulator()
         module.train()
         for mb, n_tok, n_seq in self._minibatches(batch):
+            if not n_tok:  # no valid token on any process: nothing to learn (and AdamW would still decay weights)
+                acc.add({f"{role}/skipped_frac": 1.0})
+                continue
             micro_stats = []
             for micro in micro_batches(mb, self.micro_batch_size, self.max_tokens_per_micro_batch, self.fabric):
                 with data_parallel(self.fabric.world_size):  # token-sum's factor; see _minibatches for the counts
