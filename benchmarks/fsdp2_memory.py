@@ -1,6 +1,6 @@
 """Per-rank memory of parameters, gradients and AdamW state: FSDP2 on 2 processes vs 1 process.
 
-    /work/venv/bin/python benchmarks/fsdp2_memory.py [--hidden 256] [--layers 4]
+    python benchmarks/fsdp2_memory.py [--hidden 256] [--layers 4]
 
 Launches ``torchrun --nproc_per_node 1`` (strategy "auto") and ``--nproc_per_node 2``
 (strategy "fsdp2", CPU, gloo) on a tiny Qwen2, runs one GRPO step with the Trainer (so

@@ -1,6 +1,6 @@
 """Padding removal and token-budget micro-batches, side by side in one process.
 
-    /work/venv/bin/python benchmarks/packing.py [--rows 32] [--max-len 256] [--micro 8] [--repeats 1]
+    python benchmarks/packing.py [--rows 32] [--max-len 256] [--micro 8] [--repeats 1]
 
 A tiny Qwen2 (hidden 256, 4 layers, vocab 4096) scores a batch whose responses have
 widely varying lengths (uniform in 8..max-len, prompts 16..64 tokens;

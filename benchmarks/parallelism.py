@@ -1,6 +1,6 @@
 """Token balancing across ranks and Ulysses sequence parallelism, on 2 CPU processes (gloo).
 
-    /work/venv/bin/python benchmarks/parallelism.py [--repeats 3] [--seq 1024]
+    python benchmarks/parallelism.py [--repeats 3] [--seq 1024]
 
 Part 1, balancing: a Trainer under DDP on 2 processes runs its actor update on a batch
 where rank 0 holds long responses and rank 1 short ones (as when one rank's prompts

@@ -15,6 +15,7 @@ import argparse
 import copy
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,9 +78,10 @@ def main() -> None:
     model, tok = warm_started_model(task, seed=0)
     train, _, _ = task.splits()
     times = {"raw": [], "rlflow": []}
-    for i in range(args.rounds):
-        times["raw"].append(raw_grpo_steps(copy.deepcopy(model), tok, train, args.steps))
-        times["rlflow"].append(rlflow_steps(args.steps, Path(f"/tmp/rlflow-bench-{i}")))
+    with tempfile.TemporaryDirectory(prefix="rlflow-bench-") as tmp:  # portable: no fixed machine path
+        for i in range(args.rounds):
+            times["raw"].append(raw_grpo_steps(copy.deepcopy(model), tok, train, args.steps))
+            times["rlflow"].append(rlflow_steps(args.steps, Path(tmp) / f"run-{i}"))
     med = {k: statistics.median(v) for k, v in times.items()}
     report = {"seconds_per_step": times, "median": med, "ratio_rlflow_over_raw": med["rlflow"] / med["raw"],
               "steps": args.steps, "rounds": args.rounds, "torch_threads": torch.get_num_threads()}
