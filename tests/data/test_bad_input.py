@@ -81,7 +81,7 @@ def test_malformed_json_names_the_file(tmp_path):
 def test_empty_file(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("")
-    with pytest.raises(DataError, match=r"empty\.jsonl"):
+    with pytest.raises(DataError, match=r"empty\.jsonl: the file is empty"):
         PromptData(path)
 
 

@@ -41,6 +41,8 @@ def load_rows(source: str | Path | Sequence[dict], prompt_key: str = "prompt") -
         kind = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}.get(path.suffix)
         if kind is None:
             raise DataError(f"{path}: unsupported file type '{path.suffix}' (use .parquet, .json or .jsonl)")
+        if path.stat().st_size == 0:
+            raise DataError(f"{path}: the file is empty")
         try:
             ds = datasets.load_dataset(kind, data_files=str(path), split="train")
         except Exception as e:  # noqa: BLE001 - pyarrow/json errors of every kind: name the file

@@ -25,6 +25,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 
@@ -181,13 +182,15 @@ def load_sharded_unsharded(path: Path, state: dict) -> dict:
     optimizers = {k: v for k, v in state_objs.items() if isinstance(v, torch.optim.Optimizer)}
     (module_key, module), = modules.items()  # Fabric writes one model per sharded checkpoint
     no_dist = not torch.distributed.is_initialized()  # one process: read every shard here
-    model_state = {module_key: get_model_state_dict(module)}
-    dcp.load(model_state, checkpoint_id=path, no_dist=no_dist)
-    module.load_state_dict(model_state[module_key])
-    for key, opt in optimizers.items():  # parameter-name keyed, as FSDP2 wrote them
-        opt_state = {key: get_optimizer_state_dict(module, opt)}
-        dcp.load(opt_state, checkpoint_id=path, no_dist=no_dist)
-        set_optimizer_state_dict(module, opt, optim_state_dict=opt_state[key])
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        model_state = {module_key: get_model_state_dict(module)}
+        dcp.load(model_state, checkpoint_id=path, no_dist=no_dist)
+        module.load_state_dict(model_state[module_key])
+        for key, opt in optimizers.items():  # parameter-name keyed, as FSDP2 wrote them
+            opt_state = {key: get_optimizer_state_dict(module, opt)}
+            dcp.load(opt_state, checkpoint_id=path, no_dist=no_dist)
+            set_optimizer_state_dict(module, opt, optim_state_dict=opt_state[key])
     metadata = torch.load(path / LIGHTNING_METADATA, weights_only=False)  # our own file
     for key in state.keys() - modules.keys() - optimizers.keys():
         if key in metadata:
