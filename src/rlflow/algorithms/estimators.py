@@ -21,6 +21,7 @@ from rlflow.data.keys import (
     PROMPT_IDS,
     PROMPT_MASK,
     PROMPT_TEXT,
+    RAW_PROMPT,
     RESPONSE_MASK,
     RETURNS,
     REWARD_BASELINE,
@@ -31,7 +32,7 @@ from rlflow.data.keys import (
 from rlflow.module import BatchModule
 
 # The prompt-side columns a greedy re-generation carries along (the reward may read them).
-_PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, GROUND_TRUTH, DATA_SOURCE, EXTRA_INFO)
+_PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RAW_PROMPT, GROUND_TRUTH, DATA_SOURCE, EXTRA_INFO)
 
 
 class AdvantageEstimator(BatchModule):

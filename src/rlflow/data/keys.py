@@ -12,6 +12,7 @@ DATA_SOURCE = "data_source"  # non-tensor, B strings
 GROUND_TRUTH = "ground_truth"  # non-tensor, B
 EXTRA_INFO = "extra_info"  # non-tensor, B dicts
 PROMPT_TEXT = "prompt_text"  # non-tensor, B strings
+RAW_PROMPT = "raw_prompt"  # non-tensor, B: the prompt as the data gave it (chat messages or a string)
 
 # written by the rollout
 RESPONSE_IDS = "response_ids"  # B x R, int64, right-padded

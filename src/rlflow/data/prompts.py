@@ -145,6 +145,7 @@ def collate(rows: Sequence[dict], tokenizer, max_prompt_length: int | None = Non
             K.PROMPT_IDS: prompt_ids,
             K.PROMPT_MASK: prompt_mask,
             K.PROMPT_TEXT: NonTensorStack(*texts),
+            K.RAW_PROMPT: NonTensorStack(*[r["prompt"] for r in rows]),  # re-encoded by reward models
             K.GROUND_TRUTH: NonTensorStack(*[r["ground_truth"] for r in rows]),
             K.DATA_SOURCE: NonTensorStack(*[r["data_source"] for r in rows]),
             K.EXTRA_INFO: NonTensorStack(*[r["extra_info"] for r in rows]),

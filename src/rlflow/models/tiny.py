@@ -11,7 +11,7 @@ import string
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 DEFAULT_ALPHABET = string.digits + "+-*=?: abcdefghijklmnopqrstuvwxyz#"
@@ -32,6 +32,36 @@ def char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:
         tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, padding_side="left"
     )
     return fast
+
+
+def _config(vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_positions,
+            pad_token_id, bos_token_id, eos_token_id, **extra) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size, max_position_embeddings=max_positions,
+        pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id, **extra,
+    )
+
+
+def tiny_qwen2_reward_model(
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_positions: int = 64,
+    pad_token_id: int = 0,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+    seed: int | None = None,
+) -> Qwen2ForSequenceClassification:
+    """A randomly initialised Qwen2 reward model: ``Qwen2ForSequenceClassification`` with one label."""
+    config = _config(vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_positions,
+                     pad_token_id, bos_token_id, eos_token_id, num_labels=1)
+    if seed is not None:
+        torch.manual_seed(seed)
+    return Qwen2ForSequenceClassification(config)
 
 
 def tiny_qwen2(

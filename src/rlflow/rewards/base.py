@@ -115,6 +115,12 @@ class Reward(BatchModule):
         batch.set(TOKEN_REWARDS, place_on_last_token(scores, mask))
         return batch
 
+    def setup(self, fabric) -> None:
+        """Place what this reward runs (models) on the Trainer's devices; the Trainer calls it once.
+
+        The default does nothing itself; rewards holding models override it (``ModelReward``).
+        """
+
     def _extra_means(self) -> dict[str, float]:
         means = {}
         for key, values in self.extras.items():
@@ -137,6 +143,25 @@ def _real(value: Any) -> float | None:
         except (TypeError, ValueError):
             return None
     return None
+
+
+def setup_rewards(fabric, *roles: Any) -> None:
+    """Call ``setup(fabric)`` once on every :class:`Reward` reachable from ``roles``: the roles themselves and
+    the objects they hold (a reward inside ``OverlongPenalty``, ``CombinedReward``, ``DynamicSampling`` or a
+    ``Chain`` of estimator modules), found through instance attributes and lists of them."""
+    seen: set[int] = set()
+    todo = list(roles)
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen or not isinstance(obj, (BatchModule, list, tuple)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            todo += list(obj)
+            continue
+        if isinstance(obj, Reward):
+            obj.setup(fabric)
+        todo += [v for v in vars(obj).values() if isinstance(v, (BatchModule, list, tuple))]
 
 
 class _Timeout(Exception):

@@ -10,6 +10,13 @@ Forms, detected once from the signature (or chosen with ``form=``):
   ``completions``, ...) or one is named ``ground_truths``; ``data_sources=`` and
   ``extra_infos=`` are passed too when the function names them.
 - ``"sample"``: ``fn(response, ground_truth)`` per sample (``extra_info=`` too if named).
+- ``"trl"``: TRL's ``fn(prompts, completions, **columns) -> list[float]``, one call per batch. Chosen when
+  a parameter is named ``completions`` and the function takes ``prompts`` or ``**kwargs``. Keywords:
+  ``prompts`` (rendered prompt texts), ``completions`` (response texts), ``completion_ids`` (token ids),
+  ``ground_truth``, ``data_source``, ``extra_info`` and every key the rows' ``extra_info`` dicts all
+  share (TRL passes dataset columns by name); only the names the function takes (all with ``**kwargs``).
+  ``None`` in the result means "does not apply to this sample" (TRL): scored 0.0, counted in
+  ``reward/not_applicable``, not an error.
 
 A result (per sample, or each item of a batch result) is a number, a bool, or a dict with
 ``"score"`` whose other keys go to ``self.extras`` (numeric ones are averaged into
@@ -18,7 +25,9 @@ A result (per sample, or each item of a batch result) is a number, a bool, or a 
 Per-sample calls run on ``max_workers`` daemon threads. A call running longer than
 ``timeout_s`` (counted from its start) is abandoned: its thread is left to finish alone
 (an awaited coroutine is cancelled), so a hung scorer costs at most ``timeout_s``. For the
-batch form ``timeout_s`` limits the one batch call.
+batch forms ``timeout_s`` limits the one batch call. With ``processes=N`` the calls run in a
+:class:`~rlflow.rewards.pool.WorkerPool` of N processes instead: CPU-heavy scorers run in parallel,
+and a call over its time-out has its process killed and replaced (a thread cannot be stopped).
 
 Nothing fails silently: a call that raises, times out, or returns anything but a finite
 number is, with ``on_error="zero"``, scored 0.0, counted in ``stats`` (``reward/errors``,
@@ -40,15 +49,18 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from rlflow.data.keys import DATA_SOURCE, EXTRA_INFO, GROUND_TRUTH, RESPONSE_TEXT
+from rlflow.data.keys import DATA_SOURCE, EXTRA_INFO, GROUND_TRUTH, PROMPT_TEXT, RESPONSE_IDS, RESPONSE_MASK, RESPONSE_TEXT
 from rlflow.rewards.base import Reward, RewardError, RewardWarning, column, run_calls
 
-FORMS = ("verl", "sample", "batch")
+FORMS = ("verl", "sample", "batch", "trl")
+BATCH_FORMS = ("batch", "trl")
+TRL_COLUMNS = ("prompts", "completions", "completion_ids", "ground_truth", "data_source", "extra_info")
 BATCH_NAMES = frozenset({"responses", "ground_truths", "solution_strs", "solutions", "completions", "texts"})
 _COUNTERS = {"error": "reward/errors", "timeout": "reward/timeouts", "non_finite": "reward/non_finite"}
 _SUPPORTED = (
     "compute_score(data_source, solution_str, ground_truth, extra_info=None), "
-    "compute_reward(responses, ground_truths) -> list of B scores, fn(response, ground_truth)"
+    "compute_reward(responses, ground_truths) -> list of B scores, fn(response, ground_truth), "
+    "TRL's fn(prompts, completions, **kwargs) -> list of B scores"
 )
 
 
@@ -60,9 +72,14 @@ class FunctionReward(Reward):
         timeout_s: seconds one sample call (or the batch call) may run; ``None``: no limit.
         on_error: ``"zero"`` (score 0.0, count, warn) or ``"raise"`` (:class:`RewardError`).
         max_workers: threads running per-sample calls at once.
-        name: the name used in messages; defaults to ``fn.__name__``.
-        form: ``"verl"``, ``"batch"`` or ``"sample"`` to skip detection.
+        name: the name used in messages and metrics; defaults to ``fn.__name__``.
+        form: ``"verl"``, ``"batch"``, ``"sample"`` or ``"trl"`` to skip detection.
+        processes: 0 (default): calls run on threads; N >= 1: in a pool of N worker processes
+            (:class:`~rlflow.rewards.pool.WorkerPool`), for CPU-heavy scorers and scorers that may hang.
+        start_method: how the pool starts its workers (default ``"fork"`` on Linux; see the pool's docs).
     """
+
+    thread_safe = True  # a CombinedReward may run it beside other rewards
 
     def __init__(
         self,
@@ -73,6 +90,8 @@ class FunctionReward(Reward):
         max_workers: int = 4,
         name: str | None = None,
         form: str | None = None,
+        processes: int = 0,
+        start_method: str | None = None,
     ) -> None:
         super().__init__()
         if not callable(fn):
@@ -83,22 +102,45 @@ class FunctionReward(Reward):
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        if processes < 0:
+            raise ValueError(f"processes must be >= 0 (0: threads), got {processes}")
         self.fn, self.timeout_s, self.on_error, self.max_workers = fn, timeout_s, on_error, max_workers
         self.name = name or _fn_name(fn)
         self.form, self._arguments = _plan(fn, form, self.name)
+        if self.form == "trl":
+            self.in_keys = (*Reward.in_keys, PROMPT_TEXT, RESPONSE_IDS)
+        self.processes, self.start_method, self._pool = processes, start_method, None
+        if processes:
+            from rlflow.rewards.pool import WorkerPool
+
+            self._pool = WorkerPool(self._call, processes, start_method=start_method)
 
     def __repr__(self) -> str:
-        return f"FunctionReward({self.name}, form={self.form!r}, timeout_s={self.timeout_s})"
+        where = f", processes={self.processes}" if self.processes else ""
+        return f"FunctionReward({self.name}, form={self.form!r}, timeout_s={self.timeout_s}{where})"
+
+    def close(self) -> None:
+        """Stop the worker processes (``processes >= 1``); a later call starts new ones."""
+        if self._pool is not None:
+            self._pool.close()
+
+    def _run(self, rows: list[tuple]) -> list[tuple[str, Any]]:
+        """``self._call(*row)`` for each row: on threads, or in the worker processes."""
+        if self._pool is not None:
+            return self._pool.map([(row, {}) for row in rows], self.timeout_s)
+        return run_calls([functools.partial(self._call, *row) for row in rows], self.timeout_s, self.max_workers)
 
     def score(self, batch: TensorDict) -> torch.Tensor:
         rows = list(zip(*(column(batch, k) for k in (DATA_SOURCE, RESPONSE_TEXT, GROUND_TRUTH, EXTRA_INFO))))
-        if self.form == "batch":
-            results = self._batch_results(rows)
+        if self.form in BATCH_FORMS:
+            results = self._batch_results(rows, batch)
         else:
-            calls = [functools.partial(self._call, *row) for row in rows]
-            results = run_calls(calls, self.timeout_s, self.max_workers)
+            results = self._run(rows)
         scores, failures = [], []
         for i, (status, value) in enumerate(results):
+            if status == "ok" and value is None and self.form == "trl":  # TRL: does not apply to this sample
+                self.stats["reward/not_applicable"] = self.stats.get("reward/not_applicable", 0.0) + 1
+                value = 0.0
             if status == "ok":
                 try:
                     value = _to_score(value, self.extras, i, len(rows))
@@ -115,11 +157,14 @@ class FunctionReward(Reward):
         args, kwargs = self._arguments(*row)
         return self.fn(*args, **kwargs)
 
-    def _batch_results(self, rows: list[tuple]) -> list[tuple[str, Any]]:
+    def _batch_results(self, rows: list[tuple], batch: TensorDict) -> list[tuple[str, Any]]:
         """One call for the whole batch; if that call fails, every row fails with it."""
         n = len(rows)
         columns = [list(c) for c in zip(*rows)] or [[]] * 4
-        [(status, value)] = run_calls([functools.partial(self._call, *columns)], self.timeout_s, 1)
+        if self.form == "trl":
+            columns = [trl_columns(batch, *columns)]
+        [(status, value)] = self._run([tuple(columns)]) if self._pool else run_calls(
+            [functools.partial(self._call, *columns)], self.timeout_s, 1)
         if status == "ok":
             if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__len__"):
                 status, value = "error", _BadResult("error", f"returned {type(value).__name__}, not {n} results")
@@ -210,11 +255,14 @@ def _plan(fn: Callable[..., Any], form: str | None, name: str) -> tuple[str, Cal
         sig = None
     params = list(sig.parameters.values()) if sig else []
     names = {p.name for p in params}
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
     n_pos = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
     if sig is None or any(p.kind is p.VAR_POSITIONAL for p in params):
         n_pos = 4
     if form is not None:
         candidates = [form]
+    elif "completions" in names and ("prompts" in names or var_kw) and "ground_truths" not in names:
+        candidates = ["trl"]
     elif "data_source" in names:
         candidates = ["verl"]
     elif (params and params[0].name in BATCH_NAMES) or "ground_truths" in names:
@@ -223,8 +271,14 @@ def _plan(fn: Callable[..., Any], form: str | None, name: str) -> tuple[str, Cal
         candidates = ["sample", "verl"]
 
     def arguments_for(kind: str) -> Callable[..., tuple]:
+        if kind == "trl":
+            def trl_arguments(columns: dict | None = None, *_: Any) -> tuple:
+                columns = columns if isinstance(columns, dict) else dict.fromkeys(TRL_COLUMNS)  # the signature check
+                return (), {k: v for k, v in columns.items() if var_kw or k in names}
+
+            return trl_arguments
         if kind == "verl" and {"data_source", "solution_str", "ground_truth"} <= names:
-            extra = "extra_info" in names or any(p.kind is p.VAR_KEYWORD for p in params)
+            extra = "extra_info" in names or var_kw
             keys = ("data_source", "solution_str", "ground_truth", "extra_info")[: 4 if extra else 3]
             return lambda *row: ((), dict(zip(keys, row)))
         if kind == "verl":
@@ -240,8 +294,22 @@ def _plan(fn: Callable[..., Any], form: str | None, name: str) -> tuple[str, Cal
         try:
             if sig is not None:
                 args, kwargs = arguments(None, None, None, None)
-                sig.bind(*args, **kwargs)
+                # a TRL function may also name dataset columns (from extra_info), known only per batch
+                (sig.bind_partial if kind == "trl" else sig.bind)(*args, **kwargs)
             return kind, arguments
         except TypeError as exc:
             problems.append(f"as {kind!r}: {exc}")
     raise TypeError(f"cannot call reward function {name}{sig} ({'; '.join(problems)}). Supported forms: {_SUPPORTED}")
+
+
+def trl_columns(batch: TensorDict, sources: list, texts: list, truths: list, extras: list) -> dict[str, list]:
+    """The keywords of a TRL-form call: prompts, completions, completion_ids and the data's columns."""
+    mask, ids = batch.get(RESPONSE_MASK), batch.get(RESPONSE_IDS)
+    completion_ids = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    columns = {"prompts": column(batch, PROMPT_TEXT), "completions": list(texts), "completion_ids": completion_ids,
+               "ground_truth": list(truths), "data_source": list(sources), "extra_info": list(extras)}
+    dicts = [e for e in extras if isinstance(e, dict)]
+    if dicts and len(dicts) == len(extras):  # TRL passes every dataset column by name
+        for key in set.intersection(*(set(d) for d in dicts)):
+            columns.setdefault(str(key), [d[key] for d in dicts])
+    return columns

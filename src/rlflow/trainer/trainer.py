@@ -22,6 +22,7 @@ from rlflow.data import keys as K
 from rlflow.algorithms.functional import batch_statistics, data_parallel
 from rlflow.data.prompts import PromptData
 from rlflow.module import check_chain
+from rlflow.rewards.base import setup_rewards
 from rlflow.strategies import resolve_strategy, shards_parameters
 from rlflow.trainer import checkpoint as ckpt, numerics, validation
 from rlflow.trainer.batching import micro_batches
@@ -33,7 +34,7 @@ from rlflow.trainer.schedule import lr_lambda, step_schedulers
 
 # Loss statistics that are each micro-batch's share of its mini-batch's loss (see rlflow.algorithms.losses).
 ADDITIVE_STATS = frozenset({"actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss"})
-DATA_KEYS = (K.PROMPT_IDS, K.PROMPT_MASK, K.PROMPT_TEXT, K.GROUND_TRUTH, K.DATA_SOURCE, K.EXTRA_INFO)
+DATA_KEYS = (K.PROMPT_IDS, K.PROMPT_MASK, K.PROMPT_TEXT, K.RAW_PROMPT, K.GROUND_TRUTH, K.DATA_SOURCE, K.EXTRA_INFO)
 
 
 class Trainer:
@@ -143,6 +144,7 @@ class Trainer:
                 self.reference.module = self.fabric.setup_module(self.reference.module)
             else:
                 self.fabric.to_device(self.reference.model)
+        setup_rewards(self.fabric, reward, rollout, estimator)  # reward models: placed like the policy
         if critic is not None:
             critic.module = self.fabric.setup_module(critic.module)
             self.critic_optimizer = self.fabric.setup_optimizers(
