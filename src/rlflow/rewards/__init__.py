@@ -1,13 +1,18 @@
-"""Rewards: any Python callable as a reward, and verl's rule scorers (GSM8K, MATH, DAPO)."""
+"""Rewards: any Python callable, verl's rule scorers, reward models, LLM judges, code execution, and
+weighted combinations of them."""
 
 from rlflow.rewards import gsm8k, math, math_dapo
 from rlflow.rewards.base import Reward, RewardError, RewardWarning
+from rlflow.rewards.combine import CombinedReward
 from rlflow.rewards.dispatch import default_compute_score
 from rlflow.rewards.function import FunctionReward
+from rlflow.rewards.model import ModelReward
 from rlflow.rewards.overlong import OverlongPenalty
 
 __all__ = [
+    "CombinedReward",
     "FunctionReward",
+    "ModelReward",
     "OverlongPenalty",
     "Reward",
     "RewardError",
