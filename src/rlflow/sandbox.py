@@ -48,15 +48,20 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 LAUNCHER = Path(__file__).with_name("_sandbox_launch.py")
-SYSTEM_READ_PATHS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/dev", "/opt",
-                     "/sys/devices/system/cpu")
+# What any program may read: system binaries and libraries, the few /etc files the C library and Python
+# use, harmless devices. Not /etc as a whole (shadow, keys), not /dev (disks), not /proc (other processes).
+SYSTEM_READ_PATHS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/opt", "/etc/ld.so.cache", "/etc/ld.so.conf",
+                     "/etc/ld.so.conf.d", "/etc/localtime", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf",
+                     "/etc/alternatives", "/etc/ssl", "/etc/mime.types", "/dev/null", "/dev/zero", "/dev/full",
+                     "/dev/random", "/dev/urandom", "/sys/devices/system/cpu")
+_PYTHON_PATHS = ("import json, site, sys, sysconfig; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, "
+                 "*sysconfig.get_paths().values(), *site.getsitepackages()]))")
 STATUSES = ("ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit", "signal", "sandbox_error")
 _MEMORY_MARKERS = ("MemoryError", "std::bad_alloc", "Cannot allocate memory", "out of memory")
 
@@ -334,15 +339,15 @@ def _result(why, returncode, out, err, report, wall, limits: Limits, files, requ
 
 @functools.lru_cache(maxsize=None)
 def _python_paths(python: str) -> tuple[str, ...]:
-    """Folders an interpreter reads: its prefixes and every ``sys.path`` entry (asked once per interpreter)."""
-    if python == sys.executable:
-        paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path, sysconfig.get_paths()["stdlib"]]
-    else:
-        code = "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path]))"
-        try:
-            paths = json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60).stdout)
-        except (OSError, ValueError, subprocess.SubprocessError):
-            paths = []
+    """What an interpreter reads: its prefixes, standard library and site-packages (asked once per interpreter).
+
+    Not ``sys.path`` as a whole: its first entry is the caller's script folder, which may hold the data.
+    """
+    try:
+        out = subprocess.run([python, "-I", "-c", _PYTHON_PATHS], capture_output=True, text=True, timeout=60).stdout
+        paths = json.loads(out)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        paths = []
     paths.append(str(Path(python).resolve().parent))
     return tuple(dict.fromkeys(p for p in paths if p and os.path.isabs(p)))
 

@@ -78,9 +78,12 @@ def reward_function(path: str | None, name: str, reward_kwargs: dict, manager: s
 
 def check_data_sources(sources: set[str], where: str) -> None:
     """With the built-in scorers, every data_source of the data must have one (fail before training)."""
+    from rlflow.rewards.dispatch import supports
+
     for source in sorted(sources):
-        try:
-            default_compute_score(source, "", "0")
-        except NotImplementedError as e:
-            raise ConfigError(f"{where}: {e} Or set custom_reward_function.path=your_reward.py "
-                              "(custom_reward_function.name=compute_score).") from None
+        if not supports(source):
+            try:
+                default_compute_score(source, "", "0")  # raises, naming the supported sources
+            except NotImplementedError as e:
+                raise ConfigError(f"{where}: {e} Or set custom_reward_function.path=your_reward.py "
+                                  "(custom_reward_function.name=compute_score).") from None

@@ -7,11 +7,14 @@ data_source                                                                 scor
 ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``,                 :mod:`.math`
 ``HuggingFaceH4/MATH-500``
 ``math_dapo``, ``math``, ``math_dapo_reasoning``, any ``aime*``             :mod:`.math_dapo`
+``codecontests``, ``apps``, ``codeforces``, ``taco``                        :mod:`.code`
 ``rlflow/addition`` (the built-in task)                                     exact match
 ==========================================================================  ================
 
-verl's code-sandbox, geometry, search and PRIME scorers are not built in: pass your own
-function to :class:`~rlflow.rewards.FunctionReward` for those.
+Code is run against the sample's test cases in rlflow's local sandbox (verl runs ``prime_code`` or a
+SandboxFusion server); the score is the pass fraction, verl's ``continuous=True``. verl's geometry,
+search and PRIME scorers are not built in: pass your own function to
+:class:`~rlflow.rewards.FunctionReward` for those.
 """
 
 from __future__ import annotations
@@ -25,6 +28,13 @@ MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "Hugging
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
 DAPO_PREFIX = "aime"
 ADDITION_SOURCES = ("rlflow/addition",)  # rlflow.tasks.addition.DATA_SOURCE
+CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+
+
+def supports(data_source: str) -> bool:
+    """Whether :func:`default_compute_score` has a scorer for ``data_source``."""
+    return (data_source in (*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, *CODE_SOURCES, *ADDITION_SOURCES)
+            or str(data_source).startswith(DAPO_PREFIX))
 
 
 def default_compute_score(
@@ -33,7 +43,7 @@ def default_compute_score(
     """Score one sample with the rule scorer for its ``data_source``.
 
     Returns a float (GSM8K, MATH, the built-in addition task) or a dict with ``"score"``
-    (DAPO: ``score``, ``acc``, ``pred``).
+    (DAPO: ``score``, ``acc``, ``pred``; code: ``score``, ``passed``, ``total``).
 
     Raises:
         NotImplementedError: for any other data_source, naming it and the supported ones.
@@ -44,11 +54,16 @@ def default_compute_score(
         return float(math.compute_score(solution_str, ground_truth))
     if data_source in DAPO_SOURCES or str(data_source).startswith(DAPO_PREFIX):
         return math_dapo.compute_score(solution_str, ground_truth)
+    if data_source in CODE_SOURCES:
+        from rlflow.rewards import code  # imported here: only code data needs the sandbox
+
+        return code.compute_score(solution_str, ground_truth)
     if data_source in ADDITION_SOURCES:
         from rlflow.tasks.addition import exact_match  # imported here: the task module loads models
 
         return exact_match(solution_str, str(ground_truth))
-    supported = ", ".join([*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, f"{DAPO_PREFIX}*", *ADDITION_SOURCES])
+    supported = ", ".join([*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, f"{DAPO_PREFIX}*", *CODE_SOURCES,
+                           *ADDITION_SOURCES])
     raise NotImplementedError(
         f"no built-in reward for data_source={data_source!r}. Supported: {supported}. "
         "For other data, pass your own function: FunctionReward(my_compute_score)."
