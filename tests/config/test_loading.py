@@ -74,7 +74,7 @@ def test_bad_overrides(override, message):
     ("actor_rollout_ref.model.backend=megatron", "Megatron"),
     ("actor_rollout_ref.rollout.name=vllm", "vllm rollout engine"),
     ("actor_rollout_ref.rollout.name=sglang", "sglang rollout engine"),
-    ("reward_model.enable=true", "reward models"),
+    ("reward_model.sandbox_fusion.url=http://x", "SandboxFusion server"),
     ("trainer.logger=[mlflow]", "mlflow logger"),
 ])
 def test_recognised_features_fail_as_not_supported_yet(override, feature):

@@ -13,11 +13,12 @@ from rlflow.config.loading import ConfigError
 from rlflow.config.plan import Plan
 from rlflow.config.resolve import Fill, instantiate
 from rlflow.config.reward_fn import check_data_sources
+from rlflow.config.rewards import build_reward as make_reward
 from rlflow.data import keys as K
 from rlflow.data.prompts import DataError, PromptData
 from rlflow.models.critic import Critic
 from rlflow.models.policy import Policy
-from rlflow.rewards import FunctionReward, OverlongPenalty
+from rlflow.rewards import OverlongPenalty
 from rlflow.rollout import DynamicSampling
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.trainer import Trainer
@@ -74,7 +75,7 @@ def build_data(plan: Plan, tokenizer) -> PromptData:
     if any(dropped.values()):
         plan.notes.append(f"data.filter_overlong_prompts: dropped {dropped['train']} training and {dropped['val']} "
                           f"validation prompt(s) longer than max_prompt_length={data.max_prompt_length} tokens")
-    if not plan.custom_reward:
+    if not plan.custom_reward and plan.reward.functions:  # the built-in scorers must know every data_source
         check_data_sources({r["data_source"] for r in data.train + data.val}, f"{data.train_name}")
     return data
 
@@ -123,11 +124,19 @@ def build_critic(plan: Plan) -> Critic:
 
 
 def build_reward(plan: Plan):
-    """``FunctionReward(fn)``, shaped by ``OverlongPenalty`` when the DAPO reward manager asks for it."""
-    reward = FunctionReward(plan.reward_fn)
+    """The reward of ``plan.reward`` (functions, a reward model, or both; ``rlflow.config.rewards``), shaped by
+    ``OverlongPenalty`` when the DAPO reward manager asks for it.
+
+    A reward model is loaded once per plan: a second call (ReMax's greedy baseline scores with the reward
+    too) returns the same object.
+    """
+    if plan.reward.model is not None and plan.reward.built is not None:
+        return plan.reward.built
+    reward = make_reward(plan.reward, local_model)
     if plan.overlong:
         reward = instantiate(OverlongPenalty, {"reward": reward, **plan.overlong},
                              "reward_model.reward_kwargs.overlong_buffer_cfg.*")
+    plan.reward.built = reward
     return reward
 
 

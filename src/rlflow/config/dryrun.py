@@ -63,7 +63,7 @@ def estimator_text(plan: Plan) -> str:
 def objects_section(plan: Plan) -> list[str]:
     t = plan.trainer_kwargs
     rollout = f"{plan.rollout_cls.__name__}({format_kwargs(plan.rollout_kwargs)})"
-    reward = f"FunctionReward({format_value(plan.reward_fn)})"
+    reward = plan.reward.describe()
     if plan.overlong:  # DAPO's overlong shaping wraps the scorer
         reward = f"OverlongPenalty({reward}, {format_kwargs(plan.overlong)})"
     if plan.dynamic_sampling:  # the sampler scores its own samples; the Trainer gets reward=None

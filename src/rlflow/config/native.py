@@ -7,6 +7,8 @@ A recipe names each object and its constructor arguments::
     estimator: grpo                    # or {name: gae, gamma: 1.0, lam: 0.95}
     loss: {clip_ratio: 0.2, kl_coef: 0.001}
     reward: my_reward.py:compute_score # optional; default: verl's dispatch by data_source
+    rewards: [{path: r.py, name: correct, weight: 1.0}, "r.py:short"]  # optional: several, summed (TRL style)
+    reward_model: {path: models/rm, weight: 0.5}                  # optional: a reward model
     data: {train: train.parquet, val: test.parquet, max_prompt_length: 256}
     trainer: {batch_size: 32, mini_batch_size: 8, lr: 1.0e-6, max_steps: 100, run_dir: runs/gsm8k}
     dynamic_sampling: {metric: acc, max_gen_batches: 10}           # DAPO (optional)
@@ -39,6 +41,11 @@ NATIVE = {
     "rollout.top_p": f"{R}.top_p", "rollout.top_k": f"{R}.top_k", "rollout.do_sample": f"{R}.do_sample",
     "rollout.max_new_tokens": "data.max_response_length",
     "reward.path": "custom_reward_function.path", "reward.name": "custom_reward_function.name",
+    "reward.weight": "custom_reward_function.weight", "reward.timeout_s": "reward_model.timeout_s",
+    "reward.num_workers": "reward_model.num_workers", "rewards": "custom_reward_function.functions",
+    "reward_model.path": "reward_model.model.path", "reward_model.weight": "reward_model.weight",
+    "reward_model.micro_batch_size": "reward_model.micro_batch_size_per_gpu",
+    "reward_model.max_length": "reward_model.max_length",
     "estimator.name": "algorithm.adv_estimator", "estimator.gamma": "algorithm.gamma",
     "estimator.lam": "algorithm.lam", "estimator.norm_by_std": "algorithm.norm_adv_by_std_in_grpo",
     "loss.name": f"{A}.policy_loss.loss_mode", "loss.clip_ratio": f"{A}.clip_ratio",
@@ -78,6 +85,7 @@ NATIVE = {
 # {verl key: value as a function of the native value}.
 IMPLIES = {
     "loss.kl_coef": {f"{A}.use_kl_loss": bool},
+    "reward_model.path": {"reward_model.enable": bool},
     "dynamic_sampling.metric": {f"{FG}.enable": lambda v: v is not None},
     "overlong_penalty.buffer_len": {f"{OB}.enable": bool, "reward_model.reward_manager": lambda v: "dapo"},
 }

@@ -25,7 +25,7 @@ from rlflow.config.algos import ESTIMATOR_POOL, companions, loss_pool
 from rlflow.config.devices import Devices, resolve_devices
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.resolve import class_kwargs, resolve_class
-from rlflow.config.reward_fn import reward_function
+from rlflow.config.rewards import RewardPlan, reward_plan
 
 A, R, C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
 FG, OB = "algorithm.filter_groups", "reward_model.reward_kwargs.overlong_buffer_cfg"
@@ -45,8 +45,7 @@ class Plan:
     rollout_cls: type
     rollout_kwargs: dict
     val_sampling: dict
-    reward_fn: Callable
-    custom_reward: bool
+    reward: RewardPlan                  # the reward functions, the reward model and how they combine
     estimator_cls: type
     estimator_kwargs: dict
     loss_cls: type
@@ -70,6 +69,15 @@ class Plan:
     overlong: dict | None = None           # OverlongPenalty's kwargs around the reward (DAPO reward manager)
     dynamic_sampling: dict | None = None   # DynamicSampling's kwargs: it takes rollout and reward (filter_groups)
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def reward_fn(self) -> Callable | None:
+        """The (first) rule or custom reward function; None when the reward model alone scores."""
+        return self.reward.functions[0][1] if self.reward.functions else None
+
+    @property
+    def custom_reward(self) -> bool:
+        return self.reward.custom
 
 
 def token_budget(cfg: VerlConfig, with_critic: bool) -> int | None:
@@ -262,8 +270,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
                         "max_new_tokens": cfg[f"{R}.response_length"], "do_sample": do_sample},
         val_sampling={"n": val["n"], "do_sample": val["do_sample"], "top_p": val["top_p"], "top_k": val["top_k"],
                       "temperature": val["temperature"] if val["do_sample"] else 1.0},
-        reward_fn=reward_function(cfg_reward["path"], cfg_reward["name"], reward_kwargs, manager),
-        custom_reward=bool(cfg_reward["path"]),
+        reward=reward_plan(cfg, manager, reward_kwargs, notes),
         estimator_cls=estimator_cls, estimator_kwargs=estimator_kwargs,
         loss_cls=loss_cls, loss_kwargs=class_kwargs(loss_cls, loss_pool(cfg), cfg,
                                                     fixed={"is_weights": True} if after else None),

@@ -124,8 +124,8 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "critic.shuffle": ("shuffling within mini-batches", _truthy),
     "critic.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
     "critic.optim.num_cycles": ("cosine cycles other than 0.5", _not(0.5)),
-    "reward_model.enable": ("reward models (reward_model.enable)", _truthy),
-    "reward_model.sandbox_fusion.url": ("code sandbox rewards (sandbox_fusion)", _truthy),
+    "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
+                                        "sources are scored without a server)", _truthy),
     "algorithm.use_pf_ppo": ("PF-PPO", _truthy),
     "algorithm.rollout_correction.rollout_rs": ("rollout correction (rejection sampling)", _truthy),
     "algorithm.rollout_correction.bypass_mode": ("rollout correction (bypass mode)", _truthy),
@@ -149,7 +149,7 @@ _RAY = "rlflow does not use Ray"
 _PACKED = "rlflow always computes log-probs on response tokens only, in chunks"
 _LOADER = "rlflow reads the data files in the main process"
 _CKPT = "rlflow checkpoints always hold model, optimizer, schedule, data position and RNG"
-_NO_RM = "only used by reward models (reward_model.enable), not supported yet"
+_NO_RM = "only used with reward_model.enable=True"
 _LORA_ONLY = "only used with LoRA, not supported yet"
 _DYN_ONLY = ("the scoring passes (old/ref log-probs) use log_prob_micro_batch_size(_per_gpu); the token budget "
              "applies to the training micro-batches (actor.use_dynamic_bsz + ppo_max_token_len_per_gpu)")
@@ -216,14 +216,25 @@ INERT: dict[str, str] = {
     "critic.model.fsdp_config.fsdp_size": _SINGLE, "critic.model.fsdp_config.forward_prefetch": _SINGLE,
     "critic.model.target_modules": _LORA_ONLY, "critic.model.lora_alpha": _LORA_ONLY,
     "critic.forward_max_token_len_per_gpu": _DYN_ONLY,
+    # read when reward_model.enable=True, except these, which change nothing then either
+    "reward_model.model.use_shm": _LOADER,
+    "reward_model.model.use_remove_padding": "the reward model scores right-padded micro-batches",
+    "reward_model.model.use_fused_kernels": "fused kernels are not supported yet",
+    "reward_model.model.fsdp_config.*": "the reward model is placed by the policy's strategy (sharded by FSDP2, "
+                                        "with its offload policy, when the policy is)",
+    "reward_model.forward_max_token_len_per_gpu": "the reward model's micro-batches count rows "
+                                                  "(reward_model.micro_batch_size_per_gpu)",
     "reward_model.strategy": _NO_RM, "reward_model.micro_batch_size": _NO_RM,
     "reward_model.micro_batch_size_per_gpu": _NO_RM, "reward_model.max_length": _NO_RM,
     "reward_model.use_dynamic_bsz": _NO_RM, "reward_model.forward_max_token_len_per_gpu": _NO_RM,
     "reward_model.ulysses_sequence_parallel_size": _NO_RM, "reward_model.model.*": _NO_RM,
-    "reward_model.use_reward_loop": "rlflow scores each batch right after generation",
-    "reward_model.launch_reward_fn_async": "rlflow runs reward calls on worker threads with a timeout",
-    "reward_model.sandbox_fusion.max_concurrent": "code sandbox rewards are not supported yet",
-    "reward_model.sandbox_fusion.memory_limit_mb": "code sandbox rewards are not supported yet",
+    "reward_model.use_reward_loop": "only decides how a reward model and a custom function combine "
+                                    "(reward_model.enable=True); rlflow scores each batch right after generation",
+    "reward_model.launch_reward_fn_async": "rlflow runs reward calls on worker threads (or reward_model.num_workers "
+                                           "processes) with a timeout",
+    "reward_model.sandbox_fusion.max_concurrent": "code runs in rlflow's local sandbox (rlflow.rewards.code)",
+    "reward_model.sandbox_fusion.memory_limit_mb": "code runs in rlflow's local sandbox; its limits are "
+                                                   "rlflow.rewards.code.DEFAULT_LIMITS (512 MiB)",
     "algorithm.pf_ppo.*": _PF_RC_ONLY, "algorithm.filter_groups.metric": _FILTER_ONLY,
     "algorithm.filter_groups.max_num_gen_batches": _FILTER_ONLY,
     "algorithm.rollout_correction.rollout_is_threshold": "only used with algorithm.rollout_correction.rollout_is",

@@ -25,6 +25,7 @@ REWARD_BASELINE = "reward_baseline"  # B, float: e.g. ReMax's greedy-rollout sco
 # written by the reward
 SCORES = "scores"  # B, float: one score per sample
 TOKEN_REWARDS = "token_rewards"  # B x R, float: the score on the last valid token
+RM_SCORES = "rm_scores"  # B, float: a reward model's scores, for a reward function that takes rm_score
 
 # written by the policy, the reference and the critic
 LOG_PROBS = "log_probs"  # B x R, the current policy (with grad during updates)

@@ -3,16 +3,21 @@ weighted combinations of them."""
 
 from rlflow.rewards import gsm8k, math, math_dapo
 from rlflow.rewards.base import Reward, RewardError, RewardWarning
-from rlflow.rewards.combine import CombinedReward
+from rlflow.rewards.code import CodeReward
+from rlflow.rewards.combine import CombinedReward, WithRMScore
 from rlflow.rewards.dispatch import default_compute_score
 from rlflow.rewards.function import FunctionReward
+from rlflow.rewards.judge import JudgeReward
 from rlflow.rewards.model import ModelReward
 from rlflow.rewards.overlong import OverlongPenalty
 
 __all__ = [
+    "CodeReward",
     "CombinedReward",
     "FunctionReward",
+    "JudgeReward",
     "ModelReward",
+    "WithRMScore",
     "OverlongPenalty",
     "Reward",
     "RewardError",

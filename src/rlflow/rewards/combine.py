@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from rlflow.data.keys import SCORES
+from rlflow.data.keys import RM_SCORES, SCORES
 from rlflow.rewards.base import Reward
 
 COUNTERS = ("reward/errors", "reward/timeouts", "reward/non_finite")
@@ -138,3 +138,41 @@ def _unique(names: list[str]) -> list[str]:
         seen[name] = seen.get(name, 0) + 1
         out.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
     return out
+
+
+class WithRMScore(Reward):
+    """Runs a reward model, then ``reward`` with each sample's reward-model score at hand.
+
+    The model's scores go into the batch as ``rm_scores``; a function reward whose function names
+    ``rm_score`` (``rm_scores`` in the batch forms) receives them. This is verl's default when the reward
+    model is on and a custom reward function is set (the function alone gives the score, asking the
+    reward model itself). The result is ``reward``'s score; the model's scores are logged as
+    ``reward/<model name>/mean`` and kept in ``extras["rm_score"]``.
+    """
+
+    def __init__(self, model: Reward, reward: Reward | Callable):
+        super().__init__()
+        self.model, self.reward = model, as_reward(reward)
+        if getattr(self.reward, "rm_argument", "") is None:
+            raise ValueError(f"{self.reward!r} does not take rm_score (or rm_scores): give its function that parameter")
+        self.in_keys = tuple(dict.fromkeys((*model.in_keys, *(k for k in self.reward.in_keys if k != RM_SCORES))))
+        self.name = getattr(self.reward, "name", "reward")
+
+    def __repr__(self) -> str:
+        return f"WithRMScore({self.model!r}, {self.reward!r})"
+
+    def score(self, batch: TensorDict) -> torch.Tensor:
+        rm = self.model(batch.clone(False))[SCORES].to(torch.float32)
+        inner = batch.clone(False)
+        inner.set(RM_SCORES, rm)
+        scores = self.reward(inner)[SCORES]
+        name = getattr(self.model, "name", "reward_model")
+        if rm.numel():
+            self.stats |= {f"reward/{name}/mean": rm.mean().item(), f"reward/{name}/min": rm.min().item(),
+                           f"reward/{name}/max": rm.max().item()}
+        for part in (self.model, self.reward):
+            for key, value in getattr(part, "stats", {}).items():
+                self.stats[key] = self.stats.get(key, 0.0) + value if key in COUNTERS else value
+        self.extras |= getattr(self.reward, "extras", {})
+        self.extras["rm_score"] = rm.tolist()
+        return scores

@@ -18,6 +18,10 @@ Forms, detected once from the signature (or chosen with ``form=``):
   ``None`` in the result means "does not apply to this sample" (TRL): scored 0.0, counted in
   ``reward/not_applicable``, not an error.
 
+A function that names ``rm_score`` (per-sample forms) or ``rm_scores`` (batch forms) also gets the reward
+model's score of each sample, from the batch's ``rm_scores`` (see :class:`~rlflow.rewards.WithRMScore`; verl
+lets a custom function query the reward model).
+
 A result (per sample, or each item of a batch result) is a number, a bool, or a dict with
 ``"score"`` whose other keys go to ``self.extras`` (numeric ones are averaged into
 ``stats["reward/extra/<key>"]``). Coroutine functions and awaitable results are awaited.
@@ -49,7 +53,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from rlflow.data.keys import DATA_SOURCE, EXTRA_INFO, GROUND_TRUTH, PROMPT_TEXT, RESPONSE_IDS, RESPONSE_MASK, RESPONSE_TEXT
+from rlflow.data.keys import (DATA_SOURCE, EXTRA_INFO, GROUND_TRUTH, PROMPT_TEXT, RESPONSE_IDS, RESPONSE_MASK,
+                              RESPONSE_TEXT, RM_SCORES)
 from rlflow.rewards.base import Reward, RewardError, RewardWarning, column, run_calls
 
 FORMS = ("verl", "sample", "batch", "trl")
@@ -109,6 +114,11 @@ class FunctionReward(Reward):
         self.form, self._arguments = _plan(fn, form, self.name)
         if self.form == "trl":
             self.in_keys = (*Reward.in_keys, PROMPT_TEXT, RESPONSE_IDS)
+        names = _parameter_names(fn)
+        self.rm_argument = ("rm_scores" if self.form in BATCH_FORMS else "rm_score") if (
+            {"rm_score", "rm_scores"} & names) else None
+        if self.rm_argument:
+            self.in_keys = (*self.in_keys, RM_SCORES)
         self.processes, self.start_method, self._pool = processes, start_method, None
         if processes:
             from rlflow.rewards.pool import WorkerPool
@@ -131,7 +141,8 @@ class FunctionReward(Reward):
         return run_calls([functools.partial(self._call, *row) for row in rows], self.timeout_s, self.max_workers)
 
     def score(self, batch: TensorDict) -> torch.Tensor:
-        rows = list(zip(*(column(batch, k) for k in (DATA_SOURCE, RESPONSE_TEXT, GROUND_TRUTH, EXTRA_INFO))))
+        keys = (DATA_SOURCE, RESPONSE_TEXT, GROUND_TRUTH, EXTRA_INFO) + ((RM_SCORES,) if self.rm_argument else ())
+        rows = list(zip(*(column(batch, k) for k in keys)))
         if self.form in BATCH_FORMS:
             results = self._batch_results(rows, batch)
         else:
@@ -154,15 +165,18 @@ class FunctionReward(Reward):
         return torch.tensor(scores, dtype=torch.float32)
 
     def _call(self, *row: Any) -> Any:
-        args, kwargs = self._arguments(*row)
+        args, kwargs = self._arguments(*row[:4])
+        if len(row) > 4:  # the reward model's score(s): rm_score= / rm_scores=
+            kwargs[self.rm_argument] = row[4]
         return self.fn(*args, **kwargs)
 
     def _batch_results(self, rows: list[tuple], batch: TensorDict) -> list[tuple[str, Any]]:
         """One call for the whole batch; if that call fails, every row fails with it."""
         n = len(rows)
-        columns = [list(c) for c in zip(*rows)] or [[]] * 4
+        columns = [list(c) for c in zip(*rows)] or [[]] * (5 if self.rm_argument else 4)
         if self.form == "trl":
-            columns = [trl_columns(batch, *columns)]
+            trl = trl_columns(batch, *columns[:4])
+            columns = [trl | ({"rm_scores": columns[4]} if self.rm_argument else {})]
         [(status, value)] = self._run([tuple(columns)]) if self._pool else run_calls(
             [functools.partial(self._call, *columns)], self.timeout_s, 1)
         if status == "ok":
@@ -243,6 +257,13 @@ def _fn_name(fn: Any) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+def _parameter_names(fn: Callable[..., Any]) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 def _plan(fn: Callable[..., Any], form: str | None, name: str) -> tuple[str, Callable[..., tuple]]:
     """Pick the form -> ``(form, arguments)``; ``arguments(data_source, text, gt, extra) -> (args, kwargs)``."""
     if form is not None and form not in FORMS:
@@ -294,6 +315,7 @@ def _plan(fn: Callable[..., Any], form: str | None, name: str) -> tuple[str, Cal
         try:
             if sig is not None:
                 args, kwargs = arguments(None, None, None, None)
+                kwargs |= {k: None for k in ("rm_score", "rm_scores") if k in names}  # passed when the batch has them
                 # a TRL function may also name dataset columns (from extra_info), known only per batch
                 (sig.bind_partial if kind == "trl" else sig.bind)(*args, **kwargs)
             return kind, arguments

@@ -1,0 +1,210 @@
+"""verl's reward keys -> the reward the Trainer gets (:class:`RewardPlan`, then :func:`build_reward`).
+
+How a reward model and rule scores combine follows verl 0.9.1:
+
+- ``reward_model.enable=True`` without ``custom_reward_function.path``: the reward model's score is the
+  reward; the rule scorers are not called (verl's reward loop scores with the model alone; its legacy
+  managers return ``rm_scores`` when present).
+- with ``custom_reward_function.path`` and ``use_reward_loop=True`` (verl's default): the custom function
+  alone gives the score; verl lets it query the reward model, rlflow passes each sample's model score as
+  ``rm_score=`` (the function must take that parameter: otherwise the model would be loaded for nothing,
+  which is an error). ``use_reward_loop=False`` (verl's legacy workers): the model's score, the custom
+  function is not called (a note says so).
+- rlflow's own key ``reward_model.weight`` (default null: verl's rules above): a number sums
+  ``weight * model score + sum_i weight_i * function_i`` instead, each part logged under its own name.
+
+Several functions (TRL's ``reward_funcs`` with ``reward_weights``): ``custom_reward_function.functions``, a
+list of ``{path, name, weight, reward_kwargs}`` (``path`` defaults to ``custom_reward_function.path``) or
+``"file.py:name"`` strings; their weighted sum is the reward (``CombinedReward``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.reward_fn import reward_function
+
+RM = "reward_model"
+CRF = "custom_reward_function"
+
+
+@dataclass
+class RewardPlan:
+    """What :func:`build_reward` makes. ``functions``: ``(name, function, weight)``; ``model``: the
+    ``ModelReward.from_pretrained`` arguments (with ``path``) or None; ``mode``: ``"functions"`` (their
+    weighted sum), ``"model"`` (the model's score alone), ``"rm_argument"`` (the one function, given
+    ``rm_score``), ``"sum"`` (model and functions, weighted)."""
+
+    functions: list[tuple[str, Callable, float]]
+    mode: str = "functions"
+    model: dict | None = None
+    model_weight: float = 1.0
+    timeout_s: float | None = 30.0
+    processes: int = 0
+    custom: bool = False
+    built: Any = field(default=None, repr=False, compare=False)  # the reward made from a plan with a model
+
+    def describe(self) -> str:
+        """The Python calls the plan stands for (the dry run prints it)."""
+        kw = f"timeout_s={self.timeout_s}" + (f", processes={self.processes}" if self.processes else "")
+        parts = [(name, f"FunctionReward({getattr(fn, '__name__', fn)!s}, {kw})", w) for name, fn, w in self.functions]
+        if self.model is not None:
+            args = ", ".join(f"{k}={v!r}" for k, v in self.model.items() if k != "path")
+            model = f"ModelReward.from_pretrained({self.model['path']!r}, {args})"
+            if self.mode == "model":
+                return model
+            if self.mode == "rm_argument":
+                return f"WithRMScore({model}, {parts[0][1]})"
+            parts = [("reward_model", model, self.model_weight)] + parts
+        if len(parts) == 1 and parts[0][2] == 1.0:
+            return parts[0][1]
+        return "CombinedReward({" + ", ".join(f"{n!r}: {t}" for n, t, _ in parts) + "}, weights={" + \
+            ", ".join(f"{n!r}: {w:g}" for n, _, w in parts) + "})"
+
+
+def reward_plan(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[str]) -> RewardPlan:
+    """Read the reward keys; every problem names its key."""
+    timeout, workers = cfg[f"{RM}.timeout_s"], cfg[f"{RM}.num_workers"]
+    if timeout is not None and not timeout > 0:
+        raise ConfigError(f"{RM}.timeout_s={timeout}: must be > 0 seconds, or null for no limit")
+    if workers is not None and workers < 1:
+        raise ConfigError(f"{RM}.num_workers={workers}: must be >= 1 (worker processes), or null for threads")
+    crf = cfg[CRF]
+    functions = _functions(crf, reward_kwargs, manager)
+    plan = RewardPlan(functions=functions, timeout_s=timeout, processes=workers or 0, custom=bool(crf["path"] or
+                                                                                                  crf["functions"]))
+    if not cfg[f"{RM}.enable"]:
+        if cfg[f"{RM}.weight"] is not None:
+            raise ConfigError(f"{RM}.weight={cfg[f'{RM}.weight']} is set but {RM}.enable=False")
+        return plan
+    plan.model, plan.model_weight = model_arguments(cfg, notes), cfg[f"{RM}.weight"]
+    if plan.model_weight is not None:
+        if plan.model_weight != plan.model_weight or abs(plan.model_weight) == float("inf"):
+            raise ConfigError(f"{RM}.weight={plan.model_weight}: must be a finite number")
+        plan.mode = "sum"
+        return plan
+    plan.model_weight = 1.0
+    if not plan.custom:
+        plan.mode, plan.functions = "model", []
+        notes.append(f"{RM}.enable=True: the reward model's score is the reward, as in verl (rule scorers are not "
+                     f"called; set {RM}.weight to add them)")
+        return plan
+    if not cfg[f"{RM}.use_reward_loop"]:
+        plan.mode, plan.functions = "model", []
+        notes.append(f"{RM}.use_reward_loop=False: as verl's legacy reward workers, the reward model's score is the "
+                     f"reward and {CRF} is not called")
+        return plan
+    takes = [name for name, fn, _ in functions if {"rm_score", "rm_scores"} & _parameters(fn)]
+    if len(functions) != 1 or not takes:
+        raise ConfigError(
+            f"{RM}.enable=True with {CRF}: as in verl, the custom function alone gives the score, and it can use "
+            f"the reward model's score through an rm_score parameter, which {functions[0][0]!r} does not take "
+            "(the reward model would be loaded for nothing). Add rm_score to the function (one function), or "
+            f"set {RM}.weight=1.0 to add the model's score to the functions'")
+    plan.mode = "rm_argument"
+    return plan
+
+
+def model_arguments(cfg: VerlConfig, notes: list[str]) -> dict:
+    """``reward_model.*`` -> ``ModelReward.from_pretrained`` arguments."""
+    strategy = cfg[f"{RM}.strategy"]
+    if strategy not in ("fsdp", "fsdp2"):
+        raise NotSupportedError(f"{RM}.strategy", strategy, "Megatron reward models", "Use fsdp or fsdp2.")
+    for key in (f"{RM}.model.trust_remote_code",):
+        if cfg[key]:
+            raise NotSupportedError(key, True, "remote-code reward models")
+    if cfg[f"{RM}.ulysses_sequence_parallel_size"] > 1:
+        raise NotSupportedError(f"{RM}.ulysses_sequence_parallel_size", cfg[f"{RM}.ulysses_sequence_parallel_size"],
+                                "sequence-parallel reward models")
+    if cfg[f"{RM}.use_dynamic_bsz"] and cfg.is_provided(f"{RM}.use_dynamic_bsz"):
+        notes.append(f"{RM}.use_dynamic_bsz: the reward model scores micro-batches of "
+                     f"{RM}.micro_batch_size_per_gpu rows (no token budget)")
+    micro = cfg[f"{RM}.micro_batch_size_per_gpu"]
+    if micro is None and cfg[f"{RM}.micro_batch_size"] is not None:
+        micro = max(1, cfg[f"{RM}.micro_batch_size"] // max(1, cfg["trainer.n_gpus_per_node"] * cfg["trainer.nnodes"]))
+    if micro is not None and micro < 1:
+        raise ConfigError(f"{RM}.micro_batch_size_per_gpu={micro}: must be >= 1")
+    max_length = cfg[f"{RM}.max_length"]
+    if max_length is not None and max_length < 2:
+        raise ConfigError(f"{RM}.max_length={max_length}: must be >= 2 tokens, or null")
+    external = cfg[f"{RM}.model.external_lib"]
+    if external:
+        import importlib
+
+        importlib.import_module(external)
+    path = cfg[f"{RM}.model.path"]
+    if not path:
+        raise ConfigError(f"{RM}.enable=True needs {RM}.model.path (a local sequence-classification model folder)")
+    return {"path": path, "reencode": cfg[f"{RM}.model.input_tokenizer"] is not None, "micro_batch_size": micro,
+            "max_length": max_length, "shard": True}
+
+
+def _functions(crf: dict, reward_kwargs: dict, manager: str) -> list[tuple[str, Callable, float]]:
+    """The rule/custom functions with their weights: ``functions`` if given, else ``path``/``name``."""
+    weight = crf["weight"]
+    items = crf["functions"]
+    if not items:
+        return [(crf["name"] if crf["path"] else "reward", reward_function(crf["path"], crf["name"], reward_kwargs,
+                                                                           manager), _weight(weight, f"{CRF}.weight"))]
+    out = []
+    for i, item in enumerate(items):
+        key = f"{CRF}.functions[{i}]"
+        if isinstance(item, str):
+            path, sep, name = item.rpartition(":")
+            item = {"path": path, "name": name} if sep else {"name": item}
+        if not isinstance(item, dict) or not item.get("name"):
+            raise ConfigError(f"{key}={item!r}: give {{path, name, weight, reward_kwargs}} or 'file.py:name'")
+        unknown = set(item) - {"path", "name", "weight", "reward_kwargs"}
+        if unknown:
+            raise ConfigError(f"{key}: unknown field(s) {sorted(unknown)}; fields: path, name, weight, reward_kwargs")
+        path = item.get("path") or crf["path"]
+        if not path:
+            raise ConfigError(f"{key}: no path (set it, or {CRF}.path for all functions)")
+        kwargs = {**reward_kwargs, **(item.get("reward_kwargs") or {})}
+        out.append((item["name"], reward_function(path, item["name"], kwargs, manager),
+                    _weight(item.get("weight", 1.0), f"{key}.weight")))
+    return out
+
+
+def _weight(value: Any, key: str) -> float:
+    try:
+        weight = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={value!r}: must be a number") from None
+    if weight != weight or abs(weight) == float("inf"):
+        raise ConfigError(f"{key}={value!r}: must be a finite number")
+    return weight
+
+
+def _parameters(fn: Callable) -> set[str]:
+    import inspect
+
+    while hasattr(fn, "func"):  # functools.partial, verl_batch_adapter keeps the original in __wrapped__
+        fn = fn.func
+    fn = getattr(fn, "__wrapped__", fn)
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def build_reward(plan: RewardPlan, local_model: Callable[[str, str], str]):
+    """The reward object: the Python API calls :meth:`RewardPlan.describe` prints."""
+    from rlflow.rewards import CombinedReward, FunctionReward, ModelReward, WithRMScore
+
+    parts = [(name, FunctionReward(fn, timeout_s=plan.timeout_s, processes=plan.processes, name=name), weight)
+             for name, fn, weight in plan.functions]
+    if plan.model is not None:
+        kwargs = dict(plan.model)
+        path = local_model(kwargs.pop("path"), f"{RM}.model.path")
+        model = ModelReward.from_pretrained(path, name="reward_model", **kwargs)
+        if plan.mode == "model":
+            return model
+        if plan.mode == "rm_argument":
+            return WithRMScore(model, parts[0][1])
+        parts = [("reward_model", model, plan.model_weight)] + parts
+    if len(parts) == 1 and parts[0][2] == 1.0:
+        return parts[0][1]
+    return CombinedReward({name: r for name, r, _ in parts}, weights={name: w for name, _, w in parts})
