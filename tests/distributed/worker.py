@@ -6,7 +6,8 @@ KEY=VALUE options (integers): ``sp`` (sequence-parallel size), ``remove_padding`
 ``max_tokens`` (token budget per micro-batch), ``val`` (validate every step), and with
 STRATEGY fsdp2 ``bf16`` (bf16 parameters, fp32 reduction) and ``offload`` (CPU offload policy; needs an
 accelerator), ``cuda`` (run on CUDA devices), and ``batch_stats`` (REINFORCE++ whitening and an adaptive KL
-in the reward: statistics of the whole batch), ``critic`` (PPO: GAE with a critic, whitened over the batch).
+in the reward: statistics of the whole batch), ``critic`` (PPO: GAE with a critic, whitened over the batch),
+``rm`` (a tiny reward model scores the samples: sharded by FSDP2 like the policy).
 Writes, on rank 0, OUT/result.pt with the metrics and the full (gathered) weights
 after every step.
 """
@@ -57,7 +58,9 @@ class Record:
     def on_step_end(self, trainer, step, metrics):
         weights = full_weights(trainer.policy.model)  # collective: every rank takes part
         if trainer.fabric.global_rank == 0:
-            self.steps[step] = {"metrics": metrics, "weights": weights}
+            rm = getattr(trainer.reward, "module", None)
+            sharded = rm is not None and any(isinstance(p, DTensor) for p in rm.parameters())
+            self.steps[step] = {"metrics": metrics, "weights": weights, "rm_sharded": sharded}
 
 
 class FailAt:
@@ -69,8 +72,17 @@ class FailAt:
             raise RuntimeError(f"injected failure on rank {self.rank}")
 
 
+def reward_model(tok):
+    from rlflow.models.tiny import tiny_qwen2_reward_model
+    from rlflow.rewards import ModelReward
+
+    model = tiny_qwen2_reward_model(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                                    intermediate_size=64, seed=5)
+    return ModelReward(model, micro_batch_size=3)
+
+
 def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1, remove_padding=0, max_tokens=None,
-          val=0, bf16=0, offload=0, cuda=0, batch_stats=0, critic=0):
+          val=0, bf16=0, offload=0, cuda=0, batch_stats=0, critic=0, rm=0):
     torch.manual_seed(0)
     devices = devices or int(__import__("os").environ.get("WORLD_SIZE", 1))
     if bf16 or offload:
@@ -85,7 +97,7 @@ def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1,
     trainer = Trainer(
         policy=Policy(model, tok, remove_padding=bool(remove_padding)),
         rollout=HFRollout(n=1, do_sample=False, max_new_tokens=4),
-        reward=FunctionReward(varied), loss=PPOLoss(),
+        reward=reward_model(tok) if rm else FunctionReward(varied), loss=PPOLoss(),
         estimator=GAE(gamma=1.0, lam=0.95) if critic else Chain(
             KLInReward(AdaptiveKLController(init_coef=0.1, target_kl=1e-3, horizon=10)), ReinforcePlusPlus(),
         ) if batch_stats else ReturnAsAdvantage(),
