@@ -137,3 +137,27 @@ def test_trainer_step_with_a_reward_model(tokenizer, model, addition_rows, tmp_p
     assert "timing_s/reward" in metrics and "reward/reward_model/mean" in metrics
     assert metrics["critic/score/mean"] == pytest.approx(metrics["reward/reward_model/mean"]
                                                          + metrics["reward/<lambda>/mean"], abs=1e-5)
+
+
+def test_a_function_gets_the_reward_model_score(samples):
+    """verl's default with a reward model and a custom function: the function alone scores, using the RM's."""
+    from rlflow.rewards import WithRMScore
+
+    batch, tok = samples
+    model = ModelReward(rm(len(tok), seed=4))
+    rm_scores = model(batch.clone())[K.SCORES]
+
+    def per_sample(data_source, solution_str, ground_truth, extra_info=None, rm_score=None):
+        return rm_score * 2 + len(solution_str)
+
+    def per_batch(solution_strs, ground_truths, rm_scores):
+        return [s - 1 for s in rm_scores]
+
+    lengths = torch.tensor([len(t) for t in batch[K.RESPONSE_TEXT]], dtype=torch.float32)
+    reward = WithRMScore(model, per_sample)
+    torch.testing.assert_close(reward(batch.clone())[K.SCORES], rm_scores * 2 + lengths)
+    assert reward.stats["reward/reward_model/mean"] == pytest.approx(rm_scores.mean().item(), abs=1e-6)
+    assert reward.extras["rm_score"] == pytest.approx(rm_scores.tolist())
+    torch.testing.assert_close(WithRMScore(model, per_batch)(batch.clone())[K.SCORES], rm_scores - 1)
+    with pytest.raises(ValueError, match="does not take rm_score"):
+        WithRMScore(model, lambda response, ground_truth: 1.0)

@@ -15,6 +15,7 @@ torch or threads of their own should run on threads (``FunctionReward(processes=
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import multiprocessing as mp
 import os
@@ -39,6 +40,9 @@ class RemoteError(RuntimeError):
 def _serve(fn: Callable[..., Any], conn: Connection) -> None:
     """Worker loop: receive ``(args, kwargs)``, answer ``("ok", result)`` or ``("error", exception)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # The objects inherited from the trainer (torch, transformers: millions) are never garbage here; leave
+    # them out of the collector's passes, which would otherwise walk them (and copy their pages) again and again.
+    gc.freeze()
     while True:
         try:
             args, kwargs = conn.recv()
