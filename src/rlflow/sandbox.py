@@ -185,7 +185,8 @@ class Sandbox:
             for name, content in (files or {}).items():
                 path = (box / name).resolve()
                 if box.resolve() not in path.parents:
-                    return SandboxResult("sandbox_error", stderr=f"rlflow sandbox: file name {name!r} leaves the folder")
+                    why = f"rlflow sandbox: file name {name!r} leaves the folder"
+                    return SandboxResult("sandbox_error", stderr=why)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(content.encode() if isinstance(content, str) else content)
             reads = tuple(dict.fromkeys((*SYSTEM_READ_PATHS, *read_paths, *self.read_paths,

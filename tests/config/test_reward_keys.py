@@ -4,7 +4,7 @@ import pytest
 
 import rlflow.config.devices as devices
 from rlflow.config import load_config, make_plan
-from rlflow.config.build import build_reward, build_trainer
+from rlflow.config.build import build_reward
 from rlflow.config.dryrun import dry_run
 from rlflow.config.loading import ConfigError, NotSupportedError
 from rlflow.config.native import load_native
@@ -164,3 +164,17 @@ def test_native_recipe_and_dry_run(tiny, rm_dir, rewards_py, tmp_path, capsys):
     assert "weights={'reward_model': 0.5, 'correct': 2}" in text
     report, problems = dry_run(plan_of(tiny, "reward_model.enable=true", f"reward_model.model.path={rm_dir}"))
     assert problems == [] and "reward    = ModelReward.from_pretrained(" in report
+
+
+def test_functions_by_file_or_module_name(tiny, rewards_py):
+    from rlflow.tasks.addition import digit_match
+
+    by_file = plan_of(tiny, f"custom_reward_function.name={rewards_py}:correct")
+    assert by_file.reward.custom and by_file.reward.functions[0][0] == "correct"
+    by_module = plan_of(tiny, "custom_reward_function.name=rlflow.tasks.addition:digit_match")
+    assert by_module.reward.functions[0][1] is digit_match
+    both = build_reward(plan_of(tiny, "custom_reward_function.functions=['rlflow.tasks.addition:digit_match',"
+                                      f"'{rewards_py}:correct']"))
+    assert both.names == ["digit_match", "correct"]
+    with pytest.raises(ConfigError, match="importing it as a module failed"):
+        plan_of(tiny, "custom_reward_function.name=no_such_pkg.rewards:f")

@@ -1,6 +1,10 @@
 """The reward function of a verl config: ``custom_reward_function.{path,name,reward_kwargs}`` or
 verl's ``default_compute_score`` (dispatch by ``data_source``).
 
+Where the function comes from: ``path`` a Python file and ``name`` the function in it (verl); or, with
+``path`` null, ``name="file.py:fn"`` or ``name="package.module:fn"`` (the ``path.py:Name`` spelling rlflow
+uses for estimators and losses too); ``path`` may also be an importable module (``my_pkg.rewards``).
+
 A custom function may take any form :class:`~rlflow.rewards.FunctionReward` understands, including
 the batch form ``compute_reward(responses, ground_truths)``. With ``reward_model.reward_manager=batch``
 it is called as verl's batch manager calls it:
@@ -26,16 +30,26 @@ REWARD_MANAGERS = ("naive", "batch", "prime", "dapo")
 def load_function(path: str, name: str) -> Callable[..., Any]:
     """Import ``name`` from the Python file at ``path``; errors name the key, file and functions in it."""
     file = Path(path).expanduser()
-    if not file.is_file():
+    if not file.is_file() and not path.endswith(".py") and "/" not in path:  # an importable module's name
+        try:
+            module, module_name, file = importlib.import_module(path), path, path
+        except ImportError as e:
+            raise ConfigError(f"custom_reward_function.path={path!r}: no such file, and importing it as a module "
+                              f"failed ({e})") from None
+    elif not file.is_file():
         raise ConfigError(f"custom_reward_function.path={path!r}: no such file")
-    module_name = f"rlflow_custom_reward_{abs(hash(str(file.resolve())))}"
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - the user's file: report, naming it
-        raise ConfigError(f"custom_reward_function.path={path!r}: importing the file raised {e!r}") from e
+    else:
+        module_name = f"rlflow_custom_reward_{abs(hash(str(file.resolve())))}"
+        module = sys.modules.get(module_name)  # several functions from one file: import it once
+        if module is None:
+            spec = importlib.util.spec_from_file_location(module_name, file)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            try:
+                spec.loader.exec_module(module)
+            except Exception as e:  # noqa: BLE001 - the user's file: report, naming it
+                del sys.modules[module_name]
+                raise ConfigError(f"custom_reward_function.path={path!r}: importing the file raised {e!r}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         defined = [k for k, v in vars(module).items()
@@ -67,6 +81,8 @@ def reward_function(path: str | None, name: str, reward_kwargs: dict, manager: s
 
         raise NotSupportedError("reward_model.reward_kwargs.overlong_buffer_cfg.enable", True,
                                 "DAPO overlong reward shaping")
+    if not path and ":" in name:  # name="file.py:fn" or "package.module:fn"
+        path, name = name.rsplit(":", 1)
     fn = load_function(path, name) if path else default_compute_score
     if manager == "batch":
         if not path:

@@ -73,8 +73,8 @@ def reward_plan(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[
         raise ConfigError(f"{RM}.num_workers={workers}: must be >= 1 (worker processes), or null for threads")
     crf = cfg[CRF]
     functions = _functions(crf, reward_kwargs, manager)
-    plan = RewardPlan(functions=functions, timeout_s=timeout, processes=workers or 0, custom=bool(crf["path"] or
-                                                                                                  crf["functions"]))
+    custom = bool(crf["path"] or crf["functions"] or ":" in str(crf["name"]))
+    plan = RewardPlan(functions=functions, timeout_s=timeout, processes=workers or 0, custom=custom)
     if not cfg[f"{RM}.enable"]:
         if cfg[f"{RM}.weight"] is not None:
             raise ConfigError(f"{RM}.weight={cfg[f'{RM}.weight']} is set but {RM}.enable=False")
@@ -146,8 +146,9 @@ def _functions(crf: dict, reward_kwargs: dict, manager: str) -> list[tuple[str, 
     weight = crf["weight"]
     items = crf["functions"]
     if not items:
-        return [(crf["name"] if crf["path"] else "reward", reward_function(crf["path"], crf["name"], reward_kwargs,
-                                                                           manager), _weight(weight, f"{CRF}.weight"))]
+        name = str(crf["name"]).rsplit(":", 1)[-1] if crf["path"] or ":" in str(crf["name"]) else "reward"
+        return [(name, reward_function(crf["path"], crf["name"], reward_kwargs, manager),
+                 _weight(weight, f"{CRF}.weight"))]
     out = []
     for i, item in enumerate(items):
         key = f"{CRF}.functions[{i}]"
