@@ -19,35 +19,7 @@ from rlflow.data import keys as K
 from rlflow.models.tiny import char_tokenizer
 from rlflow.rewards import RewardWarning
 from rlflow.rewards.judge import JudgeReward
-
-try:  # the engines of rlflow.rollout.engines, once they are installed
-    from rlflow.rollout.engines import HFEngine
-except ImportError:  # until then: the same interface (ENGINE_SPEC), over transformers' generate
-    from dataclasses import dataclass
-
-    @dataclass
-    class Completion:
-        token_ids: list
-        log_probs: list
-        finish_reason: str
-
-    class HFEngine:
-        def __init__(self, model, tokenizer):
-            self.model, self.tokenizer = model, tokenizer
-
-        @torch.no_grad()
-        def generate(self, prompts, params):
-            pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-            width = max(len(p) for p in prompts)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-            mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=params.max_new_tokens,
-                                      do_sample=not params.greedy, pad_token_id=pad, eos_token_id=eos)[:, width:]
-            result = []
-            for row in out.tolist():
-                end = row.index(eos) + 1 if eos in row else len(row)
-                result.append([Completion(row[:end], [0.0] * end, "stop" if eos in row else "length")])
-            return result
+from rlflow.rollout.engines import HFEngine
 
 
 def bigram_judge(tok):

@@ -2,8 +2,8 @@
 its answer.
 
 The judge speaks the engine interface of :mod:`rlflow.rollout.engines` (``generate(prompts, params)``
-with token-id prompts, returning completions with ``token_ids``): the Hugging Face model in process,
-an in-process vLLM engine, or an OpenAI-compatible server. For each sample::
+with token-id prompts, returning completions with ``token_ids``): the Hugging Face model in process
+(``HFEngine``), an in-process vLLM engine, or an OpenAI-compatible server. For each sample::
 
     text   = template.format(prompt=..., response=..., ground_truth=...)
     ids    = judge tokenizer's chat template over [{"role": "user", "content": text}]   (plain text without one)
@@ -22,7 +22,6 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from tensordict import TensorDict
 
 from rlflow.data import keys as K
 from rlflow.rewards.base import Reward, RewardWarning, column, run_calls
+from rlflow.rollout.engines.base import SamplingParams
 
 DEFAULT_TEMPLATE = (
     "Grade the response to the question from 0 (wrong or useless) to 10 (correct and helpful).\n"
@@ -37,28 +37,6 @@ DEFAULT_TEMPLATE = (
     "End your answer with 'Score: <0-10>'."
 )
 LAST_NUMBER = r"(-?\d+(?:\.\d+)?)(?!.*\d)"
-
-
-def sampling_params(**kwargs: Any):
-    """The engines' ``SamplingParams`` (``rlflow.rollout.engines``), or a stand-in with the same fields
-    while that module is not installed."""
-    try:
-        from rlflow.rollout.engines import SamplingParams
-    except ImportError:
-        SamplingParams = _SamplingParams
-    return SamplingParams(**kwargs)
-
-
-@dataclass(frozen=True)
-class _SamplingParams:  # the fields of rlflow.rollout.engines.SamplingParams (ENGINE_SPEC), for older installs
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 512
-    greedy: bool = False
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
 
 
 class JudgeReward(Reward):
@@ -98,7 +76,7 @@ class JudgeReward(Reward):
             raise ValueError("batch_size must be >= 1, retries >= 0 and timeout_s > 0 or None")
         self.engine, self.tokenizer, self.template, self.scale = engine, tokenizer, template, scale
         self.parse = _regex_parser(parse) if isinstance(parse, str) else parse
-        self.params = sampling_params(n=1, temperature=temperature, max_new_tokens=max_new_tokens, greedy=greedy)
+        self.params = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_new_tokens, greedy=greedy)
         self.greedy, self.batch_size, self.timeout_s, self.retries, self.name = (greedy, batch_size, timeout_s,
                                                                                   retries, name)
         self.in_keys = (*Reward.in_keys, K.RAW_PROMPT)
