@@ -239,15 +239,17 @@ def _communicate(proc: subprocess.Popen, data: bytes, status_fd: int, limits: Li
         sel.register(proc.stdin, selectors.EVENT_WRITE)
     else:
         proc.stdin.close()
-    sent, why, stopped_at = 0, None, None
+    sent, why, stopped_at, killed_at = 0, None, None, None
     while sel.get_map():
         now = time.monotonic()
         if why is None and now - start > limits.wall_s:
             why, stopped_at = "timeout", now
             _stop(proc)
-        if stopped_at is not None and now - stopped_at > 2.0:  # the launcher did not finish: kill its session
-            _kill_session(proc)
-            stopped_at = float("inf")
+        if stopped_at is not None and killed_at is None and now - stopped_at > 2.0:
+            _kill_session(proc)  # the launcher did not finish within 2 s of the stop: kill its session
+            killed_at = now
+        if killed_at is not None and now - killed_at > 2.0:
+            break  # a process outside the session still holds the pipes: stop reading, never hang the caller
         timeout = max(0.0, limits.wall_s - (now - start)) if why is None else 0.1
         for key, _ in sel.select(timeout):
             f = key.fileobj
@@ -274,7 +276,9 @@ def _communicate(proc: subprocess.Popen, data: bytes, status_fd: int, limits: Li
             if len(buffers[proc.stdout]) + len(buffers[proc.stderr]) > limits.max_output_bytes and why is None:
                 why, stopped_at = "output_limit", time.monotonic()
                 _stop(proc)
-    status_file.close()
+    for f in (proc.stdin, proc.stdout, proc.stderr, status_file):
+        if not f.closed:
+            f.close()
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:

@@ -15,6 +15,8 @@ from rlflow.sandbox import Limits, Sandbox
 STDIO = json.dumps({"inputs": ["2 3\n", "10 -4\n"], "outputs": ["5\n", "6"]})
 CALL = {"fn_name": "add", "inputs": [[1, 2], [5, 5]], "outputs": [3, 10]}
 FAST = Sandbox(Limits(wall_s=3, cpu_s=1, memory_mb=256, max_processes=4, max_output_bytes=4096))
+MISSING = [layer for layer in FAST.require if layer not in FAST.isolation()]
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"this kernel lacks the sandbox's required layers {MISSING}")
 
 
 def batch_of(responses, truths):

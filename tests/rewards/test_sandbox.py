@@ -19,13 +19,15 @@ FAST = Limits(wall_s=3, cpu_s=1, memory_mb=256, max_processes=8, max_output_byte
 
 
 @pytest.fixture(scope="module")
-def box():
-    return Sandbox(FAST)
+def layers():
+    return Sandbox().isolation()
 
 
 @pytest.fixture(scope="module")
-def layers(box):
-    return box.isolation()
+def box(layers):
+    """The default sandbox; where the kernel lacks a default layer, one that does without it (the tests of that
+    layer skip)."""
+    return Sandbox(FAST, require=tuple(layer for layer in Sandbox().require if layer in layers))
 
 
 def need(layers, layer):
@@ -56,7 +58,7 @@ def test_wall_time_limit_kills_a_sleeping_program(box):
 def test_cpu_limit_stops_an_infinite_loop(box):
     result = box.run_python("while True: pass", limits=Limits(wall_s=20, cpu_s=1))
     assert result.status == "cpu_limit", result
-    assert 0.9 <= result.cpu_s < 3
+    assert 0.5 <= result.cpu_s < 3  # the kernel's limit counts scheduler time; rusage samples it (close, not equal)
 
 
 def test_memory_limit_stops_a_big_allocation(box):
@@ -81,12 +83,12 @@ def test_fork_bomb_is_contained(box, layers):
 
 
 def test_no_process_outlives_its_run(box):
-    code = "import os, time\nif os.fork() == 0:\n    os.setsid(); time.sleep(60)\nelse:\n    print(os.getpid())"
-    result = box.run_python(code)
-    assert result.status == "ok"
-    # in a user namespace the printed pid is not ours: look for any sleeping child of the sandbox instead
+    token = f"rlflow-leftover-{os.getpid()}-{time.monotonic_ns()}"  # names the sandboxed processes in /proc
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid(); time.sleep(60)\nelse:\n    print('parent done')"
+    result = box.run_python(code, args=[token])
+    assert result.status == "ok" and result.stdout == "parent done\n"
     time.sleep(0.2)
-    leftovers = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).endswith("main.py")]
+    leftovers = [p for p in os.listdir("/proc") if p.isdigit() and token in _cmdline(p)]
     assert leftovers == []
 
 
@@ -164,3 +166,10 @@ def test_bad_arguments_are_clear():
     assert result.status == "sandbox_error" and "no-such-program-xyz" in result.stderr
     result = Sandbox().run_python("print(1)", files={"../x.py": "x"})
     assert result.status == "sandbox_error" and "leaves the folder" in result.stderr
+
+
+def test_a_required_layer_that_is_missing_stops_the_run_before_it_starts():
+    box = Sandbox(FAST, namespaces=False, require=("userns",))  # namespaces off: the layer cannot hold
+    result = box.run_python("print('ran')")
+    assert result.status == "sandbox_error" and "ran" not in result.stdout
+    assert "required isolation unavailable on this machine: userns" in result.stderr
