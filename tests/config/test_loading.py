@@ -72,8 +72,6 @@ def test_bad_overrides(override, message):
     ("trainer.async_weight_update=true", "async weight update"),
     ("actor_rollout_ref.actor.strategy=megatron", "Megatron"),
     ("actor_rollout_ref.model.backend=megatron", "Megatron"),
-    ("actor_rollout_ref.rollout.name=vllm", "vllm rollout engine"),
-    ("actor_rollout_ref.rollout.name=sglang", "sglang rollout engine"),
     ("reward_model.sandbox_fusion.url=http://x", "SandboxFusion server"),
     ("trainer.logger=[mlflow]", "mlflow logger"),
 ])

@@ -26,6 +26,7 @@ from rlflow.config.devices import Devices, resolve_devices
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.resolve import class_kwargs, resolve_class
 from rlflow.config.rewards import RewardPlan, reward_plan
+from rlflow.config.rollout import rollout_plan
 
 A, R, C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
 FG, OB = "algorithm.filter_groups", "reward_model.reward_kwargs.overlong_buffer_cfg"
@@ -138,20 +139,6 @@ def aliased(cfg: VerlConfig, verl_key: str, alias: str) -> Any:
     return cfg[alias]
 
 
-def rollout_engine(cfg: VerlConfig) -> type:
-    name = cfg[f"{R}.name"]
-    if name not in tables.ROLLOUT_ENGINES:
-        raise ConfigError(f"{R}.name={name!r}: unknown engine; choose from {', '.join(tables.ROLLOUT_ENGINES)}")
-    package, cls_name = tables.ROLLOUT_ENGINES[name]
-    hint = f"Use {R}.name=hf to generate with transformers."
-    if package is not None and importlib.util.find_spec(package) is None:
-        raise NotSupportedError(f"{R}.name", name, f"the {name} rollout engine (not installed here)", hint)
-    cls = getattr(rlflow.rollout, cls_name, None) or getattr(rlflow, cls_name, None)  # HFRollout: top level
-    if cls is None:
-        raise NotSupportedError(f"{R}.name", name, f"the {name} rollout engine", hint)
-    return cls
-
-
 def schedule(cfg: VerlConfig, role: str) -> str:
     kind = cfg[f"{role}.optim.warmup_style"] or cfg[f"{role}.optim.lr_scheduler_type"]
     if kind not in SCHEDULES:
@@ -251,6 +238,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
     loggers = logger_names(cfg, notes)
     resume = resume_arg(cfg)
     val = cfg[f"{R}.val_kwargs"]
+    rollout_cls, rollout_kwargs = rollout_plan(cfg, devices, notes, n, temperature, do_sample)
     external = cfg["actor_rollout_ref.model.external_lib"]
     if external:
         importlib.import_module(external)  # verl imports it to register custom model classes
@@ -265,9 +253,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
                        "remove_padding": cfg["actor_rollout_ref.model.use_remove_padding"]},
         ref_micro_batch_size=one_of(cfg, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
                                     "actor_rollout_ref.ref.log_prob_micro_batch_size", procs),
-        rollout_cls=rollout_engine(cfg),
-        rollout_kwargs={"n": n, "temperature": temperature, "top_p": cfg[f"{R}.top_p"], "top_k": cfg[f"{R}.top_k"],
-                        "max_new_tokens": cfg[f"{R}.response_length"], "do_sample": do_sample},
+        rollout_cls=rollout_cls, rollout_kwargs=rollout_kwargs,
         val_sampling={"n": val["n"], "do_sample": val["do_sample"], "top_p": val["top_p"], "top_k": val["top_k"],
                       "temperature": val["temperature"] if val["do_sample"] else 1.0},
         reward=reward_plan(cfg, manager, reward_kwargs, notes),

@@ -51,9 +51,11 @@ ROLLOUT_IS = "TruncatedIS"
 # verl's seq_final_reward is the KL-penalised sum, which equals seq_reward unless use_kl_in_reward is on.
 FILTER_METRICS = {"acc": "acc", "score": "score", "seq_reward": "seq_reward", "seq_final_reward": "seq_reward"}
 
-# actor_rollout_ref.rollout.name -> (python package that must import, class name in rlflow.rollout)
-ROLLOUT_ENGINES = {"hf": (None, "HFRollout"), "vllm": ("vllm", "VLLMRollout"), "sglang": ("sglang", "SGLangRollout"),
+# actor_rollout_ref.rollout.name -> (python package that must import, class name in rlflow.rollout);
+# with rollout.server.url set, SERVER_ROLLOUTS: a client of a running server (rlflow.config.rollout)
+ROLLOUT_ENGINES = {"hf": (None, "HFRollout"), "vllm": ("vllm", "VLLMRollout"), "sglang": (None, "SGLangRollout"),
                    "trtllm": ("tensorrt_llm", "TRTLLMRollout")}
+SERVER_ROLLOUTS = {"vllm": "ServerRollout", "sglang": "SGLangRollout"}
 
 # trainer.logger names -> rlflow logger names (rlflow.trainer.loggers)
 LOGGERS = {"console": "console", "tensorboard": "tensorboard", "wandb": "wandb", "file": "jsonl", "jsonl": "jsonl",
@@ -193,7 +195,7 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.ref.fsdp_config.*": _SINGLE,
     "actor_rollout_ref.ref.entropy_from_logits_with_chunking": _PACKED,
     "actor_rollout_ref.ref.entropy_checkpointing": _PACKED,
-    "actor_rollout_ref.rollout.mode": "HF generation runs in the training process",
+    "actor_rollout_ref.rollout.mode": "generation runs in the training process, or on a server (rollout.server.url)",
     "actor_rollout_ref.rollout.prompt_length": "data.max_prompt_length bounds the prompts",
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": _DYN_ONLY,
     "actor_rollout_ref.rollout.calculate_log_probs": "rlflow's rollout always returns its log-probs",

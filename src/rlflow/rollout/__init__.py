@@ -1,4 +1,8 @@
-"""Rollouts: turn prompts into samples."""
+"""Rollouts: turn prompts into samples.
+
+``VLLMRollout`` and ``ServerRollout`` are imported on first use (``rlflow.rollout.VLLMRollout``), so
+``import rlflow`` never imports vLLM.
+"""
 
 from rlflow.rollout.hf import HFRollout
 from rlflow.rollout.single_turn import SingleTurnRollout
@@ -6,4 +10,16 @@ from rlflow.rollout.single_turn import SingleTurnRollout
 from rlflow.rollout.dynamic_sampling import DynamicSampling
 from rlflow.rollout.reference_responses import WithReferenceResponses
 
-__all__ = ["HFRollout", "SingleTurnRollout", "DynamicSampling", "WithReferenceResponses"]
+__all__ = ["HFRollout", "SingleTurnRollout", "VLLMRollout", "ServerRollout", "SGLangRollout", "DynamicSampling",
+           "WithReferenceResponses"]
+
+_LAZY = {"VLLMRollout": "rlflow.rollout.vllm", "ServerRollout": "rlflow.rollout.server",
+         "SGLangRollout": "rlflow.rollout.server"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

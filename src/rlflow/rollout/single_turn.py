@@ -16,8 +16,8 @@ from tensordict import NonTensorStack, TensorDict
 
 from rlflow.data import keys as K
 from rlflow.module import BatchModule
-from rlflow.rollout.engines.base import Completion, Engine, SamplingParams
-from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES, full_weight_buckets
+from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, hf_weight_buckets
+from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES
 
 SAMPLING_OPTIONS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "do_sample", "seed", "stop_token_ids")
 
@@ -95,13 +95,14 @@ class SingleTurnRollout(BatchModule):
         """After an update, bring the engine's weights up to date with ``trained``.
 
         Nothing moves when the engine generates with ``trained`` itself (HF on one device or DDP); otherwise
-        its parameters are gathered (from FSDP2 shards too) and loaded bucket by bucket. Returns
+        its parameters are gathered (from FSDP2 shards too) and loaded bucket by bucket, tied parameters under
+        all their names (``hf_weight_buckets``). Returns
         ``weight_sync/*`` metrics (buckets, GB moved, seconds).
         """
         if self.engine is None or getattr(self.engine, "model", None) is trained:
             return {}
         start = time.perf_counter()
-        metrics = self.engine.load_weights(full_weight_buckets(trained, self.bucket_bytes))
+        metrics = self.engine.load_weights(hf_weight_buckets(trained, self.bucket_bytes))
         self.engine.loaded_from = trained  # an engine shared by several rollouts knows whose weights it holds
         return metrics | {"weight_sync/seconds": time.perf_counter() - start}
 

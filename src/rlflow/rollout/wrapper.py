@@ -40,6 +40,10 @@ class RolloutWrapper(BatchModule):
         return self.rollout.tokenizer
 
     @property
+    def holds_own_weights(self) -> bool:
+        return getattr(self.rollout, "holds_own_weights", False)
+
+    @property
     def temperature(self) -> float:
         return self.rollout.temperature
 

@@ -132,8 +132,10 @@ class Trainer:
             self.fabric.print(f"[rlflow] sequence parallelism: {self.dp_size} group(s) of {self.sp_size} processes "
                               "split each sequence (Ulysses)")
         sharded = shards_parameters(self.fabric.strategy)
-        # A sharded policy cannot generate rank by rank (its forward is collective), so the engine gets a full copy.
-        engine_model = copy.deepcopy(policy.model) if sharded else policy.model
+        # A sharded policy cannot generate rank by rank (its forward is collective), so the engine gets a full copy,
+        # unless it holds weights of its own (vLLM, a server): those are gathered and sent to it bucket by bucket.
+        copy_for_engine = sharded and not getattr(rollout, "holds_own_weights", False)
+        engine_model = copy.deepcopy(policy.model) if copy_for_engine else policy.model
         make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay))
         # Optimizers are built after setup_module: FSDP2 replaces parameters with sharded ones.
         self.policy.module = self.fabric.setup_module(policy.module)

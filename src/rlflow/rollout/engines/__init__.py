@@ -1,6 +1,21 @@
-"""Engines: how tokens are sampled, apart from what a rollout does with prompts (``rlflow.rollout.engines.base``)."""
+"""Engines: how tokens are sampled (transformers, an in-process vLLM, an OpenAI-compatible server).
+
+``VLLMEngine`` and ``ServerEngine`` are imported on first use, so ``import rlflow`` never imports vLLM.
+"""
 
 from rlflow.rollout.engines.base import Completion, Engine, SamplingParams
 from rlflow.rollout.engines.hf import HFEngine
 
-__all__ = ["Completion", "Engine", "SamplingParams", "HFEngine"]
+__all__ = ["Completion", "Engine", "SamplingParams", "HFEngine", "VLLMEngine", "ServerEngine"]
+
+
+def __getattr__(name: str):
+    if name == "VLLMEngine":
+        from rlflow.rollout.engines.vllm import VLLMEngine
+
+        return VLLMEngine
+    if name == "ServerEngine":
+        from rlflow.rollout.engines.server import ServerEngine
+
+        return ServerEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,10 +17,12 @@ distribution the :class:`~rlflow.models.policy.Policy` recomputes. Greedy decodi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from torch import Tensor
+from torch import Tensor, nn
+
+from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES, full_weight_buckets
 
 WeightBuckets = Iterable[list[tuple[str, Tensor]]]
 
@@ -126,10 +128,34 @@ class Engine:
         """Release the engine's resources (processes, memory, connections)."""
 
 
-def counted(buckets: WeightBuckets, totals: dict[str, float]):
-    """Yield the pairs of ``buckets`` one by one while counting buckets and bytes into ``totals``."""
+def counted(buckets: WeightBuckets, totals: dict[str, float]) -> Iterator[tuple[str, Tensor]]:
+    """Yield the pairs of ``buckets`` one by one while counting buckets and bytes (each tensor once, however
+    many names it has) into ``totals``."""
     for bucket in buckets:
         totals["weight_sync/buckets"] = totals.get("weight_sync/buckets", 0.0) + 1
-        for name, tensor in bucket:
-            totals["weight_sync/gb"] = totals.get("weight_sync/gb", 0.0) + tensor.numel() * tensor.element_size() / 1e9
-            yield name, tensor
+        unique = {id(t): t for _, t in bucket}.values()
+        totals["weight_sync/gb"] = totals.get("weight_sync/gb", 0.0) + sum(t.numel() * t.element_size() for t in unique) / 1e9
+        yield from bucket
+
+
+def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """``{name: [other names of the same parameter]}``, e.g. ``lm_head.weight`` for tied embeddings."""
+    first: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases.setdefault(first[id(param)], []).append(name)
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def hf_weight_buckets(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, Tensor]]]:
+    """:func:`~rlflow.rollout.weight_sync.full_weight_buckets` with every tied alias added to its bucket.
+
+    ``named_parameters`` lists a tied parameter once (``model.embed_tokens.weight``); an engine that reloads
+    in place (vLLM) restores the head from its own stale copy unless ``lm_head.weight`` arrives too.
+    """
+    aliases = tied_aliases(model)
+    for bucket in full_weight_buckets(model, bucket_bytes):
+        yield [pair for name, tensor in bucket for pair in [(name, tensor)] + [(a, tensor) for a in aliases.get(name, ())]]

