@@ -14,7 +14,8 @@ import sys
 
 DEFAULT_JOB_FLAGS = {"seed": ("--seed", 0, "data.seed=N"), "steps": ("--steps", 200, "trainer.total_training_steps=N"),
                      "run_dir": ("--run-dir", None, "trainer.default_local_dir=DIR"),
-                     "no_progress": ("--no-progress", False, "trainer.logger=[console]")}
+                     "no_progress": ("--no-progress", False, "trainer.logger=[console]"),
+                     "rollout": ("--rollout", "hf", "actor_rollout_ref.rollout.name=NAME")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--steps", type=int, default=200, help="default job: RL steps (default 200)")
     train.add_argument("--run-dir", default=None, help="default job: where metrics, checkpoints and the reward curve go")
     train.add_argument("--no-progress", action="store_true", help="default job: no progress bar")
+    train.add_argument("--rollout", choices=["hf", "vllm"], default="hf",
+                       help="default job: generate with transformers (hf) or an in-process vLLM engine (vllm)")
     train.add_argument("--config-path", "-cp", default=None, help="folder of a verl YAML config")
     train.add_argument("--config-name", "-cn", default=None, help="name of the verl YAML config in --config-path")
     train.add_argument("--config", "-c", default=None, help="an rlflow native recipe (YAML)")
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         from rlflow.tasks.default_job import run
 
         run(seed=args.seed, steps=args.steps, run_dir=args.run_dir or f"runs/default-seed{args.seed}",
-            progress=not args.no_progress)
+            progress=not args.no_progress, rollout=args.rollout)
     return 0
 
 

@@ -101,3 +101,26 @@ def test_engine_keys_are_honoured_or_noted():
 
 def test_the_seed_example_still_names_vllm():
     assert "name: vllm" in Path(EXAMPLE).read_text()
+
+
+@requires_vllm
+def test_grpo_vllm_recipe_trains(vllm_engine, tmp_path, monkeypatch):
+    """recipes/yaml/grpo_vllm.yaml on a small prepared task (an untrained model of the default job's shape)."""
+    from rlflow.config.build import build_trainer
+    from rlflow.config.native import load_native
+    from rlflow.tasks import export
+    from rlflow.tasks.addition import AdditionTask
+
+    monkeypatch.setattr(export, "warm_started_model", lambda task, seed: (task.model(seed), task.tokenizer()))
+    task = export.export_task(tmp_path / "task", task=AdditionTask(max_operand=5, held_out=8, warm_val=4))
+    recipe = Path(__file__).parents[2] / "recipes" / "yaml" / "grpo_vllm.yaml"
+    plan = make_plan(load_native(recipe, [
+        f"policy.path={task}/model", f"data.train={task}/train.parquet", f"data.val={task}/test.parquet",
+        "trainer.batch_size=4", "trainer.mini_batch_size=2", "rollout.n=2", "trainer.max_steps=1",
+        "trainer.loggers=[console]", f"trainer.run_dir={tmp_path}/run"]))
+    assert plan.rollout_cls.__name__ == "VLLMRollout" and plan.rollout_kwargs["enforce_eager"] is True
+    trainer, data = build_trainer(plan)
+    assert trainer.rollout.engine is vllm_engine[0]  # same model shape and options: the session's engine
+    history = trainer.fit(data)
+    assert len(history) == 1 and history[0]["weight_sync/gb"] > 0
+    assert any(k.startswith("val-core/rlflow/addition/") for k in history[-1])

@@ -40,6 +40,10 @@ NATIVE = {
     "rollout.engine": f"{R}.name", "rollout.n": f"{R}.n", "rollout.temperature": f"{R}.temperature",
     "rollout.top_p": f"{R}.top_p", "rollout.top_k": f"{R}.top_k", "rollout.do_sample": f"{R}.do_sample",
     "rollout.max_new_tokens": "data.max_response_length",
+    # the engine (rollout.engine: hf, vllm, sglang); docs/rollout-engines.md
+    **{f"rollout.{k}": f"{R}.{k}" for k in ("dtype", "enforce_eager", "max_model_len", "gpu_memory_utilization",
+                                             "free_cache_engine", "max_num_seqs")},
+    "rollout.server_url": f"{R}.server.url", "rollout.server_launch": f"{R}.server.launch",
     "reward.path": "custom_reward_function.path", "reward.name": "custom_reward_function.name",
     "reward.weight": "custom_reward_function.weight", "reward.timeout_s": "reward_model.timeout_s",
     "reward.num_workers": "reward_model.num_workers", "rewards": "custom_reward_function.functions",
