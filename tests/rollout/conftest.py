@@ -2,8 +2,9 @@
 server and one 2-process FSDP2 run per session.
 
 The server (~60-80 s to answer on a 2-core machine) and the FSDP2 run (two processes, each with its own
-engine) are started in the background as soon as collection shows a selected test needs them, so they boot
-while other tests run; their fixtures wait for them. Without vLLM installed these tests are skipped, saying so.
+engine) are started in the background as soon as collection shows a selected test needs them, and the tests
+that wait on them run last, so they boot while other tests run. Without vLLM installed these tests are
+skipped, saying so.
 """
 
 from __future__ import annotations
@@ -73,6 +74,14 @@ def _start_fsdp2(out: Path):
            str(FSDP2_WORKER), str(out)]
     log = open(out / "log.txt", "wb")  # noqa: SIM115 - closed by the fixture
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
+
+
+WAITS_ON_BACKGROUND = ("vllm_server", "fsdp2_vllm_run")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that wait on a background process run last, so that the process boots while the others run."""
+    items.sort(key=lambda item: any(name in getattr(item, "fixturenames", ()) for name in WAITS_ON_BACKGROUND))
 
 
 def pytest_collection_finish(session):

@@ -124,3 +124,16 @@ def test_grpo_vllm_recipe_trains(vllm_engine, tmp_path, monkeypatch):
     history = trainer.fit(data)
     assert len(history) == 1 and history[0]["weight_sync/gb"] > 0
     assert any(k.startswith("val-core/rlflow/addition/") for k in history[-1])
+
+
+def test_rollout_flag_reaches_the_default_job(monkeypatch):
+    import rlflow.tasks.default_job as default_job
+    from rlflow.cli import main as cli_main
+
+    calls = []
+    monkeypatch.setattr(default_job, "run", lambda **kwargs: calls.append(kwargs))
+    assert cli_main(["train", "--rollout", "vllm", "--steps", "3"]) == 0
+    assert calls[0]["rollout"] == "vllm" and calls[0]["steps"] == 3
+    with pytest.raises(SystemExit):  # with a config the engine is a config key
+        cli_main(["train", "--rollout", "vllm", "algorithm.adv_estimator=grpo"])
+    assert set(default_job.ROLLOUTS) == {"hf", "vllm"}

@@ -70,6 +70,11 @@ class SingleTurnRollout(BatchModule):
         return bool(getattr(self.engine, "holds_own_weights", False))
 
     @property
+    def stats(self) -> dict[str, float]:
+        """The engine's metrics of the last call (e.g. a server's ``server/retries``); the Trainer logs them."""
+        return dict(getattr(self.engine, "stats", {}))
+
+    @property
     def params(self) -> SamplingParams:
         """This rollout's options as engine-neutral sampling parameters."""
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,

@@ -24,9 +24,9 @@ class VLLMRollout(SingleTurnRollout):
     Args:
         n, temperature, top_p, top_k, max_new_tokens, do_sample, seed, stop_token_ids, bucket_bytes: as ``HFRollout``.
         engine: an existing :class:`~rlflow.rollout.engines.vllm.VLLMEngine` to use instead of the shared one.
-        dtype, max_model_len, kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager, enable_prefix_caching,
-            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, free_cache_engine: the engine's options
-            (see ``VLLMEngine``).
+        dtype, max_model_len, kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager: engine options.
+        enable_prefix_caching, max_num_batched_tokens, max_num_seqs, enable_chunked_prefill: engine options.
+        free_cache_engine: sleep between generations on GPU (all engine options: see ``VLLMEngine``).
         engine_seed: the engine's seed (its own random stream; the trainer's is untouched).
         engine_kwargs: more ``vllm.LLM`` arguments.
 

@@ -141,6 +141,7 @@ class ServerEngine(Engine):
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         self.check_log_probs(params)
+        self.stats = {"server/retries": 0.0}  # per call: the Trainer logs it with the step
         futures = [self.pool.submit(self.request, self.generate_path, self.payload(p, params)) for p in prompts]
         results = [self.completions(f.result(), params) for f in futures]  # in prompt order
         for i, per_prompt in enumerate(results):
