@@ -98,8 +98,9 @@ def test_server_keys_choose_the_server_rollout():
                                         "actor_rollout_ref.rollout.server.retries=5"]))
     assert plan.rollout_cls.__name__ == "SGLangRollout"
     assert plan.rollout_kwargs["url"] == "http://127.0.0.1:30000" and plan.rollout_kwargs["retries"] == 5
-    plan = make_plan(load_config(cpu + ["actor_rollout_ref.rollout.name=vllm", url]))
+    plan = make_plan(load_config(cpu + ["actor_rollout_ref.rollout.name=vllm", url, "actor_rollout_ref.rollout.dtype=float32"]))
     assert plan.rollout_cls is ServerRollout
+    assert any("rollout.dtype='float32': a setting of the server" in note for note in plan.notes)
     with pytest.raises(ConfigError, match="has no server rollout"):
         make_plan(load_config(cpu + ["actor_rollout_ref.rollout.name=hf", url]))
 

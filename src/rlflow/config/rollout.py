@@ -96,8 +96,18 @@ def vllm_kwargs(cfg: VerlConfig, devices: Devices, notes: list[str]) -> dict:
             "engine_seed": cfg["data.seed"], **({"engine_kwargs": extra} if extra else {})}
 
 
+# engine settings that belong to the server's own command line when the rollout is a server's client
+SERVER_SIDE = ("dtype", "gpu_memory_utilization", "enforce_eager", "cudagraph_capture_sizes", "free_cache_engine",
+               "tensor_model_parallel_size", "tensor_parallel_size", "data_parallel_size", "expert_parallel_size",
+               "pipeline_model_parallel_size", "max_num_batched_tokens", "max_model_len", "max_num_seqs",
+               "enable_chunked_prefill", "load_format", "engine_kwargs.vllm", "engine_kwargs.sglang")
+
+
 def server_kwargs(cfg: VerlConfig, devices: Devices, notes: list[str]) -> dict:
-    """``rollout.server.*`` -> ``ServerRollout``'s arguments."""
+    """``rollout.server.*`` -> ``ServerRollout``'s arguments; engine settings get a note (they are the server's)."""
+    for key in SERVER_SIDE:
+        _note_if_set(cfg, notes, f"{R}.{key}", lambda v: True,
+                     "a setting of the server: give it to the server's own command line (rollout.server.launch)")
     s = f"{R}.server"
     return {"url": cfg[f"{s}.url"], "launch": cfg[f"{s}.launch"], "max_concurrency": cfg[f"{s}.max_concurrency"],
             "timeout": cfg[f"{s}.timeout"], "retries": cfg[f"{s}.retries"], "checkpoint_dir": cfg[f"{s}.checkpoint_dir"]}
