@@ -20,7 +20,9 @@ which one the server uses; a combination that cannot match the Policy gets a war
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import time
 import urllib.error
 import urllib.request
@@ -65,6 +67,8 @@ class ServerEngine(Engine):
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.eos_token_ids, self.logprobs_mode = tuple(eos_token_ids), logprobs_mode
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.own_dir = checkpoint_dir is None  # a temporary folder of ours: removed by close() (and at exit)
+        atexit.register(self.close)
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rlflow-server")
         self.stats = {"server/retries": 0.0}
         self.model = model or self.served_model()
@@ -153,7 +157,7 @@ class ServerEngine(Engine):
     def load_weights(self, buckets: WeightBuckets) -> dict[str, float]:
         """Write the buckets as a checkpoint folder, then have the server reload it (one process asks)."""
         start = time.perf_counter()
-        if self.checkpoint_dir is None:
+        if self.checkpoint_dir is None:  # created on first use, so a server that never trains writes nothing
             self.checkpoint_dir = shared_temp_dir("rlflow-server-weights-")
         metrics = write_checkpoint(buckets, self.checkpoint_dir)
         written = time.perf_counter()
@@ -176,6 +180,9 @@ class ServerEngine(Engine):
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.own_dir and self.checkpoint_dir is not None and writes_checkpoints():
+            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
+            self.checkpoint_dir = None
 
 
 class SGLangEngine(ServerEngine):

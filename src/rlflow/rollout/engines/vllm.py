@@ -263,14 +263,14 @@ class VLLMEngine(Engine):
         if llm is None:
             return
         _POOL.pop(getattr(self, "pool_key", None), None)
+        if self.folder is not None and writes_checkpoints():
+            shutil.rmtree(self.folder, ignore_errors=True)
         shares_world = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         if not shares_world:
             with self.isolation:
                 llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-        if self.folder is not None and writes_checkpoints():
-            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------------
