@@ -15,6 +15,7 @@ after every step.
 import sys
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from rlflow import FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer
 from rlflow.algorithms import GAE, AdaptiveKLController, KLInReward, ReinforcePlusPlus, ValueLoss
