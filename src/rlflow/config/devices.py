@@ -20,7 +20,7 @@ CRITIC_OFFLOAD_KEYS = ("critic.model.fsdp_config.param_offload", "critic.model.f
 class Devices:
     accelerator: str      # "cpu" or "cuda", for lightning.Fabric
     precision: str        # Fabric precision, e.g. "32-true"
-    strategy: str         # Fabric strategy
+    strategy: object      # Fabric strategy: a name, or a strategy object (Megatron)
     processes: int        # n_gpus_per_node x nnodes
     per_node: int         # processes per node (Fabric's devices)
     nnodes: int
@@ -50,7 +50,14 @@ def resolve_devices(cfg: VerlConfig, notes: list[str], with_critic: bool) -> Dev
     accelerator = "cuda" if wants_gpu else "cpu"
     processes = per_node * nnodes
     strategy = "auto"
-    for role in ("actor_rollout_ref.actor", "critic") if with_critic else ("actor_rollout_ref.actor",):
+    from rlflow.strategies.megatron import verl as megatron_keys  # megatron-core itself is imported only to train
+
+    if megatron_keys.wants_megatron(cfg):
+        strategy = megatron_keys.megatron_strategy(cfg, notes, processes, accelerator, with_critic)
+    else:
+        megatron_keys.check_no_megatron_sizes(cfg)
+    for role in () if strategy != "auto" else ("actor_rollout_ref.actor", "critic") if with_critic else (
+            "actor_rollout_ref.actor",):
         if cfg[f"{role}.strategy"] in ("fsdp", "fsdp2"):
             if processes == 1:
                 notes.append(f"{role}.strategy={cfg[f'{role}.strategy']} on 1 process: rlflow runs Fabric's "

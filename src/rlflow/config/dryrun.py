@@ -87,7 +87,8 @@ def batch_section(plan: Plan) -> list[str]:
     t, procs = plan.trainer_kwargs, plan.devices.processes
     n, bs, mini, epochs = plan.rollout_kwargs["n"], t["batch_size"], t["mini_batch_size"], t["ppo_epochs"]
     traj, mini_traj = bs * n, mini * n
-    per_dev = mini_traj // procs
+    replica = getattr(plan.devices.strategy, "model_parallel_size", 1)  # Megatron: ranks that share a batch
+    per_dev = mini_traj // (procs // replica)
     micro = t["micro_batch_size"] or per_dev
     lp_micro = plan.policy_kwargs["micro_batch_size"]
     return [
@@ -99,7 +100,8 @@ def batch_section(plan: Plan) -> list[str]:
              f"{bs // mini} mini-batches"),
         line("optimizer steps per step", f"{bs // mini} mini-batches x ppo_epochs {epochs}", f"{bs // mini * epochs}"),
         line("trajectories per mini-batch", f"ppo_mini_batch_size x n = {mini} x {n}", f"{mini_traj}"),
-        line("per device", f"{mini_traj} trajectories / {procs} process(es)", f"{per_dev}"),
+        line("per device", f"{mini_traj} trajectories / {procs} process(es)", f"{per_dev}") if replica == 1 else
+        line("per model replica", f"{mini_traj} trajectories / {procs // replica} data-parallel replicas", f"{per_dev}"),
         line("micro-batch per device", f"{A}.ppo_micro_batch_size_per_gpu",
              f"{micro} trajectories" + ("" if t["micro_batch_size"] else " (unset: the whole mini-batch)")),
         line("grad. accumulation", f"{per_dev} / {micro}", f"{-(-per_dev // micro)} forward/backward passes per "
@@ -197,6 +199,14 @@ def dry_run(plan: Plan) -> tuple[str, list[str]]:
     sections = [["Resolved config", plan.cfg.to_yaml()], objects_section(plan),
                 data_section(plan, data, lengths, problems), batch_section(plan), schedule_section(plan, data, total),
                 cost_section(plan, total, max(lengths))]
+    if hasattr(plan.devices.strategy, "layout"):  # Megatron: layout and memory per rank
+        from transformers import AutoConfig
+
+        from rlflow.strategies.megatron.verl import dry_run_section
+
+        config = AutoConfig.from_pretrained(local_model(plan.model_path, "actor_rollout_ref.model.path"))
+        prompt = min(plan.data_kwargs["max_prompt_length"] or max(lengths), max(lengths))
+        sections.append(dry_run_section(plan, config, prompt + plan.rollout_kwargs["max_new_tokens"]))
     notes = plan.notes + unused_notes(plan.cfg)
     if notes:
         sections.append(["Notes"] + [f"  - {n}" for n in notes])

@@ -77,7 +77,7 @@ def _not(*ok: Any) -> Callable[[Any], bool]:
     return lambda v: v not in ok
 
 
-MEGATRON = "Megatron training"
+OTHER_BACKENDS = "training strategies other than fsdp, fsdp2 and megatron"
 LORA = "LoRA"
 MULTI_TURN = "multi-turn tool calling / agent loops"
 DYN_BSZ = "token-budget micro-batches (use_dynamic_bsz; set ppo_micro_batch_size_per_gpu instead)"
@@ -89,7 +89,7 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "data.reward_fn_key": ("reading data_source from another column", _not("data_source")),
     "data.trust_remote_code": ("remote-code tokenizers", _truthy),
     "data.apply_chat_template_kwargs": ("chat-template arguments", _truthy),
-    "actor_rollout_ref.model.backend": (MEGATRON, _not(None, "fsdp", "fsdp2")),
+    "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.model.enable_activation_offload": ("activation offloading", _truthy),
     "actor_rollout_ref.model.lora_rank": (LORA, lambda v: v > 0),
     "actor_rollout_ref.model.lora_adapter_path": (LORA, _truthy),
@@ -97,10 +97,8 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.model.use_fused_kernels": ("fused kernels", _truthy),
     "actor_rollout_ref.model.trust_remote_code": ("remote-code models (trust_remote_code)", _truthy),
     "actor_rollout_ref.model.override_config": ("model config overrides (override_config)", _truthy),
-    "actor_rollout_ref.actor.strategy": (MEGATRON, _not("fsdp", "fsdp2")),
+    "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.actor.shuffle": ("shuffling within mini-batches", _truthy),
-    "actor_rollout_ref.actor.tensor_model_parallel_size": (MEGATRON, _gt1),
-    "actor_rollout_ref.actor.pipeline_model_parallel_size": (MEGATRON, _gt1),
     "actor_rollout_ref.actor.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
     "actor_rollout_ref.actor.lora.enabled": (LORA, _truthy),
     "actor_rollout_ref.actor.optim.min_lr_ratio": ("a cosine floor (min_lr_ratio)", lambda v: v not in (None, 0, 0.0)),
@@ -118,7 +116,7 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.rollout.checkpoint_engine.backend": ("async weight update (checkpoint_engine)", _not("naive")),
     "actor_rollout_ref.rollout.skip_rollout": ("replaying dumped rollouts", _truthy),
     "actor_rollout_ref.rollout.trace.backend": ("rollout tracing", _truthy),
-    "critic.strategy": (MEGATRON, _not("fsdp", "fsdp2")),
+    "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "critic.model.lora_rank": (LORA, lambda v: v > 0),
     "critic.model.override_config": ("model config overrides (override_config)", _truthy),
     "critic.model.enable_activation_offload": ("activation offloading", _truthy),
@@ -157,6 +155,7 @@ _DYN_ONLY = ("the scoring passes (old/ref log-probs) use log_prob_micro_batch_si
              "applies to the training micro-batches (actor.use_dynamic_bsz + ppo_max_token_len_per_gpu)")
 _PF_RC_ONLY = "only used with PF-PPO or with rollout-correction options that are not supported yet"
 _FILTER_ONLY = "only used with algorithm.filter_groups.enable=True (DynamicSampling)"
+_MEGATRON_ONLY = "only used with actor_rollout_ref.actor.strategy=megatron"
 
 INERT: dict[str, str] = {
     "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": _DYN_ONLY,
@@ -252,6 +251,9 @@ INERT: dict[str, str] = {
     "data.sampler.class_name": "only used with data.sampler.class_path, not supported yet",
     "data.datagen.name": "only used with data.datagen.path, not supported yet",
     "actor_rollout_ref.rollout.agent.custom_async_server.name": "custom async rollout servers are not supported yet",
+    "actor_rollout_ref.actor.megatron.*": _MEGATRON_ONLY,
+    "actor_rollout_ref.ref.megatron.*": "the reference is converted with the actor's Megatron layout (one strategy)",
+    "critic.megatron.*": "the critic trains with the actor's Megatron layout (one strategy)",
 }
 
 

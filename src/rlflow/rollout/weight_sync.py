@@ -82,7 +82,13 @@ def full_weight_buckets(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYT
     """Yield ``[(name, full tensor), ...]`` lists of at most ``bucket_bytes`` (a larger tensor goes alone).
 
     A bucket holds one dtype; row-sharded DTensors of a bucket are gathered with one collective.
+    A model whose weights a strategy keeps elsewhere (the Megatron strategy's shards) provides
+    ``weight_buckets(bucket_bytes)``, which yields the same buckets.
     """
+    elsewhere = getattr(model, "weight_buckets", None)
+    if elsewhere is not None:
+        yield from elsewhere(bucket_bytes)
+        return
     bucket, size = [], 0
     for name, param in model.named_parameters():
         nbytes = param.numel() * param.element_size()  # of the full tensor

@@ -122,10 +122,12 @@ class Trainer:
             precision=precision, loggers=make_loggers(loggers, self.run_dir), callbacks=list(callbacks),
         )
         self.fabric.launch()  # no-op under torchrun or on one device
-        self.sp_size, self.balance_batch = sequence_parallel_size, balance_batch
-        self.sp_group = sequence_parallel_group(self.fabric, sequence_parallel_size)
+        # ranks that train on one batch: a sequence-parallel group, or a model replica (Megatron's tensor x pipeline)
+        replica = getattr(self.fabric.strategy, "model_parallel_size", 1)
+        self.sp_size, self.balance_batch = sequence_parallel_size * replica, balance_batch
+        self.sp_group = sequence_parallel_group(self.fabric, self.sp_size)
         self.dp_rank, self.dp_size = self.fabric.global_rank // self.sp_size, self.fabric.world_size // self.sp_size
-        if self.sp_group is not None:  # before the strategy wraps the modules
+        if self.sp_group is not None and sequence_parallel_size > 1:  # before the strategy wraps the modules
             for role in (policy, self.reference, critic):
                 if role is not None:
                     role.module.sequence_parallel(self.sp_group)

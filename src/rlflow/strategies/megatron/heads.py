@@ -1,0 +1,183 @@
+"""The policy's log-probs and entropy, and the critic's values, from a megatron-core model.
+
+:class:`MegatronLogProbs` and :class:`MegatronValueModel` take the place of
+:class:`~rlflow.models.logprobs.TokenLogProbs` and :class:`~rlflow.models.critic.ValueHeadModel`
+(same ``forward`` arguments and outputs), so ``Policy.log_probs`` and ``Critic.values`` run unchanged.
+
+The vocabulary stays split over the tensor-parallel ranks: each rank turns its hidden states into the
+logits of its own ``V / tp`` columns and three all-reduces of ``N``-vectors give the log-softmax
+of the chosen tokens and the entropy. Full logits are never gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from rlflow.models.packing import response_lengths
+from rlflow.strategies.megatron.model import MegatronLM
+from rlflow.strategies.megatron.pipeline import run_stages
+
+
+def vocab_parallel_log_probs(logits: Tensor, local_ids: Tensor, group=None) -> tuple[Tensor, Tensor]:
+    """Log-softmax at the chosen tokens and entropy, from vocabulary-split logits.
+
+    With ``z`` the full logits (split column-wise over ``group``), ``s = z - m`` (``m = max z``, an
+    all-reduce max), and three sums over the vocabulary, each the sum of the ranks' partial sums:
+    ``Z = sum_v exp(s_v)``, ``E = sum_v exp(s_v) s_v`` and ``s_y`` (the chosen token's column lives on
+    one rank; the others add 0):
+
+    ``log p(y) = s_y - log Z`` and ``H = log Z - E / Z``.
+
+    The sums use Megatron's ``reduce_from_tensor_model_parallel_region``: forward all-reduce, backward
+    identity. That is exact because each sum reduces purely local terms and everything after it is the
+    same on every rank (every rank computes the same loss): the gradient of a sum reaches each rank's
+    own columns once. (Dividing local terms by the reduced ``Z`` before a second sum would not be: the
+    gradient with respect to ``Z`` would then miss the other ranks' terms.)
+
+    Args:
+        logits: ``N x V_local`` float32 (temperature already applied).
+        local_ids: ``N`` chosen token ids minus this rank's first column (outside ``[0, V_local)``: another rank's).
+        group: the tensor-parallel group (``None``: Megatron's).
+
+    Returns:
+        log-probs and entropy, ``N`` each.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_sum
+
+    group = group or ps.get_tensor_model_parallel_group()
+    with torch.no_grad():
+        top = logits.max(-1).values
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - top[:, None]
+    exp = shifted.exp()
+    partition = reduce_sum(exp.sum(-1), group)
+    weighted = reduce_sum((exp * shifted).sum(-1), group)
+    mine = (local_ids >= 0) & (local_ids < logits.shape[-1])
+    chosen = reduce_sum(shifted.gather(-1, local_ids.clamp(0, logits.shape[-1] - 1)[:, None]).squeeze(-1) * mine,
+                        group)
+    log_z = partition.log()
+    return chosen - log_z, log_z - weighted / partition
+
+
+def _stack_inputs(lm: MegatronLM, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """``B' x S'`` token ids and attention mask: prompt then response (the response attends fully, as in the
+    Hugging Face path), padded when the experts' token exchange needs equal shapes (:func:`_equal_shapes`)."""
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], dim=1)
+    group = _equal_shapes(lm)
+    if group is None:
+        return ids, mask
+    shape = torch.tensor(ids.shape, device=ids.device)
+    dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
+    B, S = shape.tolist()
+    pad = lm.padding_idx if lm.padding_idx is not None else 0
+    padded_ids = ids.new_full((B, S), pad)
+    padded_mask = mask.new_zeros((B, S))
+    padded_ids[: ids.shape[0], : ids.shape[1]] = ids
+    padded_mask[: ids.shape[0], : ids.shape[1]] = mask
+    return padded_ids, padded_mask
+
+
+def _equal_shapes(lm: MegatronLM):
+    """The process group whose ranks must feed the MoE layers equally many tokens, or ``None``.
+
+    Megatron's all-gather token dispatcher (rlflow's choice on CPU: its all-to-all one needs a CUDA stream)
+    gathers every rank's tokens with a fixed-size all-gather over the expert (tensor x expert parallel)
+    group, and the ranks of that group hold different samples. So their batches are padded to the group's
+    largest ``B x S``: extra rows and trailing columns are padding (masked keys, and after every real
+    position under the causal mask), and an MoE layer without token dropping routes each token on its own,
+    so real tokens' outputs do not change.
+    """
+    if getattr(lm.config, "num_moe_experts", None) is None or lm.config.moe_token_dispatcher_type != "allgather":
+        return None
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_expert_tensor_and_model_parallel_group()
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def _response_positions(hidden: Tensor, P: int, R: int) -> Tensor:
+    """``[S, B, H]`` -> ``B*R x H``: the states at the positions that predict each response token."""
+    return hidden[P - 1 : P + R - 1].transpose(0, 1).reshape(-1, hidden.shape[-1])
+
+
+def _trailing_zeros(out: Tensor, response_mask: Tensor | None, remove_padding: bool) -> Tensor:
+    """With ``remove_padding`` the Hugging Face path returns 0 after each response's end: so does this one."""
+    if not remove_padding or response_mask is None:
+        return out
+    kept = torch.arange(out.shape[1], device=out.device)[None] < response_lengths(response_mask)[:, None]
+    return out * kept
+
+
+class MegatronLogProbs(nn.Module):
+    """``TokenLogProbs`` on a megatron-core model: ``forward`` -> log-probs and entropy ``B x R``.
+
+    Args:
+        lm: this rank's :class:`~rlflow.strategies.megatron.model.MegatronLM`.
+        temperature, chunk_tokens, remove_padding: as ``TokenLogProbs``' (the Megatron local layer spec runs the
+            padded layout; ``remove_padding`` only zeroes the positions after each response's end, as the
+            packed Hugging Face path does).
+    """
+
+    state_prefix = "lm."  # the Hugging Face weights' prefix in the module's checkpoint (TokenLogProbs.lm)
+
+    def __init__(self, lm: MegatronLM, temperature: float = 1.0, chunk_tokens: int = 4096,
+                 remove_padding: bool = False):
+        super().__init__()
+        self.lm, self.temperature, self.chunk_tokens, self.remove_padding = lm, temperature, chunk_tokens, remove_padding
+
+    def _chunk(self, hidden: Tensor, ids: Tensor) -> Tensor:
+        logits = self.lm.logits(hidden).float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return torch.stack(vocab_parallel_log_probs(logits, ids - self.lm.vocab_start), dim=-1)
+
+    def _head(self, hidden: Tensor, P: int, R: int, response_ids: Tensor) -> Tensor:
+        states, ids = _response_positions(hidden, P, R), response_ids.reshape(-1)
+        parts = []
+        for start in range(0, ids.shape[0], self.chunk_tokens):  # the head's logits are recomputed in the backward
+            h, i = states[start : start + self.chunk_tokens], ids[start : start + self.chunk_tokens]
+            grad = torch.is_grad_enabled() and h.requires_grad
+            parts.append(checkpoint(self._chunk, h, i, use_reentrant=False) if grad else self._chunk(h, i))
+        out = torch.cat(parts) if parts else states.sum(-1, keepdim=True)[:0].float().expand(0, 2)
+        return out.view(response_ids.shape[0], R, 2)
+
+    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                response_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Shapes: prompt ``B x P`` (left-padded), response ``B x R`` -> log-probs, entropy ``B x R``."""
+        (B, P), R = prompt_ids.shape, response_ids.shape[1]
+        ids, mask = _stack_inputs(self.lm, prompt_ids, prompt_mask, response_ids)
+        out = run_stages(self.lm, ids, mask, lambda h: self._head(h[:, :B], P, R, response_ids), (B, R, 2))
+        out = _trailing_zeros(out, response_mask, self.remove_padding)
+        return out[..., 0], out[..., 1]
+
+
+class MegatronValueModel(nn.Module):
+    """``ValueHeadModel`` on a megatron-core model: ``forward`` -> values ``B x R``.
+
+    The value head (``hidden -> 1``) lives on the last pipeline stage, whole on every tensor-parallel
+    rank (its input is the same on all of them, so are its gradients).
+    """
+
+    state_prefix = "lm."
+
+    def __init__(self, lm: MegatronLM, value_head: nn.Linear, remove_padding: bool = False):
+        super().__init__()
+        self.lm, self.remove_padding = lm, remove_padding
+        self.value_head = value_head if lm.last_stage else None
+
+    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                response_mask: Tensor | None = None) -> Tensor:
+        (B, P), R = prompt_ids.shape, response_ids.shape[1]
+        ids, mask = _stack_inputs(self.lm, prompt_ids, prompt_mask, response_ids)
+
+        def head(hidden: Tensor) -> Tensor:
+            return self.value_head(_response_positions(hidden[:, :B], P, R)).float().view(B, R, 1)
+
+        out = run_stages(self.lm, ids, mask, head, (B, R, 1))
+        return _trailing_zeros(out, response_mask, self.remove_padding)[..., 0]

@@ -1,0 +1,94 @@
+"""Per-rank memory of a Megatron layout, from the Hugging Face config alone (no weights, no megatron import).
+
+Parameters per rank: each decoder layer's matrices are split over the ``tensor``-parallel ranks (its
+norms are whole on every rank), the layers over the ``pipeline`` stages, the experts over the
+``expert``-parallel ranks; the embedding (first stage) and the output layer (last stage; a tied
+embedding keeps a copy there when there are several stages) are split over the vocabulary.
+
+Bytes per parameter, as this plugin trains: float32 weights, float32 gradients and AdamW's two
+float32 moments, **16 B** on every rank (the Trainer's optimizer over the rank's shards; mixed
+precision is autocast). Megatron's distributed optimizer, not wired in yet, would shard the 12 B of
+master weights and moments over the data-parallel ranks: ``4 + 12 / DP`` B with bf16 compute. A frozen
+reference (KL term) adds 4 B/param, split like the policy.
+
+Activations of one micro-batch on one stage, without recomputation, in 16-bit (Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", eq. 2 with tensor parallelism, no
+sequence parallelism): ``layers x s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes; this plugin's pipeline runs
+one micro-batch at a time, so one micro-batch's worth per stage. The log-prob head adds one float32
+chunk of ``chunk x V/t`` logits (and a few of its size while it runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlflow.strategies.megatron.layout import ParallelLayout
+from rlflow.strategies.megatron.model import head_dim, padded_vocab
+
+
+@dataclass(frozen=True)
+class LayerParameters:
+    split: int        # matrices split over the tensor-parallel ranks
+    whole: int        # norms and router, whole on every tensor-parallel rank
+    experts: int      # expert matrices, split over the expert-parallel ranks
+
+
+def layer_parameters(config) -> LayerParameters:
+    """Parameters of one decoder layer of a Hugging Face config (Qwen2/Qwen3/Llama/Qwen3-MoE shapes)."""
+    H, d, nq = config.hidden_size, head_dim(config), config.num_attention_heads
+    nkv = getattr(config, "num_key_value_heads", None) or nq
+    attention = H * nq * d * 2 + H * nkv * d * 2
+    if config.model_type == "qwen2":
+        attention += nq * d + 2 * nkv * d  # q/k/v biases
+    whole = 2 * H + (2 * d if config.model_type in ("qwen3", "qwen3_moe") else 0)
+    experts = 0
+    if getattr(config, "num_experts", None):
+        experts = config.num_experts * 3 * H * config.moe_intermediate_size
+        whole += config.num_experts * H  # the router
+        mlp = 0
+    else:
+        mlp = 3 * H * config.intermediate_size
+    return LayerParameters(split=attention + mlp, whole=whole, experts=experts)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """The largest pipeline stage's share, per rank (bytes unless named otherwise)."""
+
+    parameters: int               # parameters on one rank of the largest stage
+    model_states: int             # weights + gradients + AdamW (16 B/param)
+    distributed_optimizer: int    # the same with Megatron's distributed optimizer (4 + 12/DP B/param)
+    reference: int                # a frozen float32 copy for the KL term
+    activations: int              # one micro-batch, no recomputation, 16-bit
+    total_parameters: int         # of the whole model
+
+    def peak(self, with_reference: bool) -> int:
+        return self.model_states + (self.reference if with_reference else 0) + self.activations
+
+
+def rank_memory(config, layout: ParallelLayout, world_size: int, micro_batch: int, seq_len: int,
+                chunk_tokens: int = 4096) -> RankMemory:
+    """Estimate for the rank that holds the most parameters (see the module docstring)."""
+    layer = layer_parameters(config)
+    t, pp, ep = layout.tensor, layout.pipeline, layout.expert
+    V, H, L = config.vocab_size, config.hidden_size, config.num_hidden_layers
+    per_layer_rank = layer.split // t + layer.whole + layer.experts // ep
+    vocab_rows = padded_vocab(V, t) // t * H
+    tied = bool(config.tie_word_embeddings)
+    stages = []
+    for stage in range(pp):
+        n = (L // pp) * per_layer_rank
+        if stage == 0:
+            n += vocab_rows
+        if stage == pp - 1:
+            n += H + (vocab_rows if (not tied or pp > 1) else 0)
+        stages.append(n)
+    largest = max(stages)
+    total = L * (layer.split + layer.whole + layer.experts) + V * H * (1 if tied else 2) + H
+    dp = layout.data_parallel(world_size)
+    a, s, b = config.num_attention_heads, seq_len, micro_batch
+    acts = (L // pp) * s * b * H * (10 + 24 / t + 5 * a * s / (H * t))
+    head = 3 * min(chunk_tokens, s * b) * (padded_vocab(V, t) // t) * 4
+    return RankMemory(parameters=largest, model_states=16 * largest,
+                      distributed_optimizer=int((4 + 12 / dp) * largest), reference=4 * largest,
+                      activations=int(acts + head), total_parameters=total)

@@ -1,0 +1,224 @@
+"""Hugging Face <-> Megatron weights: which block of which transformers tensor each Megatron parameter holds.
+
+A :class:`Slot` is one transformers parameter (by its in-memory name, e.g.
+``model.layers.3.self_attn.q_proj.weight``) as this rank holds it: its full shape, the dimension
+split over a process group (tensor- or expert-parallel; ``None`` when every rank of that group holds
+all of it), and how to read this rank's block from the Megatron parameters and write it back.
+Blocks follow ``torch.chunk``'s split: rank ``r`` of ``n`` holds ``[r*c, min((r+1)*c, size))`` with
+``c = ceil(size / n)`` (DTensor's ``Shard`` split too, so blocks are DTensor shards as they are).
+
+The layouts Megatron uses and the blocks they give:
+
+- fused ``linear_qkv``: per query group ``g``, the group's query heads, then its key head, then its
+  value head; a rank holds whole groups, so its q, k and v blocks are row blocks of ``q_proj``,
+  ``k_proj``, ``v_proj`` (transformers orders heads by group too);
+- gated ``linear_fc1``: ``[gate block; up block]`` of the rank's columns -> row blocks of
+  ``gate_proj`` and ``up_proj``; ``linear_proj``/``linear_fc2``: column blocks of ``o_proj``/``down_proj``;
+- the vocabulary (embedding, output layer): rows padded to a multiple of the tensor-parallel size,
+  the padding at the end of the last rank (never saved nor exported; written as zeros);
+- experts (``SequentialMLP``, one expert whole per rank of its expert-parallel group): transformers >= 5
+  stacks them (``mlp.experts.gate_up_proj`` ``E x 2I x H``, ``mlp.experts.down_proj`` ``E x H x I``), so
+  a rank's experts are a block of rows of dimension 0.
+
+``read``/``write`` take one tensor per Megatron parameter of the slot: the parameters themselves, or
+their gradients or optimizer states (an optimizer state has its parameter's shape), so checkpoints
+carry optimizer states in the same Hugging Face layout as the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from rlflow.strategies.megatron.model import MegatronLM, architecture, head_dim
+
+TENSOR, EXPERT = "tensor", "expert"  # the process groups a slot can be split over
+
+
+@dataclass
+class Slot:
+    """One transformers parameter as this rank holds it (see the module docstring)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim: int | None
+    group: str | None
+    params: tuple[nn.Parameter, ...]
+    read: Callable[[list[Tensor]], Tensor]
+    write: Callable[[list[Tensor], Tensor], None]
+    primary: bool = True  # False: a copy held elsewhere too (the tied embedding on the last stage)
+
+    def bounds(self, rank: int, size: int) -> tuple[int, int]:
+        """Start and length of rank ``rank``'s block along ``dim`` (``torch.chunk``'s split)."""
+        if self.dim is None:
+            return 0, self.shape[0] if self.shape else 0
+        chunk = math.ceil(self.shape[self.dim] / size)
+        start = min(rank * chunk, self.shape[self.dim])
+        return start, min(chunk, self.shape[self.dim] - start)
+
+    def block_of(self, full: Tensor, rank: int, size: int) -> Tensor:
+        """This rank's block of the full tensor."""
+        if self.dim is None:
+            return full
+        start, length = self.bounds(rank, size)
+        return full.narrow(self.dim, start, length)
+
+
+def _same(name: str, param: nn.Parameter, full: tuple | None = None, dim: int | None = None,
+          group: str | None = None) -> Slot:
+    """The parameter is the block (replicated, or a plain row/column block)."""
+    def write(t: list[Tensor], block: Tensor) -> None:
+        t[0].copy_(block)
+
+    return Slot(name, tuple(full or param.shape), dim, group, (param,), lambda t: t[0], write)
+
+
+def _vocab(name: str, param: nn.Parameter, vocab: int, rows_here: int, primary: bool = True) -> Slot:
+    def write(t: list[Tensor], block: Tensor) -> None:
+        t[0][:rows_here].copy_(block)
+        t[0][rows_here:].zero_()
+
+    return Slot(name, (vocab, param.shape[1]), 0, TENSOR, (param,), lambda t: t[0][:rows_here], write, primary)
+
+
+def _fused(names: list[str], param: nn.Parameter, full_rows: list[int], groups: int, parts: list[slice],
+           unit: int) -> list[Slot]:
+    """Slots for a parameter whose rows are ``groups`` repeats of ``[part 0 | part 1 | ...]`` (``unit`` rows per head).
+
+    ``parts[i]`` selects part ``i``'s heads within a group (fused q/k/v: ``[:qpg]``, ``[qpg]``, ``[qpg+1]``).
+    """
+    rest = tuple(param.shape[1:])
+    per_group = param.shape[0] // (groups * unit)
+
+    def view(t: Tensor) -> Tensor:
+        return t.view(groups, per_group, unit, *rest)
+
+    slots = []
+    for name, rows, part in zip(names, full_rows, parts):
+        def read(t: list[Tensor], part=part) -> Tensor:
+            return view(t[0])[:, part].reshape(-1, *rest)
+
+        def write(t: list[Tensor], block: Tensor, part=part) -> None:
+            target = view(t[0])[:, part]
+            target.copy_(block.reshape(target.shape))
+
+        slots.append(Slot(name, (rows, *rest), 0, TENSOR, (param,), read, write))
+    return slots
+
+
+def _stacked(name: str, params: list[nn.Parameter], experts: int) -> Slot:
+    """Experts' parameters stacked along a new dimension 0 (split over the expert-parallel group)."""
+    def write(t: list[Tensor], block: Tensor) -> None:
+        for target, source in zip(t, block):
+            target.copy_(source)
+
+    return Slot(name, (experts, *params[0].shape), 0, EXPERT, tuple(params), lambda t: torch.stack(t), write)
+
+
+def _norm_weight(module: nn.Module, fused_owner: nn.Module) -> nn.Parameter:
+    """A norm's weight: its own module (local spec) or fused into the next linear (Transformer-Engine spec)."""
+    weight = getattr(fused_owner, "layer_norm_weight", None)
+    return weight if weight is not None else module.weight
+
+
+def lm_slots(lm: MegatronLM) -> list[Slot]:
+    """Every transformers parameter this rank holds a block of, in the model's order."""
+    cfg, gpt, tp = lm.hf_config, lm.gpt, lm.tp_size
+    arch = architecture(cfg)
+    H, d, nq = cfg.hidden_size, head_dim(cfg), cfg.num_attention_heads
+    nkv = getattr(cfg, "num_key_value_heads", None) or nq
+    qpg, groups = nq // nkv, nkv // tp
+    slots = []
+    if lm.first_stage:
+        slots.append(_vocab("model.embed_tokens.weight", gpt.embedding.word_embeddings.weight, lm.vocab_size,
+                            lm.vocab_local))
+    for layer in gpt.decoder.layers:
+        pre = f"model.layers.{layer.layer_number - 1}."
+        attn = layer.self_attention
+        slots.append(_same(pre + "input_layernorm.weight", _norm_weight(layer.input_layernorm, attn.linear_qkv)))
+        qkv = [pre + f"self_attn.{p}_proj." for p in "qkv"]
+        parts = [slice(0, qpg), slice(qpg, qpg + 1), slice(qpg + 1, qpg + 2)]
+        rows = [nq * d, nkv * d, nkv * d]
+        slots += _fused([n + "weight" for n in qkv], attn.linear_qkv.weight, rows, groups, parts, d)
+        if arch.qkv_bias:
+            slots += _fused([n + "bias" for n in qkv], attn.linear_qkv.bias, rows, groups, parts, d)
+        if arch.qk_norm:
+            slots += [_same(pre + "self_attn.q_norm.weight", attn.q_layernorm.weight),
+                      _same(pre + "self_attn.k_norm.weight", attn.k_layernorm.weight)]
+        slots.append(_same(pre + "self_attn.o_proj.weight", attn.linear_proj.weight, (H, nq * d), 1, TENSOR))
+        mlp = layer.mlp
+        slots.append(_same(pre + "post_attention_layernorm.weight",
+                           _norm_weight(layer.pre_mlp_layernorm, getattr(mlp, "linear_fc1", None))))
+        if arch.moe:
+            experts = mlp.experts.local_experts
+            slots += [_same(pre + "mlp.gate.weight", mlp.router.weight),
+                      _stacked(pre + "mlp.experts.gate_up_proj", [e.linear_fc1.weight for e in experts], cfg.num_experts),
+                      _stacked(pre + "mlp.experts.down_proj", [e.linear_fc2.weight for e in experts], cfg.num_experts)]
+        else:
+            ffn = cfg.intermediate_size
+            slots += _fused([pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"], mlp.linear_fc1.weight,
+                            [ffn, ffn], 1, [slice(0, 1), slice(1, 2)], ffn // tp)
+            slots.append(_same(pre + "mlp.down_proj.weight", mlp.linear_fc2.weight, (H, ffn), 1, TENSOR))
+    if lm.last_stage:
+        slots.append(_same("model.norm.weight", gpt.decoder.final_layernorm.weight))
+        if not cfg.tie_word_embeddings:
+            slots.append(_vocab("lm_head.weight", gpt.output_layer.weight, lm.vocab_size, lm.vocab_local))
+        elif not lm.first_stage:  # the last stage's copy of the tied embedding
+            slots.append(_vocab("model.embed_tokens.weight", gpt.output_layer.weight, lm.vocab_size, lm.vocab_local,
+                                primary=False))
+    return slots
+
+
+def module_slots(module: nn.Module) -> list[tuple[str, Slot]]:
+    """``(checkpoint key, slot)`` for a :mod:`.heads` module: the Hugging Face model's weights under
+    ``state_prefix`` (as ``TokenLogProbs``/``ValueHeadModel`` name them), and a critic's value head."""
+    keyed = [(module.state_prefix + s.name, s) for s in lm_slots(module.lm)]
+    head = getattr(module, "value_head", None)
+    if head is not None:
+        keyed += [(f"value_head.{n}", _same(f"value_head.{n}", p)) for n, p in head.named_parameters()]
+    return keyed
+
+
+def group_ranks(slot: Slot) -> tuple[int, int]:
+    """(rank, size) of this process in the group ``slot`` is split over."""
+    from megatron.core import parallel_state as ps
+
+    if slot.group == TENSOR:
+        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    if slot.group == EXPERT:
+        return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+    return 0, 1
+
+
+def mark_split_parameters(slots: list[Slot]) -> None:
+    """Tag the parameters split over the tensor-parallel ranks (``split_over_tensor_parallel``), for the
+    gradient norm. (Megatron sets its own ``tensor_model_parallel`` tag only when it initialises the
+    weights, which rlflow skips: they are copied from the Hugging Face model.)"""
+    for slot in slots:
+        if slot.group == TENSOR and slot.dim is not None:
+            for p in slot.params:
+                p.split_over_tensor_parallel = True
+
+
+def check_coverage(module: nn.Module, slots: list[tuple[str, Slot]]) -> None:
+    """Every trainable Megatron parameter belongs to some slot (else a weight would never be loaded)."""
+    covered = {id(p) for _, s in slots for p in s.params}
+    missing = [n for n, p in module.named_parameters() if id(p) not in covered]
+    if missing:
+        raise RuntimeError(f"Megatron parameters without a Hugging Face counterpart: {missing[:5]}")
+
+
+@torch.no_grad()
+def load_from_hf(slots: list[tuple[str, Slot]], hf_state: dict[str, Tensor]) -> None:
+    """Copy every slot's block from ``hf_state`` (transformers' ``state_dict()``, full tensors)."""
+    for _, slot in slots:
+        full = hf_state.get(slot.name)
+        if full is None:
+            raise KeyError(f"the Hugging Face model has no weight {slot.name!r} (its keys: {sorted(hf_state)[:4]}...)")
+        if tuple(full.shape) != slot.shape:
+            raise ValueError(f"{slot.name}: the Hugging Face tensor is {tuple(full.shape)}, Megatron expects {slot.shape}")
+        slot.write([p.data for p in slot.params], slot.block_of(full, *group_ranks(slot)).to(slot.params[0].dtype))

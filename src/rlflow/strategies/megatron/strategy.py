@@ -1,0 +1,210 @@
+"""``MegatronStrategy``: a Lightning Fabric strategy that trains Hugging Face decoders as megatron-core models.
+
+The seam (docs/megatron.md): the Trainer already hands every model to ``fabric.setup_module``, sends
+``backward``, ``clip_gradients``, the optimizer step, ``save`` and ``load`` through Fabric, and refreshes
+its generation engine with ``rollout.sync_weights(policy.model)``. This strategy implements those
+calls, so ``Trainer``, ``Policy``, ``Critic``, the estimators and the losses do not change:
+
+- ``setup_module`` turns a ``TokenLogProbs`` (the policy, the reference) or a ``ValueHeadModel`` (the
+  critic) into this rank's Megatron shard (:class:`~.heads.MegatronLogProbs` /
+  :class:`~.heads.MegatronValueModel`, same ``forward``), copying the weights from the Hugging Face
+  model. The Hugging Face model object stays as the policy's ``model`` with its tensors freed (on the
+  ``meta`` device): it keeps the config and names, and its ``weight_buckets`` gather the trained
+  weights for the engines (:mod:`.export`);
+- ``clip_gradients`` / the optimizer step reduce the gradients over the data-parallel replicas and
+  measure and clip them over all shards (:mod:`.grads`); the optimizer is the Trainer's own (AdamW over
+  this rank's shards);
+- ``save`` / ``load`` write and read checkpoints in transformers' naming (:mod:`.checkpoint`).
+
+It derives from Fabric's ``ModelParallelStrategy`` for process launching and collectives (and so the
+Trainer gives the rollout a full copy of the policy, as for FSDP2).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from lightning.fabric.strategies import ModelParallelStrategy
+from torch import nn
+from torch.optim import Optimizer
+
+from rlflow.strategies.megatron.layout import ParallelLayout
+
+LAYER_SPECS = ("local", "transformer_engine")
+
+
+def _identity(module, _mesh):
+    return module
+
+
+class MegatronStrategy(ModelParallelStrategy):
+    """Tensor, pipeline, expert and data parallel training with megatron-core.
+
+    Args:
+        tensor_parallel, pipeline_parallel, context_parallel, expert_parallel, sequence_parallel: the layout
+            (:class:`~rlflow.strategies.megatron.layout.ParallelLayout`); the data-parallel size is what is
+            left of the processes.
+        layer_spec: ``"local"`` (megatron-core's own layers: CPU and GPU) or ``"transformer_engine"`` (GPU).
+        transformer_overrides: extra ``TransformerConfig`` fields (verl's ``override_transformer_config``).
+        timeout: how long a rank waits in a collective before giving up.
+    """
+
+    def __init__(self, tensor_parallel: int = 1, pipeline_parallel: int = 1, *, context_parallel: int = 1,
+                 expert_parallel: int = 1, sequence_parallel: bool = False, layer_spec: str = "local",
+                 transformer_overrides: dict | None = None, timeout: timedelta = timedelta(minutes=10)):
+        if layer_spec not in LAYER_SPECS:
+            raise ValueError(f"layer_spec={layer_spec!r}: choose from {LAYER_SPECS}")
+        if sequence_parallel and tensor_parallel > 1 and layer_spec == "local":
+            raise ValueError("sequence_parallel needs layer_spec='transformer_engine' (a GPU): megatron-core's local "
+                             "layer spec has no sequence-parallel norm")
+        if context_parallel > 1 and layer_spec == "local":
+            raise ValueError("context_parallel > 1 needs layer_spec='transformer_engine' (a GPU): megatron-core's "
+                             "local attention cannot split a sequence")
+        super().__init__(parallelize_fn=_identity, timeout=timeout)
+        self.layout = ParallelLayout(tensor=tensor_parallel, pipeline=pipeline_parallel, context=context_parallel,
+                                     expert=expert_parallel, sequence_parallel=sequence_parallel)
+        self.layer_spec, self.transformer_overrides = layer_spec, dict(transformer_overrides or {})
+        self._cpu_workarounds = None
+        self._reduced: set[int] = set()  # optimizers whose gradients were reduced since the last backward
+        self._checkpoint = None
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{k}={v}" for k, v in (
+            ("tensor_parallel", self.layout.tensor), ("pipeline_parallel", self.layout.pipeline),
+            ("context_parallel", self.layout.context), ("expert_parallel", self.layout.expert)) if v > 1)
+        extra = (", sequence_parallel=True" if self.layout.sequence_parallel else "") + (
+            f", layer_spec={self.layer_spec!r}" if self.layer_spec != "local" else "")
+        return f"MegatronStrategy({sizes or 'tensor_parallel=1'}{extra})"
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Consecutive ranks that hold one model replica and train on one batch (tensor x context x pipeline)."""
+        return self.layout.model_parallel
+
+    # ------------------------------------------------------------------ processes
+    def setup_environment(self) -> None:
+        super().setup_environment()  # starts the process group (gloo on CPU, NCCL on GPU)
+        from megatron.core import parallel_state as ps
+
+        self.layout.check_world(self.world_size)
+        if ps.model_parallel_is_initialized():  # a second Trainer in this process
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=self.layout.tensor, pipeline_model_parallel_size=self.layout.pipeline,
+            context_parallel_size=self.layout.context, expert_model_parallel_size=self.layout.expert,
+            order="tp-cp-ep-pp-dp", create_gloo_process_groups=False,
+            distributed_timeout_minutes=max(1, int(self._timeout.total_seconds() // 60)) if self._timeout else 30)
+        if self.root_device.type == "cpu":
+            from rlflow.strategies.megatron.cpu import CPUWorkarounds
+
+            self._cpu_workarounds = CPUWorkarounds()
+            self._cpu_workarounds.install()
+        else:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(torch.initial_seed() % 2**31)
+        from rlflow.strategies.megatron.checkpoint import ShardedCheckpoint
+
+        self._checkpoint = ShardedCheckpoint(self.root_device.type)
+
+    def teardown(self) -> None:
+        """Undo Megatron's process groups and the CPU workarounds. The process group stays (the Trainer, like
+        Fabric, never tears it down; Fabric's own teardown would fail here on ``checkpoint_io``)."""
+        from megatron.core import parallel_state as ps
+
+        if self._cpu_workarounds is not None:
+            self._cpu_workarounds.remove()
+            self._cpu_workarounds = None
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+
+    # ------------------------------------------------------------------ models
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """This rank's Megatron shard of a policy (``TokenLogProbs``) or critic (``ValueHeadModel``)."""
+        from rlflow.models.critic import ValueHeadModel
+        from rlflow.models.logprobs import TokenLogProbs
+        from rlflow.strategies.megatron.export import WeightExporter
+        from rlflow.strategies.megatron.heads import MegatronLogProbs, MegatronValueModel
+        from rlflow.strategies.megatron.model import MegatronLM
+        from rlflow.strategies.megatron.slots import check_coverage, lm_slots, load_from_hf, mark_split_parameters
+
+        if not isinstance(module, (TokenLogProbs, ValueHeadModel)):
+            raise TypeError(f"the Megatron strategy converts a Policy's or Critic's module (TokenLogProbs, "
+                            f"ValueHeadModel), got {type(module).__name__}")
+        if getattr(module, "sp_group", None) is not None:
+            raise ValueError("Ulysses sequence parallelism (sequence_parallel_size) does not combine with the Megatron "
+                             "strategy; use its tensor/context parallelism")
+        hf_model = module.lm
+        lm = MegatronLM(hf_model, self.layout, self.layer_spec, on_cpu=self.root_device.type == "cpu",
+                        overrides=self.transformer_overrides).to(self.root_device)
+        slots = lm_slots(lm)
+        load_from_hf([(s.name, s) for s in slots], hf_model.state_dict())
+        mark_split_parameters(slots)
+        if isinstance(module, TokenLogProbs):
+            converted = MegatronLogProbs(lm, module.temperature, module.chunk_tokens, module.remove_padding)
+        else:
+            converted = MegatronValueModel(lm, module.value_head.to(self.root_device), module.remove_padding)
+            if converted.value_head is None:
+                module.value_head = None  # not on this pipeline stage
+        from rlflow.strategies.megatron.slots import module_slots
+
+        check_coverage(converted, module_slots(converted))
+        if not any(p.requires_grad for p in hf_model.parameters()):
+            converted.requires_grad_(False)  # a frozen reference stays frozen
+        # Fabric keeps the module it was given as the "original" (its parameters() and attribute lookups go
+        # there): its Hugging Face model is replaced by the Megatron shard so both views hold the same weights.
+        module.lm = lm
+        hf_model.weight_buckets = WeightExporter(slots).buckets  # read by rlflow.rollout.weight_sync
+        hf_model.to("meta")  # the Hugging Face tensors are not needed any more
+        return converted
+
+    # ------------------------------------------------------------------ gradients and steps
+    def backward(self, tensor, module, *args, **kwargs) -> None:
+        super().backward(tensor, module, *args, **kwargs)
+        self._reduced.clear()
+
+    def _finalize(self, optimizer: Optimizer) -> list[nn.Parameter]:
+        from rlflow.strategies.megatron.grads import reduce_gradients
+
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if id(optimizer) not in self._reduced:
+            reduce_gradients(params)
+            self._reduced.add(id(optimizer))
+        return params
+
+    def clip_gradients_norm(self, module, optimizer: Optimizer, max_norm, norm_type=2.0,
+                            error_if_nonfinite: bool = True) -> torch.Tensor:
+        from rlflow.strategies.megatron.grads import clip_, global_grad_norm
+
+        self.precision.unscale_gradients(optimizer)
+        params = self._finalize(optimizer)
+        norm = global_grad_norm(params, float(norm_type))
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"the total norm of the gradients is {norm.item()}")
+        clip_(params, float(max_norm), norm)
+        return norm
+
+    def clip_gradients_value(self, module, optimizer: Optimizer, clip_val) -> None:
+        self.precision.unscale_gradients(optimizer)
+        for p in self._finalize(optimizer):
+            if p.grad is not None:
+                p.grad.clamp_(-clip_val, clip_val)
+
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        self._finalize(optimizer)  # no-op when clip_gradients already reduced them
+        return super().optimizer_step(optimizer, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path, state: dict, storage_options: Any | None = None,
+                        filter: dict[str, Callable] | None = None) -> None:
+        if storage_options is not None or filter is not None:
+            raise TypeError("the Megatron strategy saves whole sharded checkpoints (no storage_options, no filter)")
+        self._checkpoint.save(Path(self.broadcast(str(path))), state, self.global_rank)
+
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None) -> dict:
+        if not isinstance(state, dict) or not state:
+            raise ValueError("the Megatron strategy loads into a state dict holding the modules it set up")
+        return self._checkpoint.load(Path(self.broadcast(str(path))), state, strict)

@@ -1,0 +1,136 @@
+"""The Megatron strategy on CPU processes (gloo) against transformers and against one process.
+
+One torchrun launch runs every two-process check (importing megatron-core costs ~10 s per process):
+conversion and gradients at tensor parallel 2, GRPO steps at tensor parallel 2 and pipeline parallel 2,
+a checkpoint written at tensor parallel 2 resumed at pipeline parallel 2, a checkpoint of another model
+refused, expert parallel 2 on a Qwen3-MoE-shaped model, and PPO with a critic at pipeline parallel 2.
+A second launch runs tensor parallel 2 x data parallel 2 on four processes. The one-process references
+are the plain Hugging Face runs of the same modules, in this process.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlflow.strategies.megatron import megatron_available
+
+from ..distributed.launch import torchrun
+from .worker import build
+
+pytestmark = pytest.mark.skipif(not megatron_available(),
+                                reason="megatron-core is not installed (pip install -e '.[megatron]')")
+
+WORKER = Path(__file__).with_name("worker.py")
+TWO_PROCESSES = ("convert", "train_tp", "train_pp", "resume_pp", "refuse", "moe_ep", "critic_pp")
+METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "critic/score/mean")
+
+
+def launch(nproc: int, out: Path, scenarios) -> dict:
+    proc = torchrun(nproc, out, *scenarios, worker=WORKER, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in scenarios}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron")
+    return out, launch(2, out, TWO_PROCESSES)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The same run on one process with the Hugging Face modules (``strategy="auto"``), by settings."""
+    runs = {}
+
+    def run(**settings):
+        key = tuple(sorted(settings.items()))
+        if key not in runs:
+            out = tmp_path_factory.mktemp("one")
+            trainer, data, record = build(str(out), "auto", **settings)
+            trainer.fit(data)
+            runs[key] = record.steps
+        return runs[key]
+
+    return run
+
+
+def assert_same_run(got: dict, ref: dict, steps, atol=5e-5) -> None:
+    """Same metrics and weights after every step; the generation engine holds exactly the trained weights."""
+    for step in steps:
+        assert ref[step]["metrics"]["actor/grad_norm"] > 0.1  # the reference really trains
+        for key in METRICS:
+            assert got[step]["metrics"][key] == pytest.approx(ref[step]["metrics"][key], abs=1e-5, rel=1e-4), (step, key)
+        assert got[step]["weights"].keys() == ref[step]["weights"].keys()
+        for name, weight in ref[step]["weights"].items():
+            torch.testing.assert_close(got[step]["weights"][name], weight, atol=atol, rtol=1e-4, msg=name)
+        assert got[step]["engine_diff"] == 0.0
+
+
+def test_converted_models_equal_transformers_at_tensor_parallel_2(two):
+    """Qwen2 (tied, q/k/v biases), Qwen3 (q/k norms) and Llama (untied): logits (gathered over the vocabulary
+    for the check), log-probs and entropy (vocabulary-parallel) and the gradients of a loss of both."""
+    results = two[1]["convert"]
+    assert set(results) == {"qwen2", "qwen3", "llama"}
+    for kind, r in results.items():
+        assert r["logits"] < 1e-5 * max(1.0, r["logits_scale"]), (kind, r["logits"])
+        assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5, (kind, r)
+        assert r["grad_names"] and r["grad"] < 1e-5 * r["grad_scale"], (kind, r["grad"], r["grad_scale"])
+        # weight export: transformers' names, the original weights, 4 KiB buckets (a bigger tensor goes alone)
+        assert r["exported_names"] and r["exported"] == 0.0, kind
+        assert len(r["buckets"]) > 5 and all(size <= 4096 or count == 1 for count, size in r["buckets"]), r["buckets"]
+
+
+def test_tensor_parallel_grpo_steps_equal_one_process(two, one_process):
+    assert_same_run(two[1]["train_tp"], one_process(), steps=(1, 2, 3))
+
+
+def test_pipeline_parallel_grpo_steps_equal_one_process(two, one_process):
+    assert_same_run(two[1]["train_pp"], one_process(), steps=(1, 2))
+
+
+def test_checkpoint_at_tensor_parallel_resumes_at_pipeline_parallel(two, one_process):
+    """Step 1 saved by tensor parallel 2, steps 2 and 3 trained by pipeline parallel 2: the uninterrupted run's."""
+    resumed = two[1]["resume_pp"]
+    assert sorted(resumed) == [2, 3]
+    assert_same_run(resumed, one_process(), steps=(2, 3))
+
+
+def test_checkpoint_of_another_model_is_refused(two):
+    error = two[1]["refuse"]["error"]
+    assert error and error.startswith("the checkpoint was written for another model")
+    assert "lm_head.weight is missing" in error and "q_proj.bias is not in the model" in error
+
+
+def test_megatron_checkpoint_exports_to_hugging_face(two, tmp_path):
+    """``rlflow export`` reads a Megatron checkpoint (written at tensor parallel 2) like an FSDP2 one."""
+    from transformers import AutoModelForCausalLM
+
+    from rlflow.trainer.export import export_hf
+
+    out, results = two
+    exported = AutoModelForCausalLM.from_pretrained(export_hf(out / "tp/checkpoints/global_step_3", tmp_path / "hf"))
+    trained = results["train_tp"][3]["weights"]
+    params = dict(exported.named_parameters())
+    assert params.keys() == trained.keys()
+    for name, weight in trained.items():
+        torch.testing.assert_close(params[name], weight, atol=0, rtol=0, msg=name)
+
+
+def test_expert_parallel_moe_equals_one_process(two, one_process):
+    """A Qwen3-MoE-shaped model (4 experts, top-2), experts split over 2 processes (which are also 2
+    data-parallel ranks: one mini-batch per step, so the runs see the same mini-batches)."""
+    assert_same_run(two[1]["moe_ep"], one_process(kind="qwen3_moe", mini_batches=1, steps=2), steps=(1, 2))
+
+
+def test_critic_pipeline_parallel_equals_one_process(two, one_process):
+    got, ref = two[1]["critic_pp"], one_process(critic=True, steps=2)
+    assert_same_run(got, ref, steps=(1, 2))
+    for step in (1, 2):
+        for key in ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"):
+            assert got[step]["metrics"][key] == pytest.approx(ref[step]["metrics"][key], abs=1e-5, rel=1e-4), key
+
+
+def test_tensor_x_data_parallel_on_four_processes_equals_one_process(tmp_path, one_process):
+    got = launch(4, tmp_path, ["train_tp_dp"])["train_tp_dp"]
+    assert_same_run(got, one_process(mini_batches=1, steps=2), steps=(1, 2))

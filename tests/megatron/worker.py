@@ -1,0 +1,263 @@
+"""Run by torchrun from test_megatron.py (and in-process for the one-process references).
+
+    python -m torch.distributed.run --nproc_per_node N worker.py OUT SCENARIO [SCENARIO ...]
+
+Each scenario writes ``OUT/<scenario>.pt`` on rank 0. Several run in one launch because importing
+megatron-core costs ~10 s per process. Scenarios:
+
+- ``convert``: Qwen2 (tied, q/k/v bias), Qwen3 (q/k norms) and Llama (untied) built in code, converted at
+  the launch's tensor parallel size: logits (gathered for the check only), log-probs, entropy and the
+  gradients of a loss of both against transformers'.
+- ``train_tp``, ``train_pp``: a few GRPO steps (per-prompt seeded sampling, a KL and an entropy term,
+  two optimizer steps per RL step) under tensor / pipeline parallel 2 (the launch's size); metrics and
+  the full weights after every step. ``train_tp`` checkpoints every step.
+- ``resume_pp``: pipeline parallel 2 resumes the ``train_tp`` run's step-1 checkpoint (written at tensor
+  parallel 2) and trains to step 3; ``refuse``: loading that checkpoint into another model fails clearly.
+- ``moe_ep``: a Qwen3-MoE-shaped model, expert parallel 2.
+- ``train_tp_dp``: tensor parallel 2 x data parallel 2 (4 processes).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rlflow import GAE, GRPO, Critic, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer, ValueLoss
+from rlflow.data import keys as K
+from rlflow.models.logprobs import TokenLogProbs
+from rlflow.models.tiny import char_tokenizer, tiny_qwen2
+from rlflow.rollout.wrapper import cat_batches
+from rlflow.tasks.addition import AdditionTask
+
+STEPS = 3
+
+
+def varied(solution_str: str, ground_truth: str) -> float:
+    """A score that differs between a prompt's samples (so GRPO's advantages are not 0)."""
+    return (len(set(solution_str)) + sum(c.isdigit() for c in solution_str) + int(ground_truth[-1]) / 3) / 8
+
+
+class SeededSampling(HFRollout):
+    """Samples each prompt with the RNG seeded from the prompt's tokens: the same samples whatever the
+    number of processes and however the prompts are split over them."""
+
+    def forward(self, batch):
+        parts = []
+        for i in range(batch.batch_size[0]):
+            row = batch[i : i + 1]
+            ids = row[K.PROMPT_IDS][0]
+            torch.manual_seed(int((ids * torch.arange(1, ids.numel() + 1)).sum()))
+            part = super().forward(row)
+            part[K.GROUP] = torch.full_like(part[K.GROUP], i)
+            parts.append(part)
+        return cat_batches(parts, self.tokenizer.pad_token_id)
+
+
+def tiny_model(kind: str = "qwen2", seed: int = 0):
+    """Tiny decoders built from a config in code (hidden 64, 4 heads, 2 key/value heads, 2 layers)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, \
+        Qwen3MoeForCausalLM
+
+    vocab = len(char_tokenizer())
+    if kind == "qwen2":
+        return tiny_qwen2(vocab, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                          seed=seed)
+    common = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(head_dim=16, rope_theta=5e5, **common))
+    if kind == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=32, norm_topk_prob=True, **common))
+        with torch.no_grad():  # distinct router scores (transformers starts them at 0: ties)
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.normal_(0, 0.5)
+        return model
+    raise ValueError(kind)
+
+
+def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save=False, mini_batches=2, critic=False):
+    """A GRPO Trainer on the addition task. ``mini_batches`` per RL step: with data parallelism a mini-batch is
+    the union of every rank's k-th slice, so runs are only comparable across data-parallel sizes with 1.
+    ``critic``: PPO with GAE and a critic (a second tiny model) instead of GRPO."""
+    model = tiny_model(kind)
+    tok = char_tokenizer()
+    train, _, _ = AdditionTask().splits()
+    record = Record()
+    trainer = Trainer(
+        policy=Policy(model, tok), rollout=SeededSampling(n=4, max_new_tokens=5, temperature=1.0),
+        reward=FunctionReward(varied), estimator=GAE(gamma=1.0, lam=0.95) if critic else GRPO(),
+        loss=PPOLoss(kl_coef=0.05, entropy_coef=0.01),
+        critic=Critic(tiny_model(kind, seed=1)) if critic else None, value_loss=ValueLoss() if critic else None,
+        critic_lr=3e-3,
+        batch_size=4, mini_batch_size=4 // mini_batches, micro_batch_size=2, lr=3e-3, max_steps=steps, save_every=1 if save else 0,
+        run_dir=out, resume=resume, loggers=(), progress=False, callbacks=[record], strategy=strategy,
+        devices=devices, accelerator="cpu", seed=0,
+    )
+    return trainer, PromptData(train[:32], seed=0), record
+
+
+def full_weights(trainer) -> dict[str, torch.Tensor]:
+    """The policy's weights in transformers' naming, gathered (collective under Megatron)."""
+    from rlflow.rollout.weight_sync import full_weight_buckets
+
+    return {n: t.clone() for bucket in full_weight_buckets(trainer.policy.model, 2**16) for n, t in bucket}
+
+
+class Record:
+    """Metrics and full weights after every step, and how far the generation engine's copy is from them."""
+
+    def __init__(self):
+        self.steps = {}
+
+    def on_step_end(self, trainer, step, metrics):
+        weights = full_weights(trainer)
+        engine = dict(trainer.rollout.model.named_parameters())
+        synced = max((engine[n].detach() - w).abs().max().item() for n, w in weights.items())
+        if trainer.fabric.global_rank == 0:
+            self.steps[step] = {"metrics": metrics, "weights": weights, "engine_diff": synced}
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def run_training(out: Path, strategy, **kw) -> dict:
+    trainer, data, record = build(str(out), strategy, devices=world_size(), **kw)
+    trainer.fit(data)
+    return record.steps
+
+
+# ---------------------------------------------------------------- scenarios
+def convert(out: Path) -> dict:
+    """Logits, log-probs, entropy and gradients of converted models against transformers'."""
+    import lightning as L
+    from megatron.core import parallel_state as ps
+
+    from rlflow.strategies.megatron import MegatronStrategy
+    from rlflow.strategies.megatron.export import gather_full
+    from rlflow.strategies.megatron.grads import reduce_gradients
+    from rlflow.strategies.megatron.slots import module_slots
+
+    world = world_size()
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=MegatronStrategy(tensor_parallel=world))
+    fabric.launch()
+    results = {}
+    torch.manual_seed(1)
+    prompt_ids = torch.randint(3, 40, (3, 6))
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[0, :2] = 0  # left padding
+    prompt_ids[0, :2] = 0
+    response_ids = torch.randint(3, 47, (3, 5))
+    weights = torch.randn(3, 5, 2)
+    for kind in ("qwen2", "qwen3", "llama"):
+        hf = tiny_model(kind, seed=3)
+        reference = TokenLogProbs(hf)
+        lp, ent = reference(prompt_ids, prompt_mask, response_ids)
+        ((lp * weights[..., 0]).sum() + (ent * weights[..., 1]).sum()).backward()
+        hf_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
+        ids = torch.cat([prompt_ids, response_ids], 1)
+        mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], 1)
+        with torch.no_grad():
+            hf_logits = hf(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
+        shell = tiny_model(kind, seed=3)
+        module = fabric.setup_module(TokenLogProbs(shell))
+        # the weights as the engines receive them: 4 KiB buckets in transformers' names
+        buckets = [[(n, t.clone()) for n, t in b] for b in shell.weight_buckets(4096)]
+        exported = {n: t for b in buckets for n, t in b}
+        lp2, ent2 = module(prompt_ids, prompt_mask, response_ids)
+        fabric.backward((lp2 * weights[..., 0]).sum() + (ent2 * weights[..., 1]).sum())
+        megatron = module._forward_module
+        reduce_gradients(list(megatron.parameters()))  # the strategy's reduction, which divides by the world size
+        for p in megatron.parameters():
+            p.grad.mul_(world)
+        slots = [(n.removeprefix("lm."), s) for n, s in module_slots(megatron) if s.primary]
+        grads = gather_full([s for _, s in slots], [s.read([p.grad for p in s.params]) for _, s in slots])
+        with torch.no_grad():  # the full logits, gathered over the vocabulary for this check only
+            hidden = megatron.lm.decoder_hidden_states(ids, mask, None)
+            local, _ = megatron.lm.gpt.output_layer(hidden, weight=megatron.lm.output_weight())  # S x B x V/tp
+            parts = [torch.zeros_like(local) for _ in range(world)]
+            dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+            logits = torch.cat(parts, -1)[..., : hf.config.vocab_size].transpose(0, 1)
+        real = mask.bool()
+        results[kind] = {
+            "logits": (logits - hf_logits)[real].abs().max().item(), "logits_scale": hf_logits.abs().max().item(),
+            "log_probs": (lp2 - lp).abs().max().item(), "entropy": (ent2 - ent).abs().max().item(),
+            "grad": max((g - hf_grads[n]).abs().max().item() for (n, _), g in zip(slots, grads)),
+            "grad_scale": max(g.abs().max().item() for g in hf_grads.values()),
+            "grad_names": sorted(n for n, _ in slots) == sorted(hf_grads),
+            "buckets": [(len(b), sum(t.numel() * t.element_size() for _, t in b)) for b in buckets],
+            "exported_names": sorted(exported) == sorted(n for n, _ in hf.named_parameters()),
+            "exported": max((exported[n] - p).abs().max().item() for n, p in hf.named_parameters()),
+        }
+    fabric.strategy.teardown()
+    return results
+
+
+def train_tp(out: Path) -> dict:
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    return run_training(out / "tp", MegatronStrategy(tensor_parallel=2), save=True)
+
+
+def critic_pp(out: Path) -> dict:
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    return run_training(out / "critic", MegatronStrategy(pipeline_parallel=2), steps=2, critic=True)
+
+
+def train_pp(out: Path) -> dict:
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    return run_training(out / "pp", MegatronStrategy(pipeline_parallel=2), steps=2)
+
+
+def resume_pp(out: Path) -> dict:
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    return run_training(out / "tp", MegatronStrategy(pipeline_parallel=2), resume=str(out / "tp/checkpoints/global_step_1"))
+
+
+def refuse(out: Path) -> dict:
+    """Loading the qwen2 checkpoint into a Llama model must fail, naming what differs."""
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    trainer, _, _ = build(str(out / "refuse"), MegatronStrategy(pipeline_parallel=2), devices=world_size(),
+                          kind="llama")
+    try:
+        trainer.load(out / "tp/checkpoints/global_step_1")
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def moe_ep(out: Path) -> dict:
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    return run_training(out / "moe", MegatronStrategy(expert_parallel=2), steps=2, kind="qwen3_moe", mini_batches=1)
+
+
+def train_tp_dp(out: Path) -> dict:
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    return run_training(out / "tpdp", MegatronStrategy(tensor_parallel=2), steps=2, mini_batches=1)
+
+
+SCENARIOS = {f.__name__: f for f in (convert, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp, train_tp_dp)}
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    for name in sys.argv[2:]:
+        result = SCENARIOS[name](out)
+        if dist.get_rank() == 0:
+            torch.save(result, out / f"{name}.pt")
+        dist.barrier()
+    dist.barrier()  # gloo can abort at teardown unless every rank is done
