@@ -70,8 +70,8 @@ def test_bad_overrides(override, message):
     ("actor_rollout_ref.rollout.enable_vision=true", "vision"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "multi-turn"),
     ("trainer.async_weight_update=true", "async weight update"),
-    ("actor_rollout_ref.actor.strategy=megatron", "Megatron"),
-    ("actor_rollout_ref.model.backend=megatron", "Megatron"),
+    ("actor_rollout_ref.actor.strategy=deepspeed", "strategies other than fsdp, fsdp2 and megatron"),
+    ("actor_rollout_ref.model.backend=deepspeed", "strategies other than fsdp, fsdp2 and megatron"),
     ("reward_model.sandbox_fusion.url=http://x", "SandboxFusion server"),
     ("trainer.logger=[mlflow]", "mlflow logger"),
 ])

@@ -145,6 +145,7 @@ def convert(out: Path) -> dict:
     from rlflow.strategies.megatron import MegatronStrategy
     from rlflow.strategies.megatron.export import gather_full
     from rlflow.strategies.megatron.grads import reduce_gradients
+    from rlflow.strategies.megatron.heads import _tokens
     from rlflow.strategies.megatron.slots import module_slots
 
     world = world_size()
@@ -182,14 +183,26 @@ def convert(out: Path) -> dict:
         slots = [(n.removeprefix("lm."), s) for n, s in module_slots(megatron) if s.primary]
         grads = gather_full([s for _, s in slots], [s.read([p.grad for p in s.params]) for _, s in slots])
         with torch.no_grad():  # the full logits, gathered over the vocabulary for this check only
-            hidden = megatron.lm.decoder_hidden_states(ids, mask, None)
+            tokens = _tokens(megatron.lm, prompt_ids, prompt_mask, response_ids)  # real tokens first in each row
+            hidden = megatron.lm.hidden_states(tokens.ids, None)
             local, _ = megatron.lm.gpt.output_layer(hidden, weight=megatron.lm.output_weight())  # S x B x V/tp
             parts = [torch.zeros_like(local) for _ in range(world)]
             dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
             logits = torch.cat(parts, -1)[..., : hf.config.vocab_size].transpose(0, 1)
-        real = mask.bool()
+            real_prompt = prompt_mask.sum(-1)
+            gap = max((logits[i, j] - hf_logits[i, ids.shape[1] - response_ids.shape[1] - int(p) + j]).abs().max().item()
+                      for i, p in enumerate(real_prompt) for j in range(int(p) + response_ids.shape[1]))
+        if kind == "qwen2":  # padding removal (verl's default): 0 after each response's end, as the packed path
+            response_mask = torch.ones_like(response_ids)
+            response_mask[1, 3:] = 0
+            packed = TokenLogProbs(tiny_model(kind, seed=3), remove_padding=True)
+            expected = torch.stack(packed(prompt_ids, prompt_mask, response_ids, response_mask), -1)
+            megatron.remove_padding = True
+            got = torch.stack(module(prompt_ids, prompt_mask, response_ids, response_mask), -1)
+            megatron.remove_padding = False
+            results["remove_padding"] = (got - expected).abs().max().item(), bool((got[1, 3:] == 0).all())
         results[kind] = {
-            "logits": (logits - hf_logits)[real].abs().max().item(), "logits_scale": hf_logits.abs().max().item(),
+            "logits": gap, "logits_scale": hf_logits.abs().max().item(),
             "log_probs": (lp2 - lp).abs().max().item(), "entropy": (ent2 - ent).abs().max().item(),
             "grad": max((g - hf_grads[n]).abs().max().item() for (n, _), g in zip(slots, grads)),
             "grad_scale": max(g.abs().max().item() for g in hf_grads.values()),
@@ -251,7 +264,29 @@ def train_tp_dp(out: Path) -> dict:
     return run_training(out / "tpdp", MegatronStrategy(tensor_parallel=2), steps=2, mini_batches=1)
 
 
-SCENARIOS = {f.__name__: f for f in (convert, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp, train_tp_dp)}
+def verl_entry(out: Path) -> dict:
+    """``python -m rlflow.trainer.main_ppo`` with Megatron, as the seed spells it (tensor parallel 2, one step,
+    checkpointed), then as verl spells it (pipeline parallel 2), resuming that checkpoint for a second step.
+    ``OUT/verl`` holds the model folder and parquet files (written by the test)."""
+    from rlflow.config.run import main
+
+    base = [f"data.train_files={out}/verl/train.parquet", f"actor_rollout_ref.model.path={out}/verl/model",
+            "trainer.device=cpu", "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=megatron",
+            "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
+            "data.max_prompt_length=8", "data.max_response_length=4", f"trainer.default_local_dir={out}/verl/run",
+            "trainer.logger=[console]", "algorithm.adv_estimator=grpo", "trainer.save_freq=1",
+            "trainer.val_before_train=false", "trainer.resume_mode=auto"]
+    first = out / "verl/run/global_step_1/state.ckpt/meta.pt"
+    seed = main(base + ["actor_rollout_ref.actor.tensor_model_parallel_size=2", "trainer.total_training_steps=1"])
+    written = first.stat().st_mtime_ns
+    verl = main(base + ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                        "trainer.total_training_steps=2"])
+    return {"codes": (seed, verl), "steps": sorted(p.name for p in (out / "verl/run").glob("global_step_*")),
+            "step_1_rewritten": first.stat().st_mtime_ns != written}
+
+
+SCENARIOS = {f.__name__: f for f in (convert, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp, train_tp_dp,
+                                     verl_entry)}
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])

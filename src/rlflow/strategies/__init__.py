@@ -1,8 +1,10 @@
 """Strategies: how the policy (and critic) are placed on devices.
 
-``"auto"`` (one device), ``"ddp"`` (replicas) and ``"fsdp2"`` (``fully_shard`` per
+``"auto"`` (one device), ``"ddp"`` (replicas), ``"fsdp2"`` (``fully_shard`` per
 decoder layer over a device mesh, through Lightning Fabric's
-``ModelParallelStrategy``). A strategy may also be any Fabric strategy object;
+``ModelParallelStrategy``) and ``"megatron"`` (megatron-core tensor / pipeline / expert
+parallelism, :class:`rlflow.strategies.megatron.MegatronStrategy`: pass an instance for
+other sizes than 1). A strategy may also be any Fabric strategy object;
 :func:`rlflow.strategies.fsdp2.fsdp2_parallelize` is the parallelize function
 users can replace.
 """
@@ -14,8 +16,9 @@ from datetime import timedelta
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from rlflow.strategies.fsdp2 import FSDP2, fsdp2_parallelize
+from rlflow.strategies.megatron import MegatronStrategy  # megatron-core itself is imported when it starts
 
-STRATEGY_NAMES = ("auto", "single", "ddp", "fsdp", "fsdp2")
+STRATEGY_NAMES = ("auto", "single", "ddp", "fsdp", "fsdp2", "megatron")
 
 # A rank that waits longer than this in a collective gives up instead of hanging forever.
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -34,6 +37,8 @@ def resolve_strategy(strategy: str | Strategy, world_size: int = 1, timeout: tim
         return DDPStrategy(timeout=timeout)
     if strategy in ("fsdp", "fsdp2"):
         return FSDP2(world_size, timeout=timeout)
+    if strategy == "megatron":
+        return MegatronStrategy(timeout=timeout)
     raise ValueError(f"unknown strategy '{strategy}'; choose from {STRATEGY_NAMES} or pass a Fabric strategy object")
 
 
@@ -42,4 +47,4 @@ def shards_parameters(strategy) -> bool:
     return isinstance(strategy, ModelParallelStrategy)
 
 
-__all__ = ["FSDP2", "fsdp2_parallelize", "resolve_strategy", "shards_parameters", "STRATEGY_NAMES"]
+__all__ = ["FSDP2", "MegatronStrategy", "fsdp2_parallelize", "resolve_strategy", "shards_parameters", "STRATEGY_NAMES"]

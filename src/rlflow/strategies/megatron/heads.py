@@ -11,6 +11,8 @@ of the chosen tokens and the entropy. Full logits are never gathered.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -64,23 +66,38 @@ def vocab_parallel_log_probs(logits: Tensor, local_ids: Tensor, group=None) -> t
     return chosen - log_z, log_z - weighted / partition
 
 
-def _stack_inputs(lm: MegatronLM, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """``B' x S'`` token ids and attention mask: prompt then response (the response attends fully, as in the
-    Hugging Face path), padded when the experts' token exchange needs equal shapes (:func:`_equal_shapes`)."""
-    ids = torch.cat([prompt_ids, response_ids], dim=1)
-    mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], dim=1)
-    group = _equal_shapes(lm)
-    if group is None:
-        return ids, mask
-    shape = torch.tensor(ids.shape, device=ids.device)
-    dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
-    B, S = shape.tolist()
+@dataclass
+class _Tokens:
+    """A batch as the decoder reads it: each row's real prompt tokens, its response, then padding."""
+
+    ids: Tensor       # B' x S (B' >= B when rows are added to equalise expert-parallel ranks)
+    predict: Tensor   # B x R: the position whose state predicts each response token
+
+
+def _tokens(lm: MegatronLM, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor) -> _Tokens:
+    """Left-padded prompts + right-padded responses -> rows that start with their real tokens.
+
+    Row ``i`` with ``p_i`` real prompt tokens becomes ``prompt[i, P - p_i:] + response[i] + padding``: its
+    positions are ``0, 1, ...`` as transformers' ``cumsum(mask) - 1``, real tokens never attend to padding
+    under a causal mask, and response token ``t`` is predicted at position ``p_i - 1 + t``. (The response
+    attends fully, as in the Hugging Face path: tool tokens inside it are seen by later ones.)
+    """
+    (B, P), R = prompt_ids.shape, response_ids.shape[1]
+    real = prompt_mask.long().sum(-1).clamp_min(1)
+    S = int(real.max()) + R
+    source = torch.arange(S, device=prompt_ids.device)[None] + (P - real)[:, None]  # B x S columns to read
     pad = lm.padding_idx if lm.padding_idx is not None else 0
-    padded_ids = ids.new_full((B, S), pad)
-    padded_mask = mask.new_zeros((B, S))
-    padded_ids[: ids.shape[0], : ids.shape[1]] = ids
-    padded_mask[: ids.shape[0], : ids.shape[1]] = mask
-    return padded_ids, padded_mask
+    ids = torch.cat([prompt_ids, response_ids], dim=1).gather(1, source.clamp(max=P + R - 1))
+    ids = ids.masked_fill(source >= P + R, pad)
+    predict = real[:, None] - 1 + torch.arange(R, device=prompt_ids.device)[None]
+    group = _equal_shapes(lm)
+    if group is not None:
+        shape = torch.tensor(ids.shape, device=ids.device)
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
+        padded = ids.new_full(tuple(shape.tolist()), pad)
+        padded[:B, :S] = ids
+        ids = padded
+    return _Tokens(ids, predict)
 
 
 def _equal_shapes(lm: MegatronLM):
@@ -89,9 +106,9 @@ def _equal_shapes(lm: MegatronLM):
     Megatron's all-gather token dispatcher (rlflow's choice on CPU: its all-to-all one needs a CUDA stream)
     gathers every rank's tokens with a fixed-size all-gather over the expert (tensor x expert parallel)
     group, and the ranks of that group hold different samples. So their batches are padded to the group's
-    largest ``B x S``: extra rows and trailing columns are padding (masked keys, and after every real
-    position under the causal mask), and an MoE layer without token dropping routes each token on its own,
-    so real tokens' outputs do not change.
+    largest ``B x S``: extra rows and trailing columns are padding (after every real token under the causal
+    mask), and an MoE layer without token dropping routes each token on its own, so real tokens' outputs do
+    not change.
     """
     if getattr(lm.config, "num_moe_experts", None) is None or lm.config.moe_token_dispatcher_type != "allgather":
         return None
@@ -101,9 +118,11 @@ def _equal_shapes(lm: MegatronLM):
     return group if dist.get_world_size(group) > 1 else None
 
 
-def _response_positions(hidden: Tensor, P: int, R: int) -> Tensor:
-    """``[S, B, H]`` -> ``B*R x H``: the states at the positions that predict each response token."""
-    return hidden[P - 1 : P + R - 1].transpose(0, 1).reshape(-1, hidden.shape[-1])
+def _response_states(hidden: Tensor, predict: Tensor) -> Tensor:
+    """``[S, B', H]`` -> ``B*R x H``: the states at the positions that predict each response token."""
+    B, R = predict.shape
+    rows = hidden.transpose(0, 1)[:B]
+    return rows.gather(1, predict[..., None].expand(B, R, rows.shape[-1])).reshape(B * R, -1)
 
 
 def _trailing_zeros(out: Tensor, response_mask: Tensor | None, remove_padding: bool) -> Tensor:
@@ -111,7 +130,7 @@ def _trailing_zeros(out: Tensor, response_mask: Tensor | None, remove_padding: b
     if not remove_padding or response_mask is None:
         return out
     kept = torch.arange(out.shape[1], device=out.device)[None] < response_lengths(response_mask)[:, None]
-    return out * kept
+    return out * kept[..., None]  # out: B x R x k
 
 
 class MegatronLogProbs(nn.Module):
@@ -119,9 +138,9 @@ class MegatronLogProbs(nn.Module):
 
     Args:
         lm: this rank's :class:`~rlflow.strategies.megatron.model.MegatronLM`.
-        temperature, chunk_tokens, remove_padding: as ``TokenLogProbs``' (the Megatron local layer spec runs the
-            padded layout; ``remove_padding`` only zeroes the positions after each response's end, as the
-            packed Hugging Face path does).
+        temperature, chunk_tokens, remove_padding: as ``TokenLogProbs``' (rows are not packed together:
+            megatron-core's local attention has no packed-sequence kernel; ``remove_padding`` zeroes the
+            positions after each response's end, as the packed Hugging Face path does).
     """
 
     state_prefix = "lm."  # the Hugging Face weights' prefix in the module's checkpoint (TokenLogProbs.lm)
@@ -137,22 +156,22 @@ class MegatronLogProbs(nn.Module):
             logits = logits / self.temperature
         return torch.stack(vocab_parallel_log_probs(logits, ids - self.lm.vocab_start), dim=-1)
 
-    def _head(self, hidden: Tensor, P: int, R: int, response_ids: Tensor) -> Tensor:
-        states, ids = _response_positions(hidden, P, R), response_ids.reshape(-1)
+    def _head(self, hidden: Tensor, predict: Tensor, response_ids: Tensor) -> Tensor:
+        states, ids = _response_states(hidden, predict), response_ids.reshape(-1)
         parts = []
         for start in range(0, ids.shape[0], self.chunk_tokens):  # the head's logits are recomputed in the backward
             h, i = states[start : start + self.chunk_tokens], ids[start : start + self.chunk_tokens]
             grad = torch.is_grad_enabled() and h.requires_grad
             parts.append(checkpoint(self._chunk, h, i, use_reentrant=False) if grad else self._chunk(h, i))
         out = torch.cat(parts) if parts else states.sum(-1, keepdim=True)[:0].float().expand(0, 2)
-        return out.view(response_ids.shape[0], R, 2)
+        return out.view(*response_ids.shape, 2)
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
                 response_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Shapes: prompt ``B x P`` (left-padded), response ``B x R`` -> log-probs, entropy ``B x R``."""
-        (B, P), R = prompt_ids.shape, response_ids.shape[1]
-        ids, mask = _stack_inputs(self.lm, prompt_ids, prompt_mask, response_ids)
-        out = run_stages(self.lm, ids, mask, lambda h: self._head(h[:, :B], P, R, response_ids), (B, R, 2))
+        B, R = response_ids.shape
+        tokens = _tokens(self.lm, prompt_ids, prompt_mask, response_ids)
+        out = run_stages(self.lm, tokens.ids, lambda h: self._head(h, tokens.predict, response_ids), (B, R, 2))
         out = _trailing_zeros(out, response_mask, self.remove_padding)
         return out[..., 0], out[..., 1]
 
@@ -173,11 +192,11 @@ class MegatronValueModel(nn.Module):
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
                 response_mask: Tensor | None = None) -> Tensor:
-        (B, P), R = prompt_ids.shape, response_ids.shape[1]
-        ids, mask = _stack_inputs(self.lm, prompt_ids, prompt_mask, response_ids)
+        B, R = response_ids.shape
+        tokens = _tokens(self.lm, prompt_ids, prompt_mask, response_ids)
 
         def head(hidden: Tensor) -> Tensor:
-            return self.value_head(_response_positions(hidden[:, :B], P, R)).float().view(B, R, 1)
+            return self.value_head(_response_states(hidden, tokens.predict)).float().view(B, R, 1)
 
-        out = run_stages(self.lm, ids, mask, head, (B, R, 1))
+        out = run_stages(self.lm, tokens.ids, head, (B, R, 1))
         return _trailing_zeros(out, response_mask, self.remove_padding)[..., 0]

@@ -4,9 +4,9 @@
 :class:`MegatronLM` holds the ``GPTModel`` of this rank (its pipeline stage, its tensor and expert
 shards) and runs the decoder over a left-padded batch exactly as transformers does:
 
-- the rotary table comes from the Hugging Face model's own ``inv_freq`` and the position ids
-  ``cumsum(mask) - 1`` (left padding does not shift positions), ``[S, B, 1, D]``;
-- the attention mask is explicit: causal, and padded keys masked (``True`` = masked);
+- the rotary table comes from the Hugging Face model's own ``inv_freq`` (so every rope variant with fixed
+  frequencies matches), at positions ``0..S-1``: rows hold their real tokens first (:mod:`.heads`);
+- the attention mask is causal only (padding comes after every real token);
 - between pipeline stages the hidden states travel in float32 (:mod:`.pipeline`).
 
 The weights are not initialised here (``perform_initialization=False``): :mod:`.slots` copies every
@@ -198,6 +198,7 @@ class MegatronLM(nn.Module):
             post_process=self.last_stage, share_embeddings_and_output_weights=bool(config.tie_word_embeddings),
             position_embedding_type="rope", parallel_output=True)
         self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
+        self.explicit_mask = spec == "local"
         # transformers' nn.Embedding(padding_idx): that token's row gets no gradient from its lookups
         self.padding_idx = getattr(hf_model.get_input_embeddings(), "padding_idx", None)
         for name, param in self.gpt.named_parameters():
@@ -206,31 +207,30 @@ class MegatronLM(nn.Module):
             if "q_layernorm" in name or "k_layernorm" in name or getattr(param, "sequence_parallel", False):
                 param.partial_over_tensor_parallel = True
 
-    def rotary_table(self, position_ids: Tensor) -> Tensor:
-        """``[S, B, 1, D]`` angles ``position x inv_freq`` (halves repeated, as transformers' ``rotate_half`` expects)."""
-        freqs = position_ids[..., None].float() * self.inv_freq
-        return torch.cat([freqs, freqs], dim=-1).transpose(0, 1)[:, :, None, :].contiguous()
-
-    def decoder_hidden_states(self, input_ids: Tensor, attention_mask: Tensor, stage_input: Tensor | None) -> Tensor:
+    def hidden_states(self, input_ids: Tensor, stage_input: Tensor | None) -> Tensor:
         """This stage's output ``[S, B, H]``: the embedding (first stage) or ``stage_input``, then its layers.
 
-        ``attention_mask`` is ``B x S`` (1 = real token, left padding 0). On the last stage the output is
-        the final-norm hidden state.
+        ``input_ids`` is ``B x S`` with every row's real tokens first and its padding last (see
+        :mod:`.heads`), so position ``j`` is token ``j`` of its sequence and a causal mask is the whole
+        mask: padding sits after every real token. On the last stage the output is the final-norm state.
         """
-        B, S = input_ids.shape
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        causal = torch.ones(S, S, dtype=torch.bool, device=input_ids.device).triu(1)
-        mask = causal[None, None] | ~attention_mask.bool()[:, None, None, :]  # True: not attended
+        S = input_ids.shape[1]
+        positions = torch.arange(S, device=input_ids.device)
+        freqs = positions[:, None].float() * self.inv_freq  # rotary angles, halves repeated (transformers' rotate_half)
+        rotary = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+        # the local spec's default causal mask is built on CUDA: pass it (True = not attended); Transformer
+        # Engine builds its own causal mask
+        mask = torch.ones(S, S, dtype=torch.bool, device=input_ids.device).triu(1)[None, None] \
+            if self.explicit_mask else None
         if self.first_stage:
-            hidden = self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)
+            hidden = self.gpt.embedding(input_ids=input_ids, position_ids=positions[None])
             if self.padding_idx is not None and hidden.requires_grad:
                 is_pad = (input_ids == self.padding_idx).transpose(0, 1)[..., None]  # S x B x 1
                 hidden.register_hook(lambda grad: grad.masked_fill(is_pad, 0.0))
         else:
             hidden = stage_input
             self.gpt.decoder.set_input_tensor(stage_input)  # Megatron's later stages read their input from here
-        return self.gpt.decoder(hidden_states=hidden, attention_mask=mask,
-                                rotary_pos_emb=self.rotary_table(position_ids))
+        return self.gpt.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
 
     def output_weight(self) -> Tensor | None:
         """The output layer's weight when it is the (tied) embedding, else ``None`` (the layer's own)."""

@@ -86,7 +86,7 @@ def broadcast_outputs(out: Tensor) -> Tensor:
     return out
 
 
-def run_stages(lm, input_ids: Tensor, attention_mask: Tensor, head, out_shape: tuple) -> Tensor:
+def run_stages(lm, input_ids: Tensor, head, out_shape: tuple) -> Tensor:
     """Outputs ``out_shape`` of ``head`` (applied on the last stage to its ``[S, B, H]`` hidden states), on every stage.
 
     ``lm`` is a :class:`~rlflow.strategies.megatron.model.MegatronLM`; ``head`` returns a float32 tensor of
@@ -96,7 +96,7 @@ def run_stages(lm, input_ids: Tensor, attention_mask: Tensor, head, out_shape: t
     stage_input = None
     if not lm.first_stage:
         stage_input = receive_forward((S, B, lm.config.hidden_size), input_ids.device)
-    hidden = lm.decoder_hidden_states(input_ids, attention_mask, stage_input)
+    hidden = lm.hidden_states(input_ids, stage_input)
     if lm.last_stage:
         return broadcast_outputs(head(hidden))
     return send_and_receive_outputs(hidden, out_shape)

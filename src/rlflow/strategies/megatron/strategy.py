@@ -138,8 +138,9 @@ class MegatronStrategy(ModelParallelStrategy):
             raise ValueError("Ulysses sequence parallelism (sequence_parallel_size) does not combine with the Megatron "
                              "strategy; use its tensor/context parallelism")
         hf_model = module.lm
-        lm = MegatronLM(hf_model, self.layout, self.layer_spec, on_cpu=self.root_device.type == "cpu",
-                        overrides=self.transformer_overrides).to(self.root_device)
+        on_cpu = self.root_device.type == "cpu"
+        lm = MegatronLM(hf_model, self.layout, self.layer_spec, on_cpu=on_cpu,
+                        overrides=self._overrides(hf_model, on_cpu)).to(self.root_device)
         slots = lm_slots(lm)
         load_from_hf([(s.name, s) for s in slots], hf_model.state_dict())
         mark_split_parameters(slots)
@@ -160,6 +161,21 @@ class MegatronStrategy(ModelParallelStrategy):
         hf_model.weight_buckets = WeightExporter(slots).buckets  # read by rlflow.rollout.weight_sync
         hf_model.to("meta")  # the Hugging Face tensors are not needed any more
         return converted
+
+    def _overrides(self, hf_model: nn.Module, on_cpu: bool) -> dict:
+        """The ``TransformerConfig`` overrides; gradient checkpointing on the Hugging Face model becomes
+        Megatron's full recomputation, which needs CUDA (it saves and restores CUDA RNG states)."""
+        overrides = dict(self.transformer_overrides)
+        if getattr(hf_model, "is_gradient_checkpointing", False) and not any(k.startswith("recompute")
+                                                                               for k in overrides):
+            if on_cpu:
+                from lightning.fabric.utilities import rank_zero_warn
+
+                rank_zero_warn("gradient checkpointing is off under the Megatron strategy on CPU: Megatron's "
+                               "recomputation saves CUDA RNG states")
+            else:
+                overrides |= {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+        return overrides
 
     # ------------------------------------------------------------------ gradients and steps
     def backward(self, tensor, module, *args, **kwargs) -> None:

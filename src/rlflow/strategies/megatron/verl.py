@@ -41,7 +41,7 @@ def check_no_megatron_sizes(cfg: VerlConfig) -> None:
     keys = [SEED_ALIASES["tensor"], SEED_ALIASES["pipeline"]] + [f"{M}.{k}" for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
         "expert_model_parallel_size")]
-    wrong = [f"{k}={cfg[k]}" for k in keys if cfg.is_provided(k) and (cfg[k] or 1) > 1]
+    wrong = [f"{k}={cfg[k]}" for k in keys if (cfg[k] or 1) > 1]
     if wrong:
         raise ConfigError(f"{', '.join(wrong)} splits the model, which needs {A}.strategy=megatron "
                           f"(now {cfg[f'{A}.strategy']})")
@@ -97,6 +97,9 @@ def _notes(cfg: VerlConfig, notes: list[str], on_cpu: bool, layout: ParallelLayo
         if cfg.is_provided(f"{M}.{key}"):
             notes.append(f"{M}.{key}={cfg[f'{M}.{key}']!r} has no effect: {why}")
         cfg[f"{M}.{key}"]
+    if on_cpu and cfg["actor_rollout_ref.model.enable_gradient_checkpointing"]:
+        notes.append("actor_rollout_ref.model.enable_gradient_checkpointing=True is off under Megatron on CPU (its "
+                     "recomputation saves CUDA RNG states); on GPUs it is Megatron's full recomputation")
     overrides = dict(cfg[f"{M}.override_transformer_config"])
     if on_cpu:
         dropped = {k: overrides.pop(k) for k in list(overrides) if k.startswith("recompute") or k in (

@@ -1,0 +1,174 @@
+"""The Megatron keys of the verl entry point, the 70B dry run, the layout checks and the memory estimate.
+
+Nothing here starts megatron-core (these run without it installed).
+"""
+
+import re
+
+import pandas as pd
+import pytest
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+from rlflow.config.loading import ConfigError, NotSupportedError, load_config
+from rlflow.config.plan import make_plan
+from rlflow.config.run import main
+from rlflow.models.tiny import char_tokenizer
+from rlflow.strategies import MegatronStrategy, resolve_strategy
+from rlflow.strategies.megatron import ParallelLayout
+from rlflow.strategies.megatron.memory import layer_parameters, rank_memory
+
+from ..config.conftest import CHAT_TEMPLATE, verl_rows
+
+A = "actor_rollout_ref.actor"
+BASE = ["actor_rollout_ref.model.path=/nowhere", "algorithm.adv_estimator=grpo", "trainer.device=cpu",
+        "trainer.logger=[console]"]
+
+
+def plan(*overrides):
+    return make_plan(load_config(BASE + list(overrides)))
+
+
+def test_seed_and_verl_spellings_give_the_same_strategy():
+    seed = plan(f"{A}.strategy=megatron", f"{A}.tensor_model_parallel_size=2", f"{A}.pipeline_model_parallel_size=2",
+                "trainer.n_gpus_per_node=8")
+    verl = plan(f"{A}.strategy=megatron", f"{A}.megatron.tensor_model_parallel_size=2",
+                f"{A}.megatron.pipeline_model_parallel_size=2", "trainer.n_gpus_per_node=8")
+    backend = plan("actor_rollout_ref.model.backend=megatron", f"{A}.tensor_model_parallel_size=2",
+                   f"{A}.pipeline_model_parallel_size=2", "trainer.n_gpus_per_node=8")
+    for p in (seed, verl, backend):
+        strategy = p.trainer_kwargs["strategy"]
+        assert isinstance(strategy, MegatronStrategy)
+        assert (strategy.layout.tensor, strategy.layout.pipeline, strategy.model_parallel_size) == (2, 2, 4)
+        assert p.devices.processes == 8 and p.trainer_kwargs["devices"] == 8 and p.devices.accelerator == "cpu"
+        assert p.trainer_kwargs["sequence_parallel_size"] == 1  # the Trainer derives the replica groups itself
+    notes = "\n".join(seed.notes)
+    assert "sequence_parallel=True (verl's default) is off" in notes
+    assert "use_distributed_optimizer=True (verl's default)" in notes
+    assert "enable_gradient_checkpointing=True is off under Megatron on CPU" in notes
+    assert plan(f"{A}.strategy=megatron", f"{A}.megatron.expert_model_parallel_size=2", f"{A}.megatron.seed=7",
+                "trainer.n_gpus_per_node=2").trainer_kwargs["strategy"].layout.expert == 2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([f"{A}.tensor_model_parallel_size=2", f"{A}.megatron.tensor_model_parallel_size=4"], "disagree; set only one"),
+    ([f"{A}.megatron.tensor_model_parallel_size=3"], "needs a multiple of 3 processes"),
+    (["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=4", f"{A}.megatron.tensor_model_parallel_size=2"],
+     "rlflow trains every role with one Megatron layout"),
+    ([f"{A}.megatron.virtual_pipeline_model_parallel_size=2", f"{A}.megatron.pipeline_model_parallel_size=2"],
+     "interleaved pipeline stages are not supported"),
+    ([f"{A}.megatron.expert_tensor_parallel_size=2"], "keeps each expert whole"),
+    (["actor_rollout_ref.model.backend=megatron", f"{A}.strategy=fsdp"], "set actor_rollout_ref.actor.strategy=megatron"),
+    (["algorithm.adv_estimator=gae", "critic.strategy=fsdp", "critic.model.path=/nowhere"],
+     "rlflow trains every role with one strategy"),
+])
+def test_inconsistent_megatron_keys_are_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        plan(f"{A}.strategy=megatron", "trainer.n_gpus_per_node=4", *overrides)
+
+
+def test_model_parallel_sizes_without_megatron_and_unsupported_keys_are_errors():
+    with pytest.raises(ConfigError, match="needs actor_rollout_ref.actor.strategy=megatron"):
+        plan(f"{A}.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2")
+    with pytest.raises(NotSupportedError, match="starting from a Megatron dist checkpoint"):
+        plan(f"{A}.strategy=megatron", f"{A}.megatron.use_dist_checkpointing=true")
+    with pytest.raises(NotSupportedError, match="context parallelism without Transformer Engine"):
+        plan(f"{A}.strategy=megatron", f"{A}.megatron.context_parallel_size=2", "trainer.n_gpus_per_node=2")
+    with pytest.raises(NotSupportedError, match="training strategies other than fsdp, fsdp2 and megatron"):
+        plan(f"{A}.strategy=deepspeed")
+    # verl's recomputation keys pass through on GPUs; on CPU they are dropped with a note
+    p = plan(f"{A}.strategy=megatron", f"+{A}.megatron.override_transformer_config.recompute_granularity=full")
+    assert p.trainer_kwargs["strategy"].transformer_overrides == {}
+    assert any("not applied on CPU" in n for n in p.notes)
+
+
+def test_strategy_names_and_layout_checks():
+    assert isinstance(resolve_strategy("megatron"), MegatronStrategy)
+    with pytest.raises(ValueError, match="needs layer_spec='transformer_engine'"):
+        MegatronStrategy(tensor_parallel=2, sequence_parallel=True)
+    layout = ParallelLayout(tensor=2, pipeline=2)
+    assert layout.data_parallel(8) == 2 and layout.describe(8) == "TP 2 x PP 2 x DP 2 (8 processes)"
+    config = Qwen2Config(num_attention_heads=6, num_key_value_heads=3, num_hidden_layers=3)
+    with pytest.raises(ValueError, match="key/value heads 3 not divisible by 2.*layers 3 not divisible by 2"):
+        layout.check_model(config)
+    with pytest.raises(ValueError, match="needs an MoE model"):
+        ParallelLayout(expert=2).check_model(Qwen2Config(num_attention_heads=4, num_key_value_heads=2))
+
+
+@pytest.mark.parametrize("config", [
+    Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2),
+    Qwen3Config(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=24, tie_word_embeddings=False),
+    LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2),
+    Qwen3MoeConfig(vocab_size=50, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+], ids=lambda c: c.model_type)
+def test_parameter_counts_equal_the_models(config):
+    model = AutoModelForCausalLM.from_config(config)
+    layer = layer_parameters(config)
+    assert layer.split + layer.whole + layer.experts == sum(p.numel() for p in model.model.layers[0].parameters())
+    total = rank_memory(config, ParallelLayout(), 1, micro_batch=1, seq_len=8).total_parameters
+    assert total == sum(p.numel() for p in model.parameters())
+
+
+def test_memory_per_rank_of_a_70b_layout():
+    """Llama-3-70B shapes at TP 8 x PP 2 x DP 2: the last stage (40 layers, norm, untied head) is the largest."""
+    config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+    H, I, V = 8192, 28672, 128256
+    split = 2 * H * H + 2 * H * 1024 + 3 * H * I  # q, o; k, v (8 heads of 128); gate, up, down
+    last_stage = 40 * (split // 8 + 2 * H) + H + V * H // 8
+    mem = rank_memory(config, ParallelLayout(tensor=8, pipeline=2), 32, micro_batch=2, seq_len=1024)
+    assert mem.parameters == last_stage
+    assert mem.model_states == 16 * last_stage and mem.distributed_optimizer == (4 + 12 // 2) * last_stage
+    s, b, a = 1024, 2, 64
+    activations = 40 * s * b * H * (10 + 24 / 8 + 5 * a * s / (H * 8)) + 3 * 2048 * (V // 8) * 4
+    assert mem.activations == int(activations)
+
+
+@pytest.fixture
+def seventy_b(tmp_path):
+    """The seed's 70B snippet (verbatim but for model.path), a 70B-shaped Llama config (no weights) and prompts."""
+    tok = char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(tmp_path / "model")
+    LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False).save_pretrained(tmp_path / "model")
+    pd.DataFrame(verl_rows(2048, "train", 0)).to_parquet(tmp_path / "train.parquet")
+    (tmp_path / "snippet.yaml").write_text("""actor_rollout_ref:
+  model:
+    path: /path/to/megatron/checkpoint
+    backend: megatron
+  actor:
+    strategy: megatron
+    tensor_model_parallel_size: 8
+    pipeline_model_parallel_size: 2
+  rollout:
+    name: vllm
+    tensor_parallel_size: 8
+""")
+    return tmp_path
+
+
+def test_seed_70b_snippet_dry_runs_with_parallel_arithmetic(seventy_b, capsys):
+    # the snippet's launch (4 nodes x 8) as CPU processes; GRPO (no critic model given). The vLLM engine is the
+    # engines issue's: here generation is transformers' (rollout.tensor_parallel_size then gets a note)
+    argv = ["--config-path", str(seventy_b), "--config-name", "snippet", "--dry-run",
+            f"actor_rollout_ref.model.path={seventy_b}/model", f"data.train_files={seventy_b}/train.parquet",
+            "trainer.nnodes=4", "trainer.n_gpus_per_node=8", "trainer.device=cpu", "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.rollout.name=hf", f"trainer.default_local_dir={seventy_b}/run"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    expected = [r"strategy=MegatronStrategy\(tensor_parallel=8, pipeline_parallel=2\)",
+                r"Megatron: TP 8 x PP 2 x DP 2 \(32 processes\)",
+                r"replicas \(data parallel\)\s+32 processes / \(TP 8 x CP 1 x PP 2\)\s+= 2",
+                r"layers per stage\s+80 layers / PP 2\s+= 40",
+                r"per model replica\s+256 trajectories / 2 data-parallel replicas\s+= 128",
+                r"parameters per rank .*= 4.41 B of 70.6 B",
+                r"weights\+grads\+AdamW / rank\s+16 B/param .*= 65.72 GiB",
+                r"peak per rank \(training\)", r"HFRollout engine holds 262.83 GiB",
+                r"rollout.tensor_parallel_size=8 has no effect", r"Dry run: config and data are valid"]
+    for pattern in expected:
+        assert re.search(pattern, out), pattern
+    assert not (seventy_b / "run").exists()
