@@ -50,7 +50,7 @@ class SeededSampling(HFRollout):
         for i in range(batch.batch_size[0]):
             row = batch[i : i + 1]
             ids = row[K.PROMPT_IDS][0]
-            torch.manual_seed(int((ids * torch.arange(1, ids.numel() + 1)).sum()))
+            torch.manual_seed(int((ids * torch.arange(1, ids.numel() + 1, device=ids.device)).sum()))
             part = super().forward(row)
             part[K.GROUP] = torch.full_like(part[K.GROUP], i)
             parts.append(part)
@@ -84,7 +84,8 @@ def tiny_model(kind: str = "qwen2", seed: int = 0):
     raise ValueError(kind)
 
 
-def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save=False, mini_batches=2, critic=False):
+def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save=False, mini_batches=2, critic=False,
+          accelerator="cpu"):
     """A GRPO Trainer on the addition task. ``mini_batches`` per RL step: with data parallelism a mini-batch is
     the union of every rank's k-th slice, so runs are only comparable across data-parallel sizes with 1.
     ``critic``: PPO with GAE and a critic (a second tiny model) instead of GRPO."""
@@ -100,7 +101,7 @@ def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save
         critic_lr=3e-3,
         batch_size=4, mini_batch_size=4 // mini_batches, micro_batch_size=2, lr=3e-3, max_steps=steps, save_every=1 if save else 0,
         run_dir=out, resume=resume, loggers=(), progress=False, callbacks=[record], strategy=strategy,
-        devices=devices, accelerator="cpu", seed=0,
+        devices=devices, accelerator=accelerator, seed=0,
     )
     return trainer, PromptData(train[:32], seed=0), record
 
@@ -137,82 +138,89 @@ def run_training(out: Path, strategy, **kw) -> dict:
 
 
 # ---------------------------------------------------------------- scenarios
-def convert(out: Path) -> dict:
-    """Logits, log-probs, entropy and gradients of converted models against transformers'."""
+def convert(out: Path, accelerator: str = "cpu", layer_spec: str = "local") -> dict:
+    """Logits, log-probs, entropy and gradients of converted models against transformers' (tensor parallel =
+    the launch's size), the weights the engines would receive, and padding removal's zeros."""
     import lightning as L
-    from megatron.core import parallel_state as ps
 
     from rlflow.strategies.megatron import MegatronStrategy
-    from rlflow.strategies.megatron.export import gather_full
-    from rlflow.strategies.megatron.grads import reduce_gradients
-    from rlflow.strategies.megatron.heads import _tokens
-    from rlflow.strategies.megatron.slots import module_slots
 
     world = world_size()
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=MegatronStrategy(tensor_parallel=world))
+    fabric = L.Fabric(accelerator=accelerator, devices=world,
+                      strategy=MegatronStrategy(tensor_parallel=world, layer_spec=layer_spec))
     fabric.launch()
-    results = {}
     torch.manual_seed(1)
     prompt_ids = torch.randint(3, 40, (3, 6))
     prompt_mask = torch.ones_like(prompt_ids)
     prompt_mask[0, :2] = 0  # left padding
     prompt_ids[0, :2] = 0
     response_ids = torch.randint(3, 47, (3, 5))
-    weights = torch.randn(3, 5, 2)
-    for kind in ("qwen2", "qwen3", "llama"):
-        hf = tiny_model(kind, seed=3)
-        reference = TokenLogProbs(hf)
-        lp, ent = reference(prompt_ids, prompt_mask, response_ids)
-        ((lp * weights[..., 0]).sum() + (ent * weights[..., 1]).sum()).backward()
-        hf_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
-        ids = torch.cat([prompt_ids, response_ids], 1)
-        mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], 1)
-        with torch.no_grad():
-            hf_logits = hf(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
-        shell = tiny_model(kind, seed=3)
-        module = fabric.setup_module(TokenLogProbs(shell))
-        # the weights as the engines receive them: 4 KiB buckets in transformers' names
-        buckets = [[(n, t.clone()) for n, t in b] for b in shell.weight_buckets(4096)]
-        exported = {n: t for b in buckets for n, t in b}
-        lp2, ent2 = module(prompt_ids, prompt_mask, response_ids)
-        fabric.backward((lp2 * weights[..., 0]).sum() + (ent2 * weights[..., 1]).sum())
-        megatron = module._forward_module
-        reduce_gradients(list(megatron.parameters()))  # the strategy's reduction, which divides by the world size
-        for p in megatron.parameters():
-            p.grad.mul_(world)
-        slots = [(n.removeprefix("lm."), s) for n, s in module_slots(megatron) if s.primary]
-        grads = gather_full([s for _, s in slots], [s.read([p.grad for p in s.params]) for _, s in slots])
-        with torch.no_grad():  # the full logits, gathered over the vocabulary for this check only
-            tokens = _tokens(megatron.lm, prompt_ids, prompt_mask, response_ids)  # real tokens first in each row
-            hidden = megatron.lm.hidden_states(tokens.ids, None)
-            local, _ = megatron.lm.gpt.output_layer(hidden, weight=megatron.lm.output_weight())  # S x B x V/tp
-            parts = [torch.zeros_like(local) for _ in range(world)]
-            dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
-            logits = torch.cat(parts, -1)[..., : hf.config.vocab_size].transpose(0, 1)
-            real_prompt = prompt_mask.sum(-1)
-            gap = max((logits[i, j] - hf_logits[i, ids.shape[1] - response_ids.shape[1] - int(p) + j]).abs().max().item()
-                      for i, p in enumerate(real_prompt) for j in range(int(p) + response_ids.shape[1]))
-        if kind == "qwen2":  # padding removal (verl's default): 0 after each response's end, as the packed path
-            response_mask = torch.ones_like(response_ids)
-            response_mask[1, 3:] = 0
-            packed = TokenLogProbs(tiny_model(kind, seed=3), remove_padding=True)
-            expected = torch.stack(packed(prompt_ids, prompt_mask, response_ids, response_mask), -1)
-            megatron.remove_padding = True
-            got = torch.stack(module(prompt_ids, prompt_mask, response_ids, response_mask), -1)
-            megatron.remove_padding = False
-            results["remove_padding"] = (got - expected).abs().max().item(), bool((got[1, 3:] == 0).all())
-        results[kind] = {
-            "logits": gap, "logits_scale": hf_logits.abs().max().item(),
-            "log_probs": (lp2 - lp).abs().max().item(), "entropy": (ent2 - ent).abs().max().item(),
-            "grad": max((g - hf_grads[n]).abs().max().item() for (n, _), g in zip(slots, grads)),
-            "grad_scale": max(g.abs().max().item() for g in hf_grads.values()),
-            "grad_names": sorted(n for n, _ in slots) == sorted(hf_grads),
-            "buckets": [(len(b), sum(t.numel() * t.element_size() for _, t in b)) for b in buckets],
-            "exported_names": sorted(exported) == sorted(n for n, _ in hf.named_parameters()),
-            "exported": max((exported[n] - p).abs().max().item() for n, p in hf.named_parameters()),
-        }
+    inputs = [t.to(fabric.device) for t in (prompt_ids, prompt_mask, response_ids, torch.randn(3, 5, 2))]
+    results = {kind: compare(fabric, kind, *inputs) for kind in ("qwen2", "qwen3", "llama")}
     fabric.strategy.teardown()
     return results
+
+
+def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from rlflow.strategies.megatron.export import gather_full
+    from rlflow.strategies.megatron.grads import reduce_gradients
+    from rlflow.strategies.megatron.heads import _tokens
+    from rlflow.strategies.megatron.slots import module_slots
+
+    world = world_size()
+    hf = tiny_model(kind, seed=3).to(fabric.device)
+    lp, ent = TokenLogProbs(hf)(prompt_ids, prompt_mask, response_ids)
+    ((lp * weights[..., 0]).sum() + (ent * weights[..., 1]).sum()).backward()
+    hf_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    ids = torch.cat([prompt_ids, response_ids], 1)
+    mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], 1)
+    with torch.no_grad():
+        hf_logits = hf(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
+    shell = tiny_model(kind, seed=3)
+    module = fabric.setup_module(TokenLogProbs(shell))
+    # the weights as the engines receive them: 4 KiB buckets in transformers' names
+    buckets = [[(n, t.clone()) for n, t in b] for b in shell.weight_buckets(4096)]
+    exported = {n: t for b in buckets for n, t in b}
+    lp2, ent2 = module(prompt_ids, prompt_mask, response_ids)
+    fabric.backward((lp2 * weights[..., 0]).sum() + (ent2 * weights[..., 1]).sum())
+    megatron = module._forward_module
+    reduce_gradients(list(megatron.parameters()))  # the strategy's reduction, which divides by the world size
+    for p in megatron.parameters():
+        p.grad.mul_(world)
+    slots = [(n.removeprefix("lm."), s) for n, s in module_slots(megatron) if s.primary]
+    grads = gather_full([s for _, s in slots], [s.read([p.grad for p in s.params]) for _, s in slots])
+    with torch.no_grad():  # the full logits, gathered over the vocabulary for this check only
+        tokens = _tokens(megatron.lm, prompt_ids, prompt_mask, response_ids)  # real tokens first in each row
+        local, _ = megatron.lm.gpt.output_layer(megatron.lm.hidden_states(tokens.ids, None),
+                                                weight=megatron.lm.output_weight())  # S x B x V/tp
+        parts = [torch.zeros_like(local) for _ in range(world)]
+        dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits = torch.cat(parts, -1)[..., : hf.config.vocab_size].transpose(0, 1)
+        P, R = prompt_ids.shape[1], response_ids.shape[1]
+        gap = max((logits[i, j] - hf_logits[i, P - int(p) + j]).abs().max().item()
+                  for i, p in enumerate(prompt_mask.sum(-1)) for j in range(int(p) + R))
+    result = {
+        "logits": gap, "logits_scale": hf_logits.abs().max().item(),
+        "log_probs": (lp2 - lp).abs().max().item(), "entropy": (ent2 - ent).abs().max().item(),
+        "grad": max((g - hf_grads[n]).abs().max().item() for (n, _), g in zip(slots, grads)),
+        "grad_scale": max(g.abs().max().item() for g in hf_grads.values()),
+        "grad_names": sorted(n for n, _ in slots) == sorted(hf_grads),
+        "buckets": [(len(b), sum(t.numel() * t.element_size() for _, t in b)) for b in buckets],
+        "exported_names": sorted(exported) == sorted(n for n, _ in hf.named_parameters()),
+        "exported": max((exported[n] - p).abs().max().item() for n, p in hf.named_parameters()),
+    }
+    if kind == "qwen2":  # padding removal (verl's default): 0 after each response's end, as the packed path
+        response_mask = torch.ones_like(response_ids)
+        response_mask[1, 3:] = 0
+        packed = TokenLogProbs(tiny_model(kind, seed=3).to(fabric.device), remove_padding=True)
+        expected = torch.stack(packed(prompt_ids, prompt_mask, response_ids, response_mask), -1)
+        megatron.remove_padding = True
+        got = torch.stack(module(prompt_ids, prompt_mask, response_ids, response_mask), -1)
+        megatron.remove_padding = False
+        result["remove_padding"] = (got - expected).abs().max().item(), bool((got[1, 3:] == 0).all())
+    return result
 
 
 def train_tp(out: Path) -> dict:
@@ -285,8 +293,25 @@ def verl_entry(out: Path) -> dict:
             "step_1_rewritten": first.stat().st_mtime_ns != written}
 
 
+def gpu_te(out: Path) -> dict:
+    """``convert`` on CUDA with the Transformer-Engine layer spec (float32; TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    return convert(out, accelerator="cuda", layer_spec="transformer_engine")
+
+
+def gpu_distopt(out: Path) -> dict:
+    """A few GRPO steps on CUDA with Megatron's distributed optimizer, and with the default one."""
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    ws = world_size()
+    return {"distributed": run_training(out / "distopt", MegatronStrategy(tensor_parallel=ws, distributed_optimizer=True),
+                                        steps=2, accelerator="cuda"),
+            "default": run_training(out / "default", MegatronStrategy(tensor_parallel=ws), steps=2, accelerator="cuda")}
+
+
 SCENARIOS = {f.__name__: f for f in (convert, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp, train_tp_dp,
-                                     verl_entry)}
+                                     verl_entry, gpu_te, gpu_distopt)}
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])

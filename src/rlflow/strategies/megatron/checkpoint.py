@@ -70,6 +70,11 @@ class ShardedCheckpoint:
         """(modules, optimizers, rest) of a Fabric state dict; modules are those with Megatron slots."""
         from rlflow.strategies.megatron.heads import MegatronLogProbs, MegatronValueModel
 
+        from rlflow.strategies.megatron.distopt import DistributedOptimizer
+
+        for value in state.values():
+            if isinstance(value, DistributedOptimizer):
+                value.state_dict()  # refuses, with the reason
         modules = {k: v for k, v in state.items() if isinstance(v, (MegatronLogProbs, MegatronValueModel))}
         optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
         other = [k for k, v in state.items() if isinstance(v, nn.Module) and k not in modules]

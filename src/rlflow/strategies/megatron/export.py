@@ -118,7 +118,8 @@ class WeightExporter:
             if stage == self.stage:
                 slots = [by_name[e[1]] for e in entries]
                 tensors = gather_full(slots, [s.read([p.detach() for p in s.params]) for s in slots])
-                flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0, dtype=dtype)
+                flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0, dtype=dtype,
+                                                                                              device=device)
             else:
                 flat = torch.empty(sum(math.prod(e[2]) for e in entries), dtype=dtype, device=device)
             if len(self.pp_ranks) > 1:

@@ -7,8 +7,8 @@ embedding keeps a copy there when there are several stages) are split over the v
 
 Bytes per parameter, as this plugin trains: float32 weights, float32 gradients and AdamW's two
 float32 moments, **16 B** on every rank (the Trainer's optimizer over the rank's shards; mixed
-precision is autocast). Megatron's distributed optimizer, not wired in yet, would shard the 12 B of
-master weights and moments over the data-parallel ranks: ``4 + 12 / DP`` B with bf16 compute. A frozen
+precision is autocast). Megatron's distributed optimizer (``distributed_optimizer=True``, GPUs) shards the
+12 B of master weights and moments over the data-parallel ranks: ``4 + 12 / DP`` B. A frozen
 reference (KL term) adds 4 B/param, split like the policy.
 
 Activations of one micro-batch on one stage, without recomputation, in 16-bit (Korthikanti et al. 2022,

@@ -48,13 +48,16 @@ class MegatronStrategy(ModelParallelStrategy):
             (:class:`~rlflow.strategies.megatron.layout.ParallelLayout`); the data-parallel size is what is
             left of the processes.
         layer_spec: ``"local"`` (megatron-core's own layers: CPU and GPU) or ``"transformer_engine"`` (GPU).
+        distributed_optimizer: replace the Trainer's Adam/AdamW by Megatron's DDP + distributed optimizer
+            (GPU only; :mod:`~rlflow.strategies.megatron.distopt`).
         transformer_overrides: extra ``TransformerConfig`` fields (verl's ``override_transformer_config``).
         timeout: how long a rank waits in a collective before giving up.
     """
 
     def __init__(self, tensor_parallel: int = 1, pipeline_parallel: int = 1, *, context_parallel: int = 1,
                  expert_parallel: int = 1, sequence_parallel: bool = False, layer_spec: str = "local",
-                 transformer_overrides: dict | None = None, timeout: timedelta = timedelta(minutes=10)):
+                 distributed_optimizer: bool = False, transformer_overrides: dict | None = None,
+                 timeout: timedelta = timedelta(minutes=10)):
         if layer_spec not in LAYER_SPECS:
             raise ValueError(f"layer_spec={layer_spec!r}: choose from {LAYER_SPECS}")
         if sequence_parallel and tensor_parallel > 1 and layer_spec == "local":
@@ -67,6 +70,8 @@ class MegatronStrategy(ModelParallelStrategy):
         self.layout = ParallelLayout(tensor=tensor_parallel, pipeline=pipeline_parallel, context=context_parallel,
                                      expert=expert_parallel, sequence_parallel=sequence_parallel)
         self.layer_spec, self.transformer_overrides = layer_spec, dict(transformer_overrides or {})
+        self.distributed_optimizer = distributed_optimizer
+        self._converted: list[nn.Module] = []  # the Megatron modules set up, for the distributed optimizer
         self._cpu_workarounds = None
         self._reduced: set[int] = set()  # optimizers whose gradients were reduced since the last backward
         self._checkpoint = None
@@ -76,7 +81,8 @@ class MegatronStrategy(ModelParallelStrategy):
             ("tensor_parallel", self.layout.tensor), ("pipeline_parallel", self.layout.pipeline),
             ("context_parallel", self.layout.context), ("expert_parallel", self.layout.expert)) if v > 1)
         extra = (", sequence_parallel=True" if self.layout.sequence_parallel else "") + (
-            f", layer_spec={self.layer_spec!r}" if self.layer_spec != "local" else "")
+            f", layer_spec={self.layer_spec!r}" if self.layer_spec != "local" else "") + (
+            ", distributed_optimizer=True" if self.distributed_optimizer else "")
         return f"MegatronStrategy({sizes or 'tensor_parallel=1'}{extra})"
 
     @property
@@ -88,6 +94,9 @@ class MegatronStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # starts the process group (gloo on CPU, NCCL on GPU)
         from megatron.core import parallel_state as ps
+
+        if self.root_device.type == "cpu" and (self.distributed_optimizer or self.layer_spec != "local"):
+            raise ValueError("distributed_optimizer=True and layer_spec='transformer_engine' need CUDA devices")
 
         self.layout.check_world(self.world_size)
         if ps.model_parallel_is_initialized():  # a second Trainer in this process
@@ -158,6 +167,7 @@ class MegatronStrategy(ModelParallelStrategy):
         # Fabric keeps the module it was given as the "original" (its parameters() and attribute lookups go
         # there): its Hugging Face model is replaced by the Megatron shard so both views hold the same weights.
         module.lm = lm
+        self._converted.append(converted)
         hf_model.weight_buckets = WeightExporter(slots).buckets  # read by rlflow.rollout.weight_sync
         hf_model.to("meta")  # the Hugging Face tensors are not needed any more
         return converted
@@ -182,6 +192,13 @@ class MegatronStrategy(ModelParallelStrategy):
         super().backward(tensor, module, *args, **kwargs)
         self._reduced.clear()
 
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if not self.distributed_optimizer:
+            return optimizer
+        from rlflow.strategies.megatron.distopt import DistributedOptimizer
+
+        return DistributedOptimizer(optimizer, self._converted, self.layout.model_parallel)
+
     def _finalize(self, optimizer: Optimizer) -> list[nn.Parameter]:
         from rlflow.strategies.megatron.grads import reduce_gradients
 
@@ -193,8 +210,11 @@ class MegatronStrategy(ModelParallelStrategy):
 
     def clip_gradients_norm(self, module, optimizer: Optimizer, max_norm, norm_type=2.0,
                             error_if_nonfinite: bool = True) -> torch.Tensor:
+        from rlflow.strategies.megatron.distopt import DistributedOptimizer
         from rlflow.strategies.megatron.grads import clip_, global_grad_norm
 
+        if isinstance(optimizer, DistributedOptimizer):
+            return optimizer.clip(float(max_norm))
         self.precision.unscale_gradients(optimizer)
         params = self._finalize(optimizer)
         norm = global_grad_norm(params, float(norm_type))
@@ -210,7 +230,10 @@ class MegatronStrategy(ModelParallelStrategy):
                 p.grad.clamp_(-clip_val, clip_val)
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
-        self._finalize(optimizer)  # no-op when clip_gradients already reduced them
+        from rlflow.strategies.megatron.distopt import DistributedOptimizer
+
+        if not isinstance(optimizer, DistributedOptimizer):  # that one reduces its own gradients
+            self._finalize(optimizer)  # no-op when clip_gradients already reduced them
         return super().optimizer_step(optimizer, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints

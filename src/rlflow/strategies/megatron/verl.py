@@ -80,7 +80,8 @@ def _notes(cfg: VerlConfig, notes: list[str], on_cpu: bool, layout: ParallelLayo
                      "without Transformer Engine) has no sequence-parallel norm")
     if cfg[f"{M}.use_distributed_optimizer"]:
         notes.append(f"{M}.use_distributed_optimizer=True (verl's default): each rank keeps the full optimizer state "
-                     "of its shards (the Trainer's optimizer); Megatron's distributed optimizer is not wired in yet")
+                     "of its shards (the Trainer's AdamW); Megatron's distributed optimizer is opt-in from Python "
+                     "(MegatronStrategy(distributed_optimizer=True), GPUs, no checkpoints yet)")
     if cfg[f"{M}.use_dist_checkpointing"] or cfg[f"{M}.dist_checkpointing_path"]:
         raise NotSupportedError(f"{M}.use_dist_checkpointing", True, "starting from a Megatron dist checkpoint",
                                 "rlflow converts actor_rollout_ref.model.path (a Hugging Face folder) at start.")
@@ -167,7 +168,7 @@ def dry_run_section(plan, config, seq_len: int) -> list[str]:
              f"{mem.parameters / 1e9:.3g} B of {mem.total_parameters / 1e9:.3g} B"),
         line("weights+grads+AdamW / rank", "16 B/param (float32; the Trainer's AdamW per shard)",
              gib(mem.model_states)),
-        line("  distributed optimizer", f"(4 + 12 / DP {dp}) B/param (Megatron's; not wired in yet)",
+        line("  distributed optimizer", f"(4 + 12 / DP {dp}) B/param (Megatron's, opt-in on GPUs)",
              gib(mem.distributed_optimizer)),
         *([line("frozen reference / rank", "4 B/param (float32, same layout)", gib(mem.reference))]
           if reference else []),
