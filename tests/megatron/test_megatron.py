@@ -77,7 +77,8 @@ def assert_same_run(got: dict, ref: dict, steps, atol=5e-5) -> None:
     for step in steps:
         assert ref[step]["metrics"]["actor/grad_norm"] > 0.1  # the reference really trains
         for key in METRICS:
-            assert got[step]["metrics"][key] == pytest.approx(ref[step]["metrics"][key], abs=1e-5, rel=1e-4), (step, key)
+            expected = pytest.approx(ref[step]["metrics"][key], abs=1e-5, rel=1e-4)
+            assert got[step]["metrics"][key] == expected, (step, key)
         assert got[step]["weights"].keys() == ref[step]["weights"].keys()
         for name, weight in ref[step]["weights"].items():
             torch.testing.assert_close(got[step]["weights"][name], weight, atol=atol, rtol=1e-4, msg=name)

@@ -57,7 +57,8 @@ def test_seed_and_verl_spellings_give_the_same_strategy():
     ([f"{A}.megatron.virtual_pipeline_model_parallel_size=2", f"{A}.megatron.pipeline_model_parallel_size=2"],
      "interleaved pipeline stages are not supported"),
     ([f"{A}.megatron.expert_tensor_parallel_size=2"], "keeps each expert whole"),
-    (["actor_rollout_ref.model.backend=megatron", f"{A}.strategy=fsdp"], "set actor_rollout_ref.actor.strategy=megatron"),
+    (["actor_rollout_ref.model.backend=megatron", f"{A}.strategy=fsdp"],
+     "set actor_rollout_ref.actor.strategy=megatron"),
     (["algorithm.adv_estimator=gae", "critic.strategy=fsdp", "critic.model.path=/nowhere"],
      "rlflow trains every role with one strategy"),
 ])

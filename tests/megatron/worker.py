@@ -99,7 +99,8 @@ def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save
         loss=PPOLoss(kl_coef=0.05, entropy_coef=0.01),
         critic=Critic(tiny_model(kind, seed=1)) if critic else None, value_loss=ValueLoss() if critic else None,
         critic_lr=3e-3,
-        batch_size=4, mini_batch_size=4 // mini_batches, micro_batch_size=2, lr=3e-3, max_steps=steps, save_every=1 if save else 0,
+        batch_size=4, mini_batch_size=4 // mini_batches, micro_batch_size=2, lr=3e-3, max_steps=steps,
+        save_every=1 if save else 0,
         run_dir=out, resume=resume, loggers=(), progress=False, callbacks=[record], strategy=strategy,
         devices=devices, accelerator=accelerator, seed=0,
     )
@@ -232,7 +233,7 @@ def train_tp(out: Path) -> dict:
 def critic_pp(out: Path) -> dict:
     from rlflow.strategies.megatron import MegatronStrategy
 
-    return run_training(out / "critic", MegatronStrategy(pipeline_parallel=2), steps=2, critic=True)
+    return run_training(out / "critic", MegatronStrategy(pipeline_parallel=2), steps=2, critic=True, save=True)
 
 
 def train_pp(out: Path) -> dict:
@@ -244,7 +245,8 @@ def train_pp(out: Path) -> dict:
 def resume_pp(out: Path) -> dict:
     from rlflow.strategies.megatron import MegatronStrategy
 
-    return run_training(out / "tp", MegatronStrategy(pipeline_parallel=2), resume=str(out / "tp/checkpoints/global_step_1"))
+    return run_training(out / "tp", MegatronStrategy(pipeline_parallel=2),
+                        resume=str(out / "tp/checkpoints/global_step_1"))
 
 
 def refuse(out: Path) -> dict:
@@ -305,8 +307,8 @@ def gpu_distopt(out: Path) -> dict:
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     ws = world_size()
-    return {"distributed": run_training(out / "distopt", MegatronStrategy(tensor_parallel=ws, distributed_optimizer=True),
-                                        steps=2, accelerator="cuda"),
+    distributed = MegatronStrategy(tensor_parallel=ws, distributed_optimizer=True)
+    return {"distributed": run_training(out / "distopt", distributed, steps=2, accelerator="cuda"),
             "default": run_training(out / "default", MegatronStrategy(tensor_parallel=ws), steps=2, accelerator="cuda")}
 
 

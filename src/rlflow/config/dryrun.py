@@ -101,7 +101,8 @@ def batch_section(plan: Plan) -> list[str]:
         line("optimizer steps per step", f"{bs // mini} mini-batches x ppo_epochs {epochs}", f"{bs // mini * epochs}"),
         line("trajectories per mini-batch", f"ppo_mini_batch_size x n = {mini} x {n}", f"{mini_traj}"),
         line("per device", f"{mini_traj} trajectories / {procs} process(es)", f"{per_dev}") if replica == 1 else
-        line("per model replica", f"{mini_traj} trajectories / {procs // replica} data-parallel replicas", f"{per_dev}"),
+        line("per model replica", f"{mini_traj} trajectories / {procs // replica} data-parallel replicas",
+             f"{per_dev}"),
         line("micro-batch per device", f"{A}.ppo_micro_batch_size_per_gpu",
              f"{micro} trajectories" + ("" if t["micro_batch_size"] else " (unset: the whole mini-batch)")),
         line("grad. accumulation", f"{per_dev} / {micro}", f"{-(-per_dev // micro)} forward/backward passes per "

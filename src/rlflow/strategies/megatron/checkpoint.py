@@ -138,9 +138,9 @@ class ShardedCheckpoint:
     def load(self, path: Path, state: dict, strict: bool = True) -> dict:
         """Restore modules and optimizers in place; put the rest of ``state``'s keys back; return what is left."""
         if not (path.is_dir() and (path / META_FILE).is_file()):
-            raise ValueError(f"{path} is not a sharded checkpoint: the Megatron strategy resumes the folders written by "
-                             "the Megatron (or FSDP2) strategy, at any parallel layout; a single-file checkpoint of a "
-                             "one-process run cannot be resumed with Megatron")
+            raise ValueError(f"{path} is not a sharded checkpoint: the Megatron strategy resumes the folders written "
+                             "by the Megatron (or FSDP2) strategy, at any parallel layout; a single-file checkpoint of "
+                             "a one-process run cannot be resumed with Megatron")
         modules, optimizers, rest = self._parts(state)
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         slots = self._all_slots(modules)

@@ -95,7 +95,8 @@ class WeightExporter:
                      for name, shape, dtype in entries]
 
     def buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, Tensor]]]:
-        """``[(name, full tensor), ...]`` lists of at most ``bucket_bytes`` (a larger tensor goes alone), one dtype each."""
+        """``[(name, full tensor), ...]`` lists of at most ``bucket_bytes`` (a larger tensor goes alone), one dtype
+        each."""
         bucket, size = [], 0
         for entry in self.plan:
             _, _, shape, dtype = entry

@@ -84,7 +84,8 @@ def _tokens(lm: MegatronLM, prompt_ids: Tensor, prompt_mask: Tensor, response_id
     """
     (B, P), R = prompt_ids.shape, response_ids.shape[1]
     real = prompt_mask.long().sum(-1).clamp_min(1)
-    S = int(real.max()) + R
+    chunk = lm.sequence_chunk()
+    S = -(-(int(real.max()) + R) // chunk) * chunk  # sequence parallelism splits the positions evenly
     source = torch.arange(S, device=prompt_ids.device)[None] + (P - real)[:, None]  # B x S columns to read
     pad = lm.padding_idx if lm.padding_idx is not None else 0
     ids = torch.cat([prompt_ids, response_ids], dim=1).gather(1, source.clamp(max=P + R - 1))
@@ -121,7 +122,7 @@ def _equal_shapes(lm: MegatronLM):
 def _response_states(hidden: Tensor, predict: Tensor) -> Tensor:
     """``[S, B', H]`` -> ``B*R x H``: the states at the positions that predict each response token."""
     B, R = predict.shape
-    rows = hidden.transpose(0, 1)[:B]
+    rows = hidden.transpose(0, 1)[:B]  # hidden: the full sequence (MegatronLM.full_sequence)
     return rows.gather(1, predict[..., None].expand(B, R, rows.shape[-1])).reshape(B * R, -1)
 
 
@@ -148,7 +149,8 @@ class MegatronLogProbs(nn.Module):
     def __init__(self, lm: MegatronLM, temperature: float = 1.0, chunk_tokens: int = 4096,
                  remove_padding: bool = False):
         super().__init__()
-        self.lm, self.temperature, self.chunk_tokens, self.remove_padding = lm, temperature, chunk_tokens, remove_padding
+        self.lm, self.temperature, self.chunk_tokens = lm, temperature, chunk_tokens
+        self.remove_padding = remove_padding
 
     def _chunk(self, hidden: Tensor, ids: Tensor) -> Tensor:
         logits = self.lm.logits(hidden).float()
@@ -171,7 +173,8 @@ class MegatronLogProbs(nn.Module):
         """Shapes: prompt ``B x P`` (left-padded), response ``B x R`` -> log-probs, entropy ``B x R``."""
         B, R = response_ids.shape
         tokens = _tokens(self.lm, prompt_ids, prompt_mask, response_ids)
-        out = run_stages(self.lm, tokens.ids, lambda h: self._head(h, tokens.predict, response_ids), (B, R, 2))
+        out = run_stages(self.lm, tokens.ids, lambda h: self._head(self.lm.full_sequence(h), tokens.predict,
+                                                                     response_ids), (B, R, 2))
         out = _trailing_zeros(out, response_mask, self.remove_padding)
         return out[..., 0], out[..., 1]
 
@@ -196,7 +199,8 @@ class MegatronValueModel(nn.Module):
         tokens = _tokens(self.lm, prompt_ids, prompt_mask, response_ids)
 
         def head(hidden: Tensor) -> Tensor:
-            return self.value_head(_response_states(hidden, tokens.predict)).float().view(B, R, 1)
+            states = _response_states(self.lm.full_sequence(hidden), tokens.predict)
+            return self.value_head(states).float().view(B, R, 1)
 
         out = run_stages(self.lm, tokens.ids, head, (B, R, 1))
         return _trailing_zeros(out, response_mask, self.remove_padding)[..., 0]

@@ -74,7 +74,8 @@ class ParallelLayout:
     def check_model(self, config) -> None:
         """The model's sizes split evenly: heads and key/value heads by ``tensor``, layers by ``pipeline``,
         experts by ``expert``. ``config`` is a Hugging Face config."""
-        heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
         layers, experts = config.num_hidden_layers, getattr(config, "num_experts", None) or 0
         problems = [f"{what} {n} not divisible by {size} ({why})" for what, n, size, why in (
             ("attention heads", heads, self.tensor, "tensor parallel"),

@@ -54,7 +54,8 @@ def architecture(config) -> Architecture:
         ("mlp_bias=True", bool(getattr(config, "mlp_bias", False))),
         ("sliding-window attention", bool(getattr(config, "use_sliding_window", False))),
         ("dense layers between MoE layers (mlp_only_layers / decoder_sparse_step)",
-         arch.moe and (bool(getattr(config, "mlp_only_layers", None)) or getattr(config, "decoder_sparse_step", 1) != 1)),
+         arch.moe and (bool(getattr(config, "mlp_only_layers", None))
+                       or getattr(config, "decoder_sparse_step", 1) != 1)),
     ) if bad]
     if unsupported:
         raise ValueError(f"{config.model_type}: the Megatron conversion does not support {', '.join(unsupported)}")
@@ -226,11 +227,27 @@ class MegatronLM(nn.Module):
             hidden = self.gpt.embedding(input_ids=input_ids, position_ids=positions[None])
             if self.padding_idx is not None and hidden.requires_grad:
                 is_pad = (input_ids == self.padding_idx).transpose(0, 1)[..., None]  # S x B x 1
+                if self.config.sequence_parallel:  # the embedding output is this rank's slice of the sequence
+                    is_pad = is_pad.chunk(self.tp_size)[self.tp_rank]
                 hidden.register_hook(lambda grad: grad.masked_fill(is_pad, 0.0))
         else:
             hidden = stage_input
             self.gpt.decoder.set_input_tensor(stage_input)  # Megatron's later stages read their input from here
         return self.gpt.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
+
+    def full_sequence(self, hidden: Tensor) -> Tensor:
+        """The last stage's ``[S, B, H]`` states: under sequence parallelism each rank holds ``S / tp`` of them, so
+        they are gathered (the backward keeps this rank's slice of the gradient, which is complete: the head's
+        input gradient is all-reduced over the tensor-parallel ranks in :meth:`logits`)."""
+        if not self.config.sequence_parallel:
+            return hidden
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+
+    def sequence_chunk(self) -> int:
+        """Pipeline messages hold ``S / tp`` positions under sequence parallelism: ``S`` must divide by this."""
+        return self.tp_size if self.config.sequence_parallel else 1
 
     def output_weight(self) -> Tensor | None:
         """The output layer's weight when it is the (tied) embedding, else ``None`` (the layer's own)."""
@@ -238,5 +255,10 @@ class MegatronLM(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """``N x H`` final hidden states -> ``N x V_local`` logits of this rank's real vocabulary columns."""
-        out, _ = self.gpt.output_layer(hidden[:, None], weight=self.output_weight())
+        layer = self.gpt.output_layer
+        sequence_parallel, layer.sequence_parallel = layer.sequence_parallel, False  # its input is gathered already
+        try:
+            out, _ = layer(hidden[:, None], weight=self.output_weight())
+        finally:
+            layer.sequence_parallel = sequence_parallel
         return out[:, 0, : self.vocab_local]

@@ -95,7 +95,7 @@ def run_stages(lm, input_ids: Tensor, head, out_shape: tuple) -> Tensor:
     B, S = input_ids.shape
     stage_input = None
     if not lm.first_stage:
-        stage_input = receive_forward((S, B, lm.config.hidden_size), input_ids.device)
+        stage_input = receive_forward((S // lm.sequence_chunk(), B, lm.config.hidden_size), input_ids.device)
     hidden = lm.hidden_states(input_ids, stage_input)
     if lm.last_stage:
         return broadcast_outputs(head(hidden))

@@ -154,10 +154,10 @@ def lm_slots(lm: MegatronLM) -> list[Slot]:
         slots.append(_same(pre + "post_attention_layernorm.weight",
                            _norm_weight(layer.pre_mlp_layernorm, getattr(mlp, "linear_fc1", None))))
         if arch.moe:
-            experts = mlp.experts.local_experts
+            experts, E = mlp.experts.local_experts, cfg.num_experts
             slots += [_same(pre + "mlp.gate.weight", mlp.router.weight),
-                      _stacked(pre + "mlp.experts.gate_up_proj", [e.linear_fc1.weight for e in experts], cfg.num_experts),
-                      _stacked(pre + "mlp.experts.down_proj", [e.linear_fc2.weight for e in experts], cfg.num_experts)]
+                      _stacked(pre + "mlp.experts.gate_up_proj", [e.linear_fc1.weight for e in experts], E),
+                      _stacked(pre + "mlp.experts.down_proj", [e.linear_fc2.weight for e in experts], E)]
         else:
             ffn = cfg.intermediate_size
             slots += _fused([pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"], mlp.linear_fc1.weight,
@@ -220,5 +220,6 @@ def load_from_hf(slots: list[tuple[str, Slot]], hf_state: dict[str, Tensor]) -> 
         if full is None:
             raise KeyError(f"the Hugging Face model has no weight {slot.name!r} (its keys: {sorted(hf_state)[:4]}...)")
         if tuple(full.shape) != slot.shape:
-            raise ValueError(f"{slot.name}: the Hugging Face tensor is {tuple(full.shape)}, Megatron expects {slot.shape}")
+            raise ValueError(f"{slot.name}: the Hugging Face tensor is {tuple(full.shape)}, Megatron expects "
+                             f"{slot.shape}")
         slot.write([p.data for p in slot.params], slot.block_of(full, *group_ranks(slot)).to(slot.params[0].dtype))

@@ -107,7 +107,8 @@ def _notes(cfg: VerlConfig, notes: list[str], on_cpu: bool, layout: ParallelLayo
             "attention_backend", "moe_token_dispatcher_type")}
         if dropped:
             notes.append(f"{M}.override_transformer_config: {dropped} not applied on CPU (Megatron's recomputation "
-                         "needs CUDA RNG states; the all-to-all dispatcher a CUDA stream; attention is megatron-core's)")
+                         "needs CUDA RNG states; the all-to-all dispatcher a CUDA stream; attention is "
+                         "megatron-core's)")
     return overrides
 
 
@@ -118,8 +119,8 @@ def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, acceler
     for role in ("critic",) if with_critic else ():
         if cfg[f"{role}.strategy"] != "megatron":
             if cfg.is_provided(f"{role}.strategy"):
-                raise ConfigError(f"{role}.strategy={cfg[f'{role}.strategy']} with {A}.strategy=megatron: rlflow trains "
-                                  "every role with one strategy; set critic.strategy=megatron")
+                raise ConfigError(f"{role}.strategy={cfg[f'{role}.strategy']} with {A}.strategy=megatron: rlflow "
+                                  "trains every role with one strategy; set critic.strategy=megatron")
             notes.append(f"{role}.strategy: the critic trains with the actor's Megatron strategy")
     _same_layout(cfg, with_critic)
     sizes = {field: _size(cfg, field) for field in SIZES}
