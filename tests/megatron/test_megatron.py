@@ -116,10 +116,19 @@ def test_checkpoint_at_tensor_parallel_resumes_at_pipeline_parallel(two, one_pro
     assert_same_run(resumed, one_process(), steps=(2, 3))
 
 
+def test_megatron_checkpoint_resumes_on_one_process(two, one_process, tmp_path):
+    """The tensor-parallel run's step-1 checkpoint, resumed by the plain one-process Trainer (no Megatron)."""
+    trainer, data, record = build(str(tmp_path), "auto", resume=str(two[0] / "tp/global_step_1"))
+    trainer.fit(data)
+    assert sorted(record.steps) == [2, 3]
+    assert_same_run(record.steps, one_process(), steps=(2, 3))
+
+
 def test_checkpoint_of_another_model_is_refused(two):
     error = two[1]["refuse"]["error"]
-    assert error and error.startswith("the checkpoint was written for another model")
-    assert "lm_head.weight is missing" in error and "q_proj.bias is not in the model" in error
+    assert error and "the model does not match the one that wrote it" in error
+    assert "the checkpoint's state_dict was written for another model" in error
+    assert "self_attn.q_proj.bias is not in the model" in error  # Qwen2 has q/k/v biases, Llama none
 
 
 def test_megatron_checkpoint_exports_to_hugging_face(two, tmp_path):
@@ -129,7 +138,7 @@ def test_megatron_checkpoint_exports_to_hugging_face(two, tmp_path):
     from rlflow.trainer.export import export_hf
 
     out, results = two
-    exported = AutoModelForCausalLM.from_pretrained(export_hf(out / "tp/checkpoints/global_step_3", tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(export_hf(out / "tp/global_step_3", tmp_path / "hf"))
     trained = results["train_tp"][3]["weights"]
     params = dict(exported.named_parameters())
     assert params.keys() == trained.keys()

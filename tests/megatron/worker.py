@@ -168,7 +168,7 @@ def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights) -> dic
     from rlflow.strategies.megatron.export import gather_full
     from rlflow.strategies.megatron.grads import reduce_gradients
     from rlflow.strategies.megatron.heads import _tokens
-    from rlflow.strategies.megatron.slots import module_slots
+    from rlflow.strategies.megatron.slots import lm_slots
 
     world = world_size()
     hf = tiny_model(kind, seed=3).to(fabric.device)
@@ -190,7 +190,7 @@ def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights) -> dic
     reduce_gradients(list(megatron.parameters()))  # the strategy's reduction, which divides by the world size
     for p in megatron.parameters():
         p.grad.mul_(world)
-    slots = [(n.removeprefix("lm."), s) for n, s in module_slots(megatron) if s.primary]
+    slots = [(s.name, s) for s in lm_slots(megatron.lm) if s.primary]
     grads = gather_full([s for _, s in slots], [s.read([p.grad for p in s.params]) for _, s in slots])
     with torch.no_grad():  # the full logits, gathered over the vocabulary for this check only
         tokens = _tokens(megatron.lm, prompt_ids, prompt_mask, response_ids)  # real tokens first in each row
@@ -246,7 +246,7 @@ def resume_pp(out: Path) -> dict:
     from rlflow.strategies.megatron import MegatronStrategy
 
     return run_training(out / "tp", MegatronStrategy(pipeline_parallel=2),
-                        resume=str(out / "tp/checkpoints/global_step_1"))
+                        resume=str(out / "tp/global_step_1"))
 
 
 def refuse(out: Path) -> dict:
@@ -255,9 +255,11 @@ def refuse(out: Path) -> dict:
 
     trainer, _, _ = build(str(out / "refuse"), MegatronStrategy(pipeline_parallel=2), devices=world_size(),
                           kind="llama")
+    from rlflow.trainer.checkpoint import CheckpointError
+
     try:
-        trainer.load(out / "tp/checkpoints/global_step_1")
-    except ValueError as e:
+        trainer.load(out / "tp/global_step_1")
+    except CheckpointError as e:
         return {"error": str(e)}
     return {"error": None}
 

@@ -115,11 +115,19 @@ class ShardedCheckpoint:
                 else:
                     entry[name] = value
             state[key] = entry
+        # param_groups name each parameter once (an alias such as a tied lm_head.weight is not listed), as
+        # torch.distributed.checkpoint's get_optimizer_state_dict does, so one-process and FSDP2 runs load them
+        named, seen = [], set()
+        for key, slot in updated:
+            identity = (tuple(map(id, slot.params)), slot.read)
+            if identity not in seen:
+                seen.add(identity)
+                named.append((key, slot))
         groups = []
         for g in optimizer.param_groups:
             ids = {id(p) for p in g["params"]}
             groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": [key for key, slot in updated if id(slot.params[0]) in ids]})
+                           "params": [key for key, slot in named if id(slot.params[0]) in ids]})
         return {"state": state, "param_groups": groups}
 
     # ------------------------------------------------------------------ save / load
@@ -180,7 +188,7 @@ class ShardedCheckpoint:
         prefixes = tuple(f"{m}." for m in targets)
         problems += [f"{k} is not in the model" for k in saved if k.startswith(prefixes) and k not in expected]
         if problems:
-            raise ValueError("the checkpoint was written for another model: " + "; ".join(problems[:5])
+            raise ValueError("the checkpoint's state_dict was written for another model: " + "; ".join(problems[:5])
                              + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
 
     def _optimizer_targets(self, optimizer: Optimizer, slots: list, saved: dict, opt_key: str) -> dict:

@@ -27,6 +27,7 @@ carry optimizer states in the same Hugging Face layout as the weights.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -175,8 +176,14 @@ def lm_slots(lm: MegatronLM) -> list[Slot]:
 
 def module_slots(module: nn.Module) -> list[tuple[str, Slot]]:
     """``(checkpoint key, slot)`` for a :mod:`.heads` module: the Hugging Face model's weights under
-    ``state_prefix`` (as ``TokenLogProbs``/``ValueHeadModel`` name them), and a critic's value head."""
-    keyed = [(module.state_prefix + s.name, s) for s in lm_slots(module.lm)]
+    ``state_prefix`` (as ``TokenLogProbs``/``ValueHeadModel`` name them), and a critic's value head.
+
+    A tied embedding is also keyed ``lm_head.weight``, as the state dicts of ``torch.distributed.checkpoint``
+    (FSDP2, one process) name it too, so those checkpoints and these load each other."""
+    slots = lm_slots(module.lm)
+    if module.lm.hf_config.tie_word_embeddings:
+        slots += [dataclasses.replace(s, name="lm_head.weight") for s in slots if s.name == "model.embed_tokens.weight"]
+    keyed = [(module.state_prefix + s.name, s) for s in slots]
     head = getattr(module, "value_head", None)
     if head is not None:
         keyed += [(f"value_head.{n}", _same(f"value_head.{n}", p)) for n, p in head.named_parameters()]

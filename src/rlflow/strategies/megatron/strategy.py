@@ -132,7 +132,8 @@ class MegatronStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ models
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """This rank's Megatron shard of a policy (``TokenLogProbs``) or critic (``ValueHeadModel``)."""
+        """This rank's Megatron shard of a policy (``TokenLogProbs``) or critic (``ValueHeadModel``); any other
+        module (a reward model) is placed whole on this rank's device."""
         from rlflow.models.critic import ValueHeadModel
         from rlflow.models.logprobs import TokenLogProbs
         from rlflow.strategies.megatron.export import WeightExporter
@@ -141,8 +142,8 @@ class MegatronStrategy(ModelParallelStrategy):
         from rlflow.strategies.megatron.slots import check_coverage, lm_slots, load_from_hf, mark_split_parameters
 
         if not isinstance(module, (TokenLogProbs, ValueHeadModel)):
-            raise TypeError(f"the Megatron strategy converts a Policy's or Critic's module (TokenLogProbs, "
-                            f"ValueHeadModel), got {type(module).__name__}")
+            # e.g. a reward model (ModelReward shards under FSDP2): nothing trains it, so every rank holds it whole
+            return module.to(self.root_device)
         if getattr(module, "sp_group", None) is not None:
             raise ValueError("Ulysses sequence parallelism (sequence_parallel_size) does not combine with the Megatron "
                              "strategy; use its tensor/context parallelism")
