@@ -1,6 +1,7 @@
 """The Megatron strategy on CPU processes (gloo) against transformers and against one process.
 
-One torchrun launch runs every two-process check (importing megatron-core costs ~10 s per process):
+One launch of two ranks forked from this process (``forked.py``: no fresh interpreter, no import of
+rlflow or megatron-core per rank) runs every two-process check:
 conversion and gradients at tensor parallel 2, GRPO steps at tensor parallel 2 and pipeline parallel 2,
 a checkpoint written at tensor parallel 2 resumed at pipeline parallel 2, a checkpoint of another model
 refused, expert parallel 2 on a Qwen3-MoE-shaped model, and PPO with a critic at pipeline parallel 2.
@@ -15,21 +16,14 @@ import torch
 
 from rlflow.strategies.megatron import megatron_available
 
-from ..distributed.launch import torchrun
+from .forked import fork_launch
 from .worker import build
 
 pytestmark = pytest.mark.skipif(not megatron_available(),
                                 reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
-WORKER = Path(__file__).with_name("worker.py")
 TWO_PROCESSES = ("convert", "train_tp", "train_pp", "resume_pp", "refuse", "moe_ep", "critic_pp", "verl_entry")
 METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "critic/score/mean")
-
-
-def launch(nproc: int, out: Path, scenarios) -> dict:
-    proc = torchrun(nproc, out, *scenarios, worker=WORKER, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in scenarios}
 
 
 def verl_inputs(folder: Path) -> None:
@@ -52,7 +46,7 @@ def verl_inputs(folder: Path) -> None:
 def two(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron")
     verl_inputs(out / "verl")
-    return out, launch(2, out, TWO_PROCESSES)
+    return out, fork_launch(2, out, TWO_PROCESSES)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +155,7 @@ def test_critic_pipeline_parallel_equals_one_process(two, one_process):
 
 
 def test_tensor_x_data_parallel_on_four_processes_equals_one_process(tmp_path, one_process):
-    got = launch(4, tmp_path, ["train_tp_dp"])["train_tp_dp"]
+    got = fork_launch(4, tmp_path, ["train_tp_dp"])["train_tp_dp"]
     assert_same_run(got, one_process(mini_batches=1, steps=2), steps=(1, 2))
 
 

@@ -1,9 +1,10 @@
-"""Run by torchrun from test_megatron.py (and in-process for the one-process references).
+"""Run on ranks forked by test_megatron.py (``forked.py``), by torchrun for the GPU tests, and in-process for
+the one-process references:
 
     python -m torch.distributed.run --nproc_per_node N worker.py OUT SCENARIO [SCENARIO ...]
 
-Each scenario writes ``OUT/<scenario>.pt`` on rank 0. Several run in one launch because importing
-megatron-core costs ~10 s per process. Scenarios:
+Each scenario writes ``OUT/<scenario>.pt`` on rank 0. Several run in one launch because starting ranks costs
+more than most scenarios. Scenarios:
 
 - ``convert``: Qwen2 (tied, q/k/v bias), Qwen3 (q/k norms) and Llama (untied) built in code, converted at
   the launch's tensor parallel size: logits (gathered for the check only), log-probs, entropy and the
@@ -317,11 +318,15 @@ def gpu_distopt(out: Path) -> dict:
 SCENARIOS = {f.__name__: f for f in (convert, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp, train_tp_dp,
                                      verl_entry, gpu_te, gpu_distopt)}
 
-if __name__ == "__main__":
-    out = Path(sys.argv[1])
-    for name in sys.argv[2:]:
+def run(out: Path, names) -> None:
+    """The scenarios in order; rank 0 saves each one's result as ``OUT/<name>.pt``."""
+    for name in names:
         result = SCENARIOS[name](out)
         if dist.get_rank() == 0:
             torch.save(result, out / f"{name}.pt")
         dist.barrier()
     dist.barrier()  # gloo can abort at teardown unless every rank is done
+
+
+if __name__ == "__main__":
+    run(Path(sys.argv[1]), sys.argv[2:])
