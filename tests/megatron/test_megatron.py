@@ -22,7 +22,7 @@ from .worker import build
 pytestmark = pytest.mark.skipif(not megatron_available(),
                                 reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
-TWO_PROCESSES = ("convert", "train_tp", "train_pp", "resume_pp", "refuse", "moe_ep", "critic_pp", "verl_entry")
+TWO_PROCESSES = ("convert", "convert_pp", "train_tp", "train_pp", "resume_pp", "refuse", "moe_ep", "critic_pp", "verl_entry")
 METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "critic/score/mean")
 
 
@@ -93,6 +93,14 @@ def test_converted_models_equal_transformers_at_tensor_parallel_2(two):
         # weight export: transformers' names, the original weights, 4 KiB buckets (a bigger tensor goes alone)
         assert r["exported_names"] and r["exported"] == 0.0, kind
         assert len(r["buckets"]) > 5 and all(size <= 4096 or count == 1 for count, size in r["buckets"]), r["buckets"]
+
+
+def test_pipeline_parallel_gradients_equal_transformers(two):
+    """Pipeline parallel 2: log-probs, entropy and every parameter's gradient (each on its stage; Qwen2's tied
+    embedding is used on both stages and its two gradients add up) equal transformers'."""
+    for kind, r in two[1]["convert_pp"].items():
+        assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5, (kind, r)
+        assert r["grad_names"] and r["grad"] < 1e-5 * r["grad_scale"], (kind, r["grad"], r["grad_scale"])
 
 
 def test_tensor_parallel_grpo_steps_equal_one_process(two, one_process):

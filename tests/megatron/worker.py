@@ -8,7 +8,8 @@ more than most scenarios. Scenarios:
 
 - ``convert``: Qwen2 (tied, q/k/v bias), Qwen3 (q/k norms) and Llama (untied) built in code, converted at
   the launch's tensor parallel size: logits (gathered for the check only), log-probs, entropy and the
-  gradients of a loss of both against transformers'.
+  gradients of a loss of both against transformers'. ``convert_pp``: the same at pipeline parallel 2
+  (log-probs, entropy and every stage's gradients).
 - ``train_tp``, ``train_pp``: a few GRPO steps (per-prompt seeded sampling, a KL and an entropy term,
   two optimizer steps per RL step) under tensor / pipeline parallel 2 (the launch's size); metrics and
   the full weights after every step. ``train_tp`` checkpoints every step.
@@ -140,16 +141,18 @@ def run_training(out: Path, strategy, **kw) -> dict:
 
 
 # ---------------------------------------------------------------- scenarios
-def convert(out: Path, accelerator: str = "cpu", layer_spec: str = "local") -> dict:
+def convert(out: Path, accelerator: str = "cpu", layer_spec: str = "local", pipeline: bool = False) -> dict:
     """Logits, log-probs, entropy and gradients of converted models against transformers' (tensor parallel =
-    the launch's size), the weights the engines would receive, and padding removal's zeros."""
+    the launch's size; ``pipeline``: pipeline parallel instead, without the logits check: the output layer
+    lives on the last stage only), the weights the engines would receive, and padding removal's zeros."""
     import lightning as L
 
     from rlflow.strategies.megatron import MegatronStrategy
 
     world = world_size()
+    layout = dict(pipeline_parallel=world) if pipeline else dict(tensor_parallel=world)
     fabric = L.Fabric(accelerator=accelerator, devices=world,
-                      strategy=MegatronStrategy(tensor_parallel=world, layer_spec=layer_spec))
+                      strategy=MegatronStrategy(**layout, layer_spec=layer_spec))
     fabric.launch()
     torch.manual_seed(1)
     prompt_ids = torch.randint(3, 40, (3, 6))
@@ -161,6 +164,12 @@ def convert(out: Path, accelerator: str = "cpu", layer_spec: str = "local") -> d
     results = {kind: compare(fabric, kind, *inputs) for kind in ("qwen2", "qwen3", "llama")}
     fabric.strategy.teardown()
     return results
+
+
+def convert_pp(out: Path) -> dict:
+    """``convert`` at pipeline parallel 2: each stage's gradients (the tied embedding's summed over its two
+    copies, on the first and the last stage) against transformers'."""
+    return convert(out, pipeline=True)
 
 
 def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights) -> dict:
@@ -191,8 +200,20 @@ def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights) -> dic
     reduce_gradients(list(megatron.parameters()))  # the strategy's reduction, which divides by the world size
     for p in megatron.parameters():
         p.grad.mul_(world)
-    slots = [(s.name, s) for s in lm_slots(megatron.lm) if s.primary]
+    slots = [(s.name, s) for s in lm_slots(megatron.lm) if s.primary]  # this pipeline stage's
     grads = gather_full([s for _, s in slots], [s.read([p.grad for p in s.params]) for _, s in slots])
+    # every stage's (names, largest difference), so that rank 0 reports the whole model
+    stages = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, ([n for n, _ in slots],
+                                    max((g - hf_grads[n]).abs().max().item() for (n, _), g in zip(slots, grads))))
+    grad_check = {
+        "grad": max(gap for _, gap in stages),
+        "grad_scale": max(g.abs().max().item() for g in hf_grads.values()),
+        "grad_names": sorted({n for names, _ in stages for n in names}) == sorted(hf_grads),
+        "log_probs": (lp2 - lp).abs().max().item(), "entropy": (ent2 - ent).abs().max().item(),
+    }
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        return grad_check
     with torch.no_grad():  # the full logits, gathered over the vocabulary for this check only
         tokens = _tokens(megatron.lm, prompt_ids, prompt_mask, response_ids)  # real tokens first in each row
         local, _ = megatron.lm.gpt.output_layer(megatron.lm.hidden_states(tokens.ids, None),
@@ -204,11 +225,7 @@ def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights) -> dic
         gap = max((logits[i, j] - hf_logits[i, P - int(p) + j]).abs().max().item()
                   for i, p in enumerate(prompt_mask.sum(-1)) for j in range(int(p) + R))
     result = {
-        "logits": gap, "logits_scale": hf_logits.abs().max().item(),
-        "log_probs": (lp2 - lp).abs().max().item(), "entropy": (ent2 - ent).abs().max().item(),
-        "grad": max((g - hf_grads[n]).abs().max().item() for (n, _), g in zip(slots, grads)),
-        "grad_scale": max(g.abs().max().item() for g in hf_grads.values()),
-        "grad_names": sorted(n for n, _ in slots) == sorted(hf_grads),
+        **grad_check, "logits": gap, "logits_scale": hf_logits.abs().max().item(),
         "buckets": [(len(b), sum(t.numel() * t.element_size() for _, t in b)) for b in buckets],
         "exported_names": sorted(exported) == sorted(n for n, _ in hf.named_parameters()),
         "exported": max((exported[n] - p).abs().max().item() for n, p in hf.named_parameters()),
@@ -315,7 +332,7 @@ def gpu_distopt(out: Path) -> dict:
             "default": run_training(out / "default", MegatronStrategy(tensor_parallel=ws), steps=2, accelerator="cuda")}
 
 
-SCENARIOS = {f.__name__: f for f in (convert, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp, train_tp_dp,
+SCENARIOS = {f.__name__: f for f in (convert, convert_pp, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp, train_tp_dp,
                                      verl_entry, gpu_te, gpu_distopt)}
 
 def run(out: Path, names) -> None:
