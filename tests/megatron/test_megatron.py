@@ -1,12 +1,13 @@
 """The Megatron strategy on CPU processes (gloo) against transformers and against one process.
 
 One launch of two ranks forked from this process (``forked.py``: no fresh interpreter, no import of
-rlflow or megatron-core per rank) runs every two-process check:
-conversion and gradients at tensor parallel 2, GRPO steps at tensor parallel 2 and pipeline parallel 2,
-a checkpoint written at tensor parallel 2 resumed at pipeline parallel 2, a checkpoint of another model
-refused, expert parallel 2 on a Qwen3-MoE-shaped model, and PPO with a critic at pipeline parallel 2.
-A second launch runs tensor parallel 2 x data parallel 2 on four processes. The one-process references
-are the plain Hugging Face runs of the same modules, in this process.
+rlflow or megatron-core per rank) runs every two-process check: conversion and gradients at tensor
+parallel 2 and at pipeline parallel 2, GRPO steps at tensor parallel 2 and pipeline parallel 2, a
+checkpoint written at tensor parallel 2 resumed at pipeline parallel 2, a checkpoint of another model
+refused, expert parallel 2 on a Qwen3-MoE-shaped model, PPO with a critic at pipeline parallel 2, a
+reward model scoring at tensor parallel 2, and the verl entry point. A second launch runs tensor
+parallel 2 x data parallel 2 on four processes. The one-process references are the plain Hugging Face
+runs of the same modules, in this process.
 """
 
 from pathlib import Path
@@ -22,7 +23,8 @@ from .worker import build
 pytestmark = pytest.mark.skipif(not megatron_available(),
                                 reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
-TWO_PROCESSES = ("convert", "convert_pp", "train_tp", "train_pp", "resume_pp", "refuse", "moe_ep", "critic_pp", "verl_entry")
+TWO_PROCESSES = ("convert", "convert_pp", "train_tp", "train_pp", "resume_pp", "refuse", "moe_ep", "critic_pp",
+                 "reward_model_tp", "verl_entry")
 METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "critic/score/mean")
 
 
@@ -160,6 +162,15 @@ def test_critic_pipeline_parallel_equals_one_process(two, one_process):
     for step in (1, 2):
         for key in ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"):
             assert got[step]["metrics"][key] == pytest.approx(ref[step]["metrics"][key], abs=1e-5, rel=1e-4), key
+
+
+def test_reward_model_scores_under_tensor_parallel_equal_one_process(two, one_process):
+    """A reward model (a ``ModelReward``: nothing trains it) is held whole on each rank; the scores, and so
+    the run, are the one-process run's."""
+    got, ref = two[1]["reward_model_tp"], one_process(rm=True, steps=2)
+    scored = ref[1]["metrics"]["critic/score/mean"]
+    assert scored != one_process()[1]["metrics"]["critic/score/mean"]  # the reward model, not the function, scored
+    assert_same_run(got, ref, steps=(1, 2))
 
 
 def test_tensor_x_data_parallel_on_four_processes_equals_one_process(tmp_path, one_process):

@@ -16,6 +16,8 @@ more than most scenarios. Scenarios:
 - ``resume_pp``: pipeline parallel 2 resumes the ``train_tp`` run's step-1 checkpoint (written at tensor
   parallel 2) and trains to step 3; ``refuse``: loading that checkpoint into another model fails clearly.
 - ``moe_ep``: a Qwen3-MoE-shaped model, expert parallel 2.
+- ``critic_pp``: PPO with a critic at pipeline parallel 2; ``reward_model_tp``: a reward model scores the
+  samples at tensor parallel 2 (held whole on every rank).
 - ``train_tp_dp``: tensor parallel 2 x data parallel 2 (4 processes).
 """
 
@@ -86,18 +88,29 @@ def tiny_model(kind: str = "qwen2", seed: int = 0):
     raise ValueError(kind)
 
 
+def reward_model(tok):
+    """A tiny sequence-classification reward model (a third model, never trained)."""
+    from rlflow.models.tiny import tiny_qwen2_reward_model
+    from rlflow.rewards import ModelReward
+
+    model = tiny_qwen2_reward_model(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                                    intermediate_size=64, seed=5)
+    return ModelReward(model, micro_batch_size=3)
+
+
 def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save=False, mini_batches=2, critic=False,
-          accelerator="cpu"):
+          accelerator="cpu", rm=False):
     """A GRPO Trainer on the addition task. ``mini_batches`` per RL step: with data parallelism a mini-batch is
     the union of every rank's k-th slice, so runs are only comparable across data-parallel sizes with 1.
-    ``critic``: PPO with GAE and a critic (a second tiny model) instead of GRPO."""
+    ``critic``: PPO with GAE and a critic (a second tiny model) instead of GRPO. ``rm``: a reward model scores."""
     model = tiny_model(kind)
     tok = char_tokenizer()
     train, _, _ = AdditionTask().splits()
     record = Record()
     trainer = Trainer(
         policy=Policy(model, tok), rollout=SeededSampling(n=4, max_new_tokens=5, temperature=1.0),
-        reward=FunctionReward(varied), estimator=GAE(gamma=1.0, lam=0.95) if critic else GRPO(),
+        reward=reward_model(tok) if rm else FunctionReward(varied),
+        estimator=GAE(gamma=1.0, lam=0.95) if critic else GRPO(),
         loss=PPOLoss(kl_coef=0.05, entropy_coef=0.01),
         critic=Critic(tiny_model(kind, seed=1)) if critic else None, value_loss=ValueLoss() if critic else None,
         critic_lr=3e-3,
@@ -248,6 +261,12 @@ def train_tp(out: Path) -> dict:
     return run_training(out / "tp", MegatronStrategy(tensor_parallel=2), save=True)
 
 
+def reward_model_tp(out: Path) -> dict:
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    return run_training(out / "rm", MegatronStrategy(tensor_parallel=2), steps=2, rm=True)
+
+
 def critic_pp(out: Path) -> dict:
     from rlflow.strategies.megatron import MegatronStrategy
 
@@ -332,8 +351,8 @@ def gpu_distopt(out: Path) -> dict:
             "default": run_training(out / "default", MegatronStrategy(tensor_parallel=ws), steps=2, accelerator="cuda")}
 
 
-SCENARIOS = {f.__name__: f for f in (convert, convert_pp, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp, train_tp_dp,
-                                     verl_entry, gpu_te, gpu_distopt)}
+SCENARIOS = {f.__name__: f for f in (convert, convert_pp, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp,
+                                     reward_model_tp, train_tp_dp, verl_entry, gpu_te, gpu_distopt)}
 
 def run(out: Path, names) -> None:
     """The scenarios in order; rank 0 saves each one's result as ``OUT/<name>.pt``."""
