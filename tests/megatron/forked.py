@@ -3,7 +3,7 @@
 A fresh interpreter pays ~13 s importing rlflow (transformers, Lightning, TorchRL) and ~3 s importing
 megatron-core, per process, on a 2-core machine; a forked child pays neither. Each child gets the
 environment torchrun would give it (Lightning sees a torchelastic launch), runs the scenarios of
-``worker.py`` and leaves with ``os._exit``. CUDA cannot be used after a fork: the ``gpu`` tests keep torchrun.
+``worker.py`` and leaves with ``os._exit``. CUDA cannot be used after a fork: the ``gpu`` tests use torchrun.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..distributed.launch import free_port
+from ..distributed.launch import free_port, torchrun
 
 CTX = multiprocessing.get_context("fork")
 
@@ -53,8 +53,8 @@ def _child(rank: int, nproc: int, port: int, out: Path, scenarios) -> None:
 def fork_launch(nproc: int, out: Path, scenarios, timeout: float = 600) -> dict:
     """Run ``scenarios`` on ``nproc`` forked ranks; each scenario's rank-0 result, by name. A rank that fails
     stops the others (they would wait in a collective) and its traceback is the assertion message."""
-    if dist.is_available() and dist.is_initialized():
-        raise RuntimeError("a process group exists in the test process: forked ranks would inherit it")
+    if dist.is_available() and dist.is_initialized():  # forked ranks would inherit it: fresh interpreters then
+        return torchrun_launch(nproc, out, scenarios, timeout)
     warm_megatron()
     port = free_port()
     ranks = [CTX.Process(target=_child, args=(r, nproc, port, out, list(scenarios))) for r in range(nproc)]
@@ -74,4 +74,11 @@ def fork_launch(nproc: int, out: Path, scenarios, timeout: float = 600) -> dict:
     errors = "\n".join(f.read_text() for f in sorted(out.glob("rank*.error")))
     codes = [p.exitcode for p in ranks]
     assert codes == [0] * nproc, f"ranks' exit codes {codes} (timeout {timeout} s)\n{errors}"
+    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in scenarios}
+
+
+def torchrun_launch(nproc: int, out: Path, scenarios, timeout: float = 900) -> dict:
+    """The same with fresh interpreters started by torchrun (for CUDA, or when this process holds a process group)."""
+    proc = torchrun(nproc, out, *scenarios, worker=Path(__file__).with_name("worker.py"), timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in scenarios}

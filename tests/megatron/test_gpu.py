@@ -4,28 +4,17 @@ Both need CUDA (``gpu`` marker: skipped without it). Written with the rest of th
 without a GPU: they have not run yet. One process per GPU, up to 2 (tensor parallel = that number).
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from rlflow.strategies.megatron import megatron_available
 
-from ..distributed.launch import torchrun
+from .forked import torchrun_launch as launch  # CUDA cannot be used in a forked child
 from .test_megatron import assert_same_run
-
-WORKER = Path(__file__).with_name("worker.py")
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not megatron_available(),
                                  reason="megatron-core is not installed (pip install -e '.[megatron]')")]
-
-
-def launch(nproc: int, out: Path, scenarios) -> dict:
-    """Fresh interpreters by torchrun (CUDA cannot be used in a forked child)."""
-    proc = torchrun(nproc, out, *scenarios, worker=WORKER, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in scenarios}
 
 
 def processes() -> int:
