@@ -42,9 +42,13 @@ def main(argv: list[str] | None = None) -> int:
                             description="Write a checkpoint's policy (config.json, safetensors weights, tokenizer) "
                                         "as a folder transformers' from_pretrained loads. Checkpoints are "
                                         "RUN_DIR/global_step_N (RUN_DIR: Trainer(run_dir=...) or "
-                                        "trainer.default_local_dir), written by any number of processes.")
+                                        "trainer.default_local_dir), written by any number of processes. A LoRA "
+                                        "checkpoint gives the merged model, and the PEFT adapter in "
+                                        "OUT_DIR/lora_adapter.")
     export.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/x/global_step_100")
     export.add_argument("out_dir", help="where config.json, the weights and the tokenizer go")
+    export.add_argument("--base-model", default=None,
+                        help="LoRA checkpoints: the base model folder (default: the one the adapter config names)")
     prepare = sub.add_parser("prepare-task", help="write a built-in task as a model folder and parquet files",
                              description="Write OUT_DIR/model, OUT_DIR/train.parquet and OUT_DIR/test.parquet, "
                                          "which the YAML recipes in recipes/yaml read.")
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         from rlflow.trainer.export import ExportError, export_hf
 
         try:
-            print(f"exported to {export_hf(args.checkpoint, args.out_dir)}")
+            print(f"exported to {export_hf(args.checkpoint, args.out_dir, args.base_model)}")
         except ExportError as e:
             print(f"rlflow export: {e}", file=sys.stderr)
             return 2

@@ -65,8 +65,7 @@ def test_bad_overrides(override, message):
 
 
 @pytest.mark.parametrize("override, feature", [
-    ("actor_rollout_ref.model.lora_rank=8", "LoRA"),
-    ("actor_rollout_ref.actor.lora.enabled=true", "LoRA"),
+    ("critic.model.lora_rank=8", "LoRA on the critic"),
     ("actor_rollout_ref.rollout.enable_vision=true", "vision"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "multi-turn"),
     ("trainer.async_weight_update=true", "async weight update"),

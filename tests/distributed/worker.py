@@ -8,6 +8,8 @@ STRATEGY fsdp2 ``bf16`` (bf16 parameters, fp32 reduction) and ``offload`` (CPU o
 accelerator), ``cuda`` (run on CUDA devices), and ``batch_stats`` (REINFORCE++ whitening and an adaptive KL
 in the reward: statistics of the whole batch), ``critic`` (PPO: GAE with a critic, whitened over the batch),
 ``rm`` (a tiny reward model scores the samples: sharded by FSDP2 like the policy).
+``lora`` (LoRA adapters on the policy, a KL loss against the adapter-disabled reference, and after each
+step the largest gap between the generation engine's log-probs and the policy's on fixed prompts).
 Writes, on rank 0, OUT/result.pt with the metrics and the full (gathered) weights
 after every step.
 """
@@ -64,6 +66,20 @@ class Record:
             self.steps[step] = {"metrics": metrics, "weights": weights, "rm_sharded": sharded}
 
 
+class EngineGap:
+    """After each step (weights synced), generate on fixed prompts and compare the rollout's log-probs with the policy's."""
+
+    def __init__(self, prompts):
+        self.prompts = prompts
+
+    def on_step_end(self, trainer, step, metrics):
+        with torch.no_grad():
+            batch = trainer.rollout(trainer.fabric.to_device(self.prompts.clone()))
+            policy, _ = trainer.policy.log_probs(batch)  # collective under FSDP2: every rank takes part
+        gap = ((policy - batch[K.ROLLOUT_LOG_PROBS]) * batch[K.RESPONSE_MASK]).abs().max()
+        metrics["test/engine_gap"] = float(trainer.fabric.all_reduce(gap, reduce_op="max"))
+
+
 class FailAt:
     def __init__(self, rank):
         self.rank = rank
@@ -83,7 +99,7 @@ def reward_model(tok):
 
 
 def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1, remove_padding=0, max_tokens=None,
-          val=0, bf16=0, offload=0, cuda=0, batch_stats=0, critic=0, rm=0):
+          val=0, bf16=0, offload=0, cuda=0, batch_stats=0, critic=0, rm=0, lora=0):
     torch.manual_seed(0)
     devices = devices or int(__import__("os").environ.get("WORLD_SIZE", 1))
     if bf16 or offload:
@@ -95,10 +111,17 @@ def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1,
     train, val_rows, _ = AdditionTask().splits()
     record = Record()
     callbacks = [record] + ([FailAt(fail_rank)] if fail_rank is not None else [])
+    if lora:
+        from peft import LoraConfig
+
+        from rlflow.data.prompts import collate, load_rows
+
+        callbacks.insert(0, EngineGap(collate(load_rows(val_rows[:4])[0], tok)))
     trainer = Trainer(
-        policy=Policy(model, tok, remove_padding=bool(remove_padding)),
+        policy=Policy(model, tok, remove_padding=bool(remove_padding),
+                      lora=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None),
         rollout=HFRollout(n=1, do_sample=False, max_new_tokens=4),
-        reward=reward_model(tok) if rm else FunctionReward(varied), loss=PPOLoss(),
+        reward=reward_model(tok) if rm else FunctionReward(varied), loss=PPOLoss(kl_coef=0.5) if lora else PPOLoss(),
         estimator=GAE(gamma=1.0, lam=0.95) if critic else Chain(
             KLInReward(AdaptiveKLController(init_coef=0.1, target_kl=1e-3, horizon=10)), ReinforcePlusPlus(),
         ) if batch_stats else ReturnAsAdvantage(),
@@ -121,6 +144,10 @@ if __name__ == "__main__":
     fail_rank = int(positional[4]) if len(positional) > 4 else None
     trainer, data, record = build(out, strategy, steps, resume, fail_rank, **options)
     trainer.fit(data)
+    if options.get("lora") and steps > 1:  # the same run resumed from its first checkpoint, in this launch
+        again, data, resumed = build(f"{out}/resumed", strategy, steps, f"{out}/checkpoints/global_step_1", **options)
+        again.fit(data)
+        record.steps["resumed"] = resumed.steps.get(steps)
     if trainer.fabric.global_rank == 0:
         torch.save(record.steps, f"{out}/result.pt")
     trainer.fabric.barrier()  # gloo can abort at teardown unless every rank is done

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlflow.config.loading import ConfigError
+from rlflow.config.lora import make_lora
 from rlflow.config.plan import Plan
 from rlflow.config.resolve import Fill, instantiate
 from rlflow.config.reward_fn import check_data_sources
@@ -98,7 +99,7 @@ def build_policy(plan: Plan) -> Policy:
 
     try:
         policy = Policy.from_pretrained(local_model(plan.model_path, "actor_rollout_ref.model.path"),
-                                        **plan.policy_kwargs)
+                                        **plan.policy_kwargs, lora=make_lora(plan.lora))
     except ModelFolderError as e:
         raise ConfigError(f"actor_rollout_ref.model.path: {e}") from None
     if plan.chat_template:
@@ -178,9 +179,7 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
     reference = "auto"
     wants_ref = K.REF_LOG_PROBS in set(loss.in_keys) | set(estimator.in_keys)
     if wants_ref and plan.ref_micro_batch_size not in (None, policy.micro_batch_size):
-        frozen = policy.reference()
-        reference = Policy(frozen.model, frozen.tokenizer, temperature=policy.temperature,
-                           micro_batch_size=plan.ref_micro_batch_size, log_prob_key=K.REF_LOG_PROBS, entropy_key=None)
+        reference = policy.reference(micro_batch_size=plan.ref_micro_batch_size)
     critic, value_loss = None, None
     if plan.critic_path is not None:
         from rlflow.algorithms import ValueLoss

@@ -28,15 +28,23 @@ def gib(n_bytes: float) -> str:
     return f"{n_bytes:.0f} B"
 
 
-def count_parameters(path: str) -> tuple[int, object]:
-    """Parameter count from the model's config alone (built on the meta device: no memory, no weights)."""
+def count_parameters(path: str, lora: dict | str | None = None) -> tuple[int, object, int]:
+    """Parameter count from the model's config alone (built on the meta device: no memory, no weights), its
+    config, and the trainable count (all of them; with ``lora``, the adapter's)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters()), config
+        n_params = sum(p.numel() for p in model.parameters())
+        if lora is None:
+            return n_params, config, n_params
+        from peft import LoraConfig, get_peft_model
+
+        lora_config = LoraConfig(**lora) if isinstance(lora, dict) else LoraConfig.from_pretrained(lora)
+        model = get_peft_model(model, lora_config)
+    return n_params, config, sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def prompt_lengths(data, tokenizer) -> list[int]:
@@ -60,6 +68,12 @@ def estimator_text(plan: Plan) -> str:
     return text
 
 
+def lora_text(lora: dict | str | None) -> str:
+    if lora is None:
+        return ""
+    return f", lora={lora!r}" if isinstance(lora, str) else f", lora=LoraConfig({format_kwargs(lora)})"
+
+
 def objects_section(plan: Plan) -> list[str]:
     t = plan.trainer_kwargs
     rollout = f"{plan.rollout_cls.__name__}({format_kwargs(plan.rollout_kwargs)})"
@@ -70,7 +84,8 @@ def objects_section(plan: Plan) -> list[str]:
         rollout = f"DynamicSampling({rollout}, {reward}, {format_kwargs(plan.dynamic_sampling)})"
         reward = "None (DynamicSampling scores its samples)"
     out = ["Objects (the same Python API calls a script would make)",
-           f"  policy    = Policy.from_pretrained({plan.model_path!r}, {format_kwargs(plan.policy_kwargs)})",
+           f"  policy    = Policy.from_pretrained({plan.model_path!r}, {format_kwargs(plan.policy_kwargs)}"
+           f"{lora_text(plan.lora)})",
            f"  rollout   = {rollout}",
            f"  reward    = {reward}",
            f"  estimator = {estimator_text(plan)}",
@@ -154,7 +169,7 @@ def data_section(plan: Plan, data, lengths: list[int], problems: list[str]) -> l
 
 
 def cost_section(plan: Plan, total: int, longest_prompt: int) -> list[str]:
-    n_params, config = count_parameters(local_model(plan.model_path, "actor_rollout_ref.model.path"))
+    n_params, config, n_train = count_parameters(local_model(plan.model_path, "actor_rollout_ref.model.path"), plan.lora)
     n_critic = count_parameters(local_model(plan.critic_path, "critic.model.path"))[0] if plan.critic_path else 0
     t = plan.trainer_kwargs
     act = 2 if "bf16" in t["precision"] or "16" in t["precision"] else 4
@@ -167,7 +182,10 @@ def cost_section(plan: Plan, total: int, longest_prompt: int) -> list[str]:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     ref = plan.loss_kwargs.get("kl_coef", 0) > 0 or plan.kl_controller is not None
-    states = 16 * n_params + (4 * n_params if ref else 0) + 16 * n_critic
+    # fp32 weights 4 B/param; gradients and AdamW's two moments 12 B per trainable one; the reference: a frozen
+    # copy, or nothing with LoRA (the adapter is switched off)
+    frozen_ref = ref and plan.lora is None
+    states = 4 * n_params + 12 * n_train + (4 * n_params if frozen_ref else 0) + 16 * n_critic
     kv = 2 * layers * kv_heads * head_dim * act * traj * (P + Rl)
     ckpt = plan.policy_kwargs["gradient_checkpointing"]
     per_layer = micro * (P + Rl) * hidden * act * (1 if ckpt else 16)
@@ -178,9 +196,13 @@ def cost_section(plan: Plan, total: int, longest_prompt: int) -> list[str]:
     flops = 2 * n_params * T * (1 + ref + needs_old) + updates * n_params * T + (2 + updates) * n_critic * T
     return [f"Estimate per step (upper bound: every prompt {P} tokens, the longest in the data, + every response "
             f"{Rl}; precision {t['precision']})",
-            f"  parameters: policy {n_params / 1e6:.2f} M" + (f", critic {n_critic / 1e6:.2f} M" if n_critic else ""),
-            f"  memory: weights + grads + AdamW {gib(states)} (fp32 master: 16 B/param"
-            f"{', + frozen reference 4 B/param' if ref else ''}); KV cache for {traj} sequences {gib(kv)}; "
+            f"  parameters: policy {n_params / 1e6:.2f} M"
+            + (f" (LoRA: {n_train / 1e6:.3g} M trainable, {100 * n_train / n_params:.2g}%)" if plan.lora else "")
+            + (f", critic {n_critic / 1e6:.2f} M" if n_critic else ""),
+            f"  memory: weights + grads + AdamW {gib(states)} (fp32 master: 4 B/param + 12 B/trainable param"
+            f"{', + frozen reference 4 B/param' if frozen_ref else ''}"
+            f"{'; the reference is the model with its adapter off' if ref and plan.lora else ''}); "
+            f"KV cache for {traj} sequences {gib(kv)}; "
             f"activations per micro-batch of {micro} ~{gib(activations)}"
             f" ({'with' if ckpt else 'without'} gradient checkpointing); peak ~{gib(states + max(kv, activations))}",
             f"  compute: ~{flops / 1e12:.3g} TFLOP per step, ~{flops * total / 1e15:.3g} PFLOP for {total} steps "

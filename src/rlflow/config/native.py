@@ -2,7 +2,7 @@
 
 A recipe names each object and its constructor arguments::
 
-    policy: {path: models/qwen-0.5b, gradient_checkpointing: true}
+    policy: {path: models/qwen-0.5b, gradient_checkpointing: true}  # lora: {r: 16, alpha: 32, target_modules: all-linear}
     rollout: {n: 8, temperature: 1.0, max_new_tokens: 256}
     estimator: grpo                    # or {name: gae, gamma: 1.0, lam: 0.95}
     loss: {clip_ratio: 0.2, kl_coef: 0.001}
@@ -37,6 +37,11 @@ NATIVE = {
     "policy.gradient_checkpointing": "actor_rollout_ref.model.enable_gradient_checkpointing",
     "policy.micro_batch_size": f"{R}.log_prob_micro_batch_size_per_gpu",
     "policy.chat_template": "actor_rollout_ref.model.custom_chat_template",
+    # LoRA adapters on the policy (peft.LoraConfig's names; rlflow.config.lora)
+    "policy.lora.r": "actor_rollout_ref.model.lora_rank", "policy.lora.alpha": "actor_rollout_ref.model.lora_alpha",
+    **{f"policy.lora.{k}": f"actor_rollout_ref.model.{k}" for k in ("target_modules", "exclude_modules", "use_rslora",
+                                                                     "use_dora")},
+    "policy.lora.adapter": "actor_rollout_ref.model.lora_adapter_path",
     "rollout.engine": f"{R}.name", "rollout.n": f"{R}.n", "rollout.temperature": f"{R}.temperature",
     "rollout.top_p": f"{R}.top_p", "rollout.top_k": f"{R}.top_k", "rollout.do_sample": f"{R}.do_sample",
     "rollout.max_new_tokens": "data.max_response_length",

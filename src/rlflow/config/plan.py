@@ -24,6 +24,7 @@ from rlflow.config import tables
 from rlflow.config.algos import ESTIMATOR_POOL, companions, loss_pool
 from rlflow.config.devices import Devices, resolve_devices
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.lora import lora_argument
 from rlflow.config.resolve import class_kwargs, resolve_class
 from rlflow.config.rewards import RewardPlan, reward_plan
 from rlflow.config.rollout import rollout_plan
@@ -69,6 +70,7 @@ class Plan:
     val_only: bool
     overlong: dict | None = None           # OverlongPenalty's kwargs around the reward (DAPO reward manager)
     dynamic_sampling: dict | None = None   # DynamicSampling's kwargs: it takes rollout and reward (filter_groups)
+    lora: dict | str | None = None         # peft.LoraConfig's kwargs, or an adapter folder (rlflow.config.lora)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -283,7 +285,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         warmup=warmup,
         loggers=loggers, project=cfg["trainer.project_name"], experiment=cfg["trainer.experiment_name"],
         val_before_train=cfg["trainer.val_before_train"], val_only=cfg["trainer.val_only"],
-        overlong=overlong, dynamic_sampling=sampling, notes=notes,
+        overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), notes=notes,
     )
 
 

@@ -78,7 +78,7 @@ def _not(*ok: Any) -> Callable[[Any], bool]:
 
 
 OTHER_BACKENDS = "training strategies other than fsdp, fsdp2 and megatron"
-LORA = "LoRA"
+LORA = "LoRA on the critic"
 MULTI_TURN = "multi-turn tool calling / agent loops"
 DYN_BSZ = "token-budget micro-batches (use_dynamic_bsz; set ppo_micro_batch_size_per_gpu instead)"
 
@@ -91,8 +91,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "data.apply_chat_template_kwargs": ("chat-template arguments", _truthy),
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.model.enable_activation_offload": ("activation offloading", _truthy),
-    "actor_rollout_ref.model.lora_rank": (LORA, lambda v: v > 0),
-    "actor_rollout_ref.model.lora_adapter_path": (LORA, _truthy),
     "actor_rollout_ref.model.use_liger": ("Liger kernels", _truthy),
     "actor_rollout_ref.model.use_fused_kernels": ("fused kernels", _truthy),
     "actor_rollout_ref.model.trust_remote_code": ("remote-code models (trust_remote_code)", _truthy),
@@ -100,7 +98,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.actor.shuffle": ("shuffling within mini-batches", _truthy),
     "actor_rollout_ref.actor.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
-    "actor_rollout_ref.actor.lora.enabled": (LORA, _truthy),
     "actor_rollout_ref.actor.optim.min_lr_ratio": ("a cosine floor (min_lr_ratio)", lambda v: v not in (None, 0, 0.0)),
     "actor_rollout_ref.actor.optim.num_cycles": ("cosine cycles other than 0.5", _not(0.5)),
     "actor_rollout_ref.ref.model": ("a reference model other than the initial policy", _truthy),
@@ -151,6 +148,8 @@ _LOADER = "rlflow reads the data files in the main process"
 _CKPT = "rlflow checkpoints always hold model, optimizer, schedule, data position and RNG"
 _NO_RM = "only used with reward_model.enable=True"
 _LORA_ONLY = "only used with LoRA, not supported yet"
+_POLICY_LORA_ONLY = ("only used with LoRA on: actor_rollout_ref.model.lora_rank > 0, "
+                     "actor_rollout_ref.actor.lora.enabled=True or actor_rollout_ref.model.lora_adapter_path")
 _DYN_ONLY = ("the scoring passes (old/ref log-probs) use log_prob_micro_batch_size(_per_gpu); the token budget "
              "applies to the training micro-batches (actor.use_dynamic_bsz + ppo_max_token_len_per_gpu)")
 _PF_RC_ONLY = "only used with PF-PPO or with rollout-correction options that are not supported yet"
@@ -174,10 +173,9 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.nccl_timeout": _SINGLE,
     "actor_rollout_ref.model.use_shm": _LOADER, 
     "actor_rollout_ref.model.fused_kernel_options.*": "fused kernels are not supported yet",
-    "actor_rollout_ref.model.target_modules": _LORA_ONLY, "actor_rollout_ref.model.exclude_modules": _LORA_ONLY,
-    "actor_rollout_ref.model.lora_alpha": _LORA_ONLY,
-    "actor_rollout_ref.actor.lora.r": _LORA_ONLY, "actor_rollout_ref.actor.lora.alpha": _LORA_ONLY,
-    "actor_rollout_ref.actor.lora.target_modules": _LORA_ONLY,
+    **{f"actor_rollout_ref.model.{k}": _POLICY_LORA_ONLY for k in (
+        "target_modules", "exclude_modules", "lora_alpha", "use_rslora", "use_dora")},
+    **{f"actor_rollout_ref.actor.lora.{k}": _POLICY_LORA_ONLY for k in ("r", "alpha", "target_modules")},
     "actor_rollout_ref.actor.use_torch_compile": "rlflow's chunked log-prob kernel is not compiled",
     "actor_rollout_ref.actor.entropy_from_logits_with_chunking": _PACKED,
     "actor_rollout_ref.actor.entropy_checkpointing": _PACKED,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 
 import torch
@@ -30,6 +31,11 @@ class Policy(BatchModule):
         log_prob_key / entropy_key: where the scoring pass writes (``entropy_key=None`` skips it).
         remove_padding: score packed sequences without padding (``rlflow.models.packing``); log-probs and
             entropy after the end of each response (``response_mask``) are then 0.
+        lora: a ``peft.LoraConfig`` (new adapters) or an adapter folder (trained further) to put LoRA
+            adapters on ``model`` (PEFT wraps it in place; :attr:`model` is then the ``PeftModel``). Only the
+            adapter is trainable; :meth:`reference` is the same model with the adapter off; checkpoints hold
+            the adapter (see ``rlflow.models.lora`` and the LoRA docs page). A ``PeftModel`` passed as
+            ``model`` is used as it is.
     """
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS)
@@ -45,6 +51,7 @@ class Policy(BatchModule):
         log_prob_key: str = K.OLD_LOG_PROBS,
         entropy_key: str | None = K.ENTROPY,
         remove_padding: bool = False,
+        lora=None,
     ):
         if tokenizer is not None:  # ids beyond the embedding table would fail mid-generation
             from rlflow.models.checks import check_tokenizer
@@ -52,6 +59,10 @@ class Policy(BatchModule):
             check_tokenizer(tokenizer, model)
             if tokenizer.pad_token is None:  # common for base models; prompts need a pad id for left padding
                 tokenizer.pad_token = tokenizer.eos_token
+        if lora is not None:
+            from rlflow.models.lora import apply_lora
+
+            model = apply_lora(model, lora)
         self.model = model
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
@@ -60,6 +71,8 @@ class Policy(BatchModule):
         self.remove_padding = remove_padding
         if gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora_module(model) is not None:  # checkpoints save what training changes: the adapter
+            lora_module(model).keep_trainable_state_only(self.module)
 
     @property
     def out_keys(self) -> tuple[str, ...]:
@@ -71,7 +84,8 @@ class Policy(BatchModule):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs) -> "Policy":
-        """Load a model folder (weights, config, tokenizer) from local disk."""
+        """Load a model folder (weights, config, tokenizer) from local disk; ``lora=`` as in the constructor
+        (the adapter then records the folder's absolute path as its base model)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from rlflow.models.checks import check_model_folder, check_tokenizer
@@ -80,7 +94,8 @@ class Policy(BatchModule):
             path = check_model_folder(path)
         tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
         check_tokenizer(tokenizer, source=str(path))
-        model = AutoModelForCausalLM.from_pretrained(path)
+        folder = Path(path).expanduser()  # absolute: a LoRA adapter records it as its base model
+        model = AutoModelForCausalLM.from_pretrained(folder.resolve() if folder.is_dir() else path)
         return cls(model, tokenizer, **kwargs)
 
     def log_probs(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
@@ -99,15 +114,36 @@ class Policy(BatchModule):
             batch[self.entropy_key] = torch.cat([ent for _, ent in parts])
         return batch
 
-    def reference(self) -> "Policy":
-        """A frozen copy that writes ``ref_log_probs`` (the KL anchor)."""
+    def reference(self, micro_batch_size: int | None = None) -> "Policy":
+        """The KL anchor, writing ``ref_log_probs``: a frozen copy of the model, or with LoRA the same model
+        with its adapter disabled (no copy). ``micro_batch_size``: rows per scoring pass (default: the policy's)."""
+        micro = micro_batch_size if micro_batch_size is not None else self.micro_batch_size
+        if lora_module(self.model) is not None:
+            return lora_module(self.model).AdapterDisabledReference(self, micro)
         frozen = copy.deepcopy(self.model).eval().requires_grad_(False)
         return Policy(
             frozen,
             self.tokenizer,
             temperature=self.temperature,
-            micro_batch_size=self.micro_batch_size,
+            micro_batch_size=micro,
             log_prob_key=K.REF_LOG_PROBS,
             entropy_key=None,
             remove_padding=self.remove_padding,
         )
+
+    def engine_copy(self) -> nn.Module:
+        """A full copy for a generation engine of its own (when training shards the weights): the model, or
+        with LoRA a plain transformers model with the adapter merged (any engine loads it; weight sync then
+        sends the merged weights of the adapted layers)."""
+        lora = lora_module(self.model)
+        return lora.merged_copy(self.model) if lora is not None else copy.deepcopy(self.model)
+
+
+def lora_module(model):
+    """``rlflow.models.lora`` when ``model`` is a PEFT model, else ``None`` (plain runs never import PEFT)."""
+    peft = sys.modules.get("peft")
+    if peft is None or not isinstance(model, peft.PeftModel):
+        return None
+    from rlflow.models import lora
+
+    return lora

@@ -16,8 +16,8 @@ from tensordict import NonTensorStack, TensorDict
 
 from rlflow.data import keys as K
 from rlflow.module import BatchModule
-from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, hf_weight_buckets
-from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES
+from rlflow.rollout.engines.base import Completion, Engine, SamplingParams
+from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES, update_buckets
 
 SAMPLING_OPTIONS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "do_sample", "seed", "stop_token_ids")
 
@@ -101,13 +101,16 @@ class SingleTurnRollout(BatchModule):
 
         Nothing moves when the engine generates with ``trained`` itself (HF on one device or DDP); otherwise
         its parameters are gathered (from FSDP2 shards too) and loaded bucket by bucket, tied parameters under
-        all their names (``hf_weight_buckets``). Returns
+        all their names. A LoRA policy sends merged weights (or the adapter to a PEFT copy), all of them the
+        first time, then only what updates change (``rlflow.rollout.weight_sync.update_buckets``). Returns
         ``weight_sync/*`` metrics (buckets, GB moved, seconds).
         """
         if self.engine is None or getattr(self.engine, "model", None) is trained:
             return {}
         start = time.perf_counter()
-        metrics = self.engine.load_weights(hf_weight_buckets(trained, self.bucket_bytes))
+        changed_only = getattr(self.engine, "loaded_from", None) is trained
+        buckets = update_buckets(trained, getattr(self.engine, "model", None), self.bucket_bytes, changed_only)
+        metrics = self.engine.load_weights(buckets)
         self.engine.loaded_from = trained  # an engine shared by several rollouts knows whose weights it holds
         return metrics | {"weight_sync/seconds": time.perf_counter() - start}
 

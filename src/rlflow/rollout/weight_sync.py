@@ -15,7 +15,7 @@ cannot gather CPU tensors: each bucket is moved to a device the group's backend 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -89,26 +89,35 @@ def full_weight_buckets(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYT
     if elsewhere is not None:
         yield from elsewhere(bucket_bytes)
         return
+    yield from tensor_buckets(model.named_parameters(), bucket_bytes)
+
+
+def tensor_buckets(named: Iterable[tuple[str, Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+                   ) -> Iterator[list[tuple[str, Tensor]]]:
+    """:func:`full_weight_buckets` over any ``(name, tensor)`` pairs (e.g. only the trainable ones)."""
     bucket, size = [], 0
-    for name, param in model.named_parameters():
+    for name, param in named:
         nbytes = param.numel() * param.element_size()  # of the full tensor
         if bucket and (size + nbytes > bucket_bytes or param.dtype != bucket[0][1].dtype):
-            yield _gathered(bucket)
+            yield gather_full(bucket)
             bucket, size = [], 0
         bucket.append((name, param))
         size += nbytes
     if bucket:
-        yield _gathered(bucket)
+        yield gather_full(bucket)
 
 
-def _gathered(bucket: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
-    """Full tensors for a bucket: one all-gather per mesh for the row-sharded ones, ``full_tensor()`` for other DTensors."""
+def gather_full(bucket: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+    """Full tensors for a bucket: one all-gather per mesh for the row-sharded ones, ``full_tensor()`` for other DTensors.
+
+    Row-sharded tensors gathered together must share a dtype (:func:`tensor_buckets` makes buckets of one).
+    """
     sharded = [(i, p) for i, (_, p) in enumerate(bucket) if _row_sharded(p)]
     full = [None if _row_sharded(p) else _full_tensor(p) if isinstance(p, DTensor) else p.detach()
             for _, p in bucket]
-    by_mesh: dict[int, list[tuple[int, DTensor]]] = {}
+    by_mesh: dict[tuple[int, torch.dtype], list[tuple[int, DTensor]]] = {}
     for i, p in sharded:
-        by_mesh.setdefault(id(p.device_mesh), []).append((i, p))
+        by_mesh.setdefault((id(p.device_mesh), p.dtype), []).append((i, p))
     for members in by_mesh.values():
         for (i, _), tensor in zip(members, gather_row_sharded([p for _, p in members])):
             full[i] = tensor
@@ -125,20 +134,43 @@ def _full_tensor(param: DTensor) -> Tensor:
     return param.full_tensor().detach()
 
 
+def update_buckets(trained: nn.Module, engine_model: nn.Module | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                   changed_only: bool = False) -> Iterator[list[tuple[str, Tensor]]]:
+    """``trained``'s weights in the form the engine holds them, in buckets.
+
+    A plain model: every parameter, tied ones under all their names (``hf_weight_buckets``). A LoRA policy
+    (``rlflow.models.lora``): for an engine holding a PEFT copy (``engine_model`` is one), PEFT names, and
+    with ``changed_only`` the adapter alone; for any other engine (a plain transformers copy, vLLM, ...), the
+    merged weights ``W + s B A`` under Hugging Face names, and with ``changed_only`` those of the adapted
+    layers alone. ``changed_only`` is for an engine that already holds this model's weights: the frozen
+    base weights have not moved since.
+    """
+    from rlflow.models.policy import lora_module
+    from rlflow.rollout.engines.base import hf_weight_buckets
+
+    lora = lora_module(trained)
+    if lora is None:
+        return hf_weight_buckets(trained, bucket_bytes)
+    if lora.is_lora(engine_model):
+        return lora.adapter_buckets(trained, bucket_bytes) if changed_only else hf_weight_buckets(trained, bucket_bytes)
+    return lora.merged_weight_buckets(trained, bucket_bytes, only_adapted=changed_only)
+
+
 @torch.no_grad()
 def load_bucket(model: nn.Module, bucket: list[tuple[str, Tensor]]) -> None:
-    """Copy one bucket into ``model``'s parameters (cast to their dtype and device)."""
-    params = dict(model.named_parameters())
+    """Copy one bucket into ``model``'s parameters (cast to their dtype and device; tied ones under any name)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
     for name, tensor in bucket:
         if name not in params:
             raise KeyError(f"weight sync: the engine's model has no parameter '{name}'")
         params[name].copy_(tensor)
 
 
-def sync_weights(source: nn.Module, target: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, float]:
-    """Copy every parameter of ``source`` into ``target`` bucket by bucket; returns counts for the logs."""
+def sync_weights(source: nn.Module, target: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 changed_only: bool = False) -> dict[str, float]:
+    """Copy ``source``'s weights into ``target`` bucket by bucket (:func:`update_buckets`); returns counts for the logs."""
     buckets = nbytes = 0
-    for bucket in full_weight_buckets(source, bucket_bytes):
+    for bucket in update_buckets(source, target, bucket_bytes, changed_only):
         load_bucket(target, bucket)
         buckets += 1
         nbytes += sum(t.numel() * t.element_size() for _, t in bucket)

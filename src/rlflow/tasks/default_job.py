@@ -41,17 +41,18 @@ ROLLOUTS = {"hf": lambda n, max_new_tokens: HFRollout(n=n, temperature=1.0, max_
 
 def build_trainer(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/default", *, task: AdditionTask | None = None,
                   batch_size: int = 32, n: int = 8, lr: float = 2e-4, progress: bool = True,
-                  estimator=None, loss=None, reward=None, rollout: str = "hf", **trainer_kwargs):
+                  estimator=None, loss=None, reward=None, rollout: str = "hf", lora=None, **trainer_kwargs):
     """The modules of the default job, assembled; returns ``(trainer, data)``.
 
     ``estimator`` / ``loss`` / ``reward`` replace the default ``GRPO()`` / ``PPOLoss(clip_ratio=0.2)`` /
     ``FunctionReward(exact_match)`` (e.g. another advantage estimator on the same task, or the
     partial-credit ``FunctionReward(digit_match)``; validation then reports that reward too).
     ``rollout`` names the engine: ``"hf"`` (transformers) or ``"vllm"`` (in-process vLLM).
+    ``lora``: a ``peft.LoraConfig`` to train LoRA adapters on the warm-started model instead of all weights.
     """
     task = task or AdditionTask()
     model, tokenizer = warm_started_model(task, seed)
-    policy = Policy(model, tokenizer, temperature=1.0)
+    policy = Policy(model, tokenizer, temperature=1.0, lora=lora)
     trainer = Trainer(
         policy=policy,
         rollout=ROLLOUTS[rollout](n, task.max_new_tokens),

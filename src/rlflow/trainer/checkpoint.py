@@ -9,6 +9,7 @@ One folder holds a run: ``run_dir`` (the verl entry point's ``trainer.default_lo
                           # or a torch.distributed.checkpoint folder (FSDP2, one shard per rank)
         critic.ckpt       # the same for the critic, when there is one
         huggingface/      # config and tokenizer, so ``rlflow export`` needs nothing else
+        lora_adapter/     # with LoRA: the adapter's config (state.ckpt then holds the adapter, not the base weights)
       metrics.jsonl, csv/, tensorboard/   # the loggers' files
 
 Atomic: a checkpoint is written into ``.global_step_N.partial`` and renamed to ``global_step_N`` when
@@ -156,11 +157,16 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_hf_metadata(folder: Path, model, tokenizer) -> None:
-    """Config and tokenizer beside the weights (verl's ``huggingface/``), so export needs nothing else."""
+    """Config and tokenizer beside the weights (verl's ``huggingface/``), so export needs nothing else;
+    for a LoRA policy also the adapter's config in ``lora_adapter/`` next to it (export merges onto its base model)."""
+    from rlflow.models.policy import lora_module
+
     folder.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
+    if (lora := lora_module(model)) is not None:
+        lora.save_adapter_config(model, folder.parent / lora.ADAPTER_DIR)
 
 
 # ---------------------------------------------------------------- a sharded checkpoint on unsharded models

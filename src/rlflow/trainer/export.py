@@ -3,7 +3,9 @@
     rlflow export runs/x/global_step_100 ./exported
 
 Works for one-file checkpoints and for sharded ones (``torch.distributed.checkpoint``
-folders written by FSDP2), whatever the number of ranks that wrote them.
+folders written by FSDP2), whatever the number of ranks that wrote them. A LoRA checkpoint
+(it holds the adapter, and ``lora_adapter/adapter_config.json``) is merged onto its base model:
+``./exported`` is then the merged model and ``./exported/lora_adapter`` the PEFT adapter folder.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 
 POLICY_PREFIX = "lm."  # the policy's weights sit under TokenLogProbs.lm
+ADAPTER_DIR = "lora_adapter"  # rlflow.models.lora.ADAPTER_DIR (not imported: plain exports need no PEFT)
 
 
 class ExportError(ValueError):
@@ -51,13 +54,18 @@ def load_policy_state(state_path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix(POLICY_PREFIX): v for k, v in policy.items() if k.startswith(POLICY_PREFIX)}
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write ``config.json``, weights (safetensors) and the tokenizer of the checkpoint's policy to ``out_dir``."""
+def export_hf(checkpoint: str | Path, out_dir: str | Path, base_model: str | Path | None = None) -> Path:
+    """Write ``config.json``, weights (safetensors) and the tokenizer of the checkpoint's policy to ``out_dir``.
+
+    ``base_model``: for a LoRA checkpoint, the base model folder (default: the one its adapter config names).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     checkpoint, out_dir = Path(checkpoint).expanduser(), Path(out_dir).expanduser()
     check_checkpoint(checkpoint)
     meta = checkpoint / "huggingface"
+    if (checkpoint / ADAPTER_DIR / "adapter_config.json").exists():
+        return export_lora(checkpoint, out_dir, base_model)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(meta))
     try:
         weights = load_policy_state(checkpoint / "state.ckpt")
@@ -76,4 +84,27 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     model.tie_weights()
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(meta).save_pretrained(out_dir)
+    return out_dir
+
+
+def export_lora(checkpoint: Path, out_dir: Path, base_model: str | Path | None = None) -> Path:
+    """A LoRA checkpoint -> ``out_dir`` (the merged model, tokenizer) and ``out_dir/lora_adapter`` (PEFT's folder)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = LoraConfig.from_pretrained(str(checkpoint / ADAPTER_DIR))
+    base = Path(str(base_model or config.base_model_name_or_path or "")).expanduser()
+    if not base_model and not (base / "config.json").exists():
+        raise ExportError(f"{checkpoint} holds a LoRA adapter; its base model {str(base) or '(not recorded)'!r} is not "
+                          "a local model folder: pass the base model (rlflow export CKPT OUT --base-model DIR)")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), config)
+    adapter = load_policy_state(checkpoint / "state.ckpt")
+    missing, unexpected = model.load_state_dict(adapter, strict=False)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if unexpected or trainable & set(missing):
+        raise ExportError(f"{checkpoint}: the adapter does not match {ADAPTER_DIR}/adapter_config.json on {base}: "
+                          f"missing {sorted(trainable & set(missing))}, unexpected {unexpected}")
+    model.save_pretrained(out_dir / ADAPTER_DIR)
+    model.merge_and_unload().save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(checkpoint / "huggingface").save_pretrained(out_dir)
     return out_dir

@@ -7,7 +7,6 @@ them, in the order of the data-flow drawing in the docs.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from pathlib import Path
@@ -134,16 +133,19 @@ class Trainer:
             self.fabric.print(f"[rlflow] sequence parallelism: {self.dp_size} group(s) of {self.sp_size} processes "
                               "split each sequence (Ulysses)")
         sharded = shards_parameters(self.fabric.strategy)
-        # A sharded policy cannot generate rank by rank (its forward is collective), so the engine gets a full copy,
-        # unless it holds weights of its own (vLLM, a server): those are gathered and sent to it bucket by bucket.
+        # A sharded policy cannot generate rank by rank (its forward is collective), so the engine gets a full copy
+        # (with LoRA, merged), unless it holds weights of its own (vLLM, a server): those are gathered and sent to
+        # it bucket by bucket.
         copy_for_engine = sharded and not getattr(rollout, "holds_own_weights", False)
-        engine_model = copy.deepcopy(policy.model) if copy_for_engine else policy.model
+        engine_model = policy.engine_copy() if copy_for_engine else policy.model
         make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay))
         # Optimizers are built after setup_module: FSDP2 replaces parameters with sharded ones.
         self.policy.module = self.fabric.setup_module(policy.module)
-        self.optimizer = self.fabric.setup_optimizers(make_opt(self.policy.module.parameters()))
+        trainable = [p for p in self.policy.module.parameters() if p.requires_grad]  # with LoRA: the adapter only
+        self.optimizer = self.fabric.setup_optimizers(make_opt(trainable))
         self.rollout.bind(self.fabric.to_device(engine_model), policy.tokenizer)
-        if self.reference is not None:
+        # A LoRA reference is the policy's own module with the adapter off: set up once, with the policy.
+        if self.reference is not None and self.reference.model is not policy.model:
             if sharded:
                 self.reference.module = self.fabric.setup_module(self.reference.module)
             else:

@@ -1,0 +1,68 @@
+"""LoRA keys of the verl entry point -> the ``lora=`` argument of ``Policy.from_pretrained``.
+
+Two spellings configure the same adapters:
+
+- verl's: ``actor_rollout_ref.model.lora_rank`` (> 0 turns LoRA on), ``lora_alpha``, ``target_modules``,
+  ``exclude_modules``, ``lora_adapter_path`` (an adapter folder to train further);
+- the seed's: ``actor_rollout_ref.actor.lora.{enabled, r, alpha, target_modules}``.
+
+``actor_rollout_ref.model.use_rslora`` and ``use_dora`` (rlflow's keys) pass through to ``peft.LoraConfig``
+for either spelling. Both spellings at once must agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlflow.config.loading import ConfigError, VerlConfig
+
+M, SEED = "actor_rollout_ref.model", "actor_rollout_ref.actor.lora"
+# the seed's key -> verl's key for the same setting
+SEED_TO_VERL = {f"{SEED}.r": f"{M}.lora_rank", f"{SEED}.alpha": f"{M}.lora_alpha",
+                f"{SEED}.target_modules": f"{M}.target_modules"}
+
+
+def lora_argument(cfg: VerlConfig, notes: list[str]) -> dict | str | None:
+    """``peft.LoraConfig``'s keyword arguments (checked by building one), an adapter folder (``str``), or ``None``
+    when LoRA is off."""
+    seed_on, rank, adapter = cfg[f"{SEED}.enabled"], cfg[f"{M}.lora_rank"], cfg[f"{M}.lora_adapter_path"]
+    if not (seed_on or rank > 0 or adapter):
+        return None
+    if adapter:
+        folder = Path(str(adapter)).expanduser()
+        if not (folder / "adapter_config.json").exists():
+            raise ConfigError(f"{M}.lora_adapter_path={adapter!r}: not a PEFT adapter folder (no adapter_config.json)")
+        shaped = [k for k in (f"{M}.lora_rank", *SEED_TO_VERL) if cfg.is_provided(k)]
+        if shaped:
+            notes.append(f"{M}.lora_adapter_path: the adapter's own adapter_config.json sets rank, alpha and targets; "
+                         f"ignored: {', '.join(shaped)}")
+        return str(folder)
+    if seed_on:
+        values = {verl: cfg[seed] for seed, verl in SEED_TO_VERL.items()}
+        for seed, verl in SEED_TO_VERL.items():
+            if cfg.is_provided(verl) and cfg[verl] != values[verl] and not (verl.endswith("lora_rank") and cfg[verl] == 0):
+                raise ConfigError(f"{seed}={cfg[seed]!r} and {verl}={cfg[verl]!r} disagree; set only one")
+    else:
+        values = {verl: cfg[verl] for verl in SEED_TO_VERL.values()}
+    r, alpha, targets = (values[f"{M}.{k}"] for k in ("lora_rank", "lora_alpha", "target_modules"))
+    if not isinstance(r, int) or r <= 0:
+        raise ConfigError(f"LoRA rank must be a positive integer, got {r!r} ({SEED}.r / {M}.lora_rank)")
+    from peft import LoraConfig
+
+    kwargs = {"r": r, "lora_alpha": alpha, "target_modules": targets, "exclude_modules": cfg[f"{M}.exclude_modules"],
+              "use_rslora": bool(cfg[f"{M}.use_rslora"]), "use_dora": bool(cfg[f"{M}.use_dora"]),
+              "task_type": "CAUSAL_LM"}
+    try:
+        LoraConfig(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"LoRA settings ({M}.lora_* / {SEED}.*): {e}") from e
+    return kwargs
+
+
+def make_lora(argument: dict | str | None):
+    """What ``Policy(lora=...)`` takes: a ``peft.LoraConfig`` from its kwargs, or the adapter folder as it is."""
+    if not isinstance(argument, dict):
+        return argument
+    from peft import LoraConfig
+
+    return LoraConfig(**argument)
