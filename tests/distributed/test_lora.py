@@ -34,7 +34,7 @@ def test_lora_fsdp2_two_processes_equal_one(tmp_path, tokenizer):
     assert one[2]["metrics"]["actor/kl_loss"] > 1e-4  # the reference (adapter off) differs from the trained policy
     assert_same_weights(two["resumed"]["weights"], two[2]["weights"])
 
-    ckpt = tmp_path / "two" / "checkpoints" / "global_step_2"
+    ckpt = tmp_path / "two" / "global_step_2"
     saved = [k for k in FileSystemReader(ckpt / "state.ckpt").read_metadata().state_dict_metadata
              if k.startswith("policy.")]
     assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)  # the adapter's shards, no base weights

@@ -145,7 +145,7 @@ if __name__ == "__main__":
     trainer, data, record = build(out, strategy, steps, resume, fail_rank, **options)
     trainer.fit(data)
     if options.get("lora") and steps > 1:  # the same run resumed from its first checkpoint, in this launch
-        again, data, resumed = build(f"{out}/resumed", strategy, steps, f"{out}/checkpoints/global_step_1", **options)
+        again, data, resumed = build(f"{out}/resumed", strategy, steps, f"{out}/global_step_1", **options)
         again.fit(data)
         record.steps["resumed"] = resumed.steps.get(steps)
     if trainer.fabric.global_rank == 0:
