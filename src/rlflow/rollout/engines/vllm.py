@@ -37,8 +37,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets, counted, hf_weight_buckets
+from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets, counted
 from rlflow.rollout.engines.checkpoint import model_folder, shared_temp_dir, write_checkpoint, writes_checkpoints
+from rlflow.rollout.weight_sync import update_buckets
 
 CPU_KV_CACHE_BYTES = 256 * 2**20  # vLLM's CPU backend would otherwise reserve ~92 % of the machine's memory
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -159,7 +160,7 @@ class VLLMEngine(Engine):
         path = model_folder(model) if isinstance(model, nn.Module) else Path(model).expanduser()
         if path is None:  # an in-memory model: written once (vLLM initialises correctly only from real weights)
             path = self.folder = shared_temp_dir("rlflow-vllm-")
-            write_checkpoint(hf_weight_buckets(model), path, model.config)
+            write_checkpoint(update_buckets(model), path, model.config)  # a LoRA policy: its merged weights
             self.loaded_from = model
         path = str(path)
         self.config = AutoConfig.from_pretrained(path)
