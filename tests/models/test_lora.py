@@ -15,7 +15,6 @@ from rlflow.data import keys as K
 from rlflow.data.prompts import collate, load_rows
 from rlflow.models import lora as L
 from rlflow.models.tiny import tiny_qwen2
-from rlflow.tasks.addition import AdditionTask
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
