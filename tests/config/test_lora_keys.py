@@ -73,7 +73,8 @@ def test_seed_keys_train_with_the_adapter_and_its_reference(tiny, model_dir, tmp
     adapter = export_hf(tmp_path / "run" / "global_step_2", tmp_path / "hf") / L.ADAPTER_DIR
     weights = load_file(adapter / "adapter_model.safetensors")
     save_file({k: torch.full_like(v, 0.5) for k, v in weights.items()}, adapter / "adapter_model.safetensors")
-    again = make_plan(load_config(tiny + [f"{M}.lora_adapter_path={adapter}", f"{M}.lora_rank=4"]))
-    assert any("the adapter's own adapter_config.json" in n for n in again.notes)
+    again = make_plan(load_config(tiny + [f"{M}.lora_adapter_path={adapter}", f"{M}.lora_rank=4", f"{SEED}.r=8"]))
+    assert any("the adapter's own adapter_config.json" in n and f"{SEED}.r" in n for n in again.notes)
+    assert not any("lora" in n for n in unused_notes(again.cfg))  # one note, not a second "has no effect"
     trained = dict(L.trainable_parameters(build_trainer(again)[0].policy.model))
     assert len(trained) == len(weights) and all(bool((p == 0.5).all()) for p in trained.values())  # trainable, loaded

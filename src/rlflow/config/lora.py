@@ -33,6 +33,8 @@ def lora_argument(cfg: VerlConfig, notes: list[str]) -> dict | str | None:
         if not (folder / "adapter_config.json").exists():
             raise ConfigError(f"{M}.lora_adapter_path={adapter!r}: not a PEFT adapter folder (no adapter_config.json)")
         shaped = [k for k in (f"{M}.lora_rank", *SEED_TO_VERL) if cfg.is_provided(k)]
+        for key in shaped:  # read: this note replaces the generic "has no effect" one
+            cfg[key]
         if shaped:
             notes.append(f"{M}.lora_adapter_path: the adapter's own adapter_config.json sets rank, alpha and targets; "
                          f"ignored: {', '.join(shaped)}")
