@@ -175,7 +175,7 @@ def test_checkpoints_hold_the_adapter_resume_exactly_and_export(tokenizer, tmp_p
     # a base model that is not recorded (an in-memory model) must be named
     config_file = ckpt / "global_step_2" / "lora_adapter" / "adapter_config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "base_model_name_or_path": None}))
-    with pytest.raises(ExportError, match="--base-model"):
+    with pytest.raises(ExportError, match="base model is not recorded.*--base-model"):
         export_hf(ckpt / "global_step_2", tmp_path / "out2")
     export_hf(ckpt / "global_step_2", tmp_path / "out2", base_model=folder)
     assert (tmp_path / "out2" / "lora_adapter" / "adapter_model.safetensors").exists()

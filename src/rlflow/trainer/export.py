@@ -93,10 +93,13 @@ def export_lora(checkpoint: Path, out_dir: Path, base_model: str | Path | None =
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = LoraConfig.from_pretrained(str(checkpoint / ADAPTER_DIR))
-    base = Path(str(base_model or config.base_model_name_or_path or "")).expanduser()
-    if not base_model and not (base / "config.json").exists():
-        raise ExportError(f"{checkpoint} holds a LoRA adapter; its base model {str(base) or '(not recorded)'!r} is not "
-                          "a local model folder: pass the base model (rlflow export CKPT OUT --base-model DIR)")
+    recorded = config.base_model_name_or_path
+    base = Path(str(base_model or recorded or "")).expanduser()
+    if not base_model and not (recorded and (base / "config.json").exists()):
+        named = (f"its base model {recorded!r} is not a local model folder" if recorded
+                 else "its base model is not recorded (a policy built from an in-memory model)")
+        raise ExportError(f"{checkpoint} holds a LoRA adapter; {named}: "
+                          "pass the base model (rlflow export CKPT OUT --base-model DIR)")
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), config)
     adapter = load_policy_state(checkpoint / "state.ckpt")
     missing, unexpected = model.load_state_dict(adapter, strict=False)
