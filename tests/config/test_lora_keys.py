@@ -5,6 +5,7 @@ import torch
 
 import rlflow.config.devices as devices
 from rlflow.config import ConfigError, load_config, make_plan
+from rlflow.config.loading import NotSupportedError
 from rlflow.config.build import build_trainer
 from rlflow.config.dryrun import dry_run
 from rlflow.config.native import load_native
@@ -39,6 +40,8 @@ def test_verl_keys_and_seed_keys_make_the_lora_config():
         plan(f"{SEED}.enabled=true", f"{SEED}.r=0")
     with pytest.raises(ConfigError, match="lora_adapter_path='nowhere'.*adapter_config.json"):
         plan(f"{M}.lora_adapter_path=nowhere")
+    with pytest.raises(NotSupportedError, match=f"{SEED}.enabled=True: LoRA with the Megatron strategy"):
+        plan(f"{SEED}.enabled=true", "actor_rollout_ref.actor.strategy=megatron")
     off = plan(f"{M}.lora_alpha=64")  # LoRA off: the setting changes nothing, and says so
     assert off.lora is None and any(n.startswith(f"{M}.lora_alpha=64 has no effect") and "lora_rank > 0" in n
                                     for n in unused_notes(off.cfg))

@@ -199,3 +199,11 @@ def test_grpo_with_lora_learns_the_builtin_task(tmp_path):
     first, last = (sum(m["critic/score/mean"] for m in part) / 10 for part in (history[:10], history[-10:]))
     assert last > first + 0.02, (first, last)
     assert after > before + 0.08, (before, after)
+
+
+def test_megatron_strategy_refuses_a_lora_policy(tokenizer):
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    policy = Policy(tiny_model(tokenizer), tokenizer, lora=LoraConfig(r=2, target_modules="all-linear"))
+    with pytest.raises(ValueError, match="LoRA adapters .* do not combine with the Megatron strategy"):
+        MegatronStrategy().setup_module(policy.module)

@@ -148,6 +148,9 @@ class MegatronStrategy(ModelParallelStrategy):
             raise ValueError("Ulysses sequence parallelism (sequence_parallel_size) does not combine with the Megatron "
                              "strategy; use its tensor/context parallelism")
         hf_model = module.lm
+        if type(hf_model).__module__.startswith("peft."):  # a PeftModel: its adapters have no Megatron conversion
+            raise ValueError("LoRA adapters (a PEFT model) do not combine with the Megatron strategy yet; "
+                             "train LoRA with strategy='auto', 'ddp' or FSDP2")
         on_cpu = self.root_device.type == "cpu"
         lm = MegatronLM(hf_model, self.layout, self.layer_spec, on_cpu=on_cpu,
                         overrides=self._overrides(hf_model, on_cpu)).to(self.root_device)
