@@ -22,6 +22,10 @@ GROUP = "group"  # B, int64: samples of one prompt share it
 RESPONSE_TEXT = "response_text"  # non-tensor, B strings
 REWARD_BASELINE = "reward_baseline"  # B, float: e.g. ReMax's greedy-rollout score
 
+# written by an agent (multi-turn) rollout (rlflow.rollout.agent)
+NUM_TURNS = "num_turns"  # B, int64: assistant turns + tool/user turns + 1, as verl counts them
+STEP_REWARDS = "step_rewards"  # B, float: the sum of the trajectory's tool rewards and interaction turn scores
+
 # written by the reward
 SCORES = "scores"  # B, float: one score per sample
 TOKEN_REWARDS = "token_rewards"  # B x R, float: the score on the last valid token

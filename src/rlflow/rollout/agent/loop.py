@@ -1,0 +1,370 @@
+"""AgentLoop: multi-turn rollouts with tool calls, over any engine.
+
+Each sample is a conversation: the model writes a turn; the tool calls in it (Hermes ``<tool_call>`` JSON,
+or any :class:`~rlflow.rollout.tools.parsers.ToolParser`) run concurrently, and their results are appended
+as ``tool`` messages through the tokenizer's chat template; without a call an :class:`Interaction` (a
+simulated user) may answer, or a TorchRL environment steps; and so on until the model answers, a turn
+limit is reached, or the response-token budget is spent. The whole conversation after the prompt is one
+response::
+
+    response_ids   [ model turn 1 | tool result | model turn 2 | user reply | model turn 3 ] pad
+    response_mask  [ 1 1 1 1 1 1  | 0 0 0 0 0 0 | 1 1 1 1 1 1  | 0 0 0 0 0  | 1 1 1 1 1 1  ] 0
+    rollout_log_probs: the sampler's log-probs on model tokens, 0 elsewhere
+
+so the estimators and losses, which read only masked tokens, train on what the model wrote and nothing
+else, and the policy recomputes log-probs on the same concatenated sequence the sampler saw.
+
+The loop is written once over :class:`~rlflow.rollout.engines.base.Engine`: it wraps a single-turn rollout
+(``HFRollout``, ``VLLMRollout``, ``ServerRollout``, ...) for its engine, sampling options, weight sync and
+``n``, and only changes what happens between turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+from rlflow.data import keys as K
+from rlflow.module import BatchModule
+from rlflow.rollout.agent.batching import DirectRequests, TurnBatcher, run_sync
+from rlflow.rollout.agent.chat import ChatFormat
+from rlflow.rollout.agent.interaction import Interaction
+from rlflow.rollout.agent.trajectory import Trajectory, summarize
+from rlflow.rollout.single_turn import unpadded
+from rlflow.rollout.tools.base import Tool, ToolError, ToolResult
+from rlflow.rollout.tools.parsers import ToolCall, tool_parser
+
+TRUNCATE_SIDES = ("left", "right", "middle")
+VERL_TOOL_KWARGS = {"create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs"}
+
+
+def truncate_text(text: str, limit: int, side: str) -> str:
+    """verl's rule: ``left`` keeps the first ``limit`` characters, ``right`` the last, ``middle`` both ends."""
+    if len(text) <= limit:
+        return text
+    if side == "left":
+        return text[:limit] + "...(truncated)"
+    if side == "right":
+        return "(truncated)..." + text[-limit:]
+    half = limit // 2
+    return text[:half] + "...(truncated)..." + text[len(text) - half:]
+
+
+class AgentLoop(BatchModule):
+    """Multi-turn tool-calling rollout around a single-turn ``rollout`` (its engine and sampling options).
+
+    Args:
+        rollout: the single-turn rollout whose engine samples each turn (its ``n``, temperature, top-p/k,
+            seed apply per sample; its ``max_new_tokens`` is the default response budget).
+        tools: :class:`~rlflow.rollout.tools.Tool` objects, or a verl tool YAML path.
+        format: the tool-call format the model writes (``"hermes"``) or a ``ToolParser``.
+        interaction: an :class:`Interaction`, a ``{name: Interaction}`` dict (rows choose with
+            ``interaction_kwargs.name``) or a verl interaction YAML path; asked for a user turn when the
+            model calls no tool.
+        environment: a TorchRL environment adapter (:class:`~rlflow.rollout.agent.torchrl_env.TorchRLEnvironment`)
+            that answers each model turn instead of rlflow's tools and interaction.
+        max_assistant_turns, max_user_turns: turn limits (``None``: none but the budget); user turns count
+            tool-result turns and interaction turns, as verl counts them.
+        max_parallel_calls: calls run per turn (later ones are dropped and counted).
+        max_tool_response_length, tool_response_truncate_side: tool text is cut to this many characters
+            (``left`` keeps the start, ``right`` the end, ``middle`` both ends, as verl).
+        max_response_tokens: the response budget (model + appended tokens); default ``rollout.max_new_tokens``.
+        tool_timeout_s: overrides every tool's own ``timeout_s``.
+        concurrent_requests: send each turn to the engine on its own (servers) instead of batching turns.
+        template_kwargs: extra ``apply_chat_template`` arguments.
+
+    Writes the single-turn keys (``response_*``, ``rollout_log_probs``, ``group``, ``response_text``: the
+    decoded trajectory, tool results included), the prompts it rendered with the tools (``prompt_ids``,
+    ``prompt_mask``), ``num_turns`` and ``step_rewards`` (summed tool rewards and turn scores), and adds the
+    conversation to each row's ``extra_info`` (``messages``, ``num_turns``, ``tool_calls``,
+    ``rollout_reward_scores``, ``finish_reason``) for reward functions. ``stats`` holds the metrics.
+    """
+
+    in_keys = (K.PROMPT_IDS, K.PROMPT_MASK)
+    out_keys = (K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS, K.RESPONSE_MASK, K.ROLLOUT_LOG_PROBS, K.GROUP,
+                K.RESPONSE_TEXT, K.NUM_TURNS, K.STEP_REWARDS)
+
+    def __init__(self, rollout, tools=(), *, format: str = "hermes", interaction=None, environment=None,
+                 max_assistant_turns: int | None = None, max_user_turns: int | None = None,
+                 max_parallel_calls: int = 1, max_tool_response_length: int = 256,
+                 tool_response_truncate_side: str = "middle", max_response_tokens: int | None = None,
+                 tool_timeout_s: float | None = None, concurrent_requests: bool = False,
+                 template_kwargs: dict | None = None):
+        from rlflow.rollout.tools.config import load_interaction_config, load_tool_config
+
+        if isinstance(tools, (str, bytes)) or hasattr(tools, "__fspath__"):
+            tools = load_tool_config(tools)
+        self.tools: dict[str, Tool] = {}
+        for tool in tools:
+            if not isinstance(tool, Tool):
+                raise TypeError(f"tools must be rlflow.rollout.tools.Tool objects, got {type(tool).__name__}")
+            if tool.name in self.tools:
+                raise ValueError(f"two tools are named {tool.name!r}")
+            self.tools[tool.name] = tool
+        if isinstance(interaction, (str, bytes)) or hasattr(interaction, "__fspath__"):
+            interaction = load_interaction_config(interaction)
+        if interaction is not None and not isinstance(interaction, (Interaction, dict)):
+            raise TypeError(f"interaction must be an Interaction, a {{name: Interaction}} dict or a YAML path, "
+                            f"got {type(interaction).__name__}")
+        for name, value, low in (("max_assistant_turns", max_assistant_turns, 1), ("max_user_turns", max_user_turns, 0),
+                                 ("max_parallel_calls", max_parallel_calls, 1),
+                                 ("max_tool_response_length", max_tool_response_length, 1),
+                                 ("max_response_tokens", max_response_tokens, 1)):
+            if value is not None and value < low:
+                raise ValueError(f"{name} must be >= {low} (or None), got {value}")
+        if tool_response_truncate_side not in TRUNCATE_SIDES:
+            raise ValueError(f"tool_response_truncate_side must be one of {TRUNCATE_SIDES}, "
+                             f"got {tool_response_truncate_side!r}")
+        if tool_timeout_s is not None and tool_timeout_s <= 0:
+            raise ValueError(f"tool_timeout_s must be > 0, got {tool_timeout_s}")
+        self.rollout, self.parser = rollout, tool_parser(format)
+        self.interaction, self.environment = interaction, environment
+        self.max_assistant_turns, self.max_user_turns = max_assistant_turns, max_user_turns
+        self.max_parallel_calls, self.max_tool_response_length = max_parallel_calls, max_tool_response_length
+        self.truncate_side, self.tool_timeout_s = tool_response_truncate_side, tool_timeout_s
+        self.max_response_tokens, self.concurrent_requests = max_response_tokens, concurrent_requests
+        self.template_kwargs = dict(template_kwargs or {})
+        self.stats: dict[str, float] = {}
+        self._chat: ChatFormat | None = None
+
+    # ------------------------------------------------------------------ what the Trainer asks of a rollout
+    def bind(self, model, tokenizer) -> None:
+        self.rollout.bind(model, tokenizer)
+        self._chat = None
+
+    def sync_weights(self, trained):
+        return self.rollout.sync_weights(trained)
+
+    def with_options(self, **overrides) -> "AgentLoop":
+        """A copy sampling with other options (validation), running the same loop."""
+        clone = copy.copy(self)
+        clone.rollout = self.rollout.with_options(**overrides)
+        return clone
+
+    @property
+    def holds_own_weights(self) -> bool:
+        return bool(getattr(self.rollout, "holds_own_weights", False))
+
+    @property
+    def tokenizer(self):
+        return self.rollout.tokenizer
+
+    @property
+    def n(self) -> int:
+        return self.rollout.n
+
+    @property
+    def temperature(self) -> float:
+        return self.rollout.temperature
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The response budget (all turns together), which the Trainer's length metrics use."""
+        return self.max_response_tokens or self.rollout.max_new_tokens
+
+    @property
+    def chat(self) -> ChatFormat:
+        if self._chat is None or self._chat.tokenizer is not self.tokenizer:
+            self._chat = ChatFormat(self.tokenizer, [t.schema for t in self.tools.values()], self.template_kwargs)
+        return self._chat
+
+    # ------------------------------------------------------------------ the rollout
+    def forward(self, batch: TensorDict) -> TensorDict:
+        if getattr(self.rollout, "engine", None) is None:
+            raise RuntimeError("AgentLoop has no engine: call rollout.bind(model, tokenizer) (the Trainer does)")
+        rollout, n, num_prompts = self.rollout, self.n, batch.batch_size[0]
+        if rollout.holds_own_weights and rollout.model is not None and getattr(rollout.engine, "loaded_from", None) is not rollout.model:
+            rollout.sync_weights(rollout.model)
+        prompts, raw = self.prompt_ids(batch), _column(batch, K.RAW_PROMPT, num_prompts)
+        extra = _column(batch, K.EXTRA_INFO, num_prompts)
+        trajs = [self.new_trajectory(prompts[i], raw[i], extra[i]) for i in range(num_prompts) for _ in range(n)]
+        run_sync(self.run(trajs))
+        out = batch.repeat_interleave(n, dim=0) if n > 1 else batch.clone(False)
+        self.write(out, trajs, [extra[i] for i in range(num_prompts) for _ in range(n)], batch[K.PROMPT_IDS].device)
+        out[K.GROUP] = torch.arange(num_prompts, device=batch[K.PROMPT_IDS].device).repeat_interleave(n)
+        self.stats = summarize(trajs)
+        return out
+
+    def prompt_ids(self, batch: TensorDict) -> list[list[int]]:
+        """Chat prompts re-rendered with the tool schemas (``raw_prompt``); other prompts as the data gave them."""
+        given = unpadded(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK])
+        if K.RAW_PROMPT not in batch.keys() or not getattr(self.tokenizer, "chat_template", None):
+            return given
+        raw = _column(batch, K.RAW_PROMPT, len(given))
+        return [self.chat.prompt_ids(p) if isinstance(p, list) else ids for p, ids in zip(raw, given)]
+
+    def new_trajectory(self, prompt: list[int], raw_prompt, extra_info) -> Trajectory:
+        """A sample's starting state: its prompt, the conversation so far, its ``tools_kwargs``/``interaction_kwargs``."""
+        extra_info = extra_info if isinstance(extra_info, dict) else {}
+        messages = ([dict(m) for m in raw_prompt] if isinstance(raw_prompt, list)
+                    else [{"role": "user", "content": raw_prompt}] if isinstance(raw_prompt, str) else [])
+        return Trajectory(prompt, self.max_new_tokens, tools_kwargs=dict(extra_info.get("tools_kwargs") or {}),
+                          interaction_kwargs=dict(extra_info.get("interaction_kwargs") or {}), messages=messages)
+
+    async def run(self, trajs: list[Trajectory]) -> None:
+        engine, params = self.rollout.engine, self.rollout.params
+        sampler = DirectRequests(engine, params) if self.concurrent_requests else TurnBatcher(engine, params, len(trajs))
+        await asyncio.gather(*(self.run_one(t, sampler) for t in trajs))
+
+    async def run_one(self, t: Trajectory, sampler) -> None:
+        """One conversation: model turn, then tools / user / environment, until a stop condition."""
+        session = await self.start(t)
+        try:
+            while True:
+                start = time.perf_counter()
+                turn = await sampler.generate(t.context, t.remaining)
+                t.gen_s += time.perf_counter() - start
+                t.add_model_turn(turn.token_ids, turn.log_probs)
+                text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
+                t.messages.append({"role": "assistant", "content": text})
+                if turn.finish_reason == "length" or t.remaining <= 0:
+                    t.finish = "length"
+                    break
+                if self.max_assistant_turns is not None and t.assistant_turns >= self.max_assistant_turns:
+                    t.finish = "max_assistant_turns"
+                    break
+                if self.max_user_turns is not None and t.user_turns >= self.max_user_turns:
+                    t.finish = "max_user_turns"
+                    break
+                start = time.perf_counter()
+                messages, finish = await self.respond(t, text, session)
+                t.tool_s += time.perf_counter() - start
+                if messages:
+                    if not t.add_observation(self.chat.append_ids(messages, turn.token_ids[-1] if turn.token_ids else None)):
+                        t.finish = "length"
+                        break
+                    t.messages += messages
+                    t.user_turns += 1
+                if finish:
+                    t.finish = finish
+                    break
+        finally:
+            sampler.retire()
+            await self.finish(t, session)
+
+    # ------------------------------------------------------------------ between turns
+    async def start(self, t: Trajectory):
+        """Per-trajectory state: the interaction instance or the environment's state."""
+        if self.environment is not None:
+            return await self.environment.reset(t)
+        interaction = self.interaction_for(t)
+        if interaction is not None:
+            return await interaction.start_interaction(None, **t.interaction_kwargs)
+        return None
+
+    async def finish(self, t: Trajectory, session) -> None:
+        if self.environment is not None:
+            await self.environment.close(session)
+        elif (interaction := self.interaction_for(t)) is not None:
+            await interaction.finalize_interaction(session, **t.interaction_kwargs)
+
+    def interaction_for(self, t: Trajectory) -> Interaction | None:
+        if self.interaction is None or isinstance(self.interaction, Interaction):
+            return self.interaction
+        name = t.interaction_kwargs.get("name")
+        if name is None and len(self.interaction) == 1:
+            return next(iter(self.interaction.values()))
+        if name not in self.interaction:
+            raise KeyError(f"extra_info.interaction_kwargs.name={name!r}: no such interaction; "
+                           f"configured: {sorted(self.interaction)}")
+        return self.interaction[name]
+
+    async def respond(self, t: Trajectory, text: str, session) -> tuple[list[dict], str | None]:
+        """The messages that answer the model's turn, and a finish reason when the conversation ends."""
+        if self.environment is not None:
+            messages, reward, done = await self.environment.step(session, text)
+            if reward is not None:
+                t.turn_scores.append(float(reward))
+            return messages, ("environment" if done else None)
+        calls = self.parser.parse(text)[1] if self.tools else []
+        if calls:
+            run, t.dropped_calls = calls[: self.max_parallel_calls], t.dropped_calls + max(0, len(calls) - self.max_parallel_calls)
+            results = await asyncio.gather(*(self.call_tool(t, c) for c in run))
+            return [{"role": "tool", "name": c.name, "content": r.text} for c, r in zip(run, results)], None
+        interaction = self.interaction_for(t)
+        if interaction is None:
+            return [], "answer"
+        stop, reply, reward, _ = await interaction.generate_response(session, t.messages, **t.interaction_kwargs)
+        if reward is not None:
+            t.turn_scores.append(float(reward))
+        return [{"role": "user", "content": str(reply)}], ("interaction" if stop else None)
+
+    async def call_tool(self, t: Trajectory, call: ToolCall) -> ToolResult:
+        """Run one call; any failure becomes an error message for the model, counted, never raised."""
+        t.tool_calls += 1
+        tool = self.tools.get(call.name)
+        if call.error is not None:
+            kind, result = "parse", ToolResult(f"Error: {call.error}")
+        elif tool is None:
+            kind, result = "unknown_tool", ToolResult(f"Error: there is no tool {call.name!r}; available: "
+                                                      f"{', '.join(self.tools) or 'none'}")
+        else:
+            kind, result = await self._execute(t, tool, call)
+        if kind is not None:
+            t.call_errors[kind] += 1
+            result.error = kind
+        if result.reward is not None:
+            t.tool_rewards.append(float(result.reward))
+        for key, value in result.metrics.items():
+            if isinstance(value, (int, float)):
+                t.tool_metrics.setdefault(f"{call.name}/{key}", []).append(float(value))
+        cut = truncate_text(result.text, self.max_tool_response_length, self.truncate_side)
+        t.truncated_results += cut != result.text
+        result.text = cut
+        return result
+
+    async def _execute(self, t: Trajectory, tool: Tool, call: ToolCall) -> tuple[str | None, ToolResult]:
+        kwargs = t.tools_kwargs.get(tool.name) or {}
+        if set(kwargs) <= VERL_TOOL_KWARGS:  # verl's {create_kwargs: {...}, execute_kwargs: {...}}
+            kwargs = {**kwargs.get("create_kwargs", {}), **kwargs.get("execute_kwargs", {})}
+        timeout = self.tool_timeout_s or tool.timeout_s
+        try:
+            result = await asyncio.wait_for(tool(call.arguments, session=t.sessions.setdefault(tool.name, {}),
+                                                 **kwargs), timeout)
+            return None, result
+        except (asyncio.TimeoutError, TimeoutError):
+            return "timeout", ToolResult(f"Error: {tool.name} timed out after {timeout:g} s")
+        except ToolError as e:
+            return "error", ToolResult(f"Error: {e}")
+        except Exception as e:  # noqa: BLE001 - a failing tool is data for the model, never a crashed step
+            detail = json.dumps(str(e))[1:-1][:500]
+            return "error", ToolResult(f"Error: {tool.name} raised {type(e).__name__}: {detail}")
+
+    # ------------------------------------------------------------------ output
+    def write(self, out: TensorDict, trajs: list[Trajectory], extra: list, device) -> None:
+        pad, N = self.tokenizer.pad_token_id, len(trajs)
+        P = max(len(t.prompt_ids) for t in trajs)
+        R = max(1, max(len(t.response_ids) for t in trajs))
+        prompt_ids, prompt_mask = torch.full((N, P), pad, dtype=torch.long), torch.zeros((N, P), dtype=torch.long)
+        response, mask = torch.full((N, R), pad, dtype=torch.long), torch.zeros((N, R), dtype=torch.long)
+        log_probs = torch.zeros((N, R), dtype=torch.float32)
+        for row, t in enumerate(trajs):
+            p, r = len(t.prompt_ids), len(t.response_ids)
+            prompt_ids[row, P - p:], prompt_mask[row, P - p:] = torch.tensor(t.prompt_ids), 1
+            if r:
+                response[row, :r] = torch.tensor(t.response_ids)
+                mask[row, :r] = torch.tensor(t.response_mask)
+                log_probs[row, :r] = torch.tensor(t.log_probs, dtype=torch.float32)
+        out[K.PROMPT_IDS], out[K.PROMPT_MASK] = prompt_ids.to(device), prompt_mask.to(device)
+        out[K.PROMPT_TEXT] = NonTensorStack(*[self.tokenizer.decode(t.prompt_ids) for t in trajs])  # as rendered
+        out[K.RESPONSE_IDS], out[K.RESPONSE_MASK] = response.to(device), mask.to(device)
+        out[K.ROLLOUT_LOG_PROBS] = log_probs.to(device)
+        out[K.NUM_TURNS] = torch.tensor([t.num_turns for t in trajs], device=device)
+        out[K.STEP_REWARDS] = torch.tensor([t.step_reward for t in trajs], dtype=torch.float32, device=device)
+        texts = [self.tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in trajs]
+        out[K.RESPONSE_TEXT] = NonTensorStack(*texts)
+        out[K.EXTRA_INFO] = NonTensorStack(*[{**(e if isinstance(e, dict) else {}), **t.info()}
+                                             for e, t in zip(extra, trajs)])
+
+
+def _column(batch: TensorDict, key: str, size: int) -> list:
+    if key not in batch.keys():
+        return [None] * size
+    from rlflow.rewards.base import column
+
+    return column(batch, key)
