@@ -48,3 +48,29 @@ def call(name, **arguments):
     import json
 
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def tool_caller(tokenizer, seed=0, steps=40):
+    """A tiny Qwen2 taught for a few supervised steps to open each answer with a calculator call (the calls it then
+    writes are often malformed: either way tool messages follow and responses get interior spans of tool tokens)."""
+    import random
+
+    import torch
+
+    from rlflow.models.tiny import tiny_qwen2
+    from rlflow.rollout.agent import ChatFormat
+    from rlflow.tasks.calculator import CalculatorTask, demonstration, padded
+
+    task = CalculatorTask()
+    model = tiny_qwen2(len(tokenizer), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                       max_positions=256, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                       seed=seed)
+    chat, rows, rng = ChatFormat(tokenizer, [t.schema for t in task.tools()]), task.splits()[0][:256], random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        ids, labels, attn = padded([demonstration(chat, rng.choice(rows), True) for _ in range(16)],
+                                   tokenizer.pad_token_id)
+        model(input_ids=ids, attention_mask=attn, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()

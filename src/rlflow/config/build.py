@@ -175,6 +175,10 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
     total = total_steps(plan, data)
     loss = instantiate(plan.loss_cls, plan.loss_kwargs, "actor_rollout_ref.actor.*")
     rollout = instantiate(plan.rollout_cls, plan.rollout_kwargs, "actor_rollout_ref.rollout.*")
+    if plan.agent is not None:  # multi-turn: the agent loop samples each turn with the rollout's engine
+        from rlflow.rollout.agent import AgentLoop
+
+        rollout = instantiate(AgentLoop, {"rollout": rollout, **plan.agent}, "actor_rollout_ref.rollout.multi_turn.*")
     estimator = build_estimator(plan, rollout, loss)
     reference = "auto"
     wants_ref = K.REF_LOG_PROBS in set(loss.in_keys) | set(estimator.in_keys)

@@ -77,6 +77,10 @@ def lora_text(lora: dict | str | None) -> str:
 def objects_section(plan: Plan) -> list[str]:
     t = plan.trainer_kwargs
     rollout = f"{plan.rollout_cls.__name__}({format_kwargs(plan.rollout_kwargs)})"
+    if plan.agent is not None:
+        tools = [t.name for t in plan.agent["tools"]]
+        rest = {k: v for k, v in plan.agent.items() if k != "tools"}
+        rollout = f"AgentLoop({rollout}, tools={tools}, {format_kwargs(rest)})"
     reward = plan.reward.describe()
     if plan.overlong:  # DAPO's overlong shaping wraps the scorer
         reward = f"OverlongPenalty({reward}, {format_kwargs(plan.overlong)})"

@@ -21,6 +21,7 @@ import rlflow
 import rlflow.algorithms
 import rlflow.rollout
 from rlflow.config import tables
+from rlflow.config.agent import agent_plan
 from rlflow.config.algos import ESTIMATOR_POOL, companions, loss_pool
 from rlflow.config.devices import Devices, resolve_devices
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
@@ -71,6 +72,7 @@ class Plan:
     overlong: dict | None = None           # OverlongPenalty's kwargs around the reward (DAPO reward manager)
     dynamic_sampling: dict | None = None   # DynamicSampling's kwargs: it takes rollout and reward (filter_groups)
     lora: dict | str | None = None         # peft.LoraConfig's kwargs, or an adapter folder (rlflow.config.lora)
+    agent: dict | None = None              # AgentLoop's kwargs: it wraps the rollout (multi_turn.enable)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -236,6 +238,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         notes.append(f"reward_model.reward_manager={manager}: scores like 'naive' (rlflow runs reward calls on "
                      f"threads with a timeout){'; overlong shaping: OverlongPenalty' if overlong else ''}")
     sampling = dynamic_sampling(cfg, notes)
+    agent = agent_plan(cfg, notes)
     sp_size = sequence_parallel(cfg, notes, with_critic, procs)
     loggers = logger_names(cfg, notes)
     resume = resume_arg(cfg)
@@ -285,7 +288,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         warmup=warmup,
         loggers=loggers, project=cfg["trainer.project_name"], experiment=cfg["trainer.experiment_name"],
         val_before_train=cfg["trainer.val_before_train"], val_only=cfg["trainer.val_only"],
-        overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), notes=notes,
+        overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), agent=agent, notes=notes,
     )
 
 

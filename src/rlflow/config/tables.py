@@ -104,10 +104,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.rollout.ignore_eos": ("generation that ignores EOS", _truthy),
     "actor_rollout_ref.rollout.over_sample_rate": ("rollout over-sampling", _truthy),
     "actor_rollout_ref.rollout.enable_vision": ("vision-language models", _truthy),
-    "actor_rollout_ref.rollout.multi_turn.enable": (MULTI_TURN, _truthy),
-    "actor_rollout_ref.rollout.multi_turn.tool_config_path": (MULTI_TURN, _truthy),
-    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": (MULTI_TURN, _truthy),
-    "actor_rollout_ref.rollout.agent.default_agent_loop": (MULTI_TURN, _not("single_turn_agent")),
     "actor_rollout_ref.rollout.agent.agent_loop_config_path": (MULTI_TURN, _truthy),
     "actor_rollout_ref.rollout.agent.custom_async_server.path": ("custom async rollout servers", _truthy),
     "actor_rollout_ref.rollout.checkpoint_engine.backend": ("async weight update (checkpoint_engine)", _not("naive")),
@@ -196,7 +192,11 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.rollout.prompt_length": "data.max_prompt_length bounds the prompts",
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": _DYN_ONLY,
     "actor_rollout_ref.rollout.calculate_log_probs": "rlflow's rollout always returns its log-probs",
-    "actor_rollout_ref.rollout.multi_turn.*": "only used with multi_turn.enable, not supported yet",
+    "actor_rollout_ref.rollout.multi_turn.*": "only used with multi_turn.enable=True",
+    "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template": (
+        "rlflow never re-renders the model's turns: trajectories keep the sampled token ids"),
+    "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": (
+        "rlflow never re-tokenizes the model's turns, so there is nothing to check"),
     "actor_rollout_ref.rollout.agent.num_workers": "single-turn generation runs in one batch",
     "actor_rollout_ref.rollout.trace.token2text": "rollout tracing is not supported yet",
     "actor_rollout_ref.rollout.skip_dump_dir": "rollout dumps are not supported yet",

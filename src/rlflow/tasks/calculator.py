@@ -1,17 +1,19 @@
-"""The built-in tool-use task: three-digit multiplication that the model can only get right with a calculator.
+"""The built-in tool-use task: two-digit multiplication that the model can only get right with a calculator.
 
-``user: 417*382`` -> the model calls ``<tool_call>{"name":"calc","arguments":{"expr":"417*382"}}</tool_call>``,
-reads ``159294`` in the tool message, and answers ``159294``. A 0.6M-parameter char-level Qwen2 cannot
-multiply, but it can learn to copy: the answer needs the tool.
+``user: 47*82`` -> the model calls ``<tool_call>{"name":"calc","arguments":{"expr":"47*82"}}</tool_call>``,
+reads ``3854`` in the tool message, and answers ``=3854``. A 0.6M-parameter char-level Qwen2 does not learn to
+multiply in minutes, but it learns to copy: the answer needs the tool.
 
 The tokenizer is the char tokenizer plus ChatML's ``<|im_start|>``/``<|im_end|>`` and Hermes'
-``<tool_call>``/``</tool_call>`` tokens, with a small chat template that lists the tools
-(``apply_chat_template(messages, tools=...)``) and renders ``tool`` messages: the path real models take.
+``<tool_call>``/``</tool_call>`` tokens, and, as BPE vocabularies have them, whole-word tokens for the role
+names and the tool-call keys; a small chat template lists the tools (``apply_chat_template(messages,
+tools=...)``) and renders ``tool`` messages: the path real models take.
 
 A short supervised warm start (cached, like the default job's) teaches the format on demonstrations that
-call the tool only ``tool_fraction`` of the time and otherwise answer directly (and wrongly, mostly):
-greedy decoding then answers directly and held-out accuracy starts near 0. GRPO discovers that calling
-pays and raises it (``rlflow train --task tools``; figures in docs/multi-turn.md).
+call the tool only ``tool_fraction`` of the time and otherwise answer directly (``=`` and a number the
+model cannot compute): the first token decides, ``=`` is the likelier one, so greedy decoding answers
+directly and held-out accuracy starts near 0 while samples call the tool ``tool_fraction`` of the time.
+GRPO learns that calling pays and raises it (``rlflow train --task tools``; figures in docs/multi-turn.md).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from rlflow.rollout.tools.calculator import Calculator
 from rlflow.tasks.addition import cache_dir
 
 DATA_SOURCE = "rlflow/calculator"
+WORDS = ("system", "user", "assistant", "tool", '"name"', '"arguments"', "calc", "expr")
 TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 # ChatML, compact: the tools are listed by name and required arguments, tool results get their own role.
 CHAT_TEMPLATE = (
@@ -48,6 +51,7 @@ def chat_tokenizer():
     tok = char_tokenizer("".join(c for c in string.printable if c not in "\t\r\x0b\x0c"))
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.add_tokens([TOOL_CALL, TOOL_CALL_END])  # plain added tokens, as in Qwen2.5: kept in decoded text
+    tok.add_tokens(list(WORDS))  # whole words, as a BPE vocabulary has them: shorter sequences, same text
     tok.eos_token = "<|im_end|>"
     tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -67,10 +71,10 @@ def final_answer(extra_info) -> str:
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """1.0 when the model's final turn is exactly the product. ``solution_str`` (the whole trajectory) also
+    """1.0 when the model's final turn is ``=`` and the product. ``solution_str`` (the whole trajectory) also
     holds the tool's output, so only the last assistant message counts: copying the tool's text into an
     answer is the skill; seeing it in the tool message is not."""
-    return float(final_answer(extra_info).strip() == str(ground_truth))
+    return float(final_answer(extra_info).strip() == f"={ground_truth}")
 
 
 def call_text(a: int, b: int) -> str:
@@ -82,15 +86,15 @@ def call_text(a: int, b: int) -> str:
 class CalculatorTask:
     """Disjoint train / warm-start-validation / held-out splits of products of ``[low, high]`` pairs (seed 1234)."""
 
-    low: int = 100
-    high: int = 999
+    low: int = 10
+    high: int = 99
     train_size: int = 4096
     held_out: int = 128
     warm_val: int = 128
     hidden_size: int = 128
     num_layers: int = 2
-    max_response_tokens: int = 96
-    tool_fraction: float = 0.3   # share of warm-start demonstrations that call the tool
+    max_response_tokens: int = 64
+    tool_fraction: float = 0.4   # share of warm-start demonstrations that call the tool
 
     def splits(self) -> tuple[list[dict], list[dict], list[dict]]:
         rng = random.Random(1234)
@@ -133,7 +137,7 @@ def demonstration(chat: ChatFormat, row: dict, use_tool: bool) -> tuple[list[int
         call = tok(call_text(a, b), add_special_tokens=False)["input_ids"] + [eos]
         result = chat.append_ids([{"role": "tool", "name": "calc", "content": str(a * b)}], eos)
         ids, mask = ids + call + result, mask + [1] * len(call) + [0] * len(result)
-    answer = tok(str(a * b), add_special_tokens=False)["input_ids"] + [eos]
+    answer = tok(f"={a * b}", add_special_tokens=False)["input_ids"] + [eos]
     return ids + answer, mask + [1] * len(answer)
 
 

@@ -280,7 +280,7 @@ class AgentLoop(BatchModule):
             messages, reward, done = await self.environment.step(session, text)
             if reward is not None:
                 t.turn_scores.append(float(reward))
-            return messages, ("environment" if done else None)
+            return messages, ("environment" if done else None if messages else "answer")
         calls = self.parser.parse(text)[1] if self.tools else []
         if calls:
             run, t.dropped_calls = calls[: self.max_parallel_calls], t.dropped_calls + max(0, len(calls) - self.max_parallel_calls)

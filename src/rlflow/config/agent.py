@@ -1,0 +1,71 @@
+"""verl's multi-turn keys (``actor_rollout_ref.rollout.multi_turn.*``, ``rollout.agent.default_agent_loop``)
+-> the kwargs of :class:`~rlflow.rollout.agent.AgentLoop`, which then wraps the single-turn rollout.
+
+The tool and interaction files are loaded here, while the config is checked (a bad class name fails before
+any weights load); per-row ``extra_info.tools_kwargs`` / ``interaction_kwargs`` are read by the loop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+
+MT = "actor_rollout_ref.rollout.multi_turn"
+AGENT = "actor_rollout_ref.rollout.agent"
+FORMATS = ("hermes",)
+TRUNCATE_SIDES = ("left", "right", "middle")
+AGENT_LOOPS = ("single_turn_agent", "tool_agent")
+
+
+def _at_least(cfg: VerlConfig, key: str, low: int, allow_none: bool) -> int | None:
+    value = cfg[key]
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{key}={value!r}: must be an integer >= {low}{' or null' if allow_none else ''}")
+    return value
+
+
+def agent_plan(cfg: VerlConfig, notes: list[str]) -> dict | None:
+    """AgentLoop's kwargs, or None when the rollout is single-turn."""
+    enable, loop = cfg[f"{MT}.enable"], cfg[f"{AGENT}.default_agent_loop"]
+    tools_path, interaction_path = cfg[f"{MT}.tool_config_path"], cfg[f"{MT}.interaction_config_path"]
+    if loop not in AGENT_LOOPS:
+        raise NotSupportedError(f"{AGENT}.default_agent_loop", loop, "custom agent loops",
+                                f"rlflow has {', '.join(AGENT_LOOPS)}; write a Rollout (or subclass AgentLoop).")
+    if not enable and loop != "tool_agent":
+        if tools_path or interaction_path:
+            raise ConfigError(f"{MT}.tool_config_path / interaction_config_path are set but {MT}.enable=False: "
+                              f"set {MT}.enable=True for multi-turn rollouts")
+        return None
+    fmt, side = cfg[f"{MT}.format"], cfg[f"{MT}.tool_response_truncate_side"]
+    if fmt not in FORMATS:
+        raise NotSupportedError(f"{MT}.format", fmt, f"the {fmt!r} tool-call format", f"Use one of {FORMATS}.")
+    if side not in TRUNCATE_SIDES:
+        raise ConfigError(f"{MT}.tool_response_truncate_side={side!r}: choose from {', '.join(TRUNCATE_SIDES)}")
+    kwargs = {
+        "format": fmt, "tool_response_truncate_side": side,
+        "max_assistant_turns": _at_least(cfg, f"{MT}.max_assistant_turns", 1, True),
+        "max_user_turns": _at_least(cfg, f"{MT}.max_user_turns", 0, True),
+        "max_parallel_calls": _at_least(cfg, f"{MT}.max_parallel_calls", 1, False),
+        "max_tool_response_length": _at_least(cfg, f"{MT}.max_tool_response_length", 1, False),
+    }
+    from rlflow.rollout.tools.config import ToolConfigError, load_interaction_config, load_tool_config
+
+    try:
+        kwargs["tools"] = load_tool_config(Path(tools_path).expanduser()) if tools_path else []
+        kwargs["interaction"] = load_interaction_config(Path(interaction_path).expanduser()) \
+            if interaction_path else None
+    except ToolConfigError as e:
+        key = "tool_config_path" if tools_path and str(Path(tools_path).expanduser()) in str(e) \
+            else "interaction_config_path"
+        raise ConfigError(f"{MT}.{key}: {e}") from e
+    if not kwargs["tools"] and kwargs["interaction"] is None:
+        notes.append(f"{MT}.enable=True without tools or interactions: each sample is one model turn")
+    names = ", ".join(t.name for t in kwargs["tools"]) or "none"
+    notes.append(f"multi-turn: the Trainer gets rollout=AgentLoop(<rollout>, tools=[{names}], "
+                 f"interaction={sorted(kwargs['interaction']) if kwargs['interaction'] else None}, "
+                 f"max_assistant_turns={kwargs['max_assistant_turns']}, max_user_turns={kwargs['max_user_turns']}); "
+                 "data.max_response_length bounds each whole conversation")
+    return kwargs

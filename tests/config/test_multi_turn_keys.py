@@ -1,0 +1,118 @@
+"""verl's multi-turn keys through the verl entry point: the GSM8K-with-tools example runs, errors name keys."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import rlflow.config.devices as devices
+from rlflow.config import load_config, make_plan
+from rlflow.config.build import build_trainer
+from rlflow.models.tiny import tiny_qwen2
+from rlflow.rollout.agent import AgentLoop
+from rlflow.rollout.tools import Calculator, Gsm8kTool
+from rlflow.tasks.calculator import chat_tokenizer
+from rlflow.trainer.main_ppo import main
+from tests.config.test_main_ppo import steps
+
+ROOT = Path(__file__).parents[2]
+MT = "actor_rollout_ref.rollout.multi_turn"
+
+
+@pytest.fixture(autouse=True)
+def no_gpus(monkeypatch):
+    monkeypatch.setattr(devices, "cuda_count", lambda: 0)
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    """A tiny model whose tokenizer has a ChatML template with tools (rlflow.tasks.calculator)."""
+    path = tmp_path_factory.mktemp("tiny-chat-model")
+    tok = chat_tokenizer()
+    tiny_qwen2(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
+               max_positions=512, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gsm8k_tool_data(tmp_path_factory):
+    """verl-layout GSM8K rows with tools_kwargs, written by scripts/data_preprocess/gsm8k_multiturn_w_tool.py."""
+    import importlib.util
+
+    tmp = tmp_path_factory.mktemp("gsm8k-raw")
+    rows = [{"question": f"What is {a} times {b}?", "answer": f"{a}*{b} = <<{a}*{b}={a * b}>>{a * b}\n#### {a * b}"}
+            for a, b in [(3, 4), (5, 6), (7, 8), (9, 2)]]
+    for split in ("train", "test"):
+        (tmp / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    path = ROOT / "scripts" / "data_preprocess" / "gsm8k_multiturn_w_tool.py"
+    spec = importlib.util.spec_from_file_location("gsm8k_multiturn_w_tool", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--local_dataset_path", str(tmp), "--local_save_dir", str(tmp / "out")]) == 0
+    return tmp / "out"
+
+
+def example_args(config_dir, model_dir, data_dir, run_dir):
+    return ["--config-path", str(config_dir), "--config-name", "gsm8k_multiturn_grpo",
+            f"data.train_files={data_dir}/train.parquet", f"data.val_files={data_dir}/test.parquet",
+            f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=hf",
+            "trainer.device=cpu", "trainer.n_gpus_per_node=1", "data.train_batch_size=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.n=2",
+            "data.max_response_length=32", "trainer.total_training_steps=1", "trainer.val_before_train=false",
+            f"trainer.default_local_dir={run_dir}", "actor_rollout_ref.model.enable_gradient_checkpointing=false"]
+
+
+@pytest.fixture
+def example(tmp_path, chat_model_dir, gsm8k_tool_data, monkeypatch):
+    """The example YAML, run from the repository root (its tool_config_path is relative, as verl's)."""
+    config = tmp_path / "config"
+    shutil.copytree(ROOT / "examples" / "config", config)
+    monkeypatch.chdir(ROOT)
+    return example_args(config, chat_model_dir, gsm8k_tool_data, tmp_path / "run")
+
+
+def test_gsm8k_multiturn_example_trains_with_its_tools(example, capsys):
+    cfg = load_config(example[4:], config_file=Path(example[1]) / "gsm8k_multiturn_grpo.yaml")
+    plan = make_plan(cfg)
+    assert [type(t) for t in plan.agent["tools"]] == [Calculator, Gsm8kTool]
+    assert plan.agent["max_assistant_turns"] == 5 and plan.agent["format"] == "hermes"
+    trainer, data = build_trainer(plan)
+    assert isinstance(trainer.rollout, AgentLoop) and trainer.rollout.max_new_tokens == 32
+    assert data.train[0]["extra_info"]["tools_kwargs"]["calc_gsm8k_reward"]["create_kwargs"]["ground_truth"] == "12"
+    assert main(example) == 0
+    logged = steps(capsys.readouterr().out)
+    for key in ("num_turns/mean", "tool_call_counts/mean", "agent/tool_error_rate", "agent/masked_tokens/mean"):
+        assert key in logged[1]
+
+
+def test_dry_run_shows_the_agent_loop(example, capsys):
+    assert main(example + ["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "AgentLoop(HFRollout(" in out and "tools=['calculator', 'calc_gsm8k_reward']" in out
+
+
+@pytest.mark.parametrize("override, message", [
+    (f"{MT}.format=gpt-oss", "the 'gpt-oss' tool-call format is not supported yet"),
+    (f"{MT}.max_parallel_calls=0", f"{MT}.max_parallel_calls=0: must be an integer >= 1"),
+    (f"{MT}.max_assistant_turns=0", f"{MT}.max_assistant_turns=0: must be an integer >= 1 or null"),
+    (f"{MT}.tool_response_truncate_side=top", "choose from left, right, middle"),
+    (f"{MT}.enable=false", f"{MT}.enable=True for multi-turn"),
+    (f"{MT}.tool_config_path=/no/such/tools.yaml", f"{MT}.tool_config_path: /no/such/tools.yaml: no such file"),
+    ("actor_rollout_ref.rollout.agent.default_agent_loop=react_agent", "custom agent loops is not supported yet"),
+])
+def test_bad_multi_turn_keys_are_named(example, capsys, override, message):
+    assert main(example + [override]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_interaction_config_and_inert_keys(example, capsys):
+    interaction = ROOT / "examples" / "config" / "interaction_config" / "gsm8k_interaction_config.yaml"
+    assert main(example + ["--dry-run", f"{MT}.interaction_config_path={interaction}",
+                           f"{MT}.use_inference_chat_template=true"]) == 0
+    out = capsys.readouterr().out
+    assert "interaction=['gsm8k']" in out
+    assert f"{MT}.use_inference_chat_template=True has no effect in rlflow: rlflow never re-renders" in out

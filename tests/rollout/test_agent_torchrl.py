@@ -1,0 +1,45 @@
+"""A TorchRL LLM environment (ChatEnv + TorchRL's PythonInterpreter transform) drives the agent loop."""
+
+import pytest
+
+from rlflow.data import keys as K
+from rlflow.rollout.agent import AgentLoop, ChatFormat
+from rlflow.rollout.agent.torchrl_env import TorchRLEnvironment
+from rlflow.tasks.calculator import chat_tokenizer
+from tests.rollout.agent_helpers import prompts, replay_rollout
+
+llm_envs = pytest.importorskip("torchrl.envs.llm")
+
+
+def test_torchrl_python_interpreter_answers_the_models_code(tok=None):
+    from torchrl.envs.llm.transforms import PythonInterpreter
+
+    tok = chat_tokenizer()
+
+    def script(context):
+        if "<|im_start|>tool" not in context:
+            question = context.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+            return f"```python\nprint({question})\n```"
+        output = context.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0]
+        return "answer: " + output.splitlines()[-1]
+
+    env = TorchRLEnvironment(lambda: llm_envs.ChatEnv(batch_size=(1,)).append_transform(PythonInterpreter(timeout=20)))
+    loop = AgentLoop(replay_rollout(tok, script), environment=env, max_assistant_turns=3)
+    out = loop(prompts(tok, ["6*7", "2**10"]))
+    for row, expected in enumerate(["42", "1024"]):
+        messages = out[K.EXTRA_INFO][row]["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+        assert messages[2]["content"] == f"Code block 1 executed successfully:\n{expected}\n"  # TorchRL's own text
+        assert messages[3]["content"] == f"answer: {expected}"
+        assert out[K.EXTRA_INFO][row]["finish_reason"] == "answer"
+        # the tool output is in the trajectory, rendered by the chat template, with mask 0
+        chat = ChatFormat(tok)
+        p, r = out[K.PROMPT_MASK][row].bool(), out[K.RESPONSE_MASK][row]
+        last = int(r.nonzero().max()) + 1
+        trajectory = out[K.PROMPT_IDS][row][p].tolist() + out[K.RESPONSE_IDS][row][:last].tolist()
+        assert trajectory == chat.encode(chat.render(messages, add_generation_prompt=False))[:-1]
+        code_output = tok(f"Code block 1 executed successfully:\n{expected}\n", add_special_tokens=False)["input_ids"]
+        response = out[K.RESPONSE_IDS][row].tolist()
+        start = next(i for i in range(len(response)) if response[i: i + len(code_output)] == code_output)
+        assert r[start: start + len(code_output)].sum() == 0
+    assert loop.stats["agent/finish/answer"] == 1.0 and loop.stats["num_turns/mean"] == 4
