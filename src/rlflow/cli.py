@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-DEFAULT_JOB_FLAGS = {"seed": ("--seed", 0, "data.seed=N"), "steps": ("--steps", 200, "trainer.total_training_steps=N"),
+DEFAULT_JOB_FLAGS = {"seed": ("--seed", 0, "data.seed=N"), "steps": ("--steps", None, "trainer.total_training_steps=N"),
+                     "task": ("--task", "addition", "data.train_files=..."),
                      "run_dir": ("--run-dir", None, "trainer.default_local_dir=DIR"),
                      "no_progress": ("--no-progress", False, "trainer.logger=[console]"),
                      "rollout": ("--rollout", "hf", "actor_rollout_ref.rollout.name=NAME")}
@@ -27,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
                     "(a verl YAML) or --config (an rlflow recipe): train from that config, as "
                     "python -m rlflow.trainer.main_ppo does.")
     train.add_argument("--seed", type=int, default=0, help="default job: seed")
-    train.add_argument("--steps", type=int, default=200, help="default job: RL steps (default 200)")
+    train.add_argument("--steps", type=int, default=None, help="default job: RL steps (default 200; --task tools: 30)")
+    train.add_argument("--task", choices=["addition", "tools"], default="addition",
+                       help="default job: the built-in task (tools: multiplication with a calculator tool)")
     train.add_argument("--run-dir", default=None, help="default job: where metrics, checkpoints and the reward curve go")
     train.add_argument("--no-progress", action="store_true", help="default job: no progress bar")
     train.add_argument("--rollout", choices=["hf", "vllm"], default="hf",
@@ -76,9 +79,15 @@ def main(argv: list[str] | None = None) -> int:
             return _train_from_config(parser, args)
         if args.dry_run:
             parser.error("--dry-run needs a config: key=value overrides, --config-path/--config-name, or --config")
+        if args.task == "tools":
+            from rlflow.tasks.tool_job import run
+
+            run(seed=args.seed, steps=args.steps or 30, run_dir=args.run_dir or f"runs/tools-seed{args.seed}",
+                progress=not args.no_progress)
+            return 0
         from rlflow.tasks.default_job import run
 
-        run(seed=args.seed, steps=args.steps, run_dir=args.run_dir or f"runs/default-seed{args.seed}",
+        run(seed=args.seed, steps=args.steps or 200, run_dir=args.run_dir or f"runs/default-seed{args.seed}",
             progress=not args.no_progress, rollout=args.rollout)
     return 0
 

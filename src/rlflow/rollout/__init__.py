@@ -9,9 +9,10 @@ from rlflow.rollout.single_turn import SingleTurnRollout
 
 from rlflow.rollout.dynamic_sampling import DynamicSampling
 from rlflow.rollout.reference_responses import WithReferenceResponses
+from rlflow.rollout.agent import AgentLoop
 
 __all__ = ["HFRollout", "SingleTurnRollout", "VLLMRollout", "ServerRollout", "SGLangRollout", "DynamicSampling",
-           "WithReferenceResponses"]
+           "WithReferenceResponses", "AgentLoop"]
 
 _LAZY = {"VLLMRollout": "rlflow.rollout.vllm", "ServerRollout": "rlflow.rollout.server",
          "SGLangRollout": "rlflow.rollout.server"}

@@ -91,7 +91,7 @@ class CalculatorTask:
     train_size: int = 4096
     held_out: int = 128
     warm_val: int = 128
-    hidden_size: int = 128
+    hidden_size: int = 64
     num_layers: int = 2
     max_response_tokens: int = 64
     tool_fraction: float = 0.4   # share of warm-start demonstrations that call the tool
@@ -168,7 +168,7 @@ def format_accuracy(model, chat: ChatFormat, rows: list[dict]) -> float:
 
 
 def supervised_warm_start(model, task: CalculatorTask, train: list[dict], val: list[dict], *, target: float = 0.9,
-                          lr: float = 2e-3, batch_size: int = 64, max_steps: int = 2000, eval_every: int = 25,
+                          lr: float = 3e-3, batch_size: int = 32, max_steps: int = 2000, eval_every: int = 25,
                           seed: int = 0) -> int:
     """Train on written tokens only until :func:`format_accuracy` on ``val`` reaches ``target``; returns the steps.
 

@@ -28,14 +28,19 @@ TOOL_METRICS = ("num_turns/mean", "agent/tool_calls/mean", "agent/tool_error_rat
 
 def build_trainer(seed: int = 0, steps: int = 30, run_dir: str | Path = "runs/tools", *,
                   task: CalculatorTask | None = None, batch_size: int = 16, n: int = 8, lr: float = 5e-4,
-                  progress: bool = True, **trainer_kwargs):
-    """The modules of the tool job, assembled; returns ``(trainer, data)``."""
+                  progress: bool = True, tools=None, reward=None, **trainer_kwargs):
+    """The modules of the tool job, assembled; returns ``(trainer, data)``.
+
+    ``tools`` replace the task's calculator (the warm-started model calls ``calc(expr)``: a replacement keeps
+    that schema); ``reward`` replaces ``FunctionReward(compute_score)``.
+    """
     task = task or CalculatorTask()
     model, tokenizer = warm_started_model(task, seed)
-    rollout = AgentLoop(HFRollout(n=n, temperature=1.0, max_new_tokens=task.max_response_tokens), task.tools(),
-                        max_assistant_turns=2)
+    rollout = AgentLoop(HFRollout(n=n, temperature=1.0, max_new_tokens=task.max_response_tokens),
+                        task.tools() if tools is None else tools, max_assistant_turns=2)
     trainer = Trainer(
-        policy=Policy(model, tokenizer, temperature=1.0), rollout=rollout, reward=FunctionReward(compute_score),
+        policy=Policy(model, tokenizer, temperature=1.0), rollout=rollout,
+        reward=FunctionReward(compute_score) if reward is None else reward,
         estimator=GRPO(), loss=PPOLoss(clip_ratio=0.2), batch_size=batch_size, lr=lr, weight_decay=0.0,
         max_steps=steps, run_dir=run_dir, seed=seed, progress=progress, **trainer_kwargs)
     return trainer, task.data(seed)

@@ -213,8 +213,9 @@ class AgentLoop(BatchModule):
 
     async def run_one(self, t: Trajectory, sampler) -> None:
         """One conversation: model turn, then tools / user / environment, until a stop condition."""
-        session = await self.start(t)
+        session = None
         try:
+            session = await self.start(t)
             while True:
                 start = time.perf_counter()
                 turn = await sampler.generate(t.context, t.remaining)
@@ -225,14 +226,13 @@ class AgentLoop(BatchModule):
                 if turn.finish_reason == "length" or t.remaining <= 0:
                     t.finish = "length"
                     break
-                if self.max_assistant_turns is not None and t.assistant_turns >= self.max_assistant_turns:
-                    t.finish = "max_assistant_turns"
-                    break
-                if self.max_user_turns is not None and t.user_turns >= self.max_user_turns:
-                    t.finish = "max_user_turns"
+                calls = self.parser.parse(text)[1] if self.tools and self.environment is None else []
+                limit = self.turn_limit(t)
+                if limit is not None:  # a plain answer at the limit still counts as an answer
+                    t.finish = limit if calls or self.environment is not None or self.interaction_for(t) else "answer"
                     break
                 start = time.perf_counter()
-                messages, finish = await self.respond(t, text, session)
+                messages, finish = await self.respond(t, text, calls, session)
                 t.tool_s += time.perf_counter() - start
                 if messages:
                     if not t.add_observation(self.chat.append_ids(messages, turn.token_ids[-1] if turn.token_ids else None)):
@@ -244,8 +244,9 @@ class AgentLoop(BatchModule):
                     t.finish = finish
                     break
         finally:
-            sampler.retire()
-            await self.finish(t, session)
+            sampler.retire()  # first: the others' turns never wait for a trajectory that has ended
+            if session is not None:
+                await self.finish(t, session)
 
     # ------------------------------------------------------------------ between turns
     async def start(self, t: Trajectory):
@@ -274,14 +275,21 @@ class AgentLoop(BatchModule):
                            f"configured: {sorted(self.interaction)}")
         return self.interaction[name]
 
-    async def respond(self, t: Trajectory, text: str, session) -> tuple[list[dict], str | None]:
-        """The messages that answer the model's turn, and a finish reason when the conversation ends."""
+    def turn_limit(self, t: Trajectory) -> str | None:
+        """The turn limit ``t`` has reached, if any."""
+        if self.max_assistant_turns is not None and t.assistant_turns >= self.max_assistant_turns:
+            return "max_assistant_turns"
+        if self.max_user_turns is not None and t.user_turns >= self.max_user_turns:
+            return "max_user_turns"
+        return None
+
+    async def respond(self, t: Trajectory, text: str, calls: list[ToolCall], session) -> tuple[list[dict], str | None]:
+        """The messages that answer the model's turn (its parsed ``calls``), and a finish reason when it ends."""
         if self.environment is not None:
             messages, reward, done = await self.environment.step(session, text)
             if reward is not None:
                 t.turn_scores.append(float(reward))
             return messages, ("environment" if done else None if messages else "answer")
-        calls = self.parser.parse(text)[1] if self.tools else []
         if calls:
             run, t.dropped_calls = calls[: self.max_parallel_calls], t.dropped_calls + max(0, len(calls) - self.max_parallel_calls)
             results = await asyncio.gather(*(self.call_tool(t, c) for c in run))
