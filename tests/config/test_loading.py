@@ -67,7 +67,7 @@ def test_bad_overrides(override, message):
 @pytest.mark.parametrize("override, feature", [
     ("critic.model.lora_rank=8", "LoRA on the critic"),
     ("actor_rollout_ref.rollout.enable_vision=true", "vision"),
-    ("actor_rollout_ref.rollout.multi_turn.enable=true", "multi-turn"),
+    ("actor_rollout_ref.rollout.agent.agent_loop_config_path=loops.yaml", "custom agent loops"),
     ("trainer.async_weight_update=true", "async weight update"),
     ("actor_rollout_ref.actor.strategy=deepspeed", "strategies other than fsdp, fsdp2 and megatron"),
     ("actor_rollout_ref.model.backend=deepspeed", "strategies other than fsdp, fsdp2 and megatron"),

@@ -130,7 +130,7 @@ def test_verl_tool_config_builds_rlflow_tools(tmp_path):
 
 @pytest.mark.parametrize("entry, message", [
     ("- class_name: verl.tools.mcp_search_tool.MCPSearchTool", "MCP servers"),
-    ("- class_name: verl.tools.sandbox_fusion_tools.SandboxFusionTool", "SandboxFusion"),
+    ("- class_name: verl.tools.search_tool.SearchTool", "a retrieval server"),
     ("- class_name: rlflow.rollout.tools.Calculator\n  config: {type: mcp}", "only native"),
     ("- class_name: no.such.module.Tool", "cannot import"),
     ("- class_name: rlflow.rollout.tools.NoSuchTool", "has no class"),

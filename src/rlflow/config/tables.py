@@ -79,7 +79,7 @@ def _not(*ok: Any) -> Callable[[Any], bool]:
 
 OTHER_BACKENDS = "training strategies other than fsdp, fsdp2 and megatron"
 LORA = "LoRA on the critic"
-MULTI_TURN = "multi-turn tool calling / agent loops"
+MULTI_TURN = "custom agent loops (agent_loop_config_path)"
 DYN_BSZ = "token-budget micro-batches (use_dynamic_bsz; set ppo_micro_batch_size_per_gpu instead)"
 
 NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {

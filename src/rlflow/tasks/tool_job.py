@@ -55,7 +55,7 @@ def run(seed: int = 0, steps: int = 30, run_dir: str | Path = "runs/tools", prog
     before = trainer.validate(data)[ACCURACY_KEY]
     print(f"held-out accuracy before RL: {before:.3f} ({len(data.val)} prompts, greedy, with the calculator)")
     history = trainer.fit(data)
-    after = trainer.validate(data)[ACCURACY_KEY]
+    after = history[-1][ACCURACY_KEY]  # fit validates at its last step
     elapsed = time.perf_counter() - start
     first, last = history[0], history[-1]
     for key in TOOL_METRICS:
