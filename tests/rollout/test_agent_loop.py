@@ -232,3 +232,30 @@ def test_step_rewards_from_tools_with_per_sample_kwargs_reach_the_score(tok):
     assert scored[K.TOKEN_REWARDS].sum(-1).tolist() == pytest.approx([0.95, 0.95])
     assert scored[K.TOKEN_REWARDS][torch.arange(2), last].tolist() == pytest.approx([0.95, 0.95])
     assert reward.stats["reward/step_rewards/mean"] == pytest.approx(-0.05)
+
+
+def test_concurrent_requests_and_dynamic_sampling_around_the_loop(tok):
+    """One request per turn (servers) gives the same trajectories; DynamicSampling wraps the loop unchanged."""
+    batched = AgentLoop(replay_rollout(tok, calc_then_answer, n=2), [Calculator()])
+    direct = AgentLoop(replay_rollout(tok, calc_then_answer, n=2), [Calculator()], concurrent_requests=True)
+    rows = prompts(tok, ["6*7", "9-2"])
+    a, b = batched(rows), direct(rows)
+    assert direct.rollout.engine.calls == [1] * 8 and batched.rollout.engine.calls == [4, 4]
+    assert torch.equal(a[K.RESPONSE_IDS], b[K.RESPONSE_IDS]) and torch.equal(a[K.RESPONSE_MASK], b[K.RESPONSE_MASK])
+
+    from rlflow.rollout import DynamicSampling
+
+    turns = iter(range(10**6))
+
+    def sometimes_right(context):  # alternate right and wrong answers, so groups are informative
+        result = last_tool_text(context)
+        if result is None:
+            return call("calculator", expression=context.split("<|im_start|>user\n")[1].split("<|im_end|>")[0])
+        return result if next(turns) % 2 else "no idea"
+
+    score = FunctionReward(lambda response, truth: float(response.endswith(truth)))
+    sampler = DynamicSampling(AgentLoop(replay_rollout(tok, sometimes_right, n=2), [Calculator()]), score)
+    sampler.bind_prompts(iter([]))
+    out = sampler(prompts(tok, ["6*7", "9-2"], ground_truths=["42", "7"]))
+    assert out.batch_size[0] == 4 and sorted(out[K.SCORES].tolist()) == [0.0, 0.0, 1.0, 1.0]
+    assert sampler.stats["agent/tool_calls/mean"] == 1 and sampler.stats["dapo/kept_group_frac"] == 1.0

@@ -102,7 +102,7 @@ class DynamicSampling(RolloutWrapper):
                 f"prompt groups with a non-constant {self.metric!r} out of {n_groups} generated; {target} are needed. "
                 "Most prompts are solved by every sample or by none: raise max_gen_batches, change n, or the data")
         batch = first_groups(cat_batches(kept, self.tokenizer.pad_token_id), target)
-        self.stats = _merge(reward_stats) | {
+        self.stats = _merge(reward_stats) | dict(getattr(self.rollout, "stats", {})) | {  # an AgentLoop's: last round
             "dapo/num_gen_batches": float(round_),
             "dapo/kept_group_frac": n_kept / n_groups,
             "dapo/gen_score_mean": float(torch.cat(scores).float().mean()),

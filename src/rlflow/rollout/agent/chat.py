@@ -39,6 +39,14 @@ class ChatFormat:
         self.tools = list(tools or []) or None
         self.template_kwargs = dict(template_kwargs or {})
         self._after_end = lru_cache(maxsize=64)(self._after_end_uncached)
+        self._base: list[int] | None = None
+
+    @property
+    def base_ids(self) -> list[int]:
+        """The fixed two-message conversation every appended rendering is measured against (computed once)."""
+        if self._base is None:
+            self._base = self.encode(self.render(self._BASE, add_generation_prompt=False))
+        return self._base
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(list(messages), tools=self.tools, tokenize=False,
@@ -55,14 +63,14 @@ class ChatFormat:
         return self.encode(self.render(prompt, add_generation_prompt=True))
 
     def _after_end_uncached(self, end_token: int) -> tuple[int, ...]:
-        base = self.encode(self.render(self._BASE, add_generation_prompt=False))
+        base = self.base_ids
         where = [i for i, t in enumerate(base) if t == end_token]
         return tuple(base[where[-1] + 1:]) if where else ()
 
     def append_ids(self, messages: list[dict], last_token: int | None) -> list[int]:
         """Ids to append after a model turn that ended with ``last_token``: the template's tail after that
         end-of-turn token, the ``messages`` (tool results, a user turn) and the next generation prompt."""
-        base = self.encode(self.render(self._BASE, add_generation_prompt=False))
+        base = self.base_ids
         ext = self.encode(self.render([*self._BASE, *messages], add_generation_prompt=True))
         if ext[: len(base)] != base:
             raise ValueError("the chat template renders a conversation differently once messages are appended (its "

@@ -33,8 +33,7 @@ from typing import Any, Callable
 @dataclass
 class _EnvState:
     env: Any
-    td: Any
-    known: int  # messages of the environment's history already in the trajectory
+    td: Any  # the environment's current state (its history's prompt is the conversation so far)
 
 
 class TorchRLEnvironment:
@@ -72,7 +71,7 @@ class TorchRLEnvironment:
             raise ValueError(f"make_env must return an environment of batch size (1,), got {tuple(env.batch_size)}")
         query = History.from_chats([[{"role": m["role"], "content": m["content"]} for m in messages]])
         td = env.reset(TensorDict({base.data_key: query}, batch_size=(1,)))
-        return _EnvState(env, td, len(_messages(td["history"].prompt)))
+        return _EnvState(env, td)
 
     def _step(self, state: _EnvState, text: str) -> tuple[list[dict], float | None, bool]:
         from torchrl.data.llm import History
@@ -89,7 +88,6 @@ class TorchRLEnvironment:
         reward = out.get(self.reward_key, None)
         done = out.get(("next", "done"), None)
         state.td = state.env.step_mdp(out) if hasattr(state.env, "step_mdp") else nxt
-        state.known = len(history)
         return (new, None if reward is None else float(reward.sum()),
                 bool(done.any()) if done is not None else False)
 
