@@ -259,3 +259,14 @@ def test_concurrent_requests_and_dynamic_sampling_around_the_loop(tok):
     out = sampler(prompts(tok, ["6*7", "9-2"], ground_truths=["42", "7"]))
     assert out.batch_size[0] == 4 and sorted(out[K.SCORES].tolist()) == [0.0, 0.0, 1.0, 1.0]
     assert sampler.stats["agent/tool_calls/mean"] == 1 and sampler.stats["dapo/kept_group_frac"] == 1.0
+
+
+def test_a_tokenizer_without_chat_template_is_refused_before_sampling():
+    from rlflow.data.prompts import collate, load_rows
+    from rlflow.models.tiny import char_tokenizer
+
+    plain = char_tokenizer()
+    loop = AgentLoop(replay_rollout(plain, lambda c: "1"), [Calculator()])
+    with pytest.raises(ValueError, match="has none: set tokenizer.chat_template"):
+        loop(collate(load_rows([{"prompt": "1+1", "ground_truth": "2"}])[0], plain))
+    assert loop.rollout.engine.calls == []

@@ -180,6 +180,8 @@ class AgentLoop(BatchModule):
         rollout, n, num_prompts = self.rollout, self.n, batch.batch_size[0]
         if rollout.holds_own_weights and rollout.model is not None and getattr(rollout.engine, "loaded_from", None) is not rollout.model:
             rollout.sync_weights(rollout.model)
+        if self.tools or self.interaction is not None or self.environment is not None:
+            self.chat  # fails now, naming the fix, when the tokenizer has no chat template to render turns with
         prompts, raw = self.prompt_ids(batch), _column(batch, K.RAW_PROMPT, num_prompts)
         extra = _column(batch, K.EXTRA_INFO, num_prompts)
         trajs = [self.new_trajectory(prompts[i], raw[i], extra[i]) for i in range(num_prompts) for _ in range(n)]
