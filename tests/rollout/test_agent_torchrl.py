@@ -43,3 +43,36 @@ def test_torchrl_python_interpreter_answers_the_models_code(tok=None):
         start = next(i for i in range(len(response)) if response[i: i + len(code_output)] == code_output)
         assert r[start: start + len(code_output)].sum() == 0
     assert loop.stats["agent/finish/answer"] == 1.0 and loop.stats["num_turns/mean"] == 4
+
+
+def test_torchrl_reward_transform_scores_the_conversation():
+    """TorchRL's GSM8KRewardParser (reading the row's answer, given at reset) writes ("next", "reward") and ends the
+    conversation when the model answers; the reward becomes the trajectory's step reward, which WithStepRewards adds
+    to the score: a TorchRL environment with its own reward trains as it is."""
+    from torchrl.envs.llm.reward import GSM8KRewardParser
+    from torchrl.envs.llm.transforms import PythonInterpreter
+
+    from rlflow.rewards import FunctionReward
+    from rlflow.rewards.steps import WithStepRewards
+
+    tok = chat_tokenizer()
+
+    def script(context):
+        if "<|im_start|>tool" not in context:
+            return "```python\nprint(6*7)\n```"
+        output = context.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0].splitlines()[-1]
+        return f"<think>the code says {output}</think><answer>{output if 'right' in context else 41}</answer>"
+
+    def make_env():
+        env = llm_envs.ChatEnv(batch_size=(1,)).append_transform(PythonInterpreter(timeout=20))
+        return env.append_transform(GSM8KRewardParser(eos_token="<|im_end|>"))
+
+    env = TorchRLEnvironment(make_env, reset_data=lambda row: {"answer": row["extra_info"]["answer"]})
+    loop = AgentLoop(replay_rollout(tok, script), environment=env, max_assistant_turns=4)
+    rows = prompts(tok, ["right: 6*7?", "wrong: 6*7?"], [{"answer": "6*7 = 42\n#### 42"}] * 2)
+    out = loop(rows)
+    # TorchRL's parser: 1.0 for the right answer, its format reward 0.1 for a wrong one in the right format
+    assert out[K.STEP_REWARDS].tolist() == pytest.approx([1.0, 0.1])
+    assert [i["finish_reason"] for i in out[K.EXTRA_INFO]] == ["environment", "environment"]  # done on an answer
+    scored = WithStepRewards(FunctionReward(lambda response, truth: 0.0))(out)
+    assert scored[K.SCORES].tolist() == pytest.approx([1.0, 0.1])

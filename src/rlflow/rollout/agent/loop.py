@@ -184,7 +184,9 @@ class AgentLoop(BatchModule):
             self.chat  # fails now, naming the fix, when the tokenizer has no chat template to render turns with
         prompts, raw = self.prompt_ids(batch), _column(batch, K.RAW_PROMPT, num_prompts)
         extra = _column(batch, K.EXTRA_INFO, num_prompts)
-        trajs = [self.new_trajectory(prompts[i], raw[i], extra[i]) for i in range(num_prompts) for _ in range(n)]
+        rows = [{"ground_truth": g, "data_source": d, "extra_info": e} for g, d, e in zip(
+            _column(batch, K.GROUND_TRUTH, num_prompts), _column(batch, K.DATA_SOURCE, num_prompts), extra)]
+        trajs = [self.new_trajectory(prompts[i], raw[i], rows[i]) for i in range(num_prompts) for _ in range(n)]
         run_sync(self.run(trajs))
         out = batch.repeat_interleave(n, dim=0) if n > 1 else batch.clone(False)
         self.write(out, trajs, [extra[i] for i in range(num_prompts) for _ in range(n)], batch[K.PROMPT_IDS].device)
@@ -200,13 +202,15 @@ class AgentLoop(BatchModule):
         raw = _column(batch, K.RAW_PROMPT, len(given))
         return [self.chat.prompt_ids(p) if isinstance(p, list) else ids for p, ids in zip(raw, given)]
 
-    def new_trajectory(self, prompt: list[int], raw_prompt, extra_info) -> Trajectory:
-        """A sample's starting state: its prompt, the conversation so far, its ``tools_kwargs``/``interaction_kwargs``."""
-        extra_info = extra_info if isinstance(extra_info, dict) else {}
+    def new_trajectory(self, prompt: list[int], raw_prompt, row: dict) -> Trajectory:
+        """A sample's starting state: its prompt, the conversation so far, its ``tools_kwargs``/``interaction_kwargs``
+        (from ``row["extra_info"]``) and its data ``row``."""
+        extra_info = row["extra_info"] if isinstance(row.get("extra_info"), dict) else {}
         messages = ([dict(m) for m in raw_prompt] if isinstance(raw_prompt, list)
                     else [{"role": "user", "content": raw_prompt}] if isinstance(raw_prompt, str) else [])
         return Trajectory(prompt, self.max_new_tokens, tools_kwargs=dict(extra_info.get("tools_kwargs") or {}),
-                          interaction_kwargs=dict(extra_info.get("interaction_kwargs") or {}), messages=messages)
+                          interaction_kwargs=dict(extra_info.get("interaction_kwargs") or {}), messages=messages,
+                          row=row)
 
     async def run(self, trajs: list[Trajectory]) -> None:
         engine, params = self.rollout.engine, self.rollout.params

@@ -18,6 +18,9 @@ The messages the transforms appended become the next tokens of the trajectory, r
 template (mask 0, like tool results); ``("next", "reward")`` is summed into ``step_rewards`` and
 ``("next", "done")`` ends the conversation. A turn after which no transform appended anything ends it too.
 
+Transforms that read more of the data row than the prompt (TorchRL's ``GSM8KRewardParser`` reads the
+row's ``answer``) get it through ``reset_data``; the adapter carries those keys from step to step.
+
 The model's tokens stay rlflow's: the environment sees text (its history), the trajectory keeps the
 sampled token ids. A ``system_prompt`` set on the ``ChatEnv`` is seen by the environment's transforms but
 is not part of the model's prompt (put it in the data's chat messages for the model to see it).
@@ -42,14 +45,19 @@ class TorchRLEnvironment:
     Args:
         make_env: returns a fresh environment of batch size ``(1,)`` in history mode (a ``ChatEnv`` with
             transforms, or a ``TransformedEnv`` around one); called once per trajectory.
+        reset_data: ``row -> {key: value}`` added to the reset TensorDict besides the query, for transforms
+            that read more of the data row (``row`` has ``ground_truth``, ``data_source``, ``extra_info``;
+            e.g. ``lambda row: {"answer": row["extra_info"]["answer"]}`` for TorchRL's ``GSM8KRewardParser``).
         reward_key: where the environment writes a step's reward.
     """
 
-    def __init__(self, make_env: Callable[[], Any], reward_key=("next", "reward")):
-        self.make_env, self.reward_key = make_env, reward_key
+    def __init__(self, make_env: Callable[[], Any], reset_data: Callable[[dict], dict] | None = None,
+                 reward_key=("next", "reward")):
+        self.make_env, self.reset_data, self.reward_key = make_env, reset_data, reward_key
 
     async def reset(self, trajectory) -> _EnvState:
-        return await asyncio.to_thread(self._reset, list(trajectory.messages))
+        extra = self.reset_data(trajectory.row) if self.reset_data is not None else {}
+        return await asyncio.to_thread(self._reset, list(trajectory.messages), extra)
 
     async def step(self, state: _EnvState, text: str) -> tuple[list[dict], float | None, bool]:
         return await asyncio.to_thread(self._step, state, text)
@@ -59,18 +67,23 @@ class TorchRLEnvironment:
             await asyncio.to_thread(_close, state.env)
 
     # ------------------------------------------------------------------ TorchRL calls (on worker threads)
-    def _reset(self, messages: list[dict]) -> _EnvState:
-        from tensordict import TensorDict
+    def _reset(self, messages: list[dict], extra: dict) -> _EnvState:
+        from tensordict import NonTensorStack, TensorDict
         from torchrl.data.llm import History
 
         env = self.make_env()
+        if extra:  # transforms read these on every step: carry them from each state into the next one
+            env = _with_carried_keys(env, tuple(extra))
         base = getattr(env, "base_env", env)
         if getattr(base, "input_mode", "history") != "history":
             raise ValueError(f"TorchRLEnvironment needs a ChatEnv in history mode, got input_mode={base.input_mode!r}")
         if tuple(env.batch_size) != (1,):
             raise ValueError(f"make_env must return an environment of batch size (1,), got {tuple(env.batch_size)}")
         query = History.from_chats([[{"role": m["role"], "content": m["content"]} for m in messages]])
-        td = env.reset(TensorDict({base.data_key: query}, batch_size=(1,)))
+        data = TensorDict({base.data_key: query}, batch_size=(1,))
+        for key, value in extra.items():
+            data.set(key, value if hasattr(value, "shape") else NonTensorStack(value))  # one row, as a loader gives
+        td = env.reset(data)
         return _EnvState(env, td)
 
     def _step(self, state: _EnvState, text: str) -> tuple[list[dict], float | None, bool]:
@@ -90,6 +103,30 @@ class TorchRLEnvironment:
         state.td = state.env.step_mdp(out) if hasattr(state.env, "step_mdp") else nxt
         return (new, None if reward is None else float(reward.sum()),
                 bool(done.any()) if done is not None else False)
+
+
+def _with_carried_keys(env, keys: tuple[str, ...]):
+    """``env`` with a first transform that copies ``keys`` from each state into the next one.
+
+    A TorchRL dataset environment gets this from its ``DataLoadingPrimer``; here the data row comes from rlflow,
+    and ``TensorDictPrimer`` cannot hold non-tensor values (a GSM8K answer string) in this TorchRL version.
+    """
+    from torchrl.envs import Transform, TransformedEnv
+
+    class CarryKeys(Transform):
+        def _step(self, tensordict, next_tensordict):
+            for key in keys:
+                if key in tensordict.keys() and key not in next_tensordict.keys():
+                    next_tensordict.set(key, tensordict.get(key))
+            return next_tensordict
+
+        def _reset(self, tensordict, tensordict_reset):
+            return tensordict_reset
+
+    if isinstance(env, TransformedEnv):
+        env.insert_transform(0, CarryKeys())
+        return env
+    return TransformedEnv(env, CarryKeys())
 
 
 def _messages(history) -> list[dict]:

@@ -23,6 +23,7 @@ class Trajectory:
     tools_kwargs: dict = field(default_factory=dict)
     interaction_kwargs: dict = field(default_factory=dict)
     messages: list[dict] = field(default_factory=list)   # the conversation, for interactions and rewards
+    row: dict = field(default_factory=dict)       # the data row's ground_truth, data_source and extra_info
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
