@@ -270,3 +270,25 @@ def test_a_tokenizer_without_chat_template_is_refused_before_sampling():
     with pytest.raises(ValueError, match="has none: set tokenizer.chat_template"):
         loop(collate(load_rows([{"prompt": "1+1", "ground_truth": "2"}])[0], plain))
     assert loop.rollout.engine.calls == []
+
+
+def test_vllm_tool_parsers_read_other_chat_template_formats(tok):
+    """``format="vllm:<name>"``: vLLM's own parser reads the calls (here its ``pythonic`` format, Llama 3.2/4's
+    ``[name(arg=...)]``), the loop runs them as with Hermes; a parser vLLM lacks is named with vLLM's list."""
+    pytest.importorskip("vllm.tool_parsers")
+
+    def pythonic(context):
+        if "<|im_start|>tool\n" not in context:
+            question = context.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+            return f'[calculator(expression="{question}"), calculator(expression=7)]'
+        return "the answer is " + context.split("<|im_start|>tool\n")[1].split("<|im_end|>")[0]
+
+    loop = AgentLoop(replay_rollout(tok, pythonic), [Calculator()], format="vllm:pythonic", max_parallel_calls=2)
+    out = loop(prompts(tok, ["12*34"]))
+    messages = out[K.EXTRA_INFO][0]["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert messages[2]["content"] == "408" and messages[3]["content"].startswith("Error: calculator: ")  # 7: no str
+    assert messages[4]["content"] == "the answer is 408"
+    assert loop.stats["agent/tool_calls/mean"] == 2 and loop.stats["agent/tool_errors/error"] == 1
+    with pytest.raises(ValueError, match="vLLM has no tool parser 'nope'; its parsers: .*hermes"):
+        AgentLoop(replay_rollout(tok, pythonic), [Calculator()], format="vllm:nope")

@@ -62,7 +62,8 @@ class AgentLoop(BatchModule):
         rollout: the single-turn rollout whose engine samples each turn (its ``n``, temperature, top-p/k,
             seed apply per sample; its ``max_new_tokens`` is the default response budget).
         tools: :class:`~rlflow.rollout.tools.Tool` objects, or a verl tool YAML path.
-        format: the tool-call format the model writes (``"hermes"``) or a ``ToolParser``.
+        format: the tool-call format the model writes: ``"hermes"``, ``"vllm:<name>"`` (one of vLLM's tool
+            parsers, e.g. ``vllm:llama3_json``) or a ``ToolParser``.
         interaction: an :class:`Interaction`, a ``{name: Interaction}`` dict (rows choose with
             ``interaction_kwargs.name``) or a verl interaction YAML path; asked for a user turn when the
             model calls no tool.
@@ -170,7 +171,10 @@ class AgentLoop(BatchModule):
     @property
     def chat(self) -> ChatFormat:
         if self._chat is None or self._chat.tokenizer is not self.tokenizer:
-            self._chat = ChatFormat(self.tokenizer, [t.schema for t in self.tools.values()], self.template_kwargs)
+            schemas = [t.schema for t in self.tools.values()]
+            self._chat = ChatFormat(self.tokenizer, schemas, self.template_kwargs)
+            if hasattr(self.parser, "bind"):  # vLLM's parsers read the tokenizer's special tokens and the tools
+                self.parser.bind(self.tokenizer, schemas)
         return self._chat
 
     # ------------------------------------------------------------------ the rollout

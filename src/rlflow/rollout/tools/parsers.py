@@ -4,6 +4,11 @@
 each call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the assistant's text.
 A call that cannot be read (bad JSON, no name, an unclosed tag) is still returned, with ``error`` set,
 so the model is told what was wrong and the rollout counts it; nothing the model wrote is silently dropped.
+
+``vllm:<name>`` (e.g. ``vllm:llama3_json``, ``vllm:mistral``, ``vllm:pythonic``): one of vLLM's tool parsers
+(``vllm serve --tool-call-parser <name>``), for the chat templates whose call format is not Hermes. vLLM's
+parsers return no call for a call they cannot read (its text stays in the turn), so such turns end the
+conversation as answers rather than being answered with an error.
 """
 
 from __future__ import annotations
@@ -66,13 +71,52 @@ class HermesParser(ToolParser):
         return ToolCall(obj["name"], args, body)
 
 
+class VLLMParser(ToolParser):
+    """One of vLLM's tool parsers (``name`` as ``vllm serve --tool-call-parser`` takes it).
+
+    vLLM's parsers read the tokenizer (their special tokens) and the request's tools, so :meth:`bind` gives them
+    (the agent loop does, with its tokenizer and tool schemas) before :meth:`parse`.
+    """
+
+    def __init__(self, name: str):
+        from vllm.tool_parsers import ToolParserManager
+
+        try:
+            self.parser_class = ToolParserManager.get_tool_parser(name)
+        except KeyError:
+            raise ValueError(f"vLLM has no tool parser {name!r}; its parsers: "
+                             f"{sorted(ToolParserManager.list_registered())}") from None
+        self.name, self.parser, self.request = name, None, None
+
+    def bind(self, tokenizer, tools: list[dict]) -> None:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        self.parser = self.parser_class(tokenizer)  # raises, naming the token, when the tokenizer lacks it
+        self.request = ChatCompletionRequest(messages=[], tools=tools or None, model="rlflow")
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self.parser is None:
+            raise RuntimeError(f"the vllm:{self.name} parser needs bind(tokenizer, tools) before parse")
+        out = self.parser.extract_tool_calls(text, self.request)
+        if not out.tools_called:
+            return text, []
+        calls = []
+        for call in out.tool_calls:
+            parsed = HermesParser.read(json.dumps({"name": call.function.name, "arguments": call.function.arguments}))
+            calls.append(parsed)
+        return (out.content or "").strip(), calls
+
+
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser}
 
 
 def tool_parser(fmt: str | ToolParser) -> ToolParser:
-    """verl's ``multi_turn.format`` name (or a parser object) -> a parser."""
+    """verl's ``multi_turn.format`` name, ``vllm:<parser>`` or a parser object -> a parser."""
     if isinstance(fmt, ToolParser):
         return fmt
+    if isinstance(fmt, str) and fmt.startswith("vllm:"):
+        return VLLMParser(fmt.removeprefix("vllm:"))
     if fmt not in PARSERS:
-        raise ValueError(f"unknown tool-call format {fmt!r}; choose from {sorted(PARSERS)} or pass a ToolParser")
+        raise ValueError(f"unknown tool-call format {fmt!r}; choose from {sorted(PARSERS)}, 'vllm:<name>' (one of "
+                         f"vLLM's tool parsers) or pass a ToolParser")
     return PARSERS[fmt]()
