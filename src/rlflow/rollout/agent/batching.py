@@ -70,9 +70,9 @@ class TurnBatcher(DirectRequests):
 
     async def _run(self, batch) -> None:
         self.calls += 1
-        params = dataclasses.replace(self.params, n=1, max_new_tokens=max(m for _, m, _ in batch),
-                                     seed=None if self.params.seed is None else self.params.seed + self.calls)
-        try:
+        try:  # everything that can fail is inside: a waiting trajectory must get the error, never wait forever
+            params = dataclasses.replace(self.params, n=1, max_new_tokens=max(m for _, m, _ in batch),
+                                         seed=None if self.params.seed is None else self.params.seed + self.calls)
             out = await self.engine.agenerate([ctx for ctx, _, _ in batch], params)
             if len(out) != len(batch) or any(len(c) != 1 for c in out):
                 raise RuntimeError(f"{type(self.engine).__name__} returned {[len(c) for c in out]} completions for "

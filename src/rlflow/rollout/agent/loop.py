@@ -245,11 +245,13 @@ class AgentLoop(BatchModule):
                 messages, finish = await self.respond(t, text, calls, session)
                 t.tool_s += time.perf_counter() - start
                 if messages:
-                    if not t.add_observation(self.chat.append_ids(messages, turn.token_ids[-1] if turn.token_ids else None)):
+                    fits = t.add_observation(self.chat.append_ids(messages, turn.token_ids[-1] if turn.token_ids else None))
+                    if fits:
+                        t.messages += messages
+                        t.user_turns += 1
+                    if not fits or t.remaining <= 0:  # no room left for another model token
                         t.finish = "length"
                         break
-                    t.messages += messages
-                    t.user_turns += 1
                 if finish:
                     t.finish = finish
                     break
