@@ -13,6 +13,9 @@ GROUND_TRUTH = "ground_truth"  # non-tensor, B
 EXTRA_INFO = "extra_info"  # non-tensor, B dicts
 PROMPT_TEXT = "prompt_text"  # non-tensor, B strings
 RAW_PROMPT = "raw_prompt"  # non-tensor, B: the prompt as the data gave it (chat messages or a string)
+# vision-language prompts (rlflow.data.multimodal; verl's names)
+MULTI_MODAL_INPUTS = "multi_modal_inputs"  # non-tensor, B dicts of the processor's tensors ({} without images)
+MULTI_MODAL_DATA = "multi_modal_data"  # non-tensor, B dicts {"image": [PIL images]}: for engines with a processor
 
 # written by the rollout
 RESPONSE_IDS = "response_ids"  # B x R, int64, right-padded
