@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from rlflow.models.vision import is_multimodal, padded_hidden_states
+
 
 def position_ids_from_mask(mask: Tensor) -> Tensor:
     """Positions that skip left padding: ``cumsum(mask) - 1``, clamped at 0 (what HF generation uses)."""
@@ -80,15 +82,18 @@ class TokenLogProbs(nn.Module):
         self.sp_group = enable_sequence_parallel(self.lm, group, self.remove_padding)
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                response_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Shapes: prompt ``B x P`` (left-padded), response ``B x R`` -> log-probs, entropy ``B x R``."""
+                response_mask: Tensor | None = None, multi_modal: list[dict] | None = None) -> tuple[Tensor, Tensor]:
+        """Shapes: prompt ``B x P`` (left-padded), response ``B x R`` -> log-probs, entropy ``B x R``.
+
+        ``multi_modal``: for a vision-language model, each row's processor outputs (``rlflow.models.vision``).
+        """
         if self.remove_padding:
             from rlflow.models.packing import packed_log_probs
 
             return packed_log_probs(self.lm, prompt_ids, prompt_mask, response_ids, response_mask,
                                     temperature=self.temperature, chunk_tokens=self.chunk_tokens,
-                                    pack_length=self.pack_length, sp_group=self.sp_group)
-        hidden = response_hidden_states(self.lm, prompt_ids, prompt_mask, response_ids)
+                                    pack_length=self.pack_length, sp_group=self.sp_group, multi_modal=multi_modal)
+        hidden = response_hidden_states(self.lm, prompt_ids, prompt_mask, response_ids, multi_modal=multi_modal)
         B, R, H = hidden.shape
         logps, ents = head_log_probs(hidden.reshape(B * R, H), response_ids.reshape(B * R),
                                      self.lm.get_output_embeddings(), self.temperature, self.chunk_tokens)
@@ -99,6 +104,9 @@ def enable_sequence_parallel(lm: nn.Module, group, remove_padding: bool):
     """Checks and switches ``lm`` to Ulysses attention; returns ``group`` (``None`` when it has one rank)."""
     import torch.distributed as dist
 
+    if group is not None and is_multimodal(lm):
+        raise ValueError("sequence parallelism (Ulysses) is not supported for vision-language models yet: the image "
+                         "features of a sequence would have to be split with its tokens; use sequence_parallel_size=1")
     if group is None or dist.get_world_size(group) == 1:
         return None
     if not remove_padding:
@@ -113,18 +121,23 @@ def enable_sequence_parallel(lm: nn.Module, group, remove_padding: bool):
 
 def response_hidden_states(lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
                            response_mask: Tensor | None = None, remove_padding: bool = False,
-                           pack_length: int | None = None) -> Tensor:
+                           pack_length: int | None = None, multi_modal: list[dict] | None = None) -> Tensor:
     """Last hidden states at the positions that predict each response token: ``B x R x H``.
 
     The response attends fully: right padding never influences earlier positions
     under a causal mask, and tool/observation tokens must be seen by later ones.
     ``remove_padding`` packs the sequences (``rlflow.models.packing``; zeros after each response's end).
+    ``multi_modal``: each row's vision inputs, for a vision-language model (``rlflow.models.vision``; its
+    positions are then the model's 3-D rotary positions over prompt + response).
     """
     if remove_padding:
         from rlflow.models.packing import packed_response_hidden_states
 
-        return packed_response_hidden_states(lm, prompt_ids, prompt_mask, response_ids, response_mask, pack_length)
+        return packed_response_hidden_states(lm, prompt_ids, prompt_mask, response_ids, response_mask, pack_length,
+                                             multi_modal)
     P, R = prompt_ids.shape[1], response_ids.shape[1]
+    if is_multimodal(lm):
+        return padded_hidden_states(lm, prompt_ids, prompt_mask, response_ids, multi_modal)[:, P - 1 : P + R - 1]
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], dim=1)
     out = lm.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask))

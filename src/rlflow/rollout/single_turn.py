@@ -16,7 +16,8 @@ from tensordict import NonTensorStack, TensorDict
 
 from rlflow.data import keys as K
 from rlflow.module import BatchModule
-from rlflow.rollout.engines.base import Completion, Engine, SamplingParams
+from rlflow.data.multimodal import per_row
+from rlflow.rollout.engines.base import Completion, Engine, MultiModalPrompt, SamplingParams
 from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES, update_buckets
 
 SAMPLING_OPTIONS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "do_sample", "seed", "stop_token_ids")
@@ -128,9 +129,19 @@ class SingleTurnRollout(BatchModule):
         return clone
 
     # ------------------------------------------------------------------ sampling
-    def generate(self, prompts: list[list[int]]) -> list[list[Completion]]:
-        """The engine's completions for token-id prompts (``n`` each); checks none was lost or duplicated."""
-        completions = self.engine.generate(prompts, self.params)
+    def generate(self, prompts: list[list[int]],
+                 multi_modal: list[MultiModalPrompt | None] | None = None) -> list[list[Completion]]:
+        """The engine's completions for token-id prompts (``n`` each); checks none was lost or duplicated.
+
+        ``multi_modal``: per prompt, its images (vision-language prompts; the engine must accept images).
+        """
+        if multi_modal is None:
+            completions = self.engine.generate(prompts, self.params)
+        elif not getattr(self.engine, "accepts_images", False):
+            raise TypeError(f"{type(self.engine).__name__} does not take images (accepts_images=False): "
+                            "vision-language prompts need an engine that does (HFEngine)")
+        else:
+            completions = self.engine.generate(prompts, self.params, multi_modal)
         if len(completions) != len(prompts) or any(len(c) != self.n for c in completions):
             raise RuntimeError(f"{type(self.engine).__name__} returned {[len(c) for c in completions]} completions "
                                f"for {len(prompts)} prompts, expected {self.n} each")
@@ -144,7 +155,7 @@ class SingleTurnRollout(BatchModule):
         num_prompts = batch.batch_size[0]
         ids, mask = batch[K.PROMPT_IDS], batch[K.PROMPT_MASK]
         prompts = unpadded(ids, mask)
-        completions = [c for per_prompt in self.generate(prompts) for c in per_prompt]
+        completions = [c for per_prompt in self.generate(prompts, multi_modal_prompts(batch)) for c in per_prompt]
         batch = batch.repeat_interleave(self.n, dim=0) if self.n > 1 else batch.clone(False)
         device, pad = ids.device, self.tokenizer.pad_token_id
         R = max(len(c.token_ids) for c in completions)
@@ -162,6 +173,16 @@ class SingleTurnRollout(BatchModule):
         batch[K.GROUP] = torch.arange(num_prompts, device=device).repeat_interleave(self.n)
         batch[K.RESPONSE_TEXT] = NonTensorStack(*self.tokenizer.batch_decode(response, skip_special_tokens=True))
         return batch
+
+
+def multi_modal_prompts(batch: TensorDict) -> list[MultiModalPrompt | None] | None:
+    """Each prompt's images (``multi_modal_inputs`` and ``multi_modal_data``), or ``None`` for a text batch."""
+    if K.MULTI_MODAL_INPUTS not in batch.keys():
+        return None
+    inputs = per_row(batch, K.MULTI_MODAL_INPUTS)
+    data = per_row(batch, K.MULTI_MODAL_DATA) if K.MULTI_MODAL_DATA in batch.keys() else [{}] * len(inputs)
+    prompts = [MultiModalPrompt(i, tuple((d or {}).get("image", ()))) if i else None for i, d in zip(inputs, data)]
+    return prompts if any(prompts) else None
 
 
 def unpadded(prompt_ids, prompt_mask) -> list[list[int]]:

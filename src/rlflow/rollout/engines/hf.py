@@ -15,7 +15,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets, counted
+from rlflow.models.vision import concat_inputs, generation_inputs
+from rlflow.rollout.engines.base import Completion, Engine, MultiModalPrompt, SamplingParams, WeightBuckets, counted
 
 
 class _RecordLogProbs(LogitsProcessor):
@@ -69,7 +70,12 @@ class HFEngine(Engine):
     When the model is the trained module itself (one device, DDP) nothing needs to move after an update;
     when it is a copy (the Trainer makes one under FSDP2, whose sharded forward is collective),
     :meth:`load_weights` copies buckets into it.
+
+    Image-text-to-text models take images: each prompt's processor tensors are concatenated in row order
+    (``rlflow.models.vision``) and ``generate`` derives the 3-D rotary positions from them.
     """
+
+    accepts_images = True
 
     def __init__(self, model: nn.Module, tokenizer):
         self.model, self.tokenizer = model, tokenizer
@@ -80,9 +86,12 @@ class HFEngine(Engine):
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
     @torch.no_grad()
-    def generate_padded(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
+    def generate_padded(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
+                        vision_inputs: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """The tensor form: left-padded ``[N, P]`` prompts (one row per sample) -> ``(sequences[:, P:], log_probs)``,
-        both ``[N, R]``; rows that stopped early are padded (ids with the pad id, log-probs with 0 from ``R``)."""
+        both ``[N, R]``; rows that stopped early are padded (ids with the pad id, log-probs with 0 from ``R``).
+
+        ``vision_inputs``: the rows' processor tensors, concatenated in row order (``rlflow.models.vision``)."""
         stops = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=not params.greedy,
@@ -98,8 +107,9 @@ class HFEngine(Engine):
                                        enabled=params.seed is not None):
                 if params.seed is not None:
                     torch.manual_seed(params.seed)
+                extra = generation_inputs(self.model, prompt_ids, vision_inputs) if vision_inputs else {}
                 sequences = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                                generation_config=config, logits_processor=procs)
+                                                generation_config=config, logits_processor=procs, **extra)
         finally:
             self.model.train(was_training)
         recorder.take(sequences)
@@ -108,10 +118,14 @@ class HFEngine(Engine):
         log_probs = torch.stack(recorder.chosen[:R], dim=1) if R else response.float()
         return response, log_probs
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 multi_modal: list[MultiModalPrompt | None] | None = None) -> list[list[Completion]]:
         device = next(self.model.parameters()).device
         ids, mask = left_padded(prompts, params.n, self.tokenizer.pad_token_id, device)
-        response, log_probs = self.generate_padded(ids, mask, params)
+        vision = None
+        if multi_modal is not None:  # each prompt's images once per sample, in row order
+            vision = concat_inputs([(m.inputs if m else {}) for m in multi_modal for _ in range(params.n)], device)
+        response, log_probs = self.generate_padded(ids, mask, params, vision)
         stops = set(self.eos_token_ids) | set(params.stop_token_ids)
         out: list[list[Completion]] = []
         for row, (tokens, lps) in enumerate(zip(response.tolist(), log_probs.tolist())):
