@@ -1,0 +1,26 @@
+"""FSDP2 on 2 CPU processes equals one process for a tiny vision-language model (one torchrun launch).
+
+The vision blocks are sharded like the decoder layers (each one FSDP2 unit); a micro-batch without
+images runs the tower on a blank image so both ranks join its collectives.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from .launch import assert_same_weights, assert_updates, run_ok
+from .vision_worker import build, vision_blocks_sharded
+
+
+def test_fsdp2_two_processes_equal_one_for_a_vision_language_model(tmp_path):
+    trainer, data, record = build(str(tmp_path / "one"), "auto", devices=1)
+    trainer.fit(data)
+    assert_updates(record.steps)
+    assert not vision_blocks_sharded(trainer)
+    two = run_ok(2, tmp_path / "two", "fsdp2", worker=Path(__file__).with_name("vision_worker.py"))
+    assert two["vision_sharded"]
+    one, two = record.steps[1], two["steps"][1]
+    assert two["metrics"]["actor/pg_loss"] == pytest.approx(one["metrics"]["actor/pg_loss"], abs=1e-5)
+    assert two["metrics"]["critic/score/mean"] == pytest.approx(one["metrics"]["critic/score/mean"], abs=1e-6)
+    assert_same_weights(two["weights"], one["weights"])
+    assert any("visual.blocks" in name for name in one["weights"])  # the tower trained and was compared
