@@ -66,7 +66,6 @@ def test_bad_overrides(override, message):
 
 @pytest.mark.parametrize("override, feature", [
     ("critic.model.lora_rank=8", "LoRA on the critic"),
-    ("actor_rollout_ref.rollout.enable_vision=true", "vision"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "multi-turn"),
     ("trainer.async_weight_update=true", "async weight update"),
     ("actor_rollout_ref.actor.strategy=deepspeed", "strategies other than fsdp, fsdp2 and megatron"),

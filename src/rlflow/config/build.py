@@ -59,11 +59,26 @@ def load_tokenizer(plan: Plan):
     return tok
 
 
-def build_data(plan: Plan, tokenizer) -> PromptData:
-    """The prompts, filtered once with the policy's tokenizer; the built-in reward must cover their sources."""
+def load_vision_processor(plan: Plan):
+    """The processor of an image-text-to-text model folder (its images' size bounds from ``data.min/max_pixels``),
+    else ``None``; no weights are read."""
+    from transformers import AutoConfig
+
+    from rlflow.models.vision import load_processor
+
+    path = local_model(plan.model_path, "actor_rollout_ref.model.path")
+    if getattr(AutoConfig.from_pretrained(path), "vision_config", None) is None:
+        return None
+    return load_processor(path, plan.policy_kwargs.get("min_pixels"), plan.policy_kwargs.get("max_pixels"))
+
+
+def build_data(plan: Plan, tokenizer, processor=None) -> PromptData:
+    """The prompts, filtered once with the policy's tokenizer; the built-in reward must cover their sources.
+
+    A vision-language policy's ``processor`` reads the rows' images (``data.image_key``)."""
     kw = dict(plan.data_kwargs)
     try:
-        data = PromptData(kw.pop("train"), val=kw.pop("val"), **kw)
+        data = PromptData(kw.pop("train"), val=kw.pop("val"), processor=processor, **kw)
     except DataError as e:
         raise ConfigError(f"data.train_files / data.val_files: {e}") from e
     if any(data.skipped.values()):
@@ -102,6 +117,9 @@ def build_policy(plan: Plan) -> Policy:
                                         **plan.policy_kwargs, lora=make_lora(plan.lora))
     except ModelFolderError as e:
         raise ConfigError(f"actor_rollout_ref.model.path: {e}") from None
+    if plan.vision and policy.processor is None:
+        raise ConfigError(f"actor_rollout_ref.rollout.enable_vision=True but actor_rollout_ref.model.path="
+                          f"{plan.model_path} is not an image-text-to-text model (its config has no vision_config)")
     if plan.chat_template:
         policy.tokenizer.chat_template = plan.chat_template
     return policy
@@ -171,7 +189,7 @@ def build_estimator(plan: Plan, rollout, loss):
 def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, PromptData]:
     """The Trainer and the prompts of this plan (data is loaded here unless given)."""
     policy = build_policy(plan)
-    data = data or build_data(plan, policy.tokenizer)
+    data = data or build_data(plan, policy.tokenizer, policy.processor)
     total = total_steps(plan, data)
     loss = instantiate(plan.loss_cls, plan.loss_kwargs, "actor_rollout_ref.actor.*")
     rollout = instantiate(plan.rollout_cls, plan.rollout_kwargs, "actor_rollout_ref.rollout.*")

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlflow.config.build import build_data, load_tokenizer, local_model, total_steps, warmup_steps
+from rlflow.config.build import (build_data, load_tokenizer, load_vision_processor, local_model, total_steps,
+                                 warmup_steps)
 from rlflow.config.plan import Plan
 from rlflow.config.resolve import format_kwargs, format_value
-from rlflow.data.prompts import render_prompt
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 MAX_LENGTH_ROWS = 50_000  # prompts tokenized to measure lengths
@@ -49,7 +49,7 @@ def count_parameters(path: str, lora: dict | str | None = None) -> tuple[int, ob
 
 def prompt_lengths(data, tokenizer) -> list[int]:
     rows = data.train[:MAX_LENGTH_ROWS]
-    return [len(tokenizer(render_prompt(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"]) for r in rows]
+    return [data.prompt_length(r, tokenizer) for r in rows]  # image tokens included for vision-language rows
 
 
 def line(label: str, formula: str, value: str) -> str:
@@ -215,7 +215,7 @@ def dry_run(plan: Plan) -> tuple[str, list[str]]:
     from rlflow.config.run import unused_notes
 
     tokenizer = load_tokenizer(plan)
-    data = build_data(plan, tokenizer)
+    data = build_data(plan, tokenizer, load_vision_processor(plan))
     total = total_steps(plan, data)
     problems: list[str] = []
     lengths = prompt_lengths(data, tokenizer)

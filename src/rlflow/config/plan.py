@@ -41,6 +41,7 @@ class Plan:
     cfg: VerlConfig
     devices: Devices
     model_path: str
+    vision: bool                        # rollout.enable_vision: the model must be image-text-to-text
     chat_template: str | None
     policy_kwargs: dict
     ref_micro_batch_size: int | None
@@ -246,13 +247,14 @@ def make_plan(cfg: VerlConfig) -> Plan:
         importlib.import_module(external)  # verl imports it to register custom model classes
     test_freq, save_freq = cfg["trainer.test_freq"], cfg["trainer.save_freq"]
     return Plan(
-        cfg=cfg, devices=devices, model_path=cfg["actor_rollout_ref.model.path"],
+        cfg=cfg, devices=devices, model_path=cfg["actor_rollout_ref.model.path"], vision=bool(cfg[f"{R}.enable_vision"]),
         chat_template=cfg["actor_rollout_ref.model.custom_chat_template"],
         policy_kwargs={"temperature": temperature,
                        "micro_batch_size": one_of(cfg, f"{R}.log_prob_micro_batch_size_per_gpu",
                                                   f"{R}.log_prob_micro_batch_size", procs),
                        "gradient_checkpointing": cfg["actor_rollout_ref.model.enable_gradient_checkpointing"],
-                       "remove_padding": cfg["actor_rollout_ref.model.use_remove_padding"]},
+                       "remove_padding": cfg["actor_rollout_ref.model.use_remove_padding"],
+                       **{k: cfg[f"data.{k}"] for k in ("min_pixels", "max_pixels") if cfg[f"data.{k}"]}},
         ref_micro_batch_size=one_of(cfg, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
                                     "actor_rollout_ref.ref.log_prob_micro_batch_size", procs),
         rollout_cls=rollout_cls, rollout_kwargs=rollout_kwargs,
@@ -269,7 +271,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
                      "max_prompt_length": cfg["data.max_prompt_length"], "truncation": cfg["data.truncation"],
                      "shuffle": cfg["data.shuffle"], "seed": cfg["data.seed"],
                      "filter_overlong_prompts": cfg["data.filter_overlong_prompts"],
-                     "missing_ground_truth": cfg["data.missing_ground_truth"]},
+                     "missing_ground_truth": cfg["data.missing_ground_truth"],
+                     "image_key": cfg["data.image_key"]},
         trainer_kwargs={
             "batch_size": bs, "mini_batch_size": mini, "micro_batch_size": micro, "ppo_epochs": ppo_epochs,
             "lr": lr, "critic_lr": cfg[f"{C}.optim.lr"], "weight_decay": weight_decay,
