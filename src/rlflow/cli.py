@@ -15,7 +15,8 @@ import sys
 DEFAULT_JOB_FLAGS = {"seed": ("--seed", 0, "data.seed=N"), "steps": ("--steps", 200, "trainer.total_training_steps=N"),
                      "run_dir": ("--run-dir", None, "trainer.default_local_dir=DIR"),
                      "no_progress": ("--no-progress", False, "trainer.logger=[console]"),
-                     "rollout": ("--rollout", "hf", "actor_rollout_ref.rollout.name=NAME")}
+                     "rollout": ("--rollout", "hf", "actor_rollout_ref.rollout.name=NAME"),
+                     "task": ("--task", "addition", "actor_rollout_ref.model.path and data.train_files")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--no-progress", action="store_true", help="default job: no progress bar")
     train.add_argument("--rollout", choices=["hf", "vllm"], default="hf",
                        help="default job: generate with transformers (hf) or an in-process vLLM engine (vllm)")
+    train.add_argument("--task", choices=["addition", "vision"], default="addition",
+                       help="built-in job: addition (default) or vision (counting shapes with a tiny VLM)")
     train.add_argument("--config-path", "-cp", default=None, help="folder of a verl YAML config")
     train.add_argument("--config-name", "-cn", default=None, help="name of the verl YAML config in --config-path")
     train.add_argument("--config", "-c", default=None, help="an rlflow native recipe (YAML)")
@@ -78,8 +81,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--dry-run needs a config: key=value overrides, --config-path/--config-name, or --config")
         from rlflow.tasks.default_job import run
 
-        run(seed=args.seed, steps=args.steps, run_dir=args.run_dir or f"runs/default-seed{args.seed}",
-            progress=not args.no_progress, rollout=args.rollout)
+        steps, name, run_kwargs = args.steps, "default", {"rollout": args.rollout}
+        if args.task == "vision":
+            if args.rollout != "hf":
+                parser.error("--task vision generates with transformers (--rollout hf): the vLLM rollout takes no "
+                             "images yet")
+            from rlflow.tasks.vision_job import DEFAULT_STEPS, run
+
+            steps, name, run_kwargs = (DEFAULT_STEPS if steps == DEFAULT_JOB_FLAGS["steps"][1] else steps), "vision", {}
+        run(seed=args.seed, steps=steps, run_dir=args.run_dir or f"runs/{name}-seed{args.seed}",
+            progress=not args.no_progress, **run_kwargs)
     return 0
 
 

@@ -247,7 +247,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
         importlib.import_module(external)  # verl imports it to register custom model classes
     test_freq, save_freq = cfg["trainer.test_freq"], cfg["trainer.save_freq"]
     return Plan(
-        cfg=cfg, devices=devices, model_path=cfg["actor_rollout_ref.model.path"], vision=bool(cfg[f"{R}.enable_vision"]),
+        cfg=cfg, devices=devices, model_path=cfg["actor_rollout_ref.model.path"],
+        vision=bool(cfg[f"{R}.enable_vision"]),
         chat_template=cfg["actor_rollout_ref.model.custom_chat_template"],
         policy_kwargs={"temperature": temperature,
                        "micro_batch_size": one_of(cfg, f"{R}.log_prob_micro_batch_size_per_gpu",

@@ -17,6 +17,7 @@ use the 1-D positions of the text path.
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -60,21 +61,18 @@ def load_processor(path, min_pixels: int | None = None, max_pixels: int | None =
     class is built from ``AutoImageProcessor`` (which then falls back to the PIL image processor),
     ``AutoTokenizer`` and the folder's chat template, without a video processor.
     """
+    import transformers
     from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     sizes = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
     if _has_torchvision():
         return AutoProcessor.from_pretrained(path, **sizes)
-    import transformers
-
     model_type = AutoConfig.from_pretrained(path).model_type
     name = PROCESSOR_MAPPING_NAMES.get(model_type)
     if name is None:
         raise ValueError(f"{path}: no processor class known for model type '{model_type}'")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    from pathlib import Path
-
     template_file = Path(path) / "chat_template.jinja"
     template = template_file.read_text() if template_file.exists() else tokenizer.chat_template
     images = AutoImageProcessor.from_pretrained(path, **sizes)
@@ -89,12 +87,6 @@ def concat_inputs(rows, device=None) -> dict[str, Tensor]:
     each tensor concatenated along dim 0 in row order, on ``device``."""
     keys = sorted({k for row in rows if row for k in row})
     return {k: torch.cat([row[k] for row in rows if row and k in row]).to(device) for k in keys}
-
-
-def backbone(lm: nn.Module) -> nn.Module:
-    """The module returning last hidden states: the multimodal base model (vision tower + decoder) of an
-    image-text-to-text model, the decoder of a causal LM."""
-    return lm.model if is_multimodal(lm) else lm.get_decoder()
 
 
 def _accepts(module: nn.Module, name: str) -> bool:

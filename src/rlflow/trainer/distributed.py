@@ -140,9 +140,9 @@ def balance_tokens(batch: TensorDict, fabric, dp_rank: int, dp_size: int, sp_siz
     Trainer splits them). Every rank gathers the tensors of every rank's rows and their vision inputs
     (``multi_modal_inputs``; other non-tensor fields are not carried: the updates do not read them),
     pads per-token tensors to the longest response, and takes its part of :func:`partition_equal_counts`
-    over :func:`row_tokens`, mini-batch by mini-batch. The rows of each mini-batch stay the same, so with losses normalised by global
-    counts the updates do too. With sequence parallelism the ranks of a group hold one batch: the
-    first of each group speaks for it. Returns this rank's rows (mini-batch ``k``'s still the
+    over :func:`row_tokens`, mini-batch by mini-batch. The rows of each mini-batch stay the same, so
+    with losses normalised by global counts the updates do too. With sequence parallelism the ranks of
+    a group hold one batch: the first of each group speaks for it. Returns this rank's rows (mini-batch ``k``'s still the
     ``k``-th slice) and ``perf/`` statistics: the largest rank's tokens over the mean, before and
     after, averaged over the mini-batches.
     """
