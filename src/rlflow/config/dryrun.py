@@ -29,22 +29,24 @@ def gib(n_bytes: float) -> str:
 
 
 def count_parameters(path: str, lora: dict | str | None = None) -> tuple[int, object, int]:
-    """Parameter count from the model's config alone (built on the meta device: no memory, no weights), its
-    config, and the trainable count (all of them; with ``lora``, the adapter's)."""
+    """Parameter count from the model's config alone (built on the meta device: no memory, no weights), the
+    decoder's config (a vision-language model's text config), and the trainable count (all of them; with
+    ``lora``, the adapter's)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
         n_params = sum(p.numel() for p in model.parameters())
         if lora is None:
-            return n_params, config, n_params
+            return n_params, config.get_text_config(), n_params
         from peft import LoraConfig, get_peft_model
 
         lora_config = LoraConfig(**lora) if isinstance(lora, dict) else LoraConfig.from_pretrained(lora)
         model = get_peft_model(model, lora_config)
-    return n_params, config, sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return n_params, config.get_text_config(), sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def prompt_lengths(data, tokenizer) -> list[int]:
