@@ -57,8 +57,9 @@ def test_the_seeds_vlm_snippet_runs_on_a_local_tiny_model(vlm_files, tmp_path, m
     (tmp_path / "config" / "vlm.yaml").write_text(SEED_SNIPPET.format(model=vlm_files / "model"))
     monkeypatch.chdir(tmp_path)
     argv = ["--config-path", "config", "--config-name", "vlm"] + overrides(vlm_files, tmp_path)
-    assert main(argv) == 2  # rollout.name: vllm, as in the seed: no vLLM rollout in rlflow yet
-    assert "actor_rollout_ref.rollout.name='vllm'" in capsys.readouterr().err
+    assert main(argv) == 2  # rollout.name: vllm, as in the seed: rlflow's vLLM rollout takes no images yet
+    err = capsys.readouterr().err
+    assert "actor_rollout_ref.rollout.name" in err and "VLLMRollout takes no images" in err and "name=hf" in err
     assert main(argv + ["actor_rollout_ref.rollout.name=hf", "--dry-run"]) == 0
     report = capsys.readouterr().out
     assert "image_key='picture'" in report and "max_pixels=3136" in report and "prompt tokens: max 53" in report

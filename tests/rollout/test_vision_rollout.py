@@ -51,3 +51,24 @@ def test_an_engine_without_images_is_refused(vision_batch):
     assert multi_modal_prompts(text_rows) is None
     assert rollout(text_rows).batch_size[0] == 1
 
+
+
+def test_the_vllm_and_server_engines_refuse_images_clearly(vision_batch, tmp_path):
+    """Neither takes images yet (vLLM's multimodal path needs transformers' AutoProcessor, which needs
+    torchvision for Qwen2-VL): a VLM folder is refused before vLLM starts, images before a request is sent."""
+    from rlflow.models.tiny_vlm import save_model_folder
+    from rlflow.rollout.engines.server import ServerEngine
+    from rlflow.rollout.engines.vllm import VLLMEngine
+
+    processor, prompts = vision_batch
+    save_model_folder(tiny_vlm("qwen2_5_vl")[0], processor, tmp_path)
+    with pytest.raises(NotImplementedError, match="vision-language model; rlflow's vLLM engine takes no images"):
+        VLLMEngine(tmp_path)
+    server = ServerEngine("http://127.0.0.1:9", model="never-contacted", retries=0)
+    try:
+        rollout = SingleTurnRollout(server, n=1, max_new_tokens=2)
+        rollout.tokenizer = processor.tokenizer
+        with pytest.raises(TypeError, match="ServerEngine does not take images .* HFRollout"):
+            rollout(prompts)
+    finally:
+        server.close()

@@ -189,6 +189,12 @@ def build_estimator(plan: Plan, rollout, loss):
 def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, PromptData]:
     """The Trainer and the prompts of this plan (data is loaded here unless given)."""
     policy = build_policy(plan)
+    if policy.processor is not None and not getattr(plan.rollout_cls, "makes_image_engine", False):
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.name: {plan.model_path} is a vision-language model, but "
+            f"{plan.rollout_cls.__name__} takes no images yet (vLLM's multimodal input path builds the model's "
+            "transformers AutoProcessor, whose Qwen2-VL video processor needs torchvision, which rlflow's CPU "
+            "install removes); set actor_rollout_ref.rollout.name=hf")
     data = data or build_data(plan, policy.tokenizer, policy.processor)
     total = total_steps(plan, data)
     loss = instantiate(plan.loss_cls, plan.loss_kwargs, "actor_rollout_ref.actor.*")

@@ -24,6 +24,8 @@ class HFRollout(SingleTurnRollout):
     ``sync_weights`` refreshes it in buckets.
     """
 
+    makes_image_engine = True  # HFEngine generates with images (vision-language prompts)
+
     def __init__(self, n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  max_new_tokens: int = 512, do_sample: bool = True, seed: int | None = None,
                  stop_token_ids: tuple[int, ...] = (), bucket_bytes: int = DEFAULT_BUCKET_BYTES):

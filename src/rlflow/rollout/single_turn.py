@@ -47,6 +47,9 @@ class SingleTurnRollout(BatchModule):
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK)
     out_keys = (K.RESPONSE_IDS, K.RESPONSE_MASK, K.ROLLOUT_LOG_PROBS, K.GROUP, K.RESPONSE_TEXT)
+    # whether the engine this class makes in bind() takes images (vision-language prompts); the verl entry
+    # point refuses a vision-language model before training with a rollout that does not
+    makes_image_engine: bool = False
 
     def __init__(self, engine: Engine | None = None, n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = -1, max_new_tokens: int = 512, do_sample: bool = True, seed: int | None = None,
@@ -139,7 +142,7 @@ class SingleTurnRollout(BatchModule):
             completions = self.engine.generate(prompts, self.params)
         elif not getattr(self.engine, "accepts_images", False):
             raise TypeError(f"{type(self.engine).__name__} does not take images (accepts_images=False): "
-                            "vision-language prompts need an engine that does (HFEngine)")
+                            "vision-language prompts need an engine that does (HFEngine, i.e. HFRollout)")
         else:
             completions = self.engine.generate(prompts, self.params, multi_modal)
         if len(completions) != len(prompts) or any(len(c) != self.n for c in completions):
