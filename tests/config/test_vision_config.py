@@ -90,3 +90,19 @@ def test_enable_vision_needs_an_image_text_to_text_model(tmp_path, vlm_files):
                                                         "actor_rollout_ref.rollout.enable_vision=true"])
     with pytest.raises(ConfigError, match="enable_vision=True but .* is not an image-text-to-text model"):
         build_trainer(make_plan(cfg))
+
+
+def test_remax_regenerates_greedily_with_the_pictures(vlm_files, tmp_path, monkeypatch):
+    """ReMax's greedy baseline re-generates each prompt: its images must go with it."""
+    cfg = load_config(overrides(vlm_files, tmp_path) + [f"actor_rollout_ref.model.path={vlm_files}/model",
+                                                        "algorithm.adv_estimator=remax"])
+    trainer, data = build_trainer(make_plan(cfg))
+    batch = data.collate(data.train[:2], trainer.policy.tokenizer)
+    sampled = trainer.rollout(batch)
+    engine, seen = trainer.rollout.engine, []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda p, params, mm=None: seen.append(mm) or generate(p, params, mm))
+    out = trainer.estimator.modules[0](sampled)  # Chain(GreedyBaseline, ReMax)
+    assert [[m.inputs["image_grid_thw"].tolist() for m in mm] for mm in seen] == [[[[1, 4, 4]]] * 2]
+    greedy = trainer.rollout.with_options(n=1, do_sample=False)(batch)  # the same prompts with their pictures
+    assert out["reward_baseline"].tolist() == trainer.reward(greedy)["scores"].repeat_interleave(2).tolist()

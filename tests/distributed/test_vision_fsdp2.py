@@ -1,15 +1,14 @@
-"""FSDP2 on 2 CPU processes equals one process for a tiny vision-language model (one torchrun launch).
+"""FSDP2 on 2 CPU processes equals one process for a tiny vision-language model (2 gloo ranks forked from
+the test process, with the environment torchrun gives them).
 
 The vision blocks are sharded like the decoder layers (each one FSDP2 unit); a micro-batch without
 images runs the tower on a blank image so both ranks join its collectives.
 """
 
-from pathlib import Path
-
 import pytest
 
-from .launch import assert_same_weights, assert_updates, run_ok
-from .vision_worker import build, vision_blocks_sharded
+from .launch import assert_same_weights, assert_updates, free_port
+from .vision_worker import build, run_forked, vision_blocks_sharded
 
 
 def test_fsdp2_two_processes_equal_one_for_a_vision_language_model(tmp_path):
@@ -17,7 +16,7 @@ def test_fsdp2_two_processes_equal_one_for_a_vision_language_model(tmp_path):
     trainer.fit(data)
     assert_updates(record.steps)
     assert not vision_blocks_sharded(trainer)
-    two = run_ok(2, tmp_path / "two", "fsdp2", worker=Path(__file__).with_name("vision_worker.py"))
+    two = run_forked(2, tmp_path / "two", "fsdp2", free_port())
     assert two["vision_sharded"]
     one, two = record.steps[1], two["steps"][1]
     assert two["metrics"]["actor/pg_loss"] == pytest.approx(one["metrics"]["actor/pg_loss"], abs=1e-5)

@@ -9,7 +9,9 @@ sharded units: both must take part in their collectives). Rows are re-dealt over
 full weights after it, and whether the vision blocks' parameters were sharded.
 """
 
+import os
 import sys
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -60,11 +62,30 @@ def vision_blocks_sharded(trainer) -> bool:
     return all(isinstance(p, DTensor) for p in blocks.parameters())
 
 
-if __name__ == "__main__":
-    out, strategy = sys.argv[1], sys.argv[2]
-    trainer, data, record = build(out, strategy, int(__import__("os").environ.get("WORLD_SIZE", 1)))
+def main(out, strategy, world_size):
+    trainer, data, record = build(out, strategy, world_size)
     trainer.fit(data)
     if trainer.fabric.global_rank == 0:
-        __import__("pathlib").Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out).mkdir(parents=True, exist_ok=True)
         torch.save({"steps": record.steps, "vision_sharded": vision_blocks_sharded(trainer)}, f"{out}/result.pt")
     trainer.fabric.barrier()  # gloo can abort at teardown unless every rank is done
+
+
+def _forked_rank(rank, world_size, port, out, strategy):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      NODE_RANK="0", GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    main(out, strategy, world_size)
+
+
+def run_forked(world_size, out, strategy, port):
+    """The ranks as children forked from this (already warm) test process, with the environment torchrun
+    gives them (rank, world size, rendezvous): no fresh interpreter imports torch and transformers again."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_forked_rank, args=(world_size, port, str(out), strategy), nprocs=world_size,
+                       start_method="fork")
+    return torch.load(Path(out) / "result.pt", weights_only=False)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(os.environ.get("WORLD_SIZE", 1)))
