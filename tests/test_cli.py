@@ -28,3 +28,10 @@ def test_prepare_task_writes_the_model_and_parquet_files(tmp_path, monkeypatch, 
     assert "wrote" in capsys.readouterr().out
     assert {p.name for p in tmp_path.iterdir()} == {"model", "train.parquet", "test.parquet"}
     assert (tmp_path / "model" / "config.json").exists() and (tmp_path / "model" / "tokenizer.json").exists()
+
+
+def test_the_vision_job_refuses_the_vllm_rollout(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--task", "vision", "--rollout", "vllm"])
+    assert exc.value.code == 2
+    assert "--task vision generates with transformers (--rollout hf)" in capsys.readouterr().err
