@@ -10,6 +10,7 @@ from rlflow.data.multimodal import messages_with_images
 from rlflow.data.prompts import DataError, PromptData
 from rlflow.models.tiny_vlm import tiny_processor
 from tests.vlm import png
+from tests.vlm import rows as mixed_rows
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +84,15 @@ def test_images_need_a_processor_and_long_prompts_are_not_cut(processor):
     filtered = PromptData(rows * 2, val=rows, processor=processor, max_prompt_length=10, filter_overlong_prompts=True)
     with pytest.raises(DataError, match="every prompt is longer"):
         filtered.filter_overlong(processor.tokenizer)
+
+
+def test_a_vision_language_prompt_is_rendered_with_the_processors_chat_template():
+    """The template may live only on the processor (a folder's chat_template.jinja): that is enough; with none
+    at all, chat prompts are refused naming the row."""
+    processor = tiny_processor()
+    processor.tokenizer.chat_template = None
+    data = PromptData(mixed_rows(), processor=processor, shuffle=False)
+    assert data.filter_overlong(processor.tokenizer) == {"train": 0, "val": 0}
+    processor.chat_template = None
+    with pytest.raises(DataError, match="row 1: the prompt is chat messages but .* has no chat template"):
+        PromptData(mixed_rows(), processor=processor, shuffle=False).filter_overlong(processor.tokenizer)

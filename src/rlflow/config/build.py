@@ -122,6 +122,8 @@ def build_policy(plan: Plan) -> Policy:
                           f"{plan.model_path} is not an image-text-to-text model (its config has no vision_config)")
     if plan.chat_template:
         policy.tokenizer.chat_template = plan.chat_template
+        if policy.processor is not None:  # a VLM's prompts are rendered by its processor
+            policy.processor.chat_template = plan.chat_template
     return policy
 
 

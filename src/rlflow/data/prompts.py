@@ -254,8 +254,9 @@ class PromptData:
         """Drop over-long prompts once (when ``filter_overlong_prompts``); returns the count dropped per split.
 
         First checks that chat-message prompts have a chat template to render them (else a DataError)."""
-        check_chat_template(self.train, self.train_name, tokenizer)
-        check_chat_template(self.val, self.val_name, tokenizer)
+        templates = self.processor if self.processor is not None else tokenizer  # a VLM's prompts: the processor's
+        check_chat_template(self.train, self.train_name, templates)
+        check_chat_template(self.val, self.val_name, templates)
         if self.filtered is None:
             self.filtered = {"train": 0, "val": 0}
             if self.filter_overlong_prompts and self.max_prompt_length is not None:
