@@ -93,6 +93,8 @@ def test_a_vision_language_prompt_is_rendered_with_the_processors_chat_template(
     processor.tokenizer.chat_template = None
     data = PromptData(mixed_rows(), processor=processor, shuffle=False)
     assert data.filter_overlong(processor.tokenizer) == {"train": 0, "val": 0}
+    raw = list(data.collate(data.train, processor.tokenizer)[K.RAW_PROMPT])  # as given: for reward models
+    assert raw[0] == "<image>how many red squares?" and raw[1] == [{"role": "user", "content": "a <image> b <image> c?"}]
     processor.chat_template = None
     with pytest.raises(DataError, match="row 1: the prompt is chat messages but .* has no chat template"):
         PromptData(mixed_rows(), processor=processor, shuffle=False).filter_overlong(processor.tokenizer)

@@ -186,6 +186,7 @@ def collate_multimodal(rows: Sequence[dict], processor, max_prompt_length: int |
             K.PROMPT_IDS: torch.tensor([[pad] * (P - len(s)) + s for s in ids], dtype=torch.long),
             K.PROMPT_MASK: torch.tensor([[0] * (P - len(s)) + [1] * len(s) for s in ids], dtype=torch.long),
             K.PROMPT_TEXT: NonTensorStack(*texts),
+            K.RAW_PROMPT: NonTensorStack(*[r["prompt"] for r in rows]),  # with its <image> placeholders
             K.GROUND_TRUTH: NonTensorStack(*[r["ground_truth"] for r in rows]),
             K.DATA_SOURCE: NonTensorStack(*[r["data_source"] for r in rows]),
             K.EXTRA_INFO: NonTensorStack(*[r["extra_info"] for r in rows]),
