@@ -12,7 +12,7 @@ from rlflow.models.policy import Policy
 from rlflow.models.tiny_vlm import save_model_folder
 from rlflow.rollout.hf import HFRollout
 from rlflow.trainer.batching import micro_batches
-from tests.vlm import batch, masked_max_diff, tiny_vlm
+from tests.vlm import batch, masked_max_diff, rows, tiny_vlm
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +110,18 @@ def test_sequence_parallelism_is_refused_for_vision_language_models(sampled):
 
     with pytest.raises(ValueError, match="not supported for vision-language models"):
         enable_sequence_parallel(sampled[0], group=object(), remove_padding=True)  # refused before the group is used
+
+
+def test_batches_joined_across_rounds_keep_each_rows_images(sampled):
+    """DAPO's dynamic sampling joins rollouts of several rounds (cat_batches re-pads prompts of other widths)."""
+    from rlflow.rollout.wrapper import cat_batches
+
+    model, processor, _ = sampled
+    rollout = HFRollout(n=2, temperature=1.0, max_new_tokens=4, seed=0)
+    rollout.bind(model, processor.tokenizer)
+    rounds = [rollout(batch(processor, rows()[:1])), rollout(batch(processor, rows()[1:]))]  # prompt widths differ
+    assert rounds[0][K.PROMPT_IDS].shape[1] != rounds[1][K.PROMPT_IDS].shape[1]
+    joined = cat_batches(rounds, processor.tokenizer.pad_token_id)
+    assert [bool(r) for r in joined[K.MULTI_MODAL_INPUTS]] == [True] * 4 + [False] * 2 + [True] * 2
+    log_probs, _ = Policy(model, processor=processor, remove_padding=True).log_probs(joined)
+    assert masked_max_diff(log_probs, joined[K.ROLLOUT_LOG_PROBS], joined[K.RESPONSE_MASK]) < 1e-5
