@@ -106,3 +106,21 @@ def test_remax_regenerates_greedily_with_the_pictures(vlm_files, tmp_path, monke
     assert [[m.inputs["image_grid_thw"].tolist() for m in mm] for mm in seen] == [[[[1, 4, 4]]] * 2]
     greedy = trainer.rollout.with_options(n=1, do_sample=False)(batch)  # the same prompts with their pictures
     assert out["reward_baseline"].tolist() == trainer.reward(greedy)["scores"].repeat_interleave(2).tolist()
+
+
+def test_bad_images_stop_the_run_naming_the_row_or_are_skipped_and_counted(vlm_files, tmp_path):
+    from rlflow.config.loading import ConfigError
+
+    frame = pd.read_parquet(vlm_files / "train.parquet")
+    frame.at[3, "picture"] = [{"bytes": b"not a png", "path": None}]
+    frame.to_parquet(tmp_path / "bad.parquet")
+    keys = overrides(vlm_files, tmp_path) + [f"actor_rollout_ref.model.path={vlm_files}/model",
+                                             f"data.train_files={tmp_path}/bad.parquet"]
+    with pytest.raises(ConfigError, match=r"bad.parquet, row 3, image 0"):
+        build_trainer(make_plan(load_config(keys)))
+    plan = make_plan(load_config(keys + ["data.bad_images=skip"]))
+    _, data = build_trainer(plan)
+    assert len(data.train) == 7 and data.skipped_images == {"train": 1, "val": 0}
+    assert any("data.bad_images=skip: dropped 1 training and 0 validation row(s)" in n for n in plan.notes)
+    with pytest.raises(ConfigError, match="data.bad_images='drop': choose 'error'"):
+        make_plan(load_config(keys + ["data.bad_images=drop"]))

@@ -81,6 +81,9 @@ def build_data(plan: Plan, tokenizer, processor=None) -> PromptData:
         data = PromptData(kw.pop("train"), val=kw.pop("val"), processor=processor, **kw)
     except DataError as e:
         raise ConfigError(f"data.train_files / data.val_files: {e}") from e
+    if any(data.skipped_images.values()):
+        plan.notes.append(f"data.bad_images=skip: dropped {data.skipped_images['train']} training and "
+                          f"{data.skipped_images['val']} validation row(s) with a missing or corrupt image")
     if any(data.skipped.values()):
         plan.notes.append(f"data.missing_ground_truth=skip: dropped {data.skipped['train']} training and "
                           f"{data.skipped['val']} validation row(s) without reward_model.ground_truth")

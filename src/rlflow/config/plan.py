@@ -168,6 +168,16 @@ def shared(cfg: VerlConfig, notes: list[str], with_critic: bool, actor_keys: tup
     return actor_value
 
 
+def bad_images(cfg: VerlConfig) -> bool:
+    """``data.bad_images``: a row with a missing or corrupt image stops the run (``error``) or is dropped and
+    counted in a note (``skip``)."""
+    value = str(cfg["data.bad_images"])
+    if value not in ("error", "skip"):
+        raise ConfigError(f"data.bad_images={value!r}: choose 'error' (stop, naming the file, row and image) or "
+                          "'skip' (drop such rows and count them)")
+    return value == "skip"
+
+
 def make_plan(cfg: VerlConfig) -> Plan:
     """Resolve every honoured key; raise for unknown values and unsupported features."""
     notes: list[str] = []
@@ -273,7 +283,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
                      "shuffle": cfg["data.shuffle"], "seed": cfg["data.seed"],
                      "filter_overlong_prompts": cfg["data.filter_overlong_prompts"],
                      "missing_ground_truth": cfg["data.missing_ground_truth"],
-                     "image_key": cfg["data.image_key"]},
+                     "image_key": cfg["data.image_key"], "skip_bad_images": bad_images(cfg)},
         trainer_kwargs={
             "batch_size": bs, "mini_batch_size": mini, "micro_batch_size": micro, "ppo_epochs": ppo_epochs,
             "lr": lr, "critic_lr": cfg[f"{C}.optim.lr"], "weight_decay": weight_decay,
