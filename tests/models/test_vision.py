@@ -125,3 +125,24 @@ def test_batches_joined_across_rounds_keep_each_rows_images(sampled):
     assert [bool(r) for r in joined[K.MULTI_MODAL_INPUTS]] == [True] * 4 + [False] * 2 + [True] * 2
     log_probs, _ = Policy(model, processor=processor, remove_padding=True).log_probs(joined)
     assert masked_max_diff(log_probs, joined[K.ROLLOUT_LOG_PROBS], joined[K.RESPONSE_MASK]) < 1e-5
+
+
+def test_a_lora_policy_scores_like_it_samples_and_its_reference_is_the_adapter_off():
+    """Under PEFT's wrapper the model's own forward decides the 3-D positions' inputs (mm_token_type_ids)."""
+    from peft import LoraConfig
+
+    model, processor = tiny_vlm("qwen2_5_vl", seed=4)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    policy = Policy(model, processor=processor, lora=lora, remove_padding=True)
+    rollout = HFRollout(n=2, temperature=1.0, max_new_tokens=4, seed=0)
+    rollout.bind(policy.model, processor.tokenizer)
+    out = rollout(batch(processor))
+    log_probs, _ = policy.log_probs(out)
+    assert masked_max_diff(log_probs, out[K.ROLLOUT_LOG_PROBS], out[K.RESPONSE_MASK]) < 1e-5
+    plain, _ = tiny_vlm("qwen2_5_vl", seed=4)
+    plain.load_state_dict(base)
+    expected, _ = Policy(plain, processor=processor, remove_padding=True).log_probs(out)
+    reference, _ = policy.reference().log_probs(out)
+    assert masked_max_diff(reference, expected, out[K.RESPONSE_MASK]) < 1e-5
+    assert masked_max_diff(log_probs, expected, out[K.RESPONSE_MASK]) > 1e-3  # the adapter does change them

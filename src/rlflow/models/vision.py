@@ -28,6 +28,12 @@ def is_multimodal(model: nn.Module) -> bool:
     return getattr(getattr(model, "config", None), "vision_config", None) is not None
 
 
+def multimodal_base(lm: nn.Module) -> nn.Module:
+    """The base model of an image-text-to-text model (``...ForConditionalGeneration.model``: vision tower,
+    decoder, ``get_rope_index``), also under a PEFT wrapper (whose ``.model`` is the whole LM)."""
+    return (lm.get_base_model() if hasattr(lm, "get_base_model") else lm).model
+
+
 # ---------------------------------------------------------------------------- processors
 def image_only_processor(cls: type) -> type:
     """``cls`` (a transformers processor class) usable without a video processor.
@@ -90,7 +96,9 @@ def concat_inputs(rows, device=None) -> dict[str, Tensor]:
 
 
 def _accepts(module: nn.Module, name: str) -> bool:
-    return name in inspect.signature(module.forward).parameters
+    """Whether the model's own ``forward`` takes ``name`` (a PEFT wrapper's takes ``**kwargs``: look inside)."""
+    inner = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return name in inspect.signature(inner.forward).parameters
 
 
 def image_token_mask(lm: nn.Module, prompt_ids: Tensor, response_len: int = 0) -> Tensor:
@@ -125,7 +133,7 @@ def rope_position_ids(lm: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
     """Positions of ``input_ids`` (``B x L``) under ``attention_mask``: ``3 x B x L`` multimodal rotary
     positions when the model has ``get_rope_index`` (see the module docstring; ``image_mask`` marks the
     image tokens), else ``B x L`` (``cumsum(mask) - 1``, clamped at 0). Masked positions get 0."""
-    base = lm.model if is_multimodal(lm) else None
+    base = multimodal_base(lm) if is_multimodal(lm) else None
     if base is not None and hasattr(base, "get_rope_index"):
         positions, _ = base.get_rope_index(input_ids=input_ids, mm_token_type_ids=image_mask.long(),
                                            image_grid_thw=inputs.get("image_grid_thw"), attention_mask=attention_mask)
@@ -139,7 +147,7 @@ def has_images(inputs: dict[str, Tensor]) -> bool:
 
 def image_features(lm: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     """The vision tower's features of every image in ``inputs``, one row per image token (``N x H``)."""
-    pooled = lm.model.get_image_features(**inputs, return_dict=True).pooler_output
+    pooled = multimodal_base(lm).get_image_features(**inputs, return_dict=True).pooler_output
     return torch.cat(list(pooled)) if isinstance(pooled, (list, tuple)) else pooled.reshape(-1, pooled.shape[-1])
 
 
@@ -168,7 +176,7 @@ def multimodal_hidden_states(lm: nn.Module, input_ids: Tensor, attention_mask: T
     parameters, and a rank that skipped them would leave the others waiting (the zero term also gives
     the tower a zero gradient instead of none, which DDP needs). verl does the same.
     """
-    base = lm.model
+    base = multimodal_base(lm)
     embeds = base.get_input_embeddings()(input_ids)
     tokens = int(image_mask.sum())
     if has_images(inputs) or tokens:
