@@ -75,7 +75,8 @@ def test_seed_yaml_with_config_path_and_name(tiny, model_dir, data_dir, tmp_path
     monkeypatch.chdir(tmp_path)
     sizes = ["trainer.device=cpu", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf",
              "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
-             "data.max_response_length=4", "trainer.total_training_steps=2"]
+             "data.max_response_length=4", "trainer.total_training_steps=2",
+             "data.max_prompt_length=8"]  # the seed's 512 + 4 tokens would not fit the tiny model's 64 positions
     argv = ["--config-path", "config", "--config-name", "grpo_math", "trainer.experiment_name=grpo_math_qwen7b"]
     if importlib.util.find_spec("vllm") is None:  # name: vllm in the seed's YAML (tests/rollout run it with vLLM)
         assert main(argv + sizes[:2]) == 2

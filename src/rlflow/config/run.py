@@ -13,10 +13,15 @@ import os
 import sys
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from rlflow.config import tables
-from rlflow.config.loading import ConfigError, VerlConfig, load_config
-from rlflow.config.plan import Plan, make_plan
-from rlflow.trainer.checkpoint import CheckpointError
+from rlflow.config.loading import ConfigError, VerlConfig, load_config, raise_problems
+from rlflow.config.validate import validate
+from rlflow.trainer.checkpoint import CheckpointError  # light: the checkpoint module imports torch where used
+
+if TYPE_CHECKING:
+    from rlflow.config.plan import Plan
 
 USAGE = "python -m rlflow.trainer.main_ppo [--config-path DIR --config-name NAME] [--dry-run] key=value ..."
 
@@ -47,13 +52,25 @@ def config_file(config_path: str | None, config_name: str) -> Path:
     return path
 
 
-def load(args: argparse.Namespace) -> VerlConfig:
+def load(args: argparse.Namespace, problems: list[ConfigError] | None = None) -> VerlConfig:
+    """The config of the command line; with ``problems``, its key and type problems are collected there."""
     if args.config:
         from rlflow.config.native import load_native
 
-        return load_native(args.config, args.overrides)
+        return load_native(args.config, args.overrides, problems)
     file = config_file(args.config_path, args.config_name) if args.config_name else None
-    return load_config(args.overrides, config_file=file)
+    return load_config(args.overrides, config_file=file, problems=problems)
+
+
+def load_and_check(args: argparse.Namespace) -> VerlConfig:
+    """Load and validate the whole config (files and model folders too) without importing torch;
+    every problem is raised at once, in one :class:`ConfigError`."""
+    problems: list[ConfigError] = []
+    cfg = load(args, problems)
+    problems += validate(cfg, environment=True)
+    raise_problems(problems)
+    cfg.validated = True
+    return cfg
 
 
 def unused_notes(cfg: VerlConfig) -> list[str]:
@@ -126,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code. Config errors print one clear message and return 2."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = load(args)
+        cfg = load_and_check(args)  # before anything heavy: a config error comes back in about a second
+        from rlflow.config.plan import make_plan
+
         plan = make_plan(cfg)
         if args.dry_run:
             from rlflow.config.dryrun import dry_run

