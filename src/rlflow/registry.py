@@ -107,9 +107,9 @@ def defined_names(file: Path) -> str:
 def object_problem(location: str, name: str, where: str, base_dir: str | Path | None = None) -> str | None:
     """Why ``location:name`` cannot be loaded, found without importing it; ``None`` when it looks fine."""
     if is_file_location(location):
-        file = resolve_file(location, base_dir)
+        file = resolve_file(location, base_dir).resolve()
         if not file.is_file():
-            return f"{where}: no such file {file}" + (f" (relative to {base_dir})" if base_dir else "")
+            return f"{where}: no such file {file}"
         try:
             names, open_ended = top_level_names(file)
         except SyntaxError as e:

@@ -55,8 +55,12 @@ def test_quick_start_command(tiny, capsys, monkeypatch, tmp_path):
     assert "this machine has 0 CUDA device(s)" in err and "trainer.device=cpu trainer.n_gpus_per_node=1" in err
     # with that advice (and tiny sizes), the same command trains
     assert main(QUICK_START + tiny) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     logged = steps(out)
+    # ends with a summary line, as the default job does; no "Seed set to" after step:0, no datasets bars
+    assert re.search(r"\[rlflow\] 2 RL steps \(GRPO\) in \d+ s \(\+ validation \d+ s\); "
+                     r"val-core/openai/gsm8k/reward/mean@1: \d\.\d\d \(before training\); metrics in ", out.splitlines()[-1])
+    assert "Seed set to" not in out + err and "Generating train split" not in out + err
     assert sorted(logged) == [0, 1, 2]  # validation before training at step 0, then 2 RL steps
     assert "val-core/openai/gsm8k/reward/mean@1" in logged[0]
     for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "response_length/mean", "timing_s/gen"):
@@ -155,7 +159,10 @@ def test_dry_run_prints_the_batch_arithmetic(tiny, capsys):
                 r"Dry run: config and data are valid"]
     for pattern in expected:
         assert re.search(pattern, out), pattern
-    assert "train_batch_size: 4" in out  # the resolved config
+    assert "train_batch_size: 4" not in out and "add --show-config" in out  # summary only; the config on request
+    assert cli_main(["train"] + tiny + argv + ["--show-config"]) == 0
+    assert "Resolved config (every verl key)" in (out := capsys.readouterr().out) and "train_batch_size: 4" in out
+    assert "H100" not in out  # a CPU run gets no GPU time estimate
     assert not (Path(tiny[-3].split("=", 1)[1])).exists()  # nothing trained, nothing written
     # an over-long prompt with truncation=error is a problem found before any training
     assert main(tiny + ["--dry-run", "data.max_prompt_length=4"]) == 1

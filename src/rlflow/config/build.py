@@ -26,18 +26,14 @@ from rlflow.trainer.trainer import Trainer
 
 
 def local_model(path: str, key: str) -> str:
-    """A local folder, or a hub name already in the Hugging Face cache; rlflow never downloads."""
-    folder = Path(path).expanduser()
-    if folder.exists():
-        return str(folder)
-    try:
-        from huggingface_hub import snapshot_download
+    """What transformers should load for the model at ``key``: a local folder, a cached hub model when
+    offline, or the hub id itself when the hub is reachable (see :mod:`rlflow.models.hub`)."""
+    from rlflow.models.hub import ModelNotFoundError, locate_model
 
-        return snapshot_download(path, local_files_only=True)
-    except Exception:  # noqa: BLE001 - any failure means: not available offline
-        raise ConfigError(f"{key}={path!r}: no such local folder, and not in the Hugging Face cache. rlflow never "
-                          f"downloads at run time: fetch it first (huggingface-cli download {path}) or point "
-                          "at a local model folder") from None
+    try:
+        return locate_model(path, key).path
+    except ModelNotFoundError as e:
+        raise ConfigError(str(e)) from None
 
 
 def load_tokenizer(plan: Plan):

@@ -72,9 +72,10 @@ def resolve_devices(cfg: VerlConfig, notes: list[str], with_critic: bool, record
     for role in () if strategy != "auto" else ("actor_rollout_ref.actor", "critic") if with_critic else (
             "actor_rollout_ref.actor",):
         if get(f"{role}.strategy") in ("fsdp", "fsdp2"):
-            if processes == 1 and cfg.is_provided(f"{role}.strategy"):  # verl's default needs no note
-                notes.append(f"{role}.strategy={get(f'{role}.strategy')} on 1 process: rlflow runs Fabric's "
-                             "single-device strategy (FSDP shards across processes; with one there is nothing to shard)")
+            if processes == 1:
+                if cfg.is_provided(f"{role}.strategy"):  # verl's default needs no note
+                    notes.append(f"{role}.strategy={get(f'{role}.strategy')} on 1 process: rlflow runs Fabric's "
+                                 "single-device strategy (FSDP shards across processes; with one there is nothing to shard)")
             else:
                 strategy = "fsdp2"  # verl's fsdp and fsdp2 both mean FSDP2 (fully_shard) here
     offload = False

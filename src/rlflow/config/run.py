@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -23,7 +24,8 @@ from rlflow.trainer.checkpoint import CheckpointError  # light: the checkpoint m
 if TYPE_CHECKING:
     from rlflow.config.plan import Plan
 
-USAGE = "python -m rlflow.trainer.main_ppo [--config-path DIR --config-name NAME] [--dry-run] key=value ..."
+USAGE = ("python -m rlflow.trainer.main_ppo [--config-path DIR --config-name NAME] [--dry-run [--show-config]] "
+         "key=value ...")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -33,11 +35,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config-name", "-cn", default=None, help="YAML file name, with or without .yaml")
     parser.add_argument("--config", "-c", default=None, help="an rlflow native recipe file (see docs)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="validate config and data, print the resolved config, batch arithmetic and cost, stop")
+                        help="validate config and data, print what would be built, batch arithmetic and cost, stop")
+    parser.add_argument("--show-config", action="store_true", help="with --dry-run: also print the full resolved config")
     parser.add_argument("overrides", nargs="*", help="key=value, +key=value, key=[a,b]")
     args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
     if args.config_name is None and args.config_path is not None:
         parser.error("--config-path needs --config-name")
+    if args.show_config and not args.dry_run:
+        parser.error("--show-config goes with --dry-run (a run writes the resolved config to <run dir>/config.yaml)")
     if args.config and args.config_name:
         parser.error("use either --config (rlflow native) or --config-path/--config-name (verl), not both")
     return args
@@ -104,18 +109,37 @@ def train(plan: Plan) -> list[dict]:
     trainer, data = build_trainer(plan)
     print_notes(plan)
     (run_dir / "config.yaml").write_text(plan.cfg.to_yaml())
+    before, t0 = {}, time.perf_counter()
     if data.val and (plan.val_before_train or plan.val_only):
         resume = trainer.resume
         start = ckpt.latest_checkpoint(trainer.checkpoint_dir) if resume == "auto" else resume
         if start is not None:  # validate the weights training resumes from, as verl does
             trainer.load(start)
-        metrics = trainer.validate(data)
-        trainer.fabric.log_dict(metrics, step=trainer.global_step)
+        before = trainer.validate(data)
+        trainer.fabric.log_dict(before, step=trainer.global_step)
         if plan.val_only:
-            return [metrics]
+            return [before]
     elif plan.val_only:
         raise ConfigError("trainer.val_only=True needs data.val_files")
-    return trainer.fit(data)
+    validation_s, t0 = time.perf_counter() - t0, time.perf_counter()
+    history = trainer.fit(data)
+    trainer.fabric.print(summary_line(plan, history, before, time.perf_counter() - t0, validation_s, run_dir))
+    return history
+
+
+def summary_line(plan: Plan, history: list[dict], before: dict, fit_s: float, validation_s: float,
+                 run_dir: Path) -> str:
+    """The line a config run ends with, as the default job's: steps and time (RL apart from validation),
+    held-out metrics before -> after, and where the metrics are."""
+    in_fit = sum(m.get("timing_s/testing", 0.0) for m in history)
+    parts = [f"[rlflow] {len(history)} RL steps ({plan.estimator_cls.__name__}) in {fit_s - in_fit:.0f} s "
+             f"(+ validation {validation_s + in_fit:.0f} s)"]
+    last = next((m for m in reversed(history) if any(k.startswith("val-core/") for k in m)), {})
+    for key in sorted(k for k in {**before, **last} if k.startswith("val-core/")):
+        parts.append(f"{key}: {before[key]:.2f} -> {last[key]:.2f}" if key in before and key in last else
+                     f"{key}: {last[key]:.2f}" if key in last else f"{key}: {before[key]:.2f} (before training)")
+    where = run_dir / "metrics.jsonl" if "jsonl" in plan.loggers else run_dir
+    return "; ".join(parts) + f"; metrics in {where}"
 
 
 def launch(plan: Plan, argv: list[str]) -> int:
@@ -150,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             from rlflow.config.dryrun import dry_run
 
-            report, problems = dry_run(plan)
+            report, problems = dry_run(plan, show_config=args.show_config)
             print(report)
             return 1 if problems else 0
         if plan.devices.processes > 1 and "LOCAL_RANK" not in os.environ:

@@ -7,6 +7,7 @@ is read as is.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -44,7 +45,8 @@ def load_rows(source: str | Path | Sequence[dict], prompt_key: str = "prompt") -
         if path.stat().st_size == 0:
             raise DataError(f"{path}: the file is empty")
         try:
-            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+            with datasets_bars_off(datasets):  # reading a local file takes a blink: no "Generating train split" bars
+                ds = datasets.load_dataset(kind, data_files=str(path), split="train")
         except Exception as e:  # noqa: BLE001 - pyarrow/json errors of every kind: name the file
             cause = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
             raise DataError(f"{path}: cannot be read as {kind} ({type(e).__name__}: {cause})") from e
@@ -52,6 +54,18 @@ def load_rows(source: str | Path | Sequence[dict], prompt_key: str = "prompt") -
     else:
         raw, name = list(source), "<in-memory rows>"
     return [normalise_row(r, i, name, prompt_key) for i, r in enumerate(raw)], name
+
+
+@contextlib.contextmanager
+def datasets_bars_off(datasets) -> Iterator[None]:
+    """``datasets``' progress bars off for the block (restored after, as the caller had them)."""
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
 
 
 def normalise_row(row: dict, index: int, name: str, prompt_key: str = "prompt") -> dict:

@@ -71,9 +71,12 @@ class Critic(BatchModule):
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "Critic":
+        """A critic from a model folder or hub id (resolved as ``Policy.from_pretrained`` does)."""
         from transformers import AutoModelForCausalLM
 
-        return cls(AutoModelForCausalLM.from_pretrained(path), **kwargs)
+        from rlflow.models.hub import locate_model
+
+        return cls(AutoModelForCausalLM.from_pretrained(locate_model(path).path), **kwargs)
 
     def values(self, batch: TensorDict) -> Tensor:
         if self.remove_padding:

@@ -77,7 +77,8 @@ def cached_folder(repo_id: str) -> Path | None:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return None
-    found = try_to_load_from_cache(repo_id, "config.json")
+    cache = os.environ.get("HF_HUB_CACHE") or (os.environ.get("HF_HOME") and os.path.join(os.environ["HF_HOME"], "hub"))
+    found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache or None)  # env read now, not at import
     return Path(found).parent if isinstance(found, str) else None
 
 

@@ -84,14 +84,21 @@ class Policy(BatchModule):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs) -> "Policy":
-        """Load a model folder (weights, config, tokenizer) from local disk; ``lora=`` as in the constructor
-        (the adapter then records the folder's absolute path as its base model)."""
+        """Load a model (weights, config, tokenizer): a local folder, or a Hugging Face hub id.
+
+        A hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``) loads as in transformers: downloaded or revalidated
+        when the hub is reachable, from the cache when offline (``HF_HUB_OFFLINE=1``); neither fails at
+        once with :class:`~rlflow.models.hub.ModelNotFoundError`. A path that is not a hub id (``./m``,
+        ``/m``, ``a/b/c``) is only ever a local folder. ``kwargs`` go to the ``Policy`` constructor;
+        ``lora=`` as there (the adapter then records the folder's absolute path as its base model).
+        """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from rlflow.models.checks import check_model_folder, check_tokenizer
+        from rlflow.models.hub import locate_model
 
-        if Path(path).expanduser().exists():  # a local folder: a clear error now rather than from transformers
-            path = check_model_folder(path)
+        located = locate_model(path)
+        path = check_model_folder(located.folder) if located.folder is not None else located.path  # clear errors now
         tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
         check_tokenizer(tokenizer, source=str(path))
         folder = Path(path).expanduser()  # absolute: a LoRA adapter records it as its base model

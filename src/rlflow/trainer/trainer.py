@@ -23,6 +23,7 @@ from rlflow.data.prompts import PromptData
 from rlflow.module import check_chain
 from rlflow.rewards.base import setup_rewards
 from rlflow.strategies import resolve_strategy, shards_parameters
+from rlflow.threads import choose_threads
 from rlflow.trainer import checkpoint as ckpt, numerics, validation
 from rlflow.trainer.batching import micro_batches
 from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_sum, rank_shard,
@@ -115,6 +116,8 @@ class Trainer:
         self.needs_old_log_probs = (ppo_epochs > 1 or self.mini_batch_size < batch_size
                                     or K.OLD_LOG_PROBS in estimator.in_keys)
         self.check_chain()
+        if accelerator == "cpu":  # one thread per core is wrong on a busy machine or for a tiny model
+            choose_threads(sum(p.numel() for p in policy.model.parameters()))
 
         self.fabric = L.Fabric(
             accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=resolve_strategy(strategy, devices * num_nodes),
@@ -310,7 +313,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self, data: PromptData) -> list[dict[str, float]]:
         """Train on ``data``; returns every step's metrics (validation metrics merged into their step)."""
-        self.fabric.seed_everything(self.seed)
+        self.fabric.seed_everything(self.seed, verbose=False)  # no 'Seed set to N' after validation's step:0
         # an unwritable or full disk fails now (on every rank), not at the first save
         ckpt.check_run_dir(self.run_dir, self.save_every and ckpt.checkpoint_bytes(
             self.policy.model, self.critic.module if self.critic is not None else None))
