@@ -128,3 +128,16 @@ def test_recipe_names_an_estimator_file_next_to_it(tmp_path, model_dir, data_dir
     plan = make_plan(load_native(tmp_path / "r.yaml"))
     assert plan.estimator_cls.__name__ == "MedianGRPO"
     assert plan.cfg["algorithm.adv_estimator"] == f"{tmp_path}/my_est.py:MedianGRPO"
+
+
+def test_reward_function_from_a_module(tiny, tmp_path):
+    """``custom_reward_function.path`` takes an importable module too (native: ``reward: package.module:name``)."""
+    from rlflow.tasks.addition import exact_match
+
+    plan = make_plan(load_config(tiny + ["custom_reward_function.path=rlflow.tasks.addition",
+                                         "custom_reward_function.name=exact_match"]))
+    assert plan.reward_fn is exact_match and plan.custom_reward
+    (tmp_path / "r.yaml").write_text("reward: rlflow.tasks.addition:digit_match\n")
+    assert load_native(tmp_path / "r.yaml")["custom_reward_function.path"] == "rlflow.tasks.addition"  # not a file
+    with pytest.raises(ConfigError, match="no importable module 'rlflow.no_such_rewards'"):
+        make_plan(load_config(tiny + ["custom_reward_function.path=rlflow.no_such_rewards"]))

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from rlflow.config import tables
 from rlflow.config.loading import ConfigError, VerlConfig, load_config, raise_problems
 from rlflow.config.validate import validate
+from rlflow.logs import quiet_other_ranks
 from rlflow.trainer.checkpoint import CheckpointError  # light: the checkpoint module imports torch where used
 
 if TYPE_CHECKING:
@@ -155,6 +156,7 @@ def launch(plan: Plan, argv: list[str]) -> int:
                           f"{plan.devices.per_node} --rdzv_endpoint HOST:PORT -m rlflow.trainer.main_ppo ...` "
                           "on every node (docs/distributed.md)")
     print(f"[rlflow] launching {plan.devices.processes} processes with torchrun", flush=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (torchrun's choice, without its banner)
     try:
         torchrun(["--nproc_per_node", str(plan.devices.processes), "-m", "rlflow.trainer.main_ppo", *argv])
     except Exception as e:  # torchrun raises ChildFailedError after every worker has been stopped
@@ -166,6 +168,7 @@ def launch(plan: Plan, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code. Config errors print one clear message and return 2."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    quiet_other_ranks()  # under torchrun: each warning and bar once (rank 0), not once per process
     try:
         cfg = load_and_check(args)  # before anything heavy: a config error comes back in about a second
         from rlflow.config.plan import make_plan

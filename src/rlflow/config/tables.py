@@ -121,7 +121,7 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
 # Keys rlflow accepts but that change nothing here (a user who sets one gets a note with the reason).
 
 _ENGINE = "a vLLM/SGLang engine setting; rlflow's HF rollout generates with the policy's own module"
-_SINGLE = "a multi-process/FSDP setting; this run is one process"
+_SINGLE = "an FSDP tuning knob; rlflow's FSDP2 shards every decoder layer with torch's defaults"
 _RAY = "rlflow does not use Ray"
 _PACKED = "rlflow always computes log-probs on response tokens only, in chunks"
 _LOADER = "rlflow reads the data files in the main process"
@@ -150,7 +150,7 @@ INERT: dict[str, str] = {
     "data.return_multi_modal_inputs": "vision data is not supported yet",
     "data.gen_batch_size": "each generation round takes data.train_batch_size prompts (with filter_groups too)",
     "actor_rollout_ref.hybrid_engine": "rlflow's rollout always shares the policy's weights",
-    "actor_rollout_ref.nccl_timeout": _SINGLE,
+    "actor_rollout_ref.nccl_timeout": "process groups use rlflow's own time-out (rlflow.strategies.DEFAULT_TIMEOUT)",
     "actor_rollout_ref.model.use_shm": _LOADER, 
     "actor_rollout_ref.model.fused_kernel_options.*": "fused kernels are not supported yet",
     **{f"actor_rollout_ref.model.{k}": _POLICY_LORA_ONLY for k in (
@@ -167,7 +167,7 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.actor.fsdp_config.model_dtype": "parameters stay float32; trainer.precision sets compute",
     "actor_rollout_ref.actor.optim.total_training_steps": "filled in from trainer.total_training_steps",
     "critic.optim.total_training_steps": "filled in from trainer.total_training_steps",
-    "actor_rollout_ref.ref.strategy": _SINGLE, "actor_rollout_ref.ref.use_torch_compile": _PACKED,
+    "actor_rollout_ref.ref.strategy": "the frozen reference is placed like the policy (actor.strategy)", "actor_rollout_ref.ref.use_torch_compile": _PACKED,
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": _DYN_ONLY,
     "actor_rollout_ref.ref.fsdp_config.*": _SINGLE,
     "actor_rollout_ref.ref.entropy_from_logits_with_chunking": _PACKED,

@@ -23,6 +23,7 @@ from rlflow.data.prompts import PromptData
 from rlflow.module import check_chain
 from rlflow.rewards.base import setup_rewards
 from rlflow.strategies import resolve_strategy, shards_parameters
+from rlflow.logs import quiet_other_ranks
 from rlflow.threads import choose_threads
 from rlflow.trainer import checkpoint as ckpt, numerics, validation
 from rlflow.trainer.batching import micro_batches
@@ -119,11 +120,13 @@ class Trainer:
         if accelerator == "cpu":  # one thread per core is wrong on a busy machine or for a tiny model
             choose_threads(sum(p.numel() for p in policy.model.parameters()))
 
+        quiet_other_ranks()  # under torchrun (RANK set): rank 0 alone prints warnings and library logs
         self.fabric = L.Fabric(
             accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=resolve_strategy(strategy, devices * num_nodes),
             precision=precision, loggers=make_loggers(loggers, self.run_dir), callbacks=list(callbacks),
         )
         self.fabric.launch()  # no-op under torchrun or on one device
+        quiet_other_ranks(self.fabric.global_rank)  # processes Fabric launched itself
         # ranks that train on one batch: a sequence-parallel group, or a model replica (Megatron's tensor x pipeline)
         replica = getattr(self.fabric.strategy, "model_parallel_size", 1)
         self.sp_size, self.balance_batch = sequence_parallel_size * replica, balance_batch
