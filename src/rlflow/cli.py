@@ -92,7 +92,8 @@ def _train_from_config(parser: argparse.ArgumentParser, args: argparse.Namespace
     """Forward to the verl entry point; the default job's flags have config keys instead."""
     for attr, (flag, default, verl_key, native_key) in DEFAULT_JOB_FLAGS.items():
         if getattr(args, attr) != default:
-            parser.error(f"{flag} belongs to the default job; with a config, use {native_key if args.config else verl_key}")
+            key = native_key if args.config else verl_key
+            parser.error(f"{flag} belongs to the default job; with a config, use {key}")
     from rlflow.config.run import main as run_config
 
     argv = [*(["--config-path", args.config_path] if args.config_path else []),

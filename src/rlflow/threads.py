@@ -24,7 +24,7 @@ from typing import Callable
 
 __all__ = ["choose_threads", "SMALL_MODEL"]
 
-SMALL_MODEL = 5_000_000  # parameters: below this, one thread is fastest (measured in benchmarks/threads.py)
+SMALL_MODEL = 5_000_000  # parameters; below: one thread (default job ~5x faster on busy cores: benchmarks/threads.py)
 ENV_VARS = ("RLFLOW_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _chosen: int | None = None  # what rlflow set last (so that it is not mistaken for the user's choice)
 

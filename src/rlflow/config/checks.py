@@ -128,7 +128,8 @@ RANGES: dict[str, Range] = {
     # trainer
     "trainer.total_epochs": count(), "trainer.total_training_steps": count(),
     "trainer.nnodes": count(), "trainer.n_gpus_per_node": count(note="processes per node"),
-    "trainer.save_freq": Range(integer=True, note="<= 0: never"), "trainer.test_freq": Range(integer=True, note="<= 0: never"),
+    "trainer.save_freq": Range(integer=True, note="<= 0: never"),
+    "trainer.test_freq": Range(integer=True, note="<= 0: never"),
 }
 
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # rlflow.algorithms.functional's, each also with "+"

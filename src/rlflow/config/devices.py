@@ -75,7 +75,8 @@ def resolve_devices(cfg: VerlConfig, notes: list[str], with_critic: bool, record
             if processes == 1:
                 if cfg.is_provided(f"{role}.strategy"):  # verl's default needs no note
                     notes.append(f"{role}.strategy={get(f'{role}.strategy')} on 1 process: rlflow runs Fabric's "
-                                 "single-device strategy (FSDP shards across processes; with one there is nothing to shard)")
+                                 "single-device strategy (FSDP shards across processes; with one there is nothing "
+                                 "to shard)")
             else:
                 strategy = "fsdp2"  # verl's fsdp and fsdp2 both mean FSDP2 (fully_shard) here
     offload = False

@@ -37,7 +37,8 @@ class ConfigProblems(ConfigError):
 
     def __init__(self, problems: list[ConfigError]):
         self.problems = list(problems)
-        super().__init__(f"{len(self.problems)} problems in the config:\n" + "\n".join(f"  - {p}" for p in self.problems))
+        listed = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problems in the config:\n{listed}")
 
 
 def raise_problems(problems: list[ConfigError]) -> None:

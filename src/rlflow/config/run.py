@@ -37,7 +37,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config", "-c", default=None, help="an rlflow native recipe file (see docs)")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate config and data, print what would be built, batch arithmetic and cost, stop")
-    parser.add_argument("--show-config", action="store_true", help="with --dry-run: also print the full resolved config")
+    parser.add_argument("--show-config", action="store_true",
+                        help="with --dry-run: also print the full resolved config")
     parser.add_argument("overrides", nargs="*", help="key=value, +key=value, key=[a,b]")
     args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
     if args.config_name is None and args.config_path is not None:

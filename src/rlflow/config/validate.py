@@ -31,7 +31,8 @@ from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig, ra
 
 A, R, C = checks.A, checks.R, checks.C
 DATA_SUFFIXES = (".parquet", ".json", ".jsonl")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
