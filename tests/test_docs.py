@@ -115,7 +115,10 @@ NOT_RUN = {
         "needs a local copy of GSM8K; tests/config/test_main_ppo.py::test_gsm8k_preprocess_script_on_a_local_copy "
         "runs the script on one",
 }
-for cmd in ("python benchmarks/packing.py", "python benchmarks/packing.py --rows 64 --max-len 512",
+NOT_RUN[("docs/rewards.md", "python recipes/reward_model.py")] = (
+    "trains a reward model, then GRPO on it (minutes); tests/rewards/test_reward_model_recipe.py::"
+    "test_recipe_trains_the_reward_model_then_runs_grpo_on_it runs it, shortened")
+for cmd in ("python benchmarks/rewards.py", "python benchmarks/packing.py", "python benchmarks/packing.py --rows 64 --max-len 512",
             "python benchmarks/fsdp2_memory.py", "python benchmarks/trainer_overhead.py --steps 40 --rounds 3",
             "python benchmarks/parallelism.py", "python benchmarks/threads.py"):
     NOT_RUN[("benchmarks/README.md", cmd)] = BENCHMARK
@@ -147,6 +150,12 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/concepts.md", "from rlflow import AdvantageEstimator, keys"): [],
     ("docs/performance.md", "policy = Policy(model, tokenizer, remove_padding=True)"): [],
     ("docs/rewards.md", "from rlflow import FunctionReward"): [],
+    ("docs/rewards.md", "from rlflow.rewards import CombinedReward"): [],
+    ("docs/rewards.md", "from rlflow.models.tiny import char_tokenizer, tiny_qwen2_reward_model"): [],
+    ("docs/rewards.md", "from rlflow.models.tiny import char_tokenizer, tiny_qwen2_reward_model#2"): [],
+    ("docs/rewards.md", "from rlflow.rewards import JudgeReward"): [],
+    ("docs/rewards.md", "from rlflow.rewards import CodeReward"): [],
+    ("docs/rewards.md", "from rlflow.sandbox import Limits, Sandbox"): [],
     ("docs/rewards.md", "import torch"): [],
 }
 RUN_COMMANDS = {
@@ -160,7 +169,8 @@ RUN_COMMANDS = {
     ("docs/recipes.md", "rlflow train --config recipes/yaml/grpo.yaml --dry-run"): "recipe",
     ("recipes/yaml/README.md", "rlflow prepare-task addition runs/task"): "recipe",
 }
-RUN_YAML = {("docs/verl-compat.md", "policy: {path: models/qwen-0.5b}")}
+RUN_YAML = {("docs/verl-compat.md", "policy: {path: models/qwen-0.5b}"): "native",  # a recipe
+            ("docs/rewards.md", "reward_model:"): "verl"}  # verl keys
 
 
 def keyed() -> dict[tuple[str, str], Block]:
@@ -224,16 +234,22 @@ def test_python_block_runs(key, namespace):
         assert trainer.policy is not None and trainer.loss is not None
 
 
-def test_native_recipe_example_loads(tmp_path):
+@pytest.mark.parametrize("key", sorted(RUN_YAML), ids=lambda k: k[0])
+def test_yaml_block_loads_and_validates(key, tmp_path):
+    """Every key known and every value valid (the files it names are the user's)."""
+    from rlflow.config.loading import load_config
     from rlflow.config.native import load_native
     from rlflow.config.validate import validate
 
-    (key,) = RUN_YAML
-    (tmp_path / "recipe.yaml").write_text(KEYED[key].text)
+    (tmp_path / "config.yaml").write_text(KEYED[key].text)
     problems: list = []
-    cfg = load_native(tmp_path / "recipe.yaml", problems=problems)
-    assert not problems and not validate(cfg)  # every key known, every value in range (files are the user's)
-    assert cfg["algorithm.filter_groups.enable"] and cfg["algorithm.use_kl_in_reward"]
+    if RUN_YAML[key] == "native":
+        cfg = load_native(tmp_path / "config.yaml", problems=problems)
+        assert cfg["algorithm.filter_groups.enable"] and cfg["algorithm.use_kl_in_reward"]
+    else:
+        cfg = load_config(["trainer.device=cpu", "trainer.n_gpus_per_node=1"], config_file=tmp_path / "config.yaml",
+                          problems=problems)
+    assert not problems and not validate(cfg), [str(p) for p in problems + validate(cfg)]
 
 
 @pytest.fixture

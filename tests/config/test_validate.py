@@ -24,13 +24,16 @@ def no_gpus(monkeypatch):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """Bad files next to good ones: a CSV, a model folder without config.json / weights / tokenizer, a reward file."""
+    """Bad files next to good ones: a CSV, model folders without config.json / weights / tokenizer, a reward file."""
     root = tmp_path_factory.mktemp("bad")
     (root / "train.csv").write_text("prompt\n1+1\n")
     (root / "no_config").mkdir()
     (root / "no_config" / "weights.bin").write_bytes(b"")
     (root / "no_weights").mkdir()
     (root / "no_weights" / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 64}))
+    (root / "no_tokenizer").mkdir()
+    (root / "no_tokenizer" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (root / "no_tokenizer" / "pytorch_model.bin").write_bytes(b"")
     (root / "reward.py").write_text("def my_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                     "    return 0.0\n")
     pd.DataFrame({"question": ["1+1"], "answer": ["2"]}).to_parquet(root / "questions.parquet")
@@ -124,9 +127,10 @@ def test_bad_files_and_model_folders_are_named(tiny, files, data_dir):
         ([f"data.train_files={files}"], "is a folder; give the data file(s) in it"),
         ([f"data.train_files={files}/questions.parquet", "data.train_batch_size=1", f"{A}.ppo_mini_batch_size=1"],
          "data.prompt_key='prompt': " + f"{files}/questions.parquet has no such column (columns: question, answer)"),
-        ([f"actor_rollout_ref.model.path={files}/no_config"], "has no config.json, so it is not a Hugging Face model"),
-        ([f"actor_rollout_ref.model.path={files}/no_weights"], "has a config.json but no weights"),
-        ([f"actor_rollout_ref.model.path={files}/no_weights"], "has no tokenizer files"),
+        ([f"actor_rollout_ref.model.path={files}/no_config"],
+         f"actor_rollout_ref.model.path: {files}/no_config: no config.json, so not a Hugging Face model folder"),
+        ([f"actor_rollout_ref.model.path={files}/no_weights"], f"{files}/no_weights: no weights (model.safetensors"),
+        ([f"actor_rollout_ref.model.path={files}/no_tokenizer"], f"{files}/no_tokenizer: no tokenizer files"),
         ([f"custom_reward_function.path={files}/reward.py"],
          "custom_reward_function.name='compute_score': " + f"{files}/reward.py defines no function 'compute_score' "
          "(it defines functions: my_score). Set custom_reward_function.name=my_score."),

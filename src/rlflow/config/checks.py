@@ -5,7 +5,8 @@
   number must be finite; ``None`` passes where the default is ``None`` (the key is optional).
 - ``CHOICES``: key -> the strings it may take.
 - ``PATHS``: key -> what it must point at: ``"data"`` (existing data files), ``"model"`` (a model
-  folder with ``config.json``, or a hub id), ``"python"`` (a ``.py`` file or an importable module).
+  folder with ``config.json``, weights and tokenizer, or a hub id; ``"critic model"`` and ``"reward
+  model"`` only when the run has one), ``"python"`` (a ``.py`` file or an importable module).
 - ``REGISTRIES``: key -> the :class:`~rlflow.registry.Registry` whose names (or ``file.py:Class``) it takes.
 
 Rules between keys are functions in :mod:`rlflow.config.validate` (``CROSS_CHECKS``). To add a key
@@ -125,6 +126,12 @@ RANGES: dict[str, Range] = {
     "algorithm.gamma": PROB, "algorithm.lam": PROB, "algorithm.kl_ctrl.kl_coef": ge(0),
     "algorithm.kl_ctrl.horizon": gt(0), "algorithm.kl_ctrl.target_kl": gt(0),
     "algorithm.rollout_correction.rollout_is_threshold": gt(0),
+    # rewards
+    "reward_model.timeout_s": gt(0, note="seconds per reward call; null: no limit"),
+    "reward_model.num_workers": count(note="reward worker processes; null: threads"),
+    "reward_model.weight": ANY_NUMBER, "custom_reward_function.weight": ANY_NUMBER,
+    "reward_model.micro_batch_size": count(), "reward_model.micro_batch_size_per_gpu": count(),
+    "reward_model.max_length": count(2),
     # trainer
     "trainer.total_epochs": count(), "trainer.total_training_steps": count(),
     "trainer.nnodes": count(), "trainer.n_gpus_per_node": count(note="processes per node"),
@@ -137,6 +144,7 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 
 CHOICES: dict[str, tuple] = {
     "data.truncation": ("error", "left", "right", "middle"),
+    "data.missing_ground_truth": ("error", "skip", "allow"),
     f"{A}.loss_agg_mode": AGG_MODES, f"{C}.loss_agg_mode": AGG_MODES,
     f"{A}.kl_loss_type": KL_KINDS + tuple(k + "+" for k in KL_KINDS),
     "algorithm.kl_penalty": KL_KINDS + tuple(k + "+" for k in KL_KINDS),
@@ -154,6 +162,7 @@ CHOICES: dict[str, tuple] = {
 PATHS: dict[str, str] = {
     "data.train_files": "data", "data.val_files": "data",
     "actor_rollout_ref.model.path": "model", "critic.model.path": "critic model",
+    "reward_model.model.path": "reward model",
     "custom_reward_function.path": "python",
 }
 

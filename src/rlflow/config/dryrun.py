@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rlflow.config.build import build_data, load_tokenizer, local_model, total_steps, warmup_steps
 from rlflow.config.plan import Plan
-from rlflow.config.resolve import format_kwargs, format_value
+from rlflow.config.resolve import format_kwargs
 from rlflow.data.prompts import render_prompt
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"

@@ -207,7 +207,7 @@ INERT: dict[str, str] = {
                                                   "(reward_model.micro_batch_size_per_gpu)",
     "reward_model.strategy": _NO_RM, "reward_model.micro_batch_size": _NO_RM,
     "reward_model.micro_batch_size_per_gpu": _NO_RM, "reward_model.max_length": _NO_RM,
-    "reward_model.use_dynamic_bsz": _NO_RM, "reward_model.forward_max_token_len_per_gpu": _NO_RM,
+    "reward_model.use_dynamic_bsz": _NO_RM,
     "reward_model.ulysses_sequence_parallel_size": _NO_RM, "reward_model.model.*": _NO_RM,
     "reward_model.use_reward_loop": "only decides how a reward model and a custom function combine "
                                     "(reward_model.enable=True); rlflow scores each batch right after generation",

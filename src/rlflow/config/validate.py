@@ -31,9 +31,6 @@ from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig, ra
 
 A, R, C = checks.A, checks.R, checks.C
 DATA_SUFFIXES = (".parquet", ".json", ".jsonl")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
@@ -147,7 +144,8 @@ def one_micro_size(ctx: Context) -> None:
     """verl's per-GPU micro size and its deprecated global form: at most one of each pair."""
     pairs = [(f"{A}.ppo_micro_batch_size_per_gpu", f"{A}.ppo_micro_batch_size"),
              (f"{R}.log_prob_micro_batch_size_per_gpu", f"{R}.log_prob_micro_batch_size"),
-             ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_micro_batch_size")]
+             ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+              "actor_rollout_ref.ref.log_prob_micro_batch_size")]
     if ctx.with_critic:
         pairs += [(f"{C}.ppo_micro_batch_size_per_gpu", f"{C}.ppo_micro_batch_size"),
                   (f"{C}.forward_micro_batch_size_per_gpu", f"{C}.forward_micro_batch_size")]
@@ -235,7 +233,8 @@ def loggers(ctx: Context) -> None:
     names = ctx.get("trainer.logger") or []
     for name in names if isinstance(names, list) else [names]:
         if name in tables.VERL_ONLY_LOGGERS:
-            ctx.add(NotSupportedError("trainer.logger", name, f"the {name} logger", f"Available: {', '.join(tables.LOGGERS)}."))
+            ctx.add(NotSupportedError("trainer.logger", name, f"the {name} logger",
+                                      f"Available: {', '.join(tables.LOGGERS)}."))
         elif name not in tables.LOGGERS:
             ctx.add(f"trainer.logger: unknown logger {name!r}; choose from {', '.join(tables.LOGGERS)}")
         elif name == "wandb" and "trainer.logger" in ctx.cfg.provided and importlib.util.find_spec("wandb") is None:
@@ -373,7 +372,10 @@ def parquet_rows(ctx: Context, key: str, path: Path, prompt_key: str) -> int:
     return meta.metadata.num_rows
 
 
-def check_model(ctx: Context, key: str) -> None:
+def check_model(ctx: Context, key: str, tokenizer: bool = True) -> None:
+    """A local folder or a hub id (:func:`rlflow.models.hub.locate_model`); a local folder must hold a model
+    (:func:`rlflow.models.checks.check_model_folder`); its ``config.json`` is kept for the cross-checks."""
+    from rlflow.models.checks import ModelFolderError, check_model_folder
     from rlflow.models.hub import ModelNotFoundError, locate_model
 
     value = ctx.get(key)
@@ -382,35 +384,32 @@ def check_model(ctx: Context, key: str) -> None:
         return
     try:
         located = locate_model(value, key)
-    except ModelNotFoundError as e:
-        ctx.add(str(e))
-        return
-    if located.folder is None:
-        return  # a hub id transformers will download: nothing local to look at yet
-    folder = located.folder
-    config = folder / "config.json"
-    if not config.is_file():
-        ctx.add(f"{key}={value!r}: {folder} has no config.json, so it is not a Hugging Face model folder "
-                f"(it holds: {', '.join(sorted(p.name for p in folder.iterdir())[:8]) or 'nothing'})")
-        return
-    try:
-        ctx.model_configs[key] = json.loads(config.read_text())
-    except (OSError, ValueError) as e:
-        ctx.add(f"{key}={value!r}: cannot read {config} ({e})")
-        return
-    if not any((folder / f).exists() for f in WEIGHT_FILES) and not any(folder.glob("*.safetensors")):
-        ctx.add(f"{key}={value!r}: {folder} has a config.json but no weights ({' or '.join(WEIGHT_FILES[::2])})")
-    if key == "actor_rollout_ref.model.path" and not any((folder / f).exists() for f in TOKENIZER_FILES):
-        ctx.add(f"{key}={value!r}: {folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])})")
+        if located.folder is None:
+            return  # a hub id transformers will download: nothing local to look at yet
+        check_model_folder(located.folder, tokenizer=tokenizer)
+        ctx.model_configs[key] = json.loads((located.folder / "config.json").read_text())
+    except (ModelNotFoundError, ModelFolderError, OSError, ValueError) as e:
+        ctx.add(str(e) if str(e).startswith(key) else f"{key}: {e}")
 
 
-def check_reward_file(ctx: Context) -> None:
-    from rlflow.config.reward_fn import reward_file_problem
+def check_reward_files(ctx: Context) -> None:
+    """``custom_reward_function.path``/``.name`` (or ``name: file.py:fn``) and each of ``.functions`` name a
+    function that exists, read from the files without running them."""
+    from rlflow.config.reward_fn import reward_file_problem, split_reward_spec
 
-    path = ctx.get("custom_reward_function.path")
-    problem = reward_file_problem(path, ctx.get("custom_reward_function.name")) if path else None
-    if problem:
-        ctx.add(problem)
+    crf = "custom_reward_function"
+    path, name = split_reward_spec(ctx.get(f"{crf}.path"), ctx.get(f"{crf}.name"))
+    items = ctx.cfg.tree.get(crf, {}).get("functions") or []
+    specs = [(path, name)] if path and not items else []
+    for item in items if isinstance(items, list) else []:
+        if isinstance(item, str) and ":" in item:
+            specs.append(tuple(item.rsplit(":", 1)))
+        elif isinstance(item, dict) and item.get("name"):
+            specs.append(split_reward_spec(item.get("path") or path, item["name"]))
+    for file, fn in specs:  # (a malformed entry is reported by the reward plan, naming it)
+        problem = reward_file_problem(file, fn) if file else None
+        if problem:
+            ctx.add(problem)
 
 
 def check_position_embeddings(ctx: Context) -> None:
@@ -429,9 +428,14 @@ def check_environment(ctx: Context) -> None:
     for key, kind in checks.PATHS.items():
         if kind == "data":
             check_data_files(ctx, key)
-        elif kind == "model" or (kind == "critic model" and ctx.with_critic and ctx.set_by_user_or_own(key)):
-            check_model(ctx, key)  # (a critic path that only repeats the actor's is checked there)
-    check_reward_file(ctx)
+        elif kind == "model":
+            check_model(ctx, key)
+        elif kind == "critic model" and ctx.with_critic and ctx.set_by_user_or_own(key):
+            check_model(ctx, key, tokenizer=False)  # (a critic path that only repeats the actor's is checked there)
+        elif kind == "reward model" and ctx.get("reward_model.enable"):
+            re_encodes = ctx.get("reward_model.model.input_tokenizer") is not None  # then it needs its own tokenizer
+            check_model(ctx, key, tokenizer=re_encodes)
+    check_reward_files(ctx)
     check_position_embeddings(ctx)
 
 

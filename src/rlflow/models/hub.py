@@ -99,6 +99,6 @@ def locate_model(path: str | os.PathLike, key: str = "model path") -> Located:
     if cached is not None:
         return Located(str(cached), cached, "cache")
     raise ModelNotFoundError(
-        f"{key}={text!r}: no local folder {local.resolve()}, and the hub model '{text}' is not in the Hugging Face cache, and the hub cannot be "
-        f"reached ({offline}). Fetch it where there is network with `hf download {text}` (into the cache; or add "
-        f"--local-dir DIR and use DIR), or give the path of a local model folder.")
+        f"{key}={text!r}: no local folder {local.resolve()}, and the hub model '{text}' is not in the Hugging Face "
+        f"cache, and the hub cannot be reached ({offline}). Fetch it where there is network with `hf download "
+        f"{text}` (into the cache; or add --local-dir DIR and use DIR), or give the path of a local model folder.")
