@@ -223,3 +223,20 @@ def test_default_job_flags_with_a_recipe_name_the_native_keys(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["train", "data.train_files=x.parquet", "--steps", "5"])
     assert "use trainer.total_training_steps=N" in capsys.readouterr().err
+
+
+def test_choice_tables_match_the_code_they_stand_for():
+    """checks.py holds torch-free copies of the names the algorithms accept; they must not drift."""
+    from rlflow import registry
+    from rlflow.algorithms import functional
+    from rlflow.algorithms.correction import LEVELS
+    from rlflow.config import checks
+
+    assert checks.AGG_MODES == functional.AGG_MODES
+    assert set(checks.KL_KINDS) == set(functional._KL)
+    assert set(checks.CHOICES["algorithm.rollout_correction.rollout_is"]) - {None} == set(LEVELS)
+    import rlflow.algorithms
+
+    missing = {cls for reg in (registry.ESTIMATORS, registry.POLICY_LOSSES) for cls in reg.builtins.values()
+               if not hasattr(rlflow.algorithms, cls)}
+    assert missing == {"OptimalTokenBaseline", "TIROptimalTokenBaseline"}  # verl names rlflow reports "not supported yet"

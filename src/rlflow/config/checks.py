@@ -139,8 +139,9 @@ RANGES: dict[str, Range] = {
     "trainer.test_freq": Range(integer=True, note="<= 0: never"),
 }
 
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # rlflow.algorithms.functional's, each also with "+"
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# rlflow.algorithms.functional's (torch-free copies; tests/config/test_validate.py keeps them equal)
+KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each also with a "+" suffix
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
 
 CHOICES: dict[str, tuple] = {
     "data.truncation": ("error", "left", "right", "middle"),

@@ -316,11 +316,12 @@ def load_config(overrides: list[str] = (), config_file: str | Path | None = None
     except OmegaConfBaseException as e:
         raise_problems(collect + [ConfigError(f"cannot resolve the config: {e}")])
     resolved = _wrap_lists(resolved, default_tree)
+    deps = interpolation_deps(OmegaConf.to_container(cfg, resolve=False))
     type_errors = check_types(resolved, default_tree)
-    collect += type_errors
+    # a key that only repeats another (data.gen_batch_size: ${data.train_batch_size}) is reported there
+    collect += [e for e in type_errors if e.key in provided or e.key not in deps]
     if problems is None:
         raise_problems(collect)
-    deps = interpolation_deps(OmegaConf.to_container(cfg, resolve=False))
     # a key that interpolates a badly typed one (critic.ppo_mini_batch_size: ${...actor...}) is bad too
     bad = {e.key for e in type_errors}
     bad |= {k for k, refs in deps.items() if bad & set(refs)}

@@ -320,8 +320,8 @@ def external_lib(ctx: Context) -> None:
 def check_devices(ctx: Context) -> None:
     from rlflow.config.devices import resolve_devices
 
-    if not ctx.ok("trainer.n_gpus_per_node", "trainer.nnodes"):
-        return
+    if not all(_positive_int(ctx.get(k)) for k in ("trainer.n_gpus_per_node", "trainer.nnodes")):
+        return  # a type or range problem, reported by its own check
     try:
         devices = resolve_devices(ctx.cfg, [], ctx.with_critic, record=False)
     except ConfigError as e:
