@@ -181,6 +181,15 @@ def test_a_config_error_comes_back_without_importing_torch(tmp_path):
     assert cli_main.__module__ == "rlflow.cli"
 
 
+
+def test_export_of_a_missing_folder_says_so_without_importing_torch(tmp_path):
+    """``rlflow export`` names a wrong checkpoint path before torch and transformers load."""
+    code = ("import sys; from rlflow.cli import main; rc = main(['export', 'runs/x/global_step_9', 'out']); "
+            "print(rc, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.stdout.split("\n")[0] == "2 []", out.stdout + out.stderr
+    assert "checkpoint folder runs/x/global_step_9 does not exist" in out.stderr
+
 def test_recipe_keys_typos_suggest_native_keys(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("policy: {path: m}\nrolout: {n: 2}\ntrainer: {batch_sise: 4}\n")
