@@ -58,7 +58,7 @@ def test_quick_start_command(tiny, capsys, monkeypatch, tmp_path):
     out, err = capsys.readouterr()
     logged = steps(out)
     # ends with a summary line, as the default job does; no "Seed set to" after step:0, no datasets bars
-    assert re.search(r"\[rlflow\] 2 RL steps \(GRPO\) in \d+ s \(\+ validation \d+ s\); "
+    assert re.search(r"\[rlflow\] 2 RL steps \(GRPO\) in \d+ s \(\+ setup \d+ s, validation \d+ s\); "
                      r"val-core/openai/gsm8k/reward/mean@1: \d\.\d\d \(before training\); metrics in ", out.splitlines()[-1])
     assert "Seed set to" not in out + err and "Generating train split" not in out + err
     assert sorted(logged) == [0, 1, 2]  # validation before training at step 0, then 2 RL steps

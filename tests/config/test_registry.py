@@ -130,6 +130,20 @@ def test_recipe_names_an_estimator_file_next_to_it(tmp_path, model_dir, data_dir
     assert plan.cfg["algorithm.adv_estimator"] == f"{tmp_path}/my_est.py:MedianGRPO"
 
 
+
+def test_recipe_sections_given_by_one_string_on_the_command_line(user_files, model_dir, data_dir):
+    """``estimator=file.py:Class`` (and ``loss=``, ``reward=``) overrides a recipe as the same line in it would."""
+    (user_files / "r.yaml").write_text(
+        f"policy: {{path: {model_dir}}}\nestimator: grpo\n"
+        f"data: {{train: {data_dir}/train.parquet, max_prompt_length: 8}}\nrollout: {{n: 2, max_new_tokens: 4}}\n"
+        "trainer: {batch_size: 4, mini_batch_size: 2, max_steps: 1, device: cpu}\n")
+    cfg = load_native(user_files / "r.yaml", ["estimator=my_est.py:MedianGRPO", "loss=my_loss.py:HalfPPO",
+                                              "reward=rlflow.tasks.addition:exact_match"])
+    plan = make_plan(cfg)
+    assert plan.estimator_cls.__name__ == "MedianGRPO" and plan.loss_cls.__name__ == "HalfPPO"
+    assert cfg["custom_reward_function.path"] == "rlflow.tasks.addition"
+    assert cfg["custom_reward_function.name"] == "exact_match"
+
 def test_reward_function_from_a_module(tiny, tmp_path):
     """``custom_reward_function.path`` takes an importable module too (native: ``reward: package.module:name``)."""
     from rlflow.tasks.addition import exact_match

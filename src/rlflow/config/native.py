@@ -118,6 +118,9 @@ NATIVE_DEFAULTS = {
 }
 
 
+SHORTHAND_SECTIONS = ("estimator", "loss", "reward")  # a section given by one string: see _shorthand
+
+
 def _shorthand(tree: dict) -> dict:
     """``estimator: grpo`` -> ``{name: grpo}``; ``reward: file.py:fn`` -> ``{path: file.py, name: fn}``."""
     tree = dict(tree)
@@ -200,6 +203,9 @@ def split_overrides(overrides: list[str], problems: list[ConfigError] | None) ->
             key = o.key_or_group
             if key in NATIVE:
                 native_flat[key] = o.value()
+                continue
+            if key in SHORTHAND_SECTIONS and isinstance(o.value(), str):  # estimator=my_est.py:MedianGRPO, as in a recipe
+                native_flat.update(flatten(_shorthand({key: o.value()})))
                 continue
             exists, open_ = _node(defaults, key)
             if not (exists or open_):

@@ -98,8 +98,10 @@ def print_notes(plan: Plan) -> None:
         print(f"[rlflow] note: {note}", flush=True)
 
 
-def train(plan: Plan) -> list[dict]:
-    """Build the Trainer from the plan and run it the way verl's main_ppo does."""
+def train(plan: Plan, started: float | None = None) -> list[dict]:
+    """Build the Trainer from the plan and run it the way verl's main_ppo does; the summary line's setup
+    time counts from ``started`` (a ``time.perf_counter()``; default: now)."""
+    started = time.perf_counter() if started is None else started
     from rlflow.config.build import build_trainer
     from rlflow.trainer import checkpoint as ckpt
 
@@ -112,6 +114,7 @@ def train(plan: Plan) -> list[dict]:
     print_notes(plan)
     (run_dir / "config.yaml").write_text(plan.cfg.to_yaml())
     before, t0 = {}, time.perf_counter()
+    setup_s = t0 - started  # config checks, imports, model and data loading
     if data.val and (plan.val_before_train or plan.val_only):
         resume = trainer.resume
         start = ckpt.latest_checkpoint(trainer.checkpoint_dir) if resume == "auto" else resume
@@ -125,17 +128,18 @@ def train(plan: Plan) -> list[dict]:
         raise ConfigError("trainer.val_only=True needs data.val_files")
     validation_s, t0 = time.perf_counter() - t0, time.perf_counter()
     history = trainer.fit(data)
-    trainer.fabric.print(summary_line(plan, history, before, time.perf_counter() - t0, validation_s, run_dir))
+    trainer.fabric.print(summary_line(plan, history, before, time.perf_counter() - t0, validation_s, run_dir,
+                                     setup_s))
     return history
 
 
 def summary_line(plan: Plan, history: list[dict], before: dict, fit_s: float, validation_s: float,
-                 run_dir: Path) -> str:
-    """The line a config run ends with, as the default job's: steps and time (RL apart from validation),
-    held-out metrics before -> after, and where the metrics are."""
+                 run_dir: Path, setup_s: float = 0.0) -> str:
+    """The line a config run ends with, as the default job's: steps and time (RL apart from setup and
+    validation), held-out metrics before -> after, and where the metrics are."""
     in_fit = sum(m.get("timing_s/testing", 0.0) for m in history)
     parts = [f"[rlflow] {len(history)} RL steps ({plan.estimator_cls.__name__}) in {fit_s - in_fit:.0f} s "
-             f"(+ validation {validation_s + in_fit:.0f} s)"]
+             f"(+ setup {setup_s:.0f} s, validation {validation_s + in_fit:.0f} s)"]
     last = next((m for m in reversed(history) if any(k.startswith("val-core/") for k in m)), {})
     for key in sorted(k for k in {**before, **last} if k.startswith("val-core/")):
         parts.append(f"{key}: {before[key]:.2f} -> {last[key]:.2f}" if key in before and key in last else
@@ -168,6 +172,7 @@ def launch(plan: Plan, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code. Config errors print one clear message and return 2."""
+    started = time.perf_counter()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     quiet_other_ranks()  # under torchrun: each warning and bar once (rank 0), not once per process
     try:
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1 if problems else 0
         if plan.devices.processes > 1 and "LOCAL_RANK" not in os.environ:
             return launch(plan, sys.argv[1:] if argv is None else argv)
-        train(plan)
+        train(plan, started)
     except ConfigError as e:
         print(f"rlflow: config error: {e}", file=sys.stderr)
         return 2
