@@ -138,7 +138,7 @@ def summary_line(plan: Plan, history: list[dict], before: dict, fit_s: float, va
     """The line a config run ends with, as the default job's: steps and time (RL apart from setup and
     validation), held-out metrics before -> after, and where the metrics are."""
     in_fit = sum(m.get("timing_s/testing", 0.0) for m in history)
-    parts = [f"[rlflow] {len(history)} RL steps ({plan.estimator_cls.__name__}) in {fit_s - in_fit:.0f} s "
+    parts = [f"[rlflow] {len(history)} RL step{'' if len(history) == 1 else 's'} ({plan.estimator_cls.__name__}) in {fit_s - in_fit:.0f} s "
              f"(+ setup {setup_s:.0f} s, validation {validation_s + in_fit:.0f} s)"]
     last = next((m for m in reversed(history) if any(k.startswith("val-core/") for k in m)), {})
     for key in sorted(k for k in {**before, **last} if k.startswith("val-core/")):
