@@ -208,7 +208,9 @@ KEYED = keyed()
 def test_every_doc_block_is_run_or_has_a_reason():
     tables = [set(NOT_RUN), set(RUN_PYTHON), set(RUN_COMMANDS), RUN_YAML]
     unlisted = [k for k in KEYED if sum(k in t for t in tables) != 1]
-    assert not unlisted, f"doc blocks to run (RUN_*) or to give a reason for (NOT_RUN): {unlisted}"
+    skeleton = "".join(f"\n    {k!r}: \"<why it cannot run here; the test that runs it>\"," for k in unlisted)
+    assert not unlisted, f"doc blocks to run (RUN_*) or to give a reason for (NOT_RUN): {unlisted}" \
+                         f"\nNOT_RUN entries to complete, or move to RUN_*:{skeleton}"
     stale = [k for t in tables for k in t if k not in KEYED]
     assert not stale, f"entries for blocks the docs no longer show: {stale}"
     assert all(reason.strip() for reason in NOT_RUN.values())
