@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 # default-job flag -> (flag, default, the key to use instead with a verl config, ... with a native recipe)
 DEFAULT_JOB_FLAGS = {
@@ -81,10 +82,11 @@ def main(argv: list[str] | None = None) -> int:
             return _train_from_config(parser, args)
         if args.dry_run or args.show_config:
             parser.error("--dry-run needs a config: key=value overrides, --config-path/--config-name, or --config")
+        started = time.perf_counter()  # the setup time the summary line reports includes the imports
         from rlflow.tasks.default_job import run
 
         run(seed=args.seed, steps=args.steps, run_dir=args.run_dir or f"runs/default-seed{args.seed}",
-            progress=not args.no_progress, rollout=args.rollout)
+            progress=not args.no_progress, rollout=args.rollout, started=started)
     return 0
 
 

@@ -101,14 +101,16 @@ def plot_rewards(history: list[dict], path: Path, before: float | None = None) -
 
 
 def run(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/default", progress: bool = True,
-        rollout: str = "hf") -> tuple[float, float]:
+        rollout: str = "hf", started: float | None = None) -> tuple[float, float]:
     """Run the default job (generating with ``rollout``: hf or vllm); returns held-out accuracy before and after.
 
     Prints the accuracy before RL, then ``N GRPO steps in X s (+ setup and warm start W s, validation V s)``:
-    the RL time excludes the warm start (a cached one loads in a second) and the validation passes.
+    the RL time excludes the setup (imports from ``started``, a ``time.perf_counter()`` the command took
+    before importing this module; default: now), the warm start (a cached one loads in a second) and the
+    validation passes.
     """
+    start = time.perf_counter() if started is None else started
     torch.manual_seed(seed)
-    start = time.perf_counter()
     run_dir = Path(run_dir)
     trainer, data = build_trainer(seed, steps, run_dir, progress=progress, val_every=max(1, steps // 5),
                                   rollout=rollout)
