@@ -200,6 +200,15 @@ def test_recipe_keys_typos_suggest_native_keys(tmp_path):
     assert "Did you mean: rollout.n" in text.split("rollout.nn")[1]
 
 
+
+def test_recipe_values_are_named_by_the_recipe_key_too(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("policy: {path: m}\nrollout: {n: 0}\ndata: {train: t.parquet}\n")
+    text = message(["--config", str(recipe), "rollout.temperature=-1"])
+    assert "rollout.n: actor_rollout_ref.rollout.n=0: must be >= 1" in text
+    assert "rollout.temperature: actor_rollout_ref.rollout.temperature=-1: must be >= 0" in text
+    assert f"data.train: data.train_files='{tmp_path}/t.parquet': no such file" in text
+
 def test_recipe_paths_are_relative_to_the_recipe_file(tmp_path, model_dir, data_dir, monkeypatch):
     """A recipe runs from any folder: its model, data and reward paths are taken from its own folder."""
     import shutil

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -75,9 +76,24 @@ def load_and_check(args: argparse.Namespace) -> VerlConfig:
     problems: list[ConfigError] = []
     cfg = load(args, problems)
     problems += validate(cfg, environment=True)
-    raise_problems(problems)
+    raise_problems(recipe_names(problems) if args.config else problems)
     cfg.validated = True
     return cfg
+
+
+def recipe_names(problems: list[ConfigError]) -> list[ConfigError]:
+    """A recipe's values are checked under the verl keys they stand for; a message about one also starts
+    with the key the recipe wrote (``rollout.n: actor_rollout_ref.rollout.n=0: must be >= 1``)."""
+    from rlflow.config.native import NATIVE
+
+    verl_to_native = {verl: native for native, verl in NATIVE.items()}
+    for problem in problems:
+        text = str(problem)
+        key = re.match(r"[\w.]+", text)
+        native = verl_to_native.get(key.group(0)) if key else None
+        if native and native != key.group(0):
+            problem.args = (f"{native}: {text}",)
+    return problems
 
 
 def unused_notes(cfg: VerlConfig) -> list[str]:
