@@ -24,7 +24,7 @@ def test_unknown_subcommand_is_an_error(capsys):
 def test_prepare_task_writes_the_model_and_parquet_files(tmp_path, monkeypatch, capsys):
     from rlflow.tasks import export
 
-    monkeypatch.setattr(export, "warm_started_model", lambda task, seed: (task.model(seed), task.tokenizer()))
+    monkeypatch.setattr(export, "warm_started_model", lambda task, seed, **_: (task.model(seed), task.tokenizer()))
     assert main(["prepare-task", "addition", str(tmp_path)]) == 0
     assert "wrote" in capsys.readouterr().out
     assert {p.name for p in tmp_path.iterdir()} == {"model", "train.parquet", "test.parquet"}

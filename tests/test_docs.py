@@ -317,7 +317,7 @@ def test_recipe_commands_run_from_a_copy_of_the_repository(no_gpu, monkeypatch, 
 
     shutil.copytree(ROOT / "recipes" / "yaml", tmp_path / "recipes" / "yaml")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(export, "warm_started_model", lambda task, seed: (task.model(seed), task.tokenizer()))
+    monkeypatch.setattr(export, "warm_started_model", lambda task, seed, **_: (task.model(seed), task.tokenizer()))
     for key in sorted(k for k, v in RUN_COMMANDS.items() if v == "recipe"):
         assert main(argv_of(key[1])) == 0, key
     assert "Dry run: config and data are valid" in capsys.readouterr().out

@@ -47,7 +47,7 @@ PARITY = "def compute_score(data_source, solution_str, ground_truth, extra_info=
 CONSTANT = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
 
 
-def tiny_warm_start(task, seed):
+def tiny_warm_start(task, seed, **_):
     """An untrained tiny model instead of the supervised warm start (seconds saved)."""
     return task.model(seed), task.tokenizer()
 
