@@ -132,6 +132,22 @@ NOT_RUN |= {
         "trains 200 steps through the server; tests/rollout/test_server.py::"
         "test_trains_through_the_server_and_its_log_probs_follow_each_update trains through one",
 }
+MEGATRON_RUNS = ("trains 100 steps on 2 processes (minutes); tests/megatron/test_megatron.py::"
+                 "test_verl_entry_point_trains_with_megatron_in_both_spellings trains with both spellings of these keys")
+NOT_RUN |= {
+    ("docs/megatron.md", "from rlflow.strategies.megatron import MegatronStrategy"):
+        "a 7B model on 8 GPUs; tests/megatron/test_megatron.py trains MegatronStrategy at tensor and pipeline "
+        "parallel 2 on CPU processes and compares each step with one process",
+    ("docs/megatron.md", "rlflow train --config recipes/yaml/grpo.yaml trainer.max_steps=100 "
+                         "actor_rollout_ref.actor.strategy=megatron actor_rollout_ref.actor.tensor_model_parallel_size=2 "
+                         "trainer.n_gpus_per_node=2"): MEGATRON_RUNS,
+    ("docs/megatron.md", "rlflow train --config recipes/yaml/grpo.yaml trainer.max_steps=100 "
+                         "actor_rollout_ref.actor.strategy=megatron "
+                         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2 trainer.n_gpus_per_node=2"):
+        MEGATRON_RUNS,
+    ("docs/megatron.md", "python benchmarks/megatron_memory.py"): BENCHMARK,
+    ("benchmarks/README.md", "python benchmarks/megatron_memory.py"): BENCHMARK,
+}
 NOT_RUN[("docs/rewards.md", "python recipes/reward_model.py")] = (
     "trains a reward model, then GRPO on it (minutes); tests/rewards/test_reward_model_recipe.py::"
     "test_recipe_trains_the_reward_model_then_runs_grpo_on_it runs it, shortened")
