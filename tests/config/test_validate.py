@@ -139,6 +139,14 @@ def test_bad_files_and_model_folders_are_named(tiny, files, data_dir):
         assert expected in message(tiny + overrides), (overrides, message(tiny + overrides))
 
 
+
+def test_a_dry_run_needs_no_weights(tiny, files):
+    """A dry run reads config.json and the tokenizer (a 70B layout can be planned from a config alone)."""
+    without = [f"actor_rollout_ref.model.path={files}/no_weights"]
+    assert "no weights" in message(tiny + without)
+    assert "no weights" not in message(["--dry-run"] + tiny + without)
+    assert "no tokenizer files" in message(["--dry-run"] + tiny + without)  # the dry run reads the tokenizer
+
 def test_hub_id_offline_fails_at_once_with_one_clear_message(tiny, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

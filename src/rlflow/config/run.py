@@ -75,7 +75,7 @@ def load_and_check(args: argparse.Namespace) -> VerlConfig:
     every problem is raised at once, in one :class:`ConfigError`."""
     problems: list[ConfigError] = []
     cfg = load(args, problems)
-    problems += validate(cfg, environment=True)
+    problems += validate(cfg, environment=True, dry_run=args.dry_run)
     raise_problems(recipe_names(problems) if args.config else problems)
     cfg.validated = True
     return cfg

@@ -40,6 +40,7 @@ class Context:
 
     cfg: VerlConfig
     environment: bool
+    dry_run: bool = False  # model folders need no weights (a dry run reads config.json only)
     problems: list[ConfigError] = field(default_factory=list)
     model_configs: dict[str, dict] = field(default_factory=dict)  # model key -> its config.json
     processes: int | None = None
@@ -386,7 +387,7 @@ def check_model(ctx: Context, key: str, tokenizer: bool = True) -> None:
         located = locate_model(value, key)
         if located.folder is None:
             return  # a hub id transformers will download: nothing local to look at yet
-        check_model_folder(located.folder, tokenizer=tokenizer)
+        check_model_folder(located.folder, tokenizer=tokenizer, weights=not ctx.dry_run)
         ctx.model_configs[key] = json.loads((located.folder / "config.json").read_text())
     except (ModelNotFoundError, ModelFolderError, OSError, ValueError) as e:
         ctx.add(str(e) if str(e).startswith(key) else f"{key}: {e}")
@@ -441,9 +442,10 @@ def check_environment(ctx: Context) -> None:
 
 # ---------------------------------------------------------------------------------------------- entry points
 
-def validate(cfg: VerlConfig, environment: bool = False) -> list[ConfigError]:
-    """Every problem of ``cfg`` (see the module docstring); an empty list when it is fine."""
-    ctx = Context(cfg, environment)
+def validate(cfg: VerlConfig, environment: bool = False, dry_run: bool = False) -> list[ConfigError]:
+    """Every problem of ``cfg`` (see the module docstring); an empty list when it is fine. ``dry_run``: model
+    folders need a config and a tokenizer, not weights."""
+    ctx = Context(cfg, environment, dry_run)
     for step in (check_not_supported, check_ranges, check_choices, check_registries, check_devices):
         step(ctx)
     for rule in CROSS_CHECKS:
