@@ -148,6 +148,25 @@ NOT_RUN |= {
     ("docs/megatron.md", "python benchmarks/megatron_memory.py"): BENCHMARK,
     ("benchmarks/README.md", "python benchmarks/megatron_memory.py"): BENCHMARK,
 }
+NOT_RUN |= {
+    ("docs/lora.md", "from peft import LoraConfig"):
+        "trains 300 steps after the warm start (minutes); tests/models/test_lora.py::"
+        "test_grpo_with_lora_learns_the_builtin_task trains the same LoRA policy, shortened",
+    ("docs/lora.md", "python -m rlflow.trainer.main_ppo algorithm.adv_estimator=grpo data.train_files=runs/task/train.parquet "
+                     "data.val_files=runs/task/test.parquet actor_rollout_ref.model.path=runs/task/model "
+                     "actor_rollout_ref.actor.lora.enabled=true actor_rollout_ref.actor.lora.r=16 "
+                     "actor_rollout_ref.actor.lora.alpha=32 actor_rollout_ref.actor.optim.lr=2e-3 data.train_batch_size=32 "
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=32 data.max_prompt_length=8 data.max_response_length=4 "
+                     "trainer.total_training_steps=20 trainer.device=cpu trainer.n_gpus_per_node=1 trainer.logger=[console] "
+                     "trainer.default_local_dir=runs/lora-verl"):
+        "trains 20 steps; tests/config/test_lora_keys.py::test_seed_keys_train_with_the_adapter_and_its_reference "
+        "trains with the seed's LoRA keys",
+    ("docs/lora.md", "rlflow export runs/yaml/lora/global_step_300 runs/yaml/lora/hf"):
+        "needs the 300-step run's checkpoint; tests/models/test_lora.py::"
+        "test_checkpoints_hold_the_adapter_resume_exactly_and_export exports a LoRA checkpoint",
+    ("benchmarks/README.md", "python benchmarks/lora.py"): BENCHMARK,
+    ("benchmarks/README.md", "python benchmarks/lora_vllm.py"): BENCHMARK,
+}
 NOT_RUN[("docs/rewards.md", "python recipes/reward_model.py")] = (
     "trains a reward model, then GRPO on it (minutes); tests/rewards/test_reward_model_recipe.py::"
     "test_recipe_trains_the_reward_model_then_runs_grpo_on_it runs it, shortened")
@@ -201,8 +220,11 @@ RUN_COMMANDS = {
     ("docs/recipes.md", "rlflow prepare-task addition runs/task"): "recipe",
     ("docs/recipes.md", "rlflow train --config recipes/yaml/grpo.yaml --dry-run"): "recipe",
     ("recipes/yaml/README.md", "rlflow prepare-task addition runs/task"): "recipe",
+    ("docs/lora.md", "rlflow prepare-task addition runs/task"): "recipe",
+    ("docs/lora.md", "rlflow train --config recipes/yaml/lora.yaml --dry-run"): "recipe",
 }
-RUN_YAML = {("docs/verl-compat.md", "policy: {path: models/qwen-0.5b}"): "native",  # a recipe
+RUN_YAML = {("docs/verl-compat.md", "policy: {path: models/qwen-0.5b}    # LoRA: {path: ..., lora: {r: 32, alpha: 64, "
+                                    "target_modules: all-linear}}"): "native",  # a recipe
             ("docs/rewards.md", "reward_model:"): "verl"}  # verl keys
 
 

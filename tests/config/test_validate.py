@@ -241,6 +241,17 @@ def test_recipe_paths_are_relative_to_the_recipe_file(tmp_path, model_dir, data_
     assert cfg["trainer.default_local_dir"] == "runs/x"  # outputs stay relative to where the run starts
 
 
+
+def test_every_recipe_reads_the_task_that_prepare_task_writes_at_the_repository_root():
+    """``rlflow prepare-task addition runs/task`` (from the root) then any recipe: paths relative to recipes/yaml."""
+    from rlflow.config.native import load_native
+
+    root = Path(__file__).resolve().parents[2]
+    for recipe in sorted((root / "recipes" / "yaml").glob("*.yaml")):
+        cfg = load_native(recipe)
+        assert Path(cfg["actor_rollout_ref.model.path"]).resolve() == root / "runs" / "task" / "model", recipe.name
+        assert Path(cfg["data.train_files"]).resolve() == root / "runs" / "task" / "train.parquet", recipe.name
+
 def test_default_job_flags_with_a_recipe_name_the_native_keys(tmp_path, capsys):
     (tmp_path / "r.yaml").write_text("policy: {path: m}\n")
     with pytest.raises(SystemExit):
