@@ -244,11 +244,16 @@ def test_recipe_paths_are_relative_to_the_recipe_file(tmp_path, model_dir, data_
 
 def test_every_recipe_reads_the_task_that_prepare_task_writes_at_the_repository_root():
     """``rlflow prepare-task addition runs/task`` (from the root) then any recipe: paths relative to recipes/yaml."""
-    from rlflow.config.native import load_native
+    from omegaconf import OmegaConf
+
+    from rlflow.config.loading import flatten
+    from rlflow.config.native import _shorthand, anchor_paths, to_verl
 
     root = Path(__file__).resolve().parents[2]
-    for recipe in sorted((root / "recipes" / "yaml").glob("*.yaml")):
-        cfg = load_native(recipe)
+    for recipe in sorted((root / "recipes" / "yaml").glob("*.yaml")):  # load_native without the defaults (fast)
+        tree = OmegaConf.to_container(OmegaConf.load(recipe))
+        tree.pop("verl", None)
+        cfg = flatten(anchor_paths(to_verl(flatten(_shorthand(tree)), recipe.name), recipe.parent.resolve()))
         assert Path(cfg["actor_rollout_ref.model.path"]).resolve() == root / "runs" / "task" / "model", recipe.name
         assert Path(cfg["data.train_files"]).resolve() == root / "runs" / "task" / "train.parquet", recipe.name
 
