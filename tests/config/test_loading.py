@@ -68,7 +68,7 @@ def test_bad_overrides(override, message):
     ("critic.model.lora_rank=8", "LoRA on the critic"),
     ("actor_rollout_ref.rollout.enable_vision=true", "vision"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "multi-turn"),
-    ("trainer.async_weight_update=true", "async weight update"),
+    ("async_training.partial_rollout=true", "partial rollouts"),
     ("actor_rollout_ref.actor.strategy=deepspeed", "strategies other than fsdp, fsdp2 and megatron"),
     ("actor_rollout_ref.model.backend=deepspeed", "strategies other than fsdp, fsdp2 and megatron"),
     ("reward_model.sandbox_fusion.url=http://x", "SandboxFusion server"),

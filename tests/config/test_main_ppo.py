@@ -138,8 +138,8 @@ def test_troubleshooting_keys_land_on_objects(tiny, capsys):
     from rlflow.config.run import unused_notes
 
     assert "algorithm.kl_ctrl.target_kl=0.1 is not used by this configuration" in "\n".join(unused_notes(plan.cfg))
-    assert main(tiny + ["trainer.async_weight_update=true"]) == 2
-    assert "async weight update is not supported yet" in capsys.readouterr().err
+    assert main(tiny + ["async_training.partial_rollout=true"]) == 2
+    assert "partial rollouts (generation interrupted by weight updates) is not supported yet" in capsys.readouterr().err
 
 
 def test_dry_run_prints_the_batch_arithmetic(tiny, capsys):

@@ -20,7 +20,7 @@ from rlflow.data.prompts import DataError, PromptData
 from rlflow.models.critic import Critic
 from rlflow.models.policy import Policy
 from rlflow.rewards import OverlongPenalty
-from rlflow.rollout import DynamicSampling
+from rlflow.rollout import AsyncRollout, DynamicSampling
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.trainer import Trainer
 
@@ -171,6 +171,8 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
     total = total_steps(plan, data)
     loss = instantiate(plan.loss_cls, plan.loss_kwargs, "actor_rollout_ref.actor.*")
     rollout = instantiate(plan.rollout_cls, plan.rollout_kwargs, "actor_rollout_ref.rollout.*")
+    if plan.async_rollout is not None:  # generation beside training (trainer.async_weight_update)
+        rollout = instantiate(AsyncRollout, {"rollout": rollout, **plan.async_rollout}, "async_training.*")
     estimator = build_estimator(plan, rollout, loss)
     reference = "auto"
     wants_ref = K.REF_LOG_PROBS in set(loss.in_keys) | set(estimator.in_keys)

@@ -81,6 +81,8 @@ def objects_section(plan: Plan) -> list[str]:
     reward = plan.reward.describe()
     if plan.overlong:  # DAPO's overlong shaping wraps the scorer
         reward = f"OverlongPenalty({reward}, {format_kwargs(plan.overlong)})"
+    if plan.async_rollout is not None:
+        rollout = f"AsyncRollout({rollout}, {format_kwargs(plan.async_rollout)})"
     if plan.dynamic_sampling:  # the sampler scores its own samples; the Trainer gets reward=None
         rollout = f"DynamicSampling({rollout}, {reward}, {format_kwargs(plan.dynamic_sampling)})"
         reward = "None (DynamicSampling scores its samples)"

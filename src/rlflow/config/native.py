@@ -89,6 +89,7 @@ NATIVE = {
     "overlong_penalty.buffer_len": f"{OB}.len", "overlong_penalty.penalty_factor": f"{OB}.penalty_factor",
     "truncated_is.level": "algorithm.rollout_correction.rollout_is",
     "truncated_is.threshold": "algorithm.rollout_correction.rollout_is_threshold",
+    "async_rollout.max_staleness": "async_training.staleness_threshold",  # AsyncRollout (docs/async.md)
 }
 
 # Setting a native key also sets these verl keys (unless the recipe sets them itself): native key ->

@@ -23,6 +23,7 @@ import rlflow.rollout
 from rlflow import registry
 from rlflow.config import tables
 from rlflow.config.algos import ESTIMATOR_POOL, companions, loss_pool
+from rlflow.config.asynchronous import async_plan
 from rlflow.config.devices import Devices, resolve_devices
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.lora import lora_argument
@@ -73,6 +74,7 @@ class Plan:
     overlong: dict | None = None           # OverlongPenalty's kwargs around the reward (DAPO reward manager)
     dynamic_sampling: dict | None = None   # DynamicSampling's kwargs: it takes rollout and reward (filter_groups)
     lora: dict | str | None = None         # peft.LoraConfig's kwargs, or an adapter folder (rlflow.config.lora)
+    async_rollout: dict | None = None      # AsyncRollout's kwargs around the rollout (trainer.async_weight_update)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -220,6 +222,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         notes.append(f"reward_model.reward_manager={manager}: scores like 'naive' (rlflow runs reward calls on "
                      f"threads with a timeout){'; overlong shaping: OverlongPenalty' if overlong else ''}")
     sampling = dynamic_sampling(cfg, notes)
+    asynchronous = async_plan(cfg, notes, devices, after, sampling)
     sp_size = sequence_parallel(cfg, notes, with_critic, procs)
     loggers = logger_names(cfg)
     resume = resume_arg(cfg)
@@ -269,7 +272,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
         warmup=warmup,
         loggers=loggers, project=cfg["trainer.project_name"], experiment=cfg["trainer.experiment_name"],
         val_before_train=cfg["trainer.val_before_train"], val_only=cfg["trainer.val_only"],
-        overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), notes=notes,
+        overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), async_rollout=asynchronous,
+        notes=notes,
     )
 
 

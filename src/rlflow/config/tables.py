@@ -114,7 +114,9 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "trainer.del_local_ckpt_after_load": ("deleting checkpoints after loading", _truthy),
     "trainer.max_actor_ckpt_to_keep": ("checkpoint rotation", _truthy),
     "trainer.max_critic_ckpt_to_keep": ("checkpoint rotation", _truthy),
-    "trainer.async_weight_update": ("async weight update", _truthy),
+    "async_training.trigger_parameter_sync_step": ("weight sync less often than every step", _not(1)),
+    "async_training.require_batches": ("training on several generated batches per step", _not(1)),
+    "async_training.partial_rollout": ("partial rollouts (generation interrupted by weight updates)", _truthy),
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -221,6 +223,7 @@ INERT: dict[str, str] = {
     "algorithm.rollout_correction.rollout_is_threshold": "only used with algorithm.rollout_correction.rollout_is",
     "algorithm.rollout_correction.*": _PF_RC_ONLY,
     "trainer.esi_redundant_time": "rlflow saves on save_freq and at the last step",
+    "async_training.use_rollout_log_probs": "the sampler's log-probs are the behaviour policy of the IS correction",
     "trainer.ray_wait_register_center_timeout": _RAY,
     "trainer.use_legacy_worker_impl": "rlflow has one worker implementation",
     "*.profiler": "profiling is not supported yet", "*.profiler.*": "profiling is not supported yet",

@@ -141,10 +141,13 @@ class SingleTurnRollout(BatchModule):
             raise RuntimeError(f"{type(self).__name__} has no model: call rollout.bind(model, tokenizer) (the Trainer does)")
         if self.holds_own_weights and self.model is not None and getattr(self.engine, "loaded_from", None) is not self.model:
             self.sync_weights(self.model)  # a shared engine loaded another model's weights since (tests, notebooks)
-        num_prompts = batch.batch_size[0]
-        ids, mask = batch[K.PROMPT_IDS], batch[K.PROMPT_MASK]
-        prompts = unpadded(ids, mask)
-        completions = [c for per_prompt in self.generate(prompts) for c in per_prompt]
+        return self.samples(batch, self.generate(unpadded(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK])))
+
+    def samples(self, batch: TensorDict, completions: list[list[Completion]]) -> TensorDict:
+        """Lay out the engine's completions (``n`` per prompt of ``batch``) as the rollout's batch: each prompt row
+        repeated ``n`` times, right-padded responses, their mask, log-probs, group ids and text."""
+        num_prompts, ids = batch.batch_size[0], batch[K.PROMPT_IDS]
+        completions = [c for per_prompt in completions for c in per_prompt]
         batch = batch.repeat_interleave(self.n, dim=0) if self.n > 1 else batch.clone(False)
         device, pad = ids.device, self.tokenizer.pad_token_id
         R = max(len(c.token_ids) for c in completions)

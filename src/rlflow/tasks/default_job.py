@@ -13,9 +13,11 @@ from pathlib import Path
 
 import torch
 
-from rlflow.algorithms import GRPO, PPOLoss
+from rlflow.algorithms import GRPO, PPOLoss, TruncatedIS
 from rlflow.models.policy import Policy
+from rlflow.module import Chain
 from rlflow.rewards import FunctionReward
+from rlflow.rollout.async_rollout import AsyncRollout
 from rlflow.rollout.hf import HFRollout
 from rlflow.tasks.addition import DATA_SOURCE, AdditionTask, exact_match, warm_started_model
 from rlflow.trainer.trainer import Trainer
@@ -41,7 +43,8 @@ ROLLOUTS = {"hf": lambda n, max_new_tokens: HFRollout(n=n, temperature=1.0, max_
 
 def build_trainer(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/default", *, task: AdditionTask | None = None,
                   batch_size: int = 32, n: int = 8, lr: float = 2e-4, progress: bool = True,
-                  estimator=None, loss=None, reward=None, rollout: str = "hf", lora=None, **trainer_kwargs):
+                  estimator=None, loss=None, reward=None, rollout: str = "hf", lora=None,
+                  max_staleness: int | None = None, **trainer_kwargs):
     """The modules of the default job, assembled; returns ``(trainer, data)``.
 
     ``estimator`` / ``loss`` / ``reward`` replace the default ``GRPO()`` / ``PPOLoss(clip_ratio=0.2)`` /
@@ -49,13 +52,21 @@ def build_trainer(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/d
     partial-credit ``FunctionReward(digit_match)``; validation then reports that reward too).
     ``rollout`` names the engine: ``"hf"`` (transformers) or ``"vllm"`` (in-process vLLM).
     ``lora``: a ``peft.LoraConfig`` to train LoRA adapters on the warm-started model instead of all weights.
+    ``max_staleness`` (an integer) makes generation asynchronous (``AsyncRollout``: the engine in a process of
+    its own, that many batches ahead) with truncated importance sampling in the loss by default
+    (``Chain(TruncatedIS(), GRPO())``, ``PPOLoss(is_weights=True)``).
     """
     task = task or AdditionTask()
     model, tokenizer = warm_started_model(task, seed, progress=progress)
     policy = Policy(model, tokenizer, temperature=1.0, lora=lora)
+    sampler = ROLLOUTS[rollout](n, task.max_new_tokens)
+    if max_staleness is not None:
+        sampler = AsyncRollout(sampler, max_staleness=max_staleness)
+        estimator = estimator if estimator is not None else Chain(TruncatedIS(), GRPO())
+        loss = loss if loss is not None else PPOLoss(clip_ratio=0.2, is_weights=True)
     trainer = Trainer(
         policy=policy,
-        rollout=ROLLOUTS[rollout](n, task.max_new_tokens),
+        rollout=sampler,
         reward=reward if reward is not None else FunctionReward(exact_match),
         estimator=estimator if estimator is not None else GRPO(),
         loss=loss if loss is not None else PPOLoss(clip_ratio=0.2),
