@@ -20,6 +20,7 @@ DEFAULT_JOB_FLAGS = {
     "run_dir": ("--run-dir", None, "trainer.default_local_dir=DIR", "trainer.run_dir=DIR"),
     "no_progress": ("--no-progress", False, "trainer.logger=[console]", "trainer.loggers=[console]"),
     "rollout": ("--rollout", "hf", "actor_rollout_ref.rollout.name=NAME", "rollout.engine=NAME"),
+    "max_staleness": ("--max-staleness", None, "async_training.staleness_threshold=K", "async_rollout.max_staleness=K"),
 }
 
 
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--no-progress", action="store_true", help="default job: no progress bar")
     train.add_argument("--rollout", choices=["hf", "vllm"], default="hf",
                        help="default job: generate with transformers (hf) or an in-process vLLM engine (vllm)")
+    train.add_argument("--max-staleness", type=int, default=None, metavar="K",
+                       help="default job: generate K batches ahead of training, in a process of its own "
+                            "(1: one-step-off; docs/async.md)")
     train.add_argument("--config-path", "-cp", default=None, help="folder of a verl YAML config")
     train.add_argument("--config-name", "-cn", default=None, help="name of the verl YAML config in --config-path")
     train.add_argument("--config", "-c", default=None, help="an rlflow native recipe (YAML)")
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         from rlflow.tasks.default_job import run
 
         run(seed=args.seed, steps=args.steps, run_dir=args.run_dir or f"runs/default-seed{args.seed}",
-            progress=not args.no_progress, rollout=args.rollout, started=started)
+            progress=not args.no_progress, rollout=args.rollout, max_staleness=args.max_staleness, started=started)
     return 0
 
 

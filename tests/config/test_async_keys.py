@@ -58,3 +58,17 @@ def test_the_entry_point_trains_one_step_off(tiny, capsys, tmp_path):
     steps = [r for r in rows if "async/staleness_max" in r]
     assert [r["async/staleness_max"] for r in steps] == [0, 1]
     assert all("rollout_corr/rollout_is_mean" in r and "timing_s/gen_wait" in r for r in steps)
+
+
+def test_the_max_staleness_flag_reaches_the_default_job(monkeypatch):
+    """``rlflow train --max-staleness K`` is the default job's; with a config the bound is a config key."""
+    import rlflow.tasks.default_job as default_job
+    from rlflow.cli import main as cli_main
+
+    calls = []
+    monkeypatch.setattr(default_job, "run", lambda **kwargs: calls.append(kwargs))
+    assert cli_main(["train", "--max-staleness", "2", "--steps", "3"]) == 0
+    assert calls[0]["max_staleness"] == 2 and calls[0]["steps"] == 3
+    assert cli_main(["train"]) == 0 and calls[1]["max_staleness"] is None  # synchronous unless asked
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--max-staleness", "1", "algorithm.adv_estimator=grpo"])

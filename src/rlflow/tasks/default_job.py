@@ -112,8 +112,9 @@ def plot_rewards(history: list[dict], path: Path, before: float | None = None) -
 
 
 def run(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/default", progress: bool = True,
-        rollout: str = "hf", started: float | None = None) -> tuple[float, float]:
-    """Run the default job (generating with ``rollout``: hf or vllm); returns held-out accuracy before and after.
+        rollout: str = "hf", max_staleness: int | None = None, started: float | None = None) -> tuple[float, float]:
+    """Run the default job (generating with ``rollout``: hf or vllm; ``max_staleness`` batches ahead in a process of
+    its own when given); returns held-out accuracy before and after.
 
     Prints the accuracy before RL, then ``N GRPO steps in X s (+ setup and warm start W s, validation V s)``:
     the RL time excludes the setup (imports from ``started``, a ``time.perf_counter()`` the command took
@@ -124,24 +125,28 @@ def run(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/default", p
     torch.manual_seed(seed)
     run_dir = Path(run_dir)
     trainer, data = build_trainer(seed, steps, run_dir, progress=progress, val_every=max(1, steps // 5),
-                                  rollout=rollout)
+                                  rollout=rollout, max_staleness=max_staleness)
     setup = time.perf_counter() - start
-    t0 = time.perf_counter()
-    before = trainer.validate(data)[ACCURACY_KEY]
-    validation = time.perf_counter() - t0
-    print(f"held-out accuracy before RL: {before:.3f} ({len(data.val)} prompts, greedy)")
-    t0 = time.perf_counter()
-    history = trainer.fit(data)
-    fit = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    after = trainer.validate(data)[ACCURACY_KEY]
+    try:
+        t0 = time.perf_counter()
+        before = trainer.validate(data)[ACCURACY_KEY]
+        validation = time.perf_counter() - t0
+        print(f"held-out accuracy before RL: {before:.3f} ({len(data.val)} prompts, greedy)")
+        t0 = time.perf_counter()
+        history = trainer.fit(data)
+        fit = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        after = trainer.validate(data)[ACCURACY_KEY]
+    finally:
+        if hasattr(trainer.rollout, "close"):  # an asynchronous rollout's engine process
+            trainer.rollout.close()
     in_fit = sum(m.get("timing_s/testing", 0.0) for m in history)  # validation inside fit (every steps // 5)
     validation += time.perf_counter() - t0 + in_fit
     rl = fit - in_fit
     elapsed = time.perf_counter() - start
     plot_rewards(history, run_dir / "reward_curve.png", before)
-    summary = {"seed": seed, "steps": steps, "rollout": rollout, "before": before, "after": after,
-               "wall_s": round(elapsed, 1), "rl_s": round(rl, 1), "validation_s": round(validation, 1),
+    summary = {"seed": seed, "steps": steps, "rollout": rollout, "max_staleness": max_staleness, "before": before,
+               "after": after, "wall_s": round(elapsed, 1), "rl_s": round(rl, 1), "validation_s": round(validation, 1),
                "setup_s": round(setup, 1)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"{steps} GRPO steps in {rl:.0f} s (+ setup and warm start {setup:.0f} s, validation {validation:.0f} s); "
