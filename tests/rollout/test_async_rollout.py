@@ -5,6 +5,7 @@ again, resume, and a run that fails (never hangs) when the generation process di
 import copy
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -172,17 +173,42 @@ def test_a_dead_generation_process_fails_the_run_with_a_clear_error(model, token
     signal, instead of waiting for samples that will never come."""
 
     class Kill:
+        at = None
+
         def on_step_end(self, trainer, step, metrics):
             if step == 1:
                 os.kill(trainer.rollout.engine.process.pid, signal.SIGKILL)
+                self.at = time.monotonic()
 
+    kill = Kill()
     rollout = AsyncRollout(HFRollout(n=2, max_new_tokens=4), max_staleness=1)
-    trainer = make_trainer(model, tokenizer, addition_rows[0], tmp_path, rollout, steps=3, callbacks=[Kill()])
+    trainer = make_trainer(model, tokenizer, addition_rows[0], tmp_path, rollout, steps=3, callbacks=[kill])
     try:
         with pytest.raises(EngineProcessError, match=r"generation process \(pid \d+\) was killed by SIGKILL"):
             trainer.fit(PromptData(addition_rows[0], seed=0))
+        # noticed by the next wait on the child (polled every 0.5 s), not by the hour-long timeout; a bound on
+        # hanging, not a performance figure (measured 0.05 s)
+        assert time.monotonic() - kill.at < 30
     finally:
         rollout.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_generation_process_that_stops_answering_fails_after_the_timeout(model, tokenizer):
+    """A child that is alive but silent (stopped) is not waited on forever: after ``timeout`` seconds the call
+    raises and the child is stopped."""
+    engine = ProcessEngine(HFEngine, model, tokenizer, timeout=2.0)
+    try:
+        prompt = tokenizer("12+34=", add_special_tokens=False)["input_ids"]
+        engine.generate([prompt], GREEDY)  # started and answering
+        os.kill(engine.process.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(EngineProcessError, match=r"gave no answer within 2 s .* it was stopped"):
+            engine.generate([prompt], GREEDY)
+        assert time.monotonic() - start < 30  # the timeout, plus stopping the child; not a performance figure
+    finally:
+        engine.close()
+    assert not engine.process.is_alive()
 
 
 def test_the_engine_process_reports_a_failed_start_and_keeps_pushed_weights_in_order(model, tokenizer):

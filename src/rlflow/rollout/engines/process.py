@@ -213,6 +213,8 @@ class ProcessEngine(Engine):
                 raise self._died(f"while the trainer waited for {waiting_for}")
             left = deadline - time.monotonic()
             if left <= 0:
+                self.process.kill()  # it did not answer: asking it to exit would wait on it again
+                self.process.join(timeout=5)
                 self.close()
                 raise EngineProcessError(f"the generation process (pid {self.process.pid}) gave no answer within "
                                          f"{self.timeout:.0f} s while the trainer waited for {waiting_for}; it was "
