@@ -259,3 +259,27 @@ def test_a_server_is_driven_one_step_off_from_a_thread(vllm_server, vllm_model_d
         mask = batch[K.RESPONSE_MASK].bool()
         theirs = recomputed(policy.model, policy.tokenizer, recorder.weights[version], batch)[mask]
         assert (theirs - batch[K.ROLLOUT_LOG_PROBS][mask]).abs().max() < 1e-4
+
+
+def test_a_lora_policy_runs_beside_training_with_transformers_and_is_refused_elsewhere(model, tokenizer, addition_rows,
+                                                                                         tmp_path):
+    """With LoRA the child holds a PEFT copy and takes the adapter's pushes: at max_staleness=0 every sample
+    comes from the current weights (importance ratios 1). An engine that needs merged weights is refused."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    rollout = AsyncRollout(HFRollout(n=2, max_new_tokens=4), max_staleness=0)
+    trainer = Trainer(policy=Policy(copy.deepcopy(model), tokenizer, lora=lora), rollout=rollout,
+                      reward=FunctionReward(longer_is_better), estimator=Chain(TruncatedIS(), GRPO()),
+                      loss=PPOLoss(is_weights=True), batch_size=4, lr=5e-2, max_steps=3, run_dir=tmp_path, loggers=(),
+                      progress=False)
+    try:
+        history = trainer.fit(PromptData(addition_rows[0], seed=0))
+    finally:
+        rollout.close()
+    assert any(m["actor/grad_norm"] > 0 for m in history[:-1])  # the adapter moved, and was pushed
+    for m in history:
+        assert abs(m["rollout_corr/rollout_is_min"] - 1) < 1e-4 and abs(m["rollout_corr/rollout_is_max"] - 1) < 1e-4
+    served = AsyncRollout(ServerRollout("http://127.0.0.1:9", n=2, max_new_tokens=4))
+    with pytest.raises(NotImplementedError, match="LoRA policy"):
+        served.bind(Policy(copy.deepcopy(model), tokenizer, lora=lora).model, tokenizer)

@@ -118,6 +118,12 @@ class AsyncRollout(RolloutWrapper):
                 and torch.distributed.get_world_size() > 1:
             raise NotImplementedError("AsyncRollout runs with one training process for now; with several, use the "
                                       "synchronous rollout (or a server rollout per process)")
+        from rlflow.models.policy import lora_module
+
+        if lora_module(model) is not None and self.rollout.holds_own_weights:  # pushes carry PEFT names here
+            raise NotImplementedError(f"AsyncRollout with a LoRA policy runs the transformers engine (HFRollout) for "
+                                      f"now; {type(self.rollout).__name__} needs merged weights, which its "
+                                      "synchronous form sends: use it without AsyncRollout")
         self._close_engine()
         self.rollout.engine = self.given_engine
         if self.placement == "thread":
