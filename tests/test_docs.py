@@ -175,6 +175,24 @@ for cmd in ("python benchmarks/generation.py", "python benchmarks/rewards.py", "
             "python benchmarks/parallelism.py", "python benchmarks/threads.py"):
     NOT_RUN[("benchmarks/README.md", cmd)] = BENCHMARK
 
+ASYNC_LEARNING = "trains 200 steps one step off (minutes); tests/rollout/test_async_learning.py trains the default job so, for 50"
+NOT_RUN.update({
+    ("docs/async.md", "from rlflow import FunctionReward, Policy, PPOLoss, Trainer"): ASYNC_LEARNING,
+    ("docs/async.md", "rlflow train --config recipes/yaml/grpo_async.yaml"):
+        "trains 200 steps (minutes); tests/config/test_recipes.py dry-runs every recipe and trains one step",
+    ("docs/async.md", "rlflow train --config recipes/yaml/grpo.yaml trainer.async_weight_update=true"):
+        "trains 200 steps (minutes); tests/config/test_async_keys.py::test_the_entry_point_trains_one_step_off "
+        "trains with the switch",
+    ("docs/async.md", "rlflow train --config recipes/yaml/grpo.yaml async_training.staleness_threshold=2"):
+        "trains 200 steps (minutes); tests/config/test_async_keys.py::"
+        "test_staleness_threshold_sets_the_bound_and_turns_the_mode_on plans it",
+    ("docs/async.md", "rlflow train --max-staleness 1"): ASYNC_LEARNING,
+    ("docs/async.md", "rlflow train --max-staleness 1 --run-dir runs/async-seed0"): ASYNC_LEARNING,
+    ("docs/async.md", "python benchmarks/async_rl.py"): BENCHMARK,
+    ("docs/async.md", "python benchmarks/async_rl.py --engine vllm"): BENCHMARK,
+    ("benchmarks/README.md", "python benchmarks/async_rl.py"): BENCHMARK,
+})
+
 # Python blocks that run: (file, first line) -> replacements that fill in what the block elides
 ELIDED_TRAINER = [("Trainer(...,", "Trainer(**roles,")]
 RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
@@ -222,6 +240,7 @@ RUN_COMMANDS = {
     ("recipes/yaml/README.md", "rlflow prepare-task addition runs/task"): "recipe",
     ("docs/lora.md", "rlflow prepare-task addition runs/task"): "recipe",
     ("docs/lora.md", "rlflow train --config recipes/yaml/lora.yaml --dry-run"): "recipe",
+    ("docs/async.md", "rlflow prepare-task addition runs/task"): "recipe",
 }
 RUN_YAML = {("docs/verl-compat.md", "policy: {path: models/qwen-0.5b}    # LoRA: {path: ..., lora: {r: 32, alpha: 64, "
                                     "target_modules: all-linear}}"): "native",  # a recipe
