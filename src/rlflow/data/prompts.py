@@ -12,9 +12,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
-from tensordict import NonTensorStack, TensorDict
+from tensordict import TensorDict
 
 from rlflow.data import keys as K
+from rlflow.data.nontensor import stack
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 MISSING_GROUND_TRUTH = ("error", "skip", "allow")  # PromptData(missing_ground_truth=...)
@@ -138,7 +139,7 @@ def collate(rows: Sequence[dict], tokenizer, max_prompt_length: int | None = Non
     """Tokenize rows into a batch: left-padded ``prompt_ids``/``prompt_mask`` and the non-tensor fields."""
     check_chat_template(rows, name, tokenizer)
     texts = [render_prompt(r["prompt"], tokenizer) for r in rows]
-    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    ids = list(tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else []  # one call for the batch
     if max_prompt_length is not None:
         for i, seq in enumerate(ids):
             if len(seq) > max_prompt_length:
@@ -158,11 +159,11 @@ def collate(rows: Sequence[dict], tokenizer, max_prompt_length: int | None = Non
         {
             K.PROMPT_IDS: prompt_ids,
             K.PROMPT_MASK: prompt_mask,
-            K.PROMPT_TEXT: NonTensorStack(*texts),
-            K.RAW_PROMPT: NonTensorStack(*[r["prompt"] for r in rows]),  # re-encoded by reward models
-            K.GROUND_TRUTH: NonTensorStack(*[r["ground_truth"] for r in rows]),
-            K.DATA_SOURCE: NonTensorStack(*[r["data_source"] for r in rows]),
-            K.EXTRA_INFO: NonTensorStack(*[r["extra_info"] for r in rows]),
+            K.PROMPT_TEXT: stack(texts),
+            K.RAW_PROMPT: stack([r["prompt"] for r in rows]),  # re-encoded by reward models
+            K.GROUND_TRUTH: stack([r["ground_truth"] for r in rows]),
+            K.DATA_SOURCE: stack([r["data_source"] for r in rows]),
+            K.EXTRA_INFO: stack([r["extra_info"] for r in rows]),
         },
         batch_size=[len(rows)],
     )
@@ -182,17 +183,18 @@ class PromptLoader:
             raise DataError(f"batch size {batch_size} > {len(data.train)} training prompts in {data.train_name}")
         self.data, self.batch_size, self.tokenizer = data, batch_size, tokenizer
         self.epoch, self.index = 0, 0
+        self._cached_order: tuple = (None, [])
 
     @property
     def steps_per_epoch(self) -> int:
         return len(self.data.train) // self.batch_size
 
     def _order(self) -> list[int]:
-        n = len(self.data.train)
-        if not self.data.shuffle:
-            return list(range(n))
-        g = torch.Generator().manual_seed(self.data.seed + self.epoch)
-        return torch.randperm(n, generator=g).tolist()
+        n, key = len(self.data.train), (self.epoch, len(self.data.train), self.data.seed, self.data.shuffle)
+        if self._cached_order[0] != key:  # one permutation per epoch, not one per batch
+            g = torch.Generator().manual_seed(self.data.seed + self.epoch)
+            self._cached_order = (key, torch.randperm(n, generator=g).tolist() if self.data.shuffle else list(range(n)))
+        return self._cached_order[1]
 
     def __iter__(self) -> Iterator[TensorDict]:
         return self

@@ -87,5 +87,6 @@ class Critic(BatchModule):
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:
         size = self.micro_batch_size or batch.batch_size[0]
-        batch[K.VALUES] = torch.cat([self.values(mb) for mb in batch.split(size)]) * batch[K.RESPONSE_MASK]
+        pieces = batch.split(size) if size < batch.batch_size[0] else (batch,)  # read only: no copy for one piece
+        batch[K.VALUES] = torch.cat([self.values(mb) for mb in pieces]) * batch[K.RESPONSE_MASK]
         return batch

@@ -115,7 +115,8 @@ class Policy(BatchModule):
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:
         size = self.micro_batch_size or batch.batch_size[0]
-        parts = [self.log_probs(mb) for mb in batch.split(size)]
+        pieces = batch.split(size) if size < batch.batch_size[0] else (batch,)  # read only: no copy for one piece
+        parts = [self.log_probs(mb) for mb in pieces]
         batch[self.log_prob_key] = torch.cat([lp for lp, _ in parts])
         if self.entropy_key:
             batch[self.entropy_key] = torch.cat([ent for _, ent in parts])
