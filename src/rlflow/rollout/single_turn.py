@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from rlflow.data import keys as K
-from rlflow.data.nontensor import shallow_copy, stack
+from rlflow.data.nontensor import repeat_interleave, shallow_copy, stack
 from rlflow.module import BatchModule
 from rlflow.rollout.engines.base import Completion, Engine, SamplingParams
 from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES, update_buckets
@@ -160,7 +160,7 @@ class SingleTurnRollout(BatchModule):
         num_prompts, ids = batch.batch_size[0], batch.get(K.PROMPT_IDS)
         response, response_mask, log_probs = (t.to(ids.device) for t in sampled)
         # shallow: tensordict's clone(False) rebuilds every non-tensor row; repeat_interleave shares them
-        batch = batch.repeat_interleave(self.n, dim=0) if self.n > 1 else shallow_copy(batch)
+        batch = repeat_interleave(batch, self.n) if self.n > 1 else shallow_copy(batch)
         batch[K.RESPONSE_IDS] = response
         batch[K.RESPONSE_MASK] = response_mask
         batch[K.ROLLOUT_LOG_PROBS] = log_probs
