@@ -8,7 +8,9 @@ Rounds alternate between the two so machine noise hits both; the report is the r
 rounds) seconds per step, rlflow / raw, where a round's seconds per step is its whole wall time (``fit`` with
 its set-up, or the raw loop) over its steps. The phases are medians over a round's steps, pooled over the
 rounds: the raw loop times its own, rlflow's come from the Trainer's ``timing_s/*`` metrics, and
-"outside the step" is what ``fit`` spends around ``Trainer.step`` (prompt batches, logging, set-up).
+"outside the step" is what ``fit`` spends around ``Trainer.step`` (prompt batches, logging, set-up). Also
+reported: process CPU seconds per step (``time.process_time``, all threads), whose ratio other processes
+on a loaded machine disturb far less than the wall-time one.
 Torch runs on one thread (``--threads``) on both sides. Writes benchmarks/trainer_overhead.json.
 """
 
@@ -31,13 +33,13 @@ from rlflow.tasks.default_job import build_trainer
 PHASES = ("gen", "reward", "update", "other in step", "outside the step")
 
 
-def raw_grpo_steps(model, tokenizer, rows, steps: int, batch: int = 32, n: int = 8) -> tuple[float, dict]:
-    """The loop people write by hand (nanochat/GRPO-Zero style); returns (seconds per step, phase times)."""
+def raw_grpo_steps(model, tokenizer, rows, steps: int, batch: int = 32, n: int = 8) -> tuple[float, float, dict]:
+    """The loop people write by hand (nanochat/GRPO-Zero style); returns (wall s/step, CPU s/step, phase times)."""
     opt = torch.optim.AdamW(model.parameters(), lr=2e-4, weight_decay=0.0)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     g = torch.Generator().manual_seed(0)
     phases = {k: [] for k in PHASES}
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps):
         t0 = time.perf_counter()
         idx = torch.randint(len(rows), (batch,), generator=g).tolist()
@@ -72,14 +74,14 @@ def raw_grpo_steps(model, tokenizer, rows, steps: int, batch: int = 32, n: int =
         t3 = time.perf_counter()
         for name, seconds in (("gen", t1 - t0), ("reward", t2 - t1), ("update", t3 - t2)):
             phases[name].append(seconds)
-    return (time.perf_counter() - start) / steps, phases
+    return (time.perf_counter() - start) / steps, (time.process_time() - cpu_start) / steps, phases
 
 
-def rlflow_steps(steps: int, run_dir: Path) -> tuple[float, dict]:
+def rlflow_steps(steps: int, run_dir: Path) -> tuple[float, float, dict]:
     trainer, data = build_trainer(seed=0, steps=steps, run_dir=run_dir, progress=False, loggers=())
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     history = trainer.fit(data)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     phases = {k: [] for k in PHASES}
     for m in history:
         parts = {"gen": m["timing_s/gen"], "reward": m["timing_s/reward"] + m["timing_s/adv"],
@@ -88,7 +90,7 @@ def rlflow_steps(steps: int, run_dir: Path) -> tuple[float, dict]:
             phases[name].append(seconds)
         phases["other in step"].append(m["timing_s/step"] - sum(parts.values()))
     phases["outside the step"] = [(wall - sum(m["timing_s/step"] for m in history)) / steps]
-    return wall / steps, phases
+    return wall / steps, cpu / steps, phases
 
 
 def main() -> None:
@@ -101,20 +103,24 @@ def main() -> None:
     task = AdditionTask()
     model, tok = warm_started_model(task, seed=0)
     train, _, _ = task.splits()
-    times = {"raw": [], "rlflow": []}
+    times, cpu_times = {"raw": [], "rlflow": []}, {"raw": [], "rlflow": []}
     phases = {"raw": {k: [] for k in PHASES}, "rlflow": {k: [] for k in PHASES}}
     with tempfile.TemporaryDirectory(prefix="rlflow-bench-") as tmp:  # portable: no fixed machine path
         for i in range(args.rounds):
             for name, run in (("raw", lambda: raw_grpo_steps(copy.deepcopy(model), tok, train, args.steps)),
                               ("rlflow", lambda: rlflow_steps(args.steps, Path(tmp) / f"run-{i}"))):
-                seconds, per_phase = run()
+                seconds, cpu_seconds, per_phase = run()
                 times[name].append(seconds)
+                cpu_times[name].append(cpu_seconds)
                 for k, v in per_phase.items():
                     phases[name][k] += v
     med = {k: statistics.median(v) for k, v in times.items()}
+    cpu_med = {k: statistics.median(v) for k, v in cpu_times.items()}
     med_phases = {side: {k: statistics.median(v) for k, v in per.items() if v} for side, per in phases.items()}
     report = {"seconds_per_step": times, "median": med, "ratio_rlflow_over_raw": med["rlflow"] / med["raw"],
-              "phases_median_s": med_phases, "steps": args.steps, "rounds": args.rounds,
+              "cpu_seconds_per_step": cpu_times, "cpu_median": cpu_med,
+              "cpu_ratio_rlflow_over_raw": cpu_med["rlflow"] / cpu_med["raw"], "phases_median_s": med_phases,
+              "steps": args.steps, "rounds": args.rounds,
               "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg()}
     print(f"{'phase (median s)':20} {'raw':>8} {'rlflow':>8}")
     for k in PHASES:
@@ -124,6 +130,9 @@ def main() -> None:
     print(f"rlflow / raw = {report['ratio_rlflow_over_raw']:.3f}   (per round: "
           f"{', '.join(f'{b / a:.3f}' for a, b in zip(times['raw'], times['rlflow']))}; "
           f"load average {report['load_average'][0]:.1f})")
+    print(f"CPU s/step (median): raw {cpu_med['raw']:.4f}, rlflow {cpu_med['rlflow']:.4f}, "
+          f"rlflow / raw = {report['cpu_ratio_rlflow_over_raw']:.3f} (process CPU time: what each side computes, "
+          "not what it waits for the cores; the robust figure on a loaded machine)")
     Path(__file__).with_suffix(".json").write_text(json.dumps(report, indent=2))
 
 
