@@ -1,6 +1,7 @@
 """rlflow vs TRL's ``GRPOTrainer``, side by side: same model, data, batch, sampling, loss and optimizer.
 
     pip install trl==1.16.0            # TRL's own environment: any with transformers 5.x and torch
+                                       # (or: pip install --target DIR --no-deps trl==1.16.0; PYTHONPATH=DIR)
     python benchmarks/vs_trl.py        # --steps 12 --rounds 3; --sides rlflow to run rlflow alone
 
 Without TRL installed the TRL side is skipped with a message (rlflow's side still runs).
@@ -14,8 +15,10 @@ KL term (no reference model), token-mean loss (TRL's default ``loss_type="dapo"`
 Each side runs in its own subprocess (``--side``; memory figures of one side never include the other's), the
 rounds alternate sides so machine load hits both, and torch uses one thread on both sides. Per-step time is the
 wall time between consecutive step ends (everything a step costs: data, generation, reward, update, logging),
-median over the steps after the first ``--warmup`` ones, then median over rounds. Peak memory is the process's
-peak RSS (``ru_maxrss``) at the end and its growth during training (from just before the trainer is built).
+median over the steps after the first ``--warmup`` ones, then median over rounds. CPU time per step
+(``time.process_time``, all threads, between the same step ends) is reported too: other processes on a loaded
+machine disturb it far less than wall time. Peak memory is the process's peak RSS (``ru_maxrss``) at the end and
+its growth during training (from just before the trainer is built).
 Writes benchmarks/vs_trl.json.
 """
 
@@ -45,17 +48,20 @@ def run_rlflow(steps: int, run_dir: str) -> dict:
     from rlflow.tasks.default_job import build_trainer
 
     ends: list[float] = []
+    cpu_ends: list[float] = []
 
     class StepEnds:
         def on_step_end(self, trainer, step, metrics):
             ends.append(time.perf_counter())
+            cpu_ends.append(time.process_time())
 
     before = rss_mib()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     trainer, data = build_trainer(seed=0, steps=steps, run_dir=run_dir, progress=False, loggers=("jsonl",),
                                   callbacks=[StepEnds()])
     trainer.fit(data)
-    return {"step_ends": [start] + ends, "rss_before_mib": before, "rss_peak_mib": rss_mib()}
+    return {"step_ends": [start] + ends, "cpu_step_ends": [cpu_start] + cpu_ends, "rss_before_mib": before,
+            "rss_peak_mib": rss_mib()}
 
 
 def run_trl(steps: int, run_dir: str) -> dict:
@@ -74,13 +80,15 @@ def run_trl(steps: int, run_dir: str) -> dict:
         return [exact_match(c, g) for c, g in zip(completions, ground_truth)]
 
     ends: list[float] = []
+    cpu_ends: list[float] = []
 
     class StepEnds(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.perf_counter())
+            cpu_ends.append(time.process_time())
 
     before = rss_mib()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     model, tokenizer = warm_started_model(task, seed=0)
     args = GRPOConfig(
         output_dir=run_dir, max_steps=steps, per_device_train_batch_size=BATCH * N, num_generations=N,
@@ -94,7 +102,8 @@ def run_trl(steps: int, run_dir: str) -> dict:
                           processing_class=tokenizer, callbacks=[StepEnds()])
     torch.manual_seed(0)
     trainer.train()
-    return {"step_ends": [start] + ends, "rss_before_mib": before, "rss_peak_mib": rss_mib()}
+    return {"step_ends": [start] + ends, "cpu_step_ends": [cpu_start] + cpu_ends, "rss_before_mib": before,
+            "rss_peak_mib": rss_mib()}
 
 
 def side_main(side: str, steps: int, out: str, threads: int) -> None:
@@ -109,7 +118,10 @@ def side_main(side: str, steps: int, out: str, threads: int) -> None:
 def summarise(result: dict, warmup: int) -> dict:
     ends = result["step_ends"]
     per_step = [b - a for a, b in zip(ends[:-1], ends[1:])][warmup:]
-    return {"s_per_step": statistics.median(per_step), "rss_peak_mib": result["rss_peak_mib"],
+    cpu = result["cpu_step_ends"]
+    cpu_per_step = [b - a for a, b in zip(cpu[:-1], cpu[1:])][warmup:]
+    return {"s_per_step": statistics.median(per_step), "cpu_s_per_step": statistics.median(cpu_per_step),
+            "rss_peak_mib": result["rss_peak_mib"],
             "rss_growth_mib": result["rss_peak_mib"] - result["rss_before_mib"]}
 
 
@@ -147,9 +159,10 @@ def main() -> None:
     med = {s: {k: statistics.median(run[k] for run in runs[s]) for k in runs[s][0]} for s in sides}
     report = {"runs": runs, "median": med, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
               "torch_threads": args.threads, "load_average": os.getloadavg()}
-    print(f"\n{'':8} {'s/step':>8} {'peak RSS MiB':>13} {'RSS growth MiB':>15}")
+    print(f"\n{'':8} {'s/step':>8} {'CPU s/step':>10} {'peak RSS MiB':>13} {'RSS growth MiB':>15}")
     for s in sides:
-        print(f"{s:8} {med[s]['s_per_step']:8.4f} {med[s]['rss_peak_mib']:13.0f} {med[s]['rss_growth_mib']:15.0f}")
+        print(f"{s:8} {med[s]['s_per_step']:8.4f} {med[s]['cpu_s_per_step']:10.4f} {med[s]['rss_peak_mib']:13.0f} "
+              f"{med[s]['rss_growth_mib']:15.0f}")
     if "trl" in med and "rlflow" in med:
         report["ratios_trl_over_rlflow"] = {k: med["trl"][k] / med["rlflow"][k] for k in med["rlflow"]}
         paired = [t["s_per_step"] / o["s_per_step"] for o, t in zip(runs["rlflow"], runs["trl"])]
@@ -157,7 +170,8 @@ def main() -> None:
         print(f"TRL / rlflow: step time {report['ratios_trl_over_rlflow']['s_per_step']:.2f}x "
               f"(per round {', '.join(f'{x:.2f}' for x in paired)}), peak RSS "
               f"{report['ratios_trl_over_rlflow']['rss_peak_mib']:.2f}x, RSS growth "
-              f"{report['ratios_trl_over_rlflow']['rss_growth_mib']:.2f}x")
+              f"{report['ratios_trl_over_rlflow']['rss_growth_mib']:.2f}x; CPU time per step "
+              f"{report['ratios_trl_over_rlflow']['cpu_s_per_step']:.2f}x")
     print(f"load average {report['load_average'][0]:.1f}")
     Path(__file__).with_suffix(".json").write_text(json.dumps(report, indent=2))
 
