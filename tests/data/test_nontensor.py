@@ -45,6 +45,7 @@ def test_shallow_copy_and_to_device_share_columns():
 
 def test_fast_rows_are_like_constructed_ones():
     """``stack`` builds its rows by copying a template: each behaves like ``NonTensorData(data=...)``."""
+    assert nontensor._row is nontensor._copied_row  # the fast path is taken with this tensordict version
     a, b = nontensor.stack(["a", "b"]).tensordicts
     want = NonTensorData(data="a")
     assert type(a) is type(want) and a.data == "a" and b.data == "b" and a.batch_size == want.batch_size
