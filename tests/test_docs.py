@@ -172,7 +172,8 @@ NOT_RUN[("docs/rewards.md", "python recipes/reward_model.py")] = (
     "test_recipe_trains_the_reward_model_then_runs_grpo_on_it runs it, shortened")
 for cmd in ("python benchmarks/generation.py", "python benchmarks/rewards.py", "python benchmarks/packing.py", "python benchmarks/packing.py --rows 64 --max-len 512",
             "python benchmarks/fsdp2_memory.py", "python benchmarks/trainer_overhead.py --steps 40 --rounds 3",
-            "python benchmarks/parallelism.py", "python benchmarks/threads.py"):
+            "python benchmarks/parallelism.py", "python benchmarks/threads.py", "python benchmarks/logprob_memory.py",
+            "python benchmarks/metric_reduction.py", "python benchmarks/vs_trl.py", "python benchmarks/default_job.py"):
     NOT_RUN[("benchmarks/README.md", cmd)] = BENCHMARK
 
 ASYNC_LEARNING = "trains 200 steps one step off (minutes); tests/rollout/test_async_learning.py trains the default job so, for 50"
@@ -191,6 +192,16 @@ NOT_RUN.update({
     ("docs/async.md", "python benchmarks/async_rl.py"): BENCHMARK,
     ("docs/async.md", "python benchmarks/async_rl.py --engine vllm"): BENCHMARK,
     ("benchmarks/README.md", "python benchmarks/async_rl.py"): BENCHMARK,
+})
+
+NOT_RUN.update({
+    ("benchmarks/README.md", "python benchmarks/logprob_memory.py --tokens 16384 --hidden 896 --bf16"): "needs a GPU",
+    ("benchmarks/README.md", "python benchmarks/gpu_step.py"): "needs a GPU",
+    ("benchmarks/README.md", "python benchmarks/gpu_step.py --compile"): "needs a GPU",
+    ("benchmarks/README.md", "python benchmarks/gpu_step.py --tiny"):
+        "tests/test_gpu_step_script.py runs the script's tiny configuration",
+    ("benchmarks/README.md", "pip install trl==1.16.0"):
+        "installs TRL for benchmarks/vs_trl.py (a benchmark's own environment; rlflow does not depend on TRL)",
 })
 
 # Python blocks that run: (file, first line) -> replacements that fill in what the block elides
