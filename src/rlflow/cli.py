@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
-DEFAULT_JOB_FLAGS = {"seed": ("--seed", 0, "data.seed=N"), "steps": ("--steps", 200, "trainer.total_training_steps=N"),
-                     "run_dir": ("--run-dir", None, "trainer.default_local_dir=DIR"),
-                     "no_progress": ("--no-progress", False, "trainer.logger=[console]"),
-                     "rollout": ("--rollout", "hf", "actor_rollout_ref.rollout.name=NAME"),
-                     "task": ("--task", "addition", "actor_rollout_ref.model.path and data.train_files")}
+# default-job flag -> (flag, default, the key to use instead with a verl config, ... with a native recipe)
+DEFAULT_JOB_FLAGS = {
+    "seed": ("--seed", 0, "data.seed=N", "data.seed=N"),
+    "steps": ("--steps", 200, "trainer.total_training_steps=N", "trainer.max_steps=N"),
+    "run_dir": ("--run-dir", None, "trainer.default_local_dir=DIR", "trainer.run_dir=DIR"),
+    "no_progress": ("--no-progress", False, "trainer.logger=[console]", "trainer.loggers=[console]"),
+    "rollout": ("--rollout", "hf", "actor_rollout_ref.rollout.name=NAME", "rollout.engine=NAME"),
+    "task": ("--task", "addition", "actor_rollout_ref.model.path and data.train_files", "policy.path and data.train"),
+    "max_staleness": ("--max-staleness", None, "async_training.staleness_threshold=K", "async_rollout.max_staleness=K"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,11 +41,15 @@ def main(argv: list[str] | None = None) -> int:
                        help="default job: generate with transformers (hf) or an in-process vLLM engine (vllm)")
     train.add_argument("--task", choices=["addition", "vision"], default="addition",
                        help="built-in job: addition (default) or vision (counting shapes with a tiny VLM)")
+    train.add_argument("--max-staleness", type=int, default=None, metavar="K",
+                       help="default job: generate K batches ahead of training, in a process of its own "
+                            "(1: one-step-off; docs/async.md)")
     train.add_argument("--config-path", "-cp", default=None, help="folder of a verl YAML config")
     train.add_argument("--config-name", "-cn", default=None, help="name of the verl YAML config in --config-path")
     train.add_argument("--config", "-c", default=None, help="an rlflow native recipe (YAML)")
     train.add_argument("--dry-run", action="store_true",
-                       help="validate config and data, print the resolved config, batch arithmetic and cost; stop")
+                       help="validate config and data, print what would be built, batch arithmetic and cost; stop")
+    train.add_argument("--show-config", action="store_true", help="with --dry-run: also print the full resolved config")
     train.add_argument("overrides", nargs="*", help="verl keys in Hydra syntax: key=value, +key=value, key=[a,b]")
     export = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face folder",
                             description="Write a checkpoint's policy (config.json, safetensors weights, tokenizer) "
@@ -77,15 +87,17 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
         if args.overrides or args.config_name or args.config_path or args.config:
             return _train_from_config(parser, args)
-        if args.dry_run:
+        if args.dry_run or args.show_config:
             parser.error("--dry-run needs a config: key=value overrides, --config-path/--config-name, or --config")
+        started = time.perf_counter()  # the setup time the summary line reports includes the imports
         from rlflow.tasks.default_job import run
 
-        steps, name, run_kwargs = args.steps, "default", {"rollout": args.rollout}
+        steps, name = args.steps, "default"
+        run_kwargs = {"rollout": args.rollout, "max_staleness": args.max_staleness, "started": started}
         if args.task == "vision":
-            if args.rollout != "hf":
-                parser.error("--task vision generates with transformers (--rollout hf): the vLLM rollout takes no "
-                             "images yet")
+            if args.rollout != "hf" or args.max_staleness is not None:
+                parser.error("--task vision generates with transformers in the training process (no --rollout vllm, "
+                             "no --max-staleness): the vLLM rollout takes no images yet")
             from rlflow.tasks.vision_job import DEFAULT_STEPS, run
 
             steps, name, run_kwargs = (DEFAULT_STEPS if steps == DEFAULT_JOB_FLAGS["steps"][1] else steps), "vision", {}
@@ -96,14 +108,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train_from_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Forward to the verl entry point; the default job's flags have config keys instead."""
-    for attr, (flag, default, key) in DEFAULT_JOB_FLAGS.items():
+    for attr, (flag, default, verl_key, native_key) in DEFAULT_JOB_FLAGS.items():
         if getattr(args, attr) != default:
+            key = native_key if args.config else verl_key
             parser.error(f"{flag} belongs to the default job; with a config, use {key}")
     from rlflow.config.run import main as run_config
 
     argv = [*(["--config-path", args.config_path] if args.config_path else []),
             *(["--config-name", args.config_name] if args.config_name else []),
             *(["--config", args.config] if args.config else []), *(["--dry-run"] if args.dry_run else []),
+            *(["--show-config"] if args.show_config else []),
             *args.overrides]
     return run_config(argv)
 

@@ -20,24 +20,20 @@ from rlflow.data.prompts import DataError, PromptData
 from rlflow.models.critic import Critic
 from rlflow.models.policy import Policy
 from rlflow.rewards import OverlongPenalty
-from rlflow.rollout import DynamicSampling
+from rlflow.rollout import AsyncRollout, DynamicSampling
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.trainer import Trainer
 
 
 def local_model(path: str, key: str) -> str:
-    """A local folder, or a hub name already in the Hugging Face cache; rlflow never downloads."""
-    folder = Path(path).expanduser()
-    if folder.exists():
-        return str(folder)
-    try:
-        from huggingface_hub import snapshot_download
+    """What transformers should load for the model at ``key``: a local folder, a cached hub model when
+    offline, or the hub id itself when the hub is reachable (see :mod:`rlflow.models.hub`)."""
+    from rlflow.models.hub import ModelNotFoundError, locate_model
 
-        return snapshot_download(path, local_files_only=True)
-    except Exception:  # noqa: BLE001 - any failure means: not available offline
-        raise ConfigError(f"{key}={path!r}: no such local folder, and not in the Hugging Face cache. rlflow never "
-                          f"downloads at run time: fetch it first (huggingface-cli download {path}) or point "
-                          "at a local model folder") from None
+    try:
+        return locate_model(path, key).path
+    except ModelNotFoundError as e:
+        raise ConfigError(str(e)) from None
 
 
 def load_tokenizer(plan: Plan):
@@ -204,6 +200,8 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
     total = total_steps(plan, data)
     loss = instantiate(plan.loss_cls, plan.loss_kwargs, "actor_rollout_ref.actor.*")
     rollout = instantiate(plan.rollout_cls, plan.rollout_kwargs, "actor_rollout_ref.rollout.*")
+    if plan.async_rollout is not None:  # generation beside training (trainer.async_weight_update)
+        rollout = instantiate(AsyncRollout, {"rollout": rollout, **plan.async_rollout}, "async_training.*")
     estimator = build_estimator(plan, rollout, loss)
     reference = "auto"
     wants_ref = K.REF_LOG_PROBS in set(loss.in_keys) | set(estimator.in_keys)

@@ -1,8 +1,9 @@
 """``--dry-run``: validate config and data, then print what a run would do and stop.
 
-Prints the resolved config, the objects the run builds (as the Python calls), the data it found,
-the batch arithmetic of one RL step (prompts x n -> mini-batches -> micro-batches per device),
-the schedule, and a rough estimate of memory and compute per step. Loads the tokenizer and the
+Prints the objects the run builds (as the Python calls), the data it found, the batch arithmetic
+of one RL step (prompts x n -> mini-batches -> micro-batches per device), the schedule, a rough
+estimate of memory and compute per step, and notes on the keys the user set; the full resolved
+config follows with ``--show-config``. Loads the tokenizer and the
 model's config, never its weights.
 """
 
@@ -14,6 +15,7 @@ from rlflow.config.build import (build_data, load_tokenizer, load_vision_process
                                  warmup_steps)
 from rlflow.config.plan import Plan
 from rlflow.config.resolve import format_kwargs, format_value
+from rlflow.data.prompts import render_prompt
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 MAX_LENGTH_ROWS = 50_000  # prompts tokenized to measure lengths
@@ -82,6 +84,8 @@ def objects_section(plan: Plan) -> list[str]:
     reward = plan.reward.describe()
     if plan.overlong:  # DAPO's overlong shaping wraps the scorer
         reward = f"OverlongPenalty({reward}, {format_kwargs(plan.overlong)})"
+    if plan.async_rollout is not None:
+        rollout = f"AsyncRollout({rollout}, {format_kwargs(plan.async_rollout)})"
     if plan.dynamic_sampling:  # the sampler scores its own samples; the Trainer gets reward=None
         rollout = f"DynamicSampling({rollout}, {reward}, {format_kwargs(plan.dynamic_sampling)})"
         reward = "None (DynamicSampling scores its samples)"
@@ -207,13 +211,17 @@ def cost_section(plan: Plan, total: int, longest_prompt: int) -> list[str]:
             f"KV cache for {traj} sequences {gib(kv)}; "
             f"activations per micro-batch of {micro} ~{gib(activations)}"
             f" ({'with' if ckpt else 'without'} gradient checkpointing); peak ~{gib(states + max(kv, activations))}",
-            f"  compute: ~{flops / 1e12:.3g} TFLOP per step, ~{flops * total / 1e15:.3g} PFLOP for {total} steps "
-            f"(~{flops / (0.4 * H100_BF16):.3g} s/step at 40% of one H100's bf16 peak; generation is memory-bound "
-            "and usually slower)"]
+            f"  compute: ~{flops / 1e12:.3g} TFLOP per step, ~{flops * total / 1e15:.3g} PFLOP for {total} steps"
+            + (f" (~{flops / (0.4 * H100_BF16 * plan.devices.processes):.3g} s/step at 40% of the bf16 peak of "
+               f"{plan.devices.processes} H100(s); generation is memory-bound and usually slower)"
+               if plan.devices.accelerator == "cuda" else "")]
 
 
-def dry_run(plan: Plan) -> tuple[str, list[str]]:
-    """The report and its problems (a problem makes the dry run exit non-zero)."""
+def dry_run(plan: Plan, show_config: bool = False) -> tuple[str, list[str]]:
+    """The report and its problems (a problem makes the dry run exit non-zero).
+
+    The summary comes first; the full resolved config (~300 lines of verl keys) only with ``show_config``.
+    """
     from rlflow.config.run import unused_notes
 
     tokenizer = load_tokenizer(plan)
@@ -221,9 +229,8 @@ def dry_run(plan: Plan) -> tuple[str, list[str]]:
     total = total_steps(plan, data)
     problems: list[str] = []
     lengths = prompt_lengths(data, tokenizer)
-    sections = [["Resolved config", plan.cfg.to_yaml()], objects_section(plan),
-                data_section(plan, data, lengths, problems), batch_section(plan), schedule_section(plan, data, total),
-                cost_section(plan, total, max(lengths))]
+    sections = [objects_section(plan), data_section(plan, data, lengths, problems), batch_section(plan),
+                schedule_section(plan, data, total), cost_section(plan, total, max(lengths))]
     if hasattr(plan.devices.strategy, "layout"):  # Megatron: layout and memory per rank
         from transformers import AutoConfig
 
@@ -237,6 +244,9 @@ def dry_run(plan: Plan) -> tuple[str, list[str]]:
         sections.append(["Notes"] + [f"  - {n}" for n in notes])
     if problems:
         sections.append(["PROBLEMS"] + [f"  - {p}" for p in problems])
+    if show_config:
+        sections.append(["Resolved config (every verl key)", plan.cfg.to_yaml()])
     sections.append([f"Dry run: {'config and data are valid' if not problems else 'problems found'}; "
-                     f"nothing was trained. Run without --dry-run to train ({Path.cwd()})."])
+                     f"nothing was trained. Run without --dry-run to train ({Path.cwd()})"
+                     + ("." if show_config else "; add --show-config to print the whole resolved config.")])
     return "\n\n".join("\n".join(s) for s in sections), problems

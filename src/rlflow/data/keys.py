@@ -24,6 +24,7 @@ ROLLOUT_LOG_PROBS = "rollout_log_probs"  # B x R, float, the sampler's log-probs
 GROUP = "group"  # B, int64: samples of one prompt share it
 RESPONSE_TEXT = "response_text"  # non-tensor, B strings
 REWARD_BASELINE = "reward_baseline"  # B, float: e.g. ReMax's greedy-rollout score
+POLICY_VERSION = "policy_version"  # B, int64: the weight version that sampled the row (asynchronous rollouts)
 
 # written by the reward
 SCORES = "scores"  # B, float: one score per sample

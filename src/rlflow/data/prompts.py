@@ -7,13 +7,15 @@ is read as is.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
-from tensordict import NonTensorStack, TensorDict
+from tensordict import TensorDict
 
 from rlflow.data import keys as K
+from rlflow.data.nontensor import stack
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 MISSING_GROUND_TRUTH = ("error", "skip", "allow")  # PromptData(missing_ground_truth=...)
@@ -45,7 +47,8 @@ def load_rows(source: str | Path | Sequence[dict], prompt_key: str = "prompt",
         if path.stat().st_size == 0:
             raise DataError(f"{path}: the file is empty")
         try:
-            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+            with datasets_bars_off(datasets):  # reading a local file takes a blink: no "Generating train split" bars
+                ds = datasets.load_dataset(kind, data_files=str(path), split="train")
         except Exception as e:  # noqa: BLE001 - pyarrow/json errors of every kind: name the file
             cause = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
             raise DataError(f"{path}: cannot be read as {kind} ({type(e).__name__}: {cause})") from e
@@ -53,6 +56,18 @@ def load_rows(source: str | Path | Sequence[dict], prompt_key: str = "prompt",
     else:
         raw, name = list(source), "<in-memory rows>"
     return [normalise_row(r, i, name, prompt_key, image_key) for i, r in enumerate(raw)], name
+
+
+@contextlib.contextmanager
+def datasets_bars_off(datasets) -> Iterator[None]:
+    """``datasets``' progress bars off for the block (restored after, as the caller had them)."""
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
 
 
 def normalise_row(row: dict, index: int, name: str, prompt_key: str = "prompt", image_key: str = "images") -> dict:
@@ -127,7 +142,7 @@ def collate(rows: Sequence[dict], tokenizer, max_prompt_length: int | None = Non
     """Tokenize rows into a batch: left-padded ``prompt_ids``/``prompt_mask`` and the non-tensor fields."""
     check_chat_template(rows, name, tokenizer)
     texts = [render_prompt(r["prompt"], tokenizer) for r in rows]
-    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    ids = list(tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else []  # one call for the batch
     if max_prompt_length is not None:
         for i, seq in enumerate(ids):
             if len(seq) > max_prompt_length:
@@ -147,11 +162,11 @@ def collate(rows: Sequence[dict], tokenizer, max_prompt_length: int | None = Non
         {
             K.PROMPT_IDS: prompt_ids,
             K.PROMPT_MASK: prompt_mask,
-            K.PROMPT_TEXT: NonTensorStack(*texts),
-            K.RAW_PROMPT: NonTensorStack(*[r["prompt"] for r in rows]),  # re-encoded by reward models
-            K.GROUND_TRUTH: NonTensorStack(*[r["ground_truth"] for r in rows]),
-            K.DATA_SOURCE: NonTensorStack(*[r["data_source"] for r in rows]),
-            K.EXTRA_INFO: NonTensorStack(*[r["extra_info"] for r in rows]),
+            K.PROMPT_TEXT: stack(texts),
+            K.RAW_PROMPT: stack([r["prompt"] for r in rows]),  # re-encoded by reward models
+            K.GROUND_TRUTH: stack([r["ground_truth"] for r in rows]),
+            K.DATA_SOURCE: stack([r["data_source"] for r in rows]),
+            K.EXTRA_INFO: stack([r["extra_info"] for r in rows]),
         },
         batch_size=[len(rows)],
     )
@@ -171,17 +186,18 @@ class PromptLoader:
             raise DataError(f"batch size {batch_size} > {len(data.train)} training prompts in {data.train_name}")
         self.data, self.batch_size, self.tokenizer = data, batch_size, tokenizer
         self.epoch, self.index = 0, 0
+        self._cached_order: tuple = (None, [])
 
     @property
     def steps_per_epoch(self) -> int:
         return len(self.data.train) // self.batch_size
 
     def _order(self) -> list[int]:
-        n = len(self.data.train)
-        if not self.data.shuffle:
-            return list(range(n))
-        g = torch.Generator().manual_seed(self.data.seed + self.epoch)
-        return torch.randperm(n, generator=g).tolist()
+        n, key = len(self.data.train), (self.epoch, len(self.data.train), self.data.seed, self.data.shuffle)
+        if self._cached_order[0] != key:  # one permutation per epoch, not one per batch
+            g = torch.Generator().manual_seed(self.data.seed + self.epoch)
+            self._cached_order = (key, torch.randperm(n, generator=g).tolist() if self.data.shuffle else list(range(n)))
+        return self._cached_order[1]
 
     def __iter__(self) -> Iterator[TensorDict]:
         return self

@@ -194,7 +194,7 @@ def packed_response_hidden_states(
 
 def packed_log_probs(
     lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-    response_mask: Tensor | None = None, *, temperature: float = 1.0, chunk_tokens: int = 4096,
+    response_mask: Tensor | None = None, *, temperature: float = 1.0, chunk_tokens: int | None = None,
     pack_length: int | None = None, sp_group=None, multi_modal: list[dict] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``TokenLogProbs`` on packed sequences: log-probs and entropy ``B x R`` (0 after each response's end).

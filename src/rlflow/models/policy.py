@@ -92,8 +92,13 @@ class Policy(BatchModule):
     @classmethod
     def from_pretrained(cls, path: str | Path, *, min_pixels: int | None = None, max_pixels: int | None = None,
                         **kwargs) -> "Policy":
-        """Load a model folder (weights, config, tokenizer) from local disk; ``lora=`` as in the constructor
-        (the adapter then records the folder's absolute path as its base model).
+        """Load a model (weights, config, tokenizer): a local folder, or a Hugging Face hub id.
+
+        A hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``) loads as in transformers: downloaded or revalidated
+        when the hub is reachable, from the cache when offline (``HF_HUB_OFFLINE=1``); neither fails at
+        once with :class:`~rlflow.models.hub.ModelNotFoundError`. A path that is not a hub id (``./m``,
+        ``/m``, ``a/b/c``) is only ever a local folder. ``kwargs`` go to the ``Policy`` constructor;
+        ``lora=`` as there (the adapter then records the folder's absolute path as its base model).
 
         An image-text-to-text model (its config has a ``vision_config``: Qwen2-VL, Qwen2.5-VL, ...) is loaded
         with ``AutoModelForImageTextToText`` and its processor (``rlflow.models.vision.load_processor``;
@@ -102,9 +107,10 @@ class Policy(BatchModule):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         from rlflow.models.checks import check_model_folder, check_tokenizer
+        from rlflow.models.hub import locate_model
 
-        if Path(path).expanduser().exists():  # a local folder: a clear error now rather than from transformers
-            path = check_model_folder(path)
+        located = locate_model(path)
+        path = check_model_folder(located.folder) if located.folder is not None else located.path  # clear errors now
         folder = Path(path).expanduser()
         weights = folder.resolve() if folder.is_dir() else path  # absolute: a LoRA adapter records it as its base
         if getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None:
@@ -112,11 +118,11 @@ class Policy(BatchModule):
 
             processor = load_processor(path, min_pixels, max_pixels)
             tokenizer = processor.tokenizer
+            tokenizer.padding_side = "left"
             model = AutoModelForImageTextToText.from_pretrained(weights)
         else:
-            processor, tokenizer = None, AutoTokenizer.from_pretrained(path)
+            processor, tokenizer = None, AutoTokenizer.from_pretrained(path, padding_side="left")
             model = AutoModelForCausalLM.from_pretrained(weights)
-        tokenizer.padding_side = "left"
         check_tokenizer(tokenizer, source=str(path))
         return cls(model, tokenizer, processor=processor, **kwargs)
 
@@ -136,7 +142,8 @@ class Policy(BatchModule):
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:
         size = self.micro_batch_size or batch.batch_size[0]
-        parts = [self.log_probs(mb) for mb in batch.split(size)]
+        pieces = batch.split(size) if size < batch.batch_size[0] else (batch,)  # read only: no copy for one piece
+        parts = [self.log_probs(mb) for mb in pieces]
         batch[self.log_prob_key] = torch.cat([lp for lp, _ in parts])
         if self.entropy_key:
             batch[self.entropy_key] = torch.cat([ent for _, ent in parts])

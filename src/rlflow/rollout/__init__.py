@@ -7,10 +7,11 @@
 from rlflow.rollout.hf import HFRollout
 from rlflow.rollout.single_turn import SingleTurnRollout
 
+from rlflow.rollout.async_rollout import AsyncRollout
 from rlflow.rollout.dynamic_sampling import DynamicSampling
 from rlflow.rollout.reference_responses import WithReferenceResponses
 
-__all__ = ["HFRollout", "SingleTurnRollout", "VLLMRollout", "ServerRollout", "SGLangRollout", "DynamicSampling",
+__all__ = ["AsyncRollout", "HFRollout", "SingleTurnRollout", "VLLMRollout", "ServerRollout", "SGLangRollout", "DynamicSampling",
            "WithReferenceResponses"]
 
 _LAZY = {"VLLMRollout": "rlflow.rollout.vllm", "ServerRollout": "rlflow.rollout.server",

@@ -12,9 +12,10 @@ import copy
 import time
 
 import torch
-from tensordict import NonTensorStack, TensorDict
+from tensordict import TensorDict
 
 from rlflow.data import keys as K
+from rlflow.data.nontensor import repeat_interleave, shallow_copy, stack
 from rlflow.module import BatchModule
 from rlflow.data.multimodal import per_row
 from rlflow.rollout.engines.base import Completion, Engine, MultiModalPrompt, SamplingParams
@@ -155,27 +156,47 @@ class SingleTurnRollout(BatchModule):
             raise RuntimeError(f"{type(self).__name__} has no model: call rollout.bind(model, tokenizer) (the Trainer does)")
         if self.holds_own_weights and self.model is not None and getattr(self.engine, "loaded_from", None) is not self.model:
             self.sync_weights(self.model)  # a shared engine loaded another model's weights since (tests, notebooks)
-        num_prompts = batch.batch_size[0]
-        ids, mask = batch[K.PROMPT_IDS], batch[K.PROMPT_MASK]
-        prompts = unpadded(ids, mask)
-        completions = [c for per_prompt in self.generate(prompts, multi_modal_prompts(batch)) for c in per_prompt]
-        batch = batch.repeat_interleave(self.n, dim=0) if self.n > 1 else batch.clone(False)
-        device, pad = ids.device, self.tokenizer.pad_token_id
-        R = max(len(c.token_ids) for c in completions)
-        response = torch.full((len(completions), R), pad, dtype=torch.long)
-        response_mask = torch.zeros((len(completions), R), dtype=torch.long)
-        log_probs = torch.zeros((len(completions), R), dtype=torch.float32)
-        for row, c in enumerate(completions):
-            length = len(c.token_ids)
-            response[row, :length] = torch.tensor(c.token_ids, dtype=torch.long)
-            response_mask[row, :length] = 1
-            log_probs[row, :length] = torch.tensor(c.log_probs, dtype=torch.float32)
-        batch[K.RESPONSE_IDS] = response.to(device)
-        batch[K.RESPONSE_MASK] = response_mask.to(device)
-        batch[K.ROLLOUT_LOG_PROBS] = log_probs.to(device)
-        batch[K.GROUP] = torch.arange(num_prompts, device=device).repeat_interleave(self.n)
-        batch[K.RESPONSE_TEXT] = NonTensorStack(*self.tokenizer.batch_decode(response, skip_special_tokens=True))
+        ids, mask = batch.get(K.PROMPT_IDS), batch.get(K.PROMPT_MASK)
+        images = multi_modal_prompts(batch)
+        # engines that sample padded tensors (HF) skip the trip through lists; images take the list form
+        tensor_form = getattr(self.engine, "generate_tensors", None) if images is None else None
+        sampled = tensor_form(ids, mask, self.params) if tensor_form is not None else None
+        if sampled is None:
+            return self.samples(batch, self.generate(unpadded(ids, mask), images))
+        return self.laid_out(batch, sampled)
+
+    def samples(self, batch: TensorDict, completions: list[list[Completion]]) -> TensorDict:
+        """Lay out the engine's completions (``n`` per prompt of ``batch``) as the rollout's batch."""
+        flat = [c for per_prompt in completions for c in per_prompt]
+        return self.laid_out(batch, padded_completions(flat, self.tokenizer.pad_token_id))
+
+    def laid_out(self, batch: TensorDict, sampled: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> TensorDict:
+        """``batch``'s prompt rows repeated ``n`` times with the sampled ``(response_ids, response_mask, log_probs)``,
+        group ids and text."""
+        num_prompts, ids = batch.batch_size[0], batch.get(K.PROMPT_IDS)
+        response, response_mask, log_probs = (t.to(ids.device) for t in sampled)
+        # shallow: tensordict's clone(False) rebuilds every non-tensor row; repeat_interleave shares them
+        batch = repeat_interleave(batch, self.n) if self.n > 1 else shallow_copy(batch)
+        batch[K.RESPONSE_IDS] = response
+        batch[K.RESPONSE_MASK] = response_mask
+        batch[K.ROLLOUT_LOG_PROBS] = log_probs
+        batch[K.GROUP] = torch.arange(num_prompts, device=ids.device).repeat_interleave(self.n)
+        batch[K.RESPONSE_TEXT] = stack(self.tokenizer.batch_decode(response.cpu(), skip_special_tokens=True))
         return batch
+
+
+def padded_completions(completions: list[Completion], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Completions -> right-padded ``(response_ids, response_mask, log_probs)``, ``[len(completions), R]``."""
+    R = max(len(c.token_ids) for c in completions)
+    response = torch.full((len(completions), R), pad, dtype=torch.long)
+    response_mask = torch.zeros((len(completions), R), dtype=torch.long)
+    log_probs = torch.zeros((len(completions), R), dtype=torch.float32)
+    for row, c in enumerate(completions):
+        length = len(c.token_ids)
+        response[row, :length] = torch.tensor(c.token_ids, dtype=torch.long)
+        response_mask[row, :length] = 1
+        log_probs[row, :length] = torch.tensor(c.log_probs, dtype=torch.float32)
+    return response, response_mask, log_probs
 
 
 def multi_modal_prompts(batch: TensorDict) -> list[MultiModalPrompt | None] | None:

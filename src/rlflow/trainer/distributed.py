@@ -14,6 +14,8 @@ from rlflow.trainer.batching import row_tokens
 
 def rank_shard(batch: TensorDict, rank: int, world_size: int) -> TensorDict:
     """This rank's contiguous share of a prompt batch (every rank draws the same global batch)."""
+    if world_size == 1:
+        return batch
     size = batch.batch_size[0]
     if size % world_size:
         raise ValueError(f"{size} prompts per step do not split evenly over {world_size} processes")
@@ -99,7 +101,7 @@ def gather_in_group(batch: TensorDict, group) -> TensorDict:
             part.set(K.GROUP, part[K.GROUP] + offset)
             offset = int(part[K.GROUP].max()) + 1 if part.batch_size[0] else offset
         out.append(part)
-    return torch.cat(out).to(batch.device)
+    return torch.cat(out).to(batch[K.PROMPT_IDS].device)
 
 
 # ---------------------------------------------------------------- balancing tokens across ranks

@@ -131,6 +131,17 @@ class Engine:
         """
         raise NotImplementedError
 
+    def generate_tensors(self, prompt_ids: Tensor, prompt_mask: Tensor,
+                         params: SamplingParams) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Optional tensor form of :meth:`generate` for engines that sample padded batches anyway (HF).
+
+        Left-padded ``[B, P]`` prompts -> ``(response_ids, response_mask, log_probs)``, each ``[B * n, R]``
+        with the ``n`` samples of a prompt in consecutive rows, laid out exactly as a rollout lays out
+        :meth:`generate`'s completions (right-padded with the pad id / 0, ``R`` the longest completion).
+        ``None`` (the default) means "use :meth:`generate`": it saves the trip through Python lists only.
+        """
+        return None
+
     async def agenerate(self, prompts: list[list[int]], params: SamplingParams,
                         multi_modal: list[MultiModalPrompt | None] | None = None) -> list[list[Completion]]:
         """:meth:`generate` on a worker thread, so an event loop (an agent loop, async rollouts) is not blocked."""
