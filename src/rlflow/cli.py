@@ -10,13 +10,23 @@ config without training.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+import time
 
-DEFAULT_JOB_FLAGS = {"seed": ("--seed", 0, "data.seed=N"), "steps": ("--steps", None, "trainer.total_training_steps=N"),
-                     "task": ("--task", "addition", "data.train_files=..."),
-                     "run_dir": ("--run-dir", None, "trainer.default_local_dir=DIR"),
-                     "no_progress": ("--no-progress", False, "trainer.logger=[console]"),
-                     "rollout": ("--rollout", "hf", "actor_rollout_ref.rollout.name=NAME")}
+# default-job flag -> (flag, default, the key to use instead with a verl config, ... with a native recipe)
+DEFAULT_JOB_FLAGS = {
+    "seed": ("--seed", 0, "data.seed=N", "data.seed=N"),
+    "steps": ("--steps", None, "trainer.total_training_steps=N", "trainer.max_steps=N"),
+    "run_dir": ("--run-dir", None, "trainer.default_local_dir=DIR", "trainer.run_dir=DIR"),
+    "no_progress": ("--no-progress", False, "trainer.logger=[console]", "trainer.loggers=[console]"),
+    "rollout": ("--rollout", "hf", "actor_rollout_ref.rollout.name=NAME", "rollout.engine=NAME"),
+    "task": ("--task", "addition", "actor_rollout_ref.model.path and data.train_files", "policy.path and data.train"),
+    "max_staleness": ("--max-staleness", None, "async_training.staleness_threshold=K", "async_rollout.max_staleness=K"),
+}
+# --task -> (the module whose run() trains it, its run folder's prefix)
+TASK_JOBS = {"addition": ("rlflow.tasks.default_job", "default"), "vision": ("rlflow.tasks.vision_job", "vision"),
+             "tools": ("rlflow.tasks.tool_job", "tools")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,18 +38,23 @@ def main(argv: list[str] | None = None) -> int:
                     "(a verl YAML) or --config (an rlflow recipe): train from that config, as "
                     "python -m rlflow.trainer.main_ppo does.")
     train.add_argument("--seed", type=int, default=0, help="default job: seed")
-    train.add_argument("--steps", type=int, default=None, help="default job: RL steps (default 200; --task tools: 30)")
-    train.add_argument("--task", choices=["addition", "tools"], default="addition",
-                       help="default job: the built-in task (tools: multiplication with a calculator tool)")
+    train.add_argument("--steps", type=int, default=None, help="default job: RL steps (default 200; --task vision: 80; --task tools: 30)")
+    train.add_argument("--task", choices=list(TASK_JOBS), default="addition",
+                       help="default job: the built-in task (addition; vision: the most common colour in a picture, "
+                            "with a tiny VLM; tools: multiplication with a calculator tool)")
     train.add_argument("--run-dir", default=None, help="default job: where metrics, checkpoints and the reward curve go")
     train.add_argument("--no-progress", action="store_true", help="default job: no progress bar")
     train.add_argument("--rollout", choices=["hf", "vllm"], default="hf",
                        help="default job: generate with transformers (hf) or an in-process vLLM engine (vllm)")
+    train.add_argument("--max-staleness", type=int, default=None, metavar="K",
+                       help="default job: generate K batches ahead of training, in a process of its own "
+                            "(1: one-step-off; docs/async.md)")
     train.add_argument("--config-path", "-cp", default=None, help="folder of a verl YAML config")
     train.add_argument("--config-name", "-cn", default=None, help="name of the verl YAML config in --config-path")
     train.add_argument("--config", "-c", default=None, help="an rlflow native recipe (YAML)")
     train.add_argument("--dry-run", action="store_true",
-                       help="validate config and data, print the resolved config, batch arithmetic and cost; stop")
+                       help="validate config and data, print what would be built, batch arithmetic and cost; stop")
+    train.add_argument("--show-config", action="store_true", help="with --dry-run: also print the full resolved config")
     train.add_argument("overrides", nargs="*", help="verl keys in Hydra syntax: key=value, +key=value, key=[a,b]")
     export = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face folder",
                             description="Write a checkpoint's policy (config.json, safetensors weights, tokenizer) "
@@ -77,31 +92,35 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
         if args.overrides or args.config_name or args.config_path or args.config:
             return _train_from_config(parser, args)
-        if args.dry_run:
+        if args.dry_run or args.show_config:
             parser.error("--dry-run needs a config: key=value overrides, --config-path/--config-name, or --config")
-        if args.task == "tools":
-            from rlflow.tasks.tool_job import run
-
-            run(seed=args.seed, steps=args.steps or 30, run_dir=args.run_dir or f"runs/tools-seed{args.seed}",
-                progress=not args.no_progress)
-            return 0
-        from rlflow.tasks.default_job import run
-
-        run(seed=args.seed, steps=args.steps or 200, run_dir=args.run_dir or f"runs/default-seed{args.seed}",
-            progress=not args.no_progress, rollout=args.rollout)
+        started = time.perf_counter()  # the setup time the summary line reports includes the imports
+        module, name = TASK_JOBS[args.task]
+        kwargs = {"seed": args.seed, "run_dir": args.run_dir or f"runs/{name}-seed{args.seed}",
+                  "progress": not args.no_progress}
+        if args.steps is not None:
+            kwargs["steps"] = args.steps
+        if args.task == "addition":
+            kwargs.update(rollout=args.rollout, max_staleness=args.max_staleness, started=started)
+        elif args.rollout != "hf" or args.max_staleness is not None:
+            parser.error(f"--task {args.task} generates with transformers (--rollout hf) in the training process "
+                         "(no --max-staleness): --rollout vllm and --max-staleness are for the addition task")
+        importlib.import_module(module).run(**kwargs)
     return 0
 
 
 def _train_from_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Forward to the verl entry point; the default job's flags have config keys instead."""
-    for attr, (flag, default, key) in DEFAULT_JOB_FLAGS.items():
+    for attr, (flag, default, verl_key, native_key) in DEFAULT_JOB_FLAGS.items():
         if getattr(args, attr) != default:
+            key = native_key if args.config else verl_key
             parser.error(f"{flag} belongs to the default job; with a config, use {key}")
     from rlflow.config.run import main as run_config
 
     argv = [*(["--config-path", args.config_path] if args.config_path else []),
             *(["--config-name", args.config_name] if args.config_name else []),
             *(["--config", args.config] if args.config else []), *(["--dry-run"] if args.dry_run else []),
+            *(["--show-config"] if args.show_config else []),
             *args.overrides]
     return run_config(argv)
 

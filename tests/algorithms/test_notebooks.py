@@ -29,7 +29,7 @@ def test_custom_estimator_notebook_runs_and_learns(warm_start_cached, tmp_path):
     source = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     estimator = next(c.source for c in nb.cells if "class MedianBaseline(AdvantageEstimator)" in c.source)
     assert len(estimator.splitlines()) < 50  # the point of the notebook: a new algorithm is a short subclass
-    assert "build_trainer(" in source and "estimator=MedianBaseline()" in source
+    assert "Trainer(" in source and "estimator=MedianBaseline()" in source and "build_trainer" not in source
 
     # Raises CellExecutionError if any cell fails, including the last cell's `assert last > first`.
     nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",

@@ -55,8 +55,12 @@ def test_quick_start_command(tiny, capsys, monkeypatch, tmp_path):
     assert "this machine has 0 CUDA device(s)" in err and "trainer.device=cpu trainer.n_gpus_per_node=1" in err
     # with that advice (and tiny sizes), the same command trains
     assert main(QUICK_START + tiny) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     logged = steps(out)
+    # ends with a summary line, as the default job does; no "Seed set to" after step:0, no datasets bars
+    assert re.search(r"\[rlflow\] 2 RL steps \(GRPO\) in \d+ s \(\+ setup \d+ s, validation \d+ s\); "
+                     r"val-core/openai/gsm8k/reward/mean@1: \d\.\d\d \(before training\); metrics in ", out.splitlines()[-1])
+    assert "Seed set to" not in out + err and "Generating train split" not in out + err
     assert sorted(logged) == [0, 1, 2]  # validation before training at step 0, then 2 RL steps
     assert "val-core/openai/gsm8k/reward/mean@1" in logged[0]
     for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "response_length/mean", "timing_s/gen"):
@@ -75,7 +79,8 @@ def test_seed_yaml_with_config_path_and_name(tiny, model_dir, data_dir, tmp_path
     monkeypatch.chdir(tmp_path)
     sizes = ["trainer.device=cpu", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf",
              "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
-             "data.max_response_length=4", "trainer.total_training_steps=2"]
+             "data.max_response_length=4", "trainer.total_training_steps=2",
+             "data.max_prompt_length=8"]  # the seed's 512 + 4 tokens would not fit the tiny model's 64 positions
     argv = ["--config-path", "config", "--config-name", "grpo_math", "trainer.experiment_name=grpo_math_qwen7b"]
     if importlib.util.find_spec("vllm") is None:  # name: vllm in the seed's YAML (tests/rollout run it with vLLM)
         assert main(argv + sizes[:2]) == 2
@@ -133,8 +138,8 @@ def test_troubleshooting_keys_land_on_objects(tiny, capsys):
     from rlflow.config.run import unused_notes
 
     assert "algorithm.kl_ctrl.target_kl=0.1 is not used by this configuration" in "\n".join(unused_notes(plan.cfg))
-    assert main(tiny + ["trainer.async_weight_update=true"]) == 2
-    assert "async weight update is not supported yet" in capsys.readouterr().err
+    assert main(tiny + ["async_training.partial_rollout=true"]) == 2
+    assert "partial rollouts (generation interrupted by weight updates) is not supported yet" in capsys.readouterr().err
 
 
 def test_dry_run_prints_the_batch_arithmetic(tiny, capsys):
@@ -154,7 +159,10 @@ def test_dry_run_prints_the_batch_arithmetic(tiny, capsys):
                 r"Dry run: config and data are valid"]
     for pattern in expected:
         assert re.search(pattern, out), pattern
-    assert "train_batch_size: 4" in out  # the resolved config
+    assert "train_batch_size: 4" not in out and "add --show-config" in out  # summary only; the config on request
+    assert cli_main(["train"] + tiny + argv + ["--show-config"]) == 0
+    assert "Resolved config (every verl key)" in (out := capsys.readouterr().out) and "train_batch_size: 4" in out
+    assert "H100" not in out  # a CPU run gets no GPU time estimate
     assert not (Path(tiny[-3].split("=", 1)[1])).exists()  # nothing trained, nothing written
     # an over-long prompt with truncation=error is a problem found before any training
     assert main(tiny + ["--dry-run", "data.max_prompt_length=4"]) == 1
@@ -286,6 +294,7 @@ def launch_two_processes(tiny, *extra):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "launching 2 processes with torchrun" in out and "step:2 - " in out
+    assert out.count("Initializing distributed") == 1  # rank 0 speaks for both: no per-process repeats
     return out
 
 

@@ -40,6 +40,7 @@ EXPECTED = {
     "gmpo": ("GRPO", "GMPOLoss", "GRPO"),
     "rollout_correction": ("GRPO", "PPOLoss", "Chain(GRPO, TruncatedIS)"),
     "lora": ("GRPO", "PPOLoss", "GRPO"),
+    "grpo_async": ("GRPO", "PPOLoss", "Chain(GRPO, TruncatedIS)"),  # AsyncRollout around the rollout
 }
 # A reward that a random tiny model's samples get both values of (so groups differ and advantages are not 0).
 PARITY = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
@@ -47,7 +48,7 @@ PARITY = "def compute_score(data_source, solution_str, ground_truth, extra_info=
 CONSTANT = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
 
 
-def tiny_warm_start(task, seed):
+def tiny_warm_start(task, seed, **_):
     """An untrained tiny model instead of the supervised warm start (seconds saved)."""
     return task.model(seed), task.tokenizer()
 

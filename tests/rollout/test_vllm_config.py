@@ -111,7 +111,7 @@ def test_grpo_vllm_recipe_trains(vllm_engine, tmp_path, monkeypatch):
     from rlflow.tasks import export
     from rlflow.tasks.addition import AdditionTask
 
-    monkeypatch.setattr(export, "warm_started_model", lambda task, seed: (task.model(seed), task.tokenizer()))
+    monkeypatch.setattr(export, "warm_started_model", lambda task, seed, **_: (task.model(seed), task.tokenizer()))
     task = export.export_task(tmp_path / "task", task=AdditionTask(max_operand=5, held_out=8, warm_val=4))
     recipe = Path(__file__).parents[2] / "recipes" / "yaml" / "grpo_vllm.yaml"
     plan = make_plan(load_native(recipe, [

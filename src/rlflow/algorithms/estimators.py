@@ -18,6 +18,8 @@ from rlflow.data.keys import (
     EXTRA_INFO,
     GROUND_TRUTH,
     GROUP,
+    MULTI_MODAL_DATA,
+    MULTI_MODAL_INPUTS,
     PROMPT_IDS,
     PROMPT_MASK,
     PROMPT_TEXT,
@@ -31,8 +33,10 @@ from rlflow.data.keys import (
 )
 from rlflow.module import BatchModule
 
-# The prompt-side columns a greedy re-generation carries along (the reward may read them).
-_PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RAW_PROMPT, GROUND_TRUTH, DATA_SOURCE, EXTRA_INFO)
+# The prompt-side columns a greedy re-generation carries along (the reward may read them; a
+# vision-language prompt's images go with it).
+_PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RAW_PROMPT, GROUND_TRUTH, DATA_SOURCE, EXTRA_INFO,
+                MULTI_MODAL_INPUTS, MULTI_MODAL_DATA)
 
 
 class AdvantageEstimator(BatchModule):

@@ -2,10 +2,21 @@
 
 Both end in one :class:`~rlflow.config.plan.Plan` that :mod:`rlflow.config.build` turns into the
 same objects the Python API builds (``Policy``, ``HFRollout``, ``FunctionReward``, ``GRPO``,
-``PPOLoss``, ``PromptData``, ``Trainer``).
+``PPOLoss``, ``PromptData``, ``Trainer``). Loading and checking a config (:mod:`~rlflow.config.loading`,
+:mod:`~rlflow.config.validate`) import nothing heavy; the plan and the builders load torch.
 """
 
-from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig, load_config
-from rlflow.config.plan import Plan, make_plan
+from __future__ import annotations
 
-__all__ = ["ConfigError", "NotSupportedError", "VerlConfig", "load_config", "Plan", "make_plan"]
+import importlib
+from typing import Any
+
+from rlflow.config.loading import ConfigError, ConfigProblems, NotSupportedError, VerlConfig, load_config
+
+__all__ = ["ConfigError", "ConfigProblems", "NotSupportedError", "VerlConfig", "load_config", "Plan", "make_plan"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Plan", "make_plan"):  # imports torch: only when asked for
+        return getattr(importlib.import_module("rlflow.config.plan"), name)
+    raise AttributeError(f"module 'rlflow.config' has no attribute {name!r}")

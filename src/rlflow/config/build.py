@@ -20,24 +20,20 @@ from rlflow.data.prompts import DataError, PromptData
 from rlflow.models.critic import Critic
 from rlflow.models.policy import Policy
 from rlflow.rewards import OverlongPenalty
-from rlflow.rollout import DynamicSampling
+from rlflow.rollout import AsyncRollout, DynamicSampling
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.trainer import Trainer
 
 
 def local_model(path: str, key: str) -> str:
-    """A local folder, or a hub name already in the Hugging Face cache; rlflow never downloads."""
-    folder = Path(path).expanduser()
-    if folder.exists():
-        return str(folder)
-    try:
-        from huggingface_hub import snapshot_download
+    """What transformers should load for the model at ``key``: a local folder, a cached hub model when
+    offline, or the hub id itself when the hub is reachable (see :mod:`rlflow.models.hub`)."""
+    from rlflow.models.hub import ModelNotFoundError, locate_model
 
-        return snapshot_download(path, local_files_only=True)
-    except Exception:  # noqa: BLE001 - any failure means: not available offline
-        raise ConfigError(f"{key}={path!r}: no such local folder, and not in the Hugging Face cache. rlflow never "
-                          f"downloads at run time: fetch it first (huggingface-cli download {path}) or point "
-                          "at a local model folder") from None
+    try:
+        return locate_model(path, key).path
+    except ModelNotFoundError as e:
+        raise ConfigError(str(e)) from None
 
 
 def load_tokenizer(plan: Plan):
@@ -59,13 +55,31 @@ def load_tokenizer(plan: Plan):
     return tok
 
 
-def build_data(plan: Plan, tokenizer) -> PromptData:
-    """The prompts, filtered once with the policy's tokenizer; the built-in reward must cover their sources."""
+def load_vision_processor(plan: Plan):
+    """The processor of an image-text-to-text model folder (its images' size bounds from ``data.min/max_pixels``),
+    else ``None``; no weights are read."""
+    from transformers import AutoConfig
+
+    from rlflow.models.vision import load_processor
+
+    path = local_model(plan.model_path, "actor_rollout_ref.model.path")
+    if getattr(AutoConfig.from_pretrained(path), "vision_config", None) is None:
+        return None
+    return load_processor(path, plan.policy_kwargs.get("min_pixels"), plan.policy_kwargs.get("max_pixels"))
+
+
+def build_data(plan: Plan, tokenizer, processor=None) -> PromptData:
+    """The prompts, filtered once with the policy's tokenizer; the built-in reward must cover their sources.
+
+    A vision-language policy's ``processor`` reads the rows' images (``data.image_key``)."""
     kw = dict(plan.data_kwargs)
     try:
-        data = PromptData(kw.pop("train"), val=kw.pop("val"), **kw)
+        data = PromptData(kw.pop("train"), val=kw.pop("val"), processor=processor, **kw)
     except DataError as e:
         raise ConfigError(f"data.train_files / data.val_files: {e}") from e
+    if any(data.skipped_images.values()):
+        plan.notes.append(f"data.bad_images=skip: dropped {data.skipped_images['train']} training and "
+                          f"{data.skipped_images['val']} validation row(s) with a missing or corrupt image")
     if any(data.skipped.values()):
         plan.notes.append(f"data.missing_ground_truth=skip: dropped {data.skipped['train']} training and "
                           f"{data.skipped['val']} validation row(s) without reward_model.ground_truth")
@@ -102,8 +116,13 @@ def build_policy(plan: Plan) -> Policy:
                                         **plan.policy_kwargs, lora=make_lora(plan.lora))
     except ModelFolderError as e:
         raise ConfigError(f"actor_rollout_ref.model.path: {e}") from None
+    if plan.vision and policy.processor is None:
+        raise ConfigError(f"actor_rollout_ref.rollout.enable_vision=True but actor_rollout_ref.model.path="
+                          f"{plan.model_path} is not an image-text-to-text model (its config has no vision_config)")
     if plan.chat_template:
         policy.tokenizer.chat_template = plan.chat_template
+        if policy.processor is not None:  # a VLM's prompts are rendered by its processor
+            policy.processor.chat_template = plan.chat_template
     return policy
 
 
@@ -171,7 +190,13 @@ def build_estimator(plan: Plan, rollout, loss):
 def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, PromptData]:
     """The Trainer and the prompts of this plan (data is loaded here unless given)."""
     policy = build_policy(plan)
-    data = data or build_data(plan, policy.tokenizer)
+    if policy.processor is not None and not getattr(plan.rollout_cls, "makes_image_engine", False):
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.name: {plan.model_path} is a vision-language model, but "
+            f"{plan.rollout_cls.__name__} takes no images yet (vLLM's multimodal input path builds the model's "
+            "transformers AutoProcessor, whose Qwen2-VL video processor needs torchvision, which rlflow's CPU "
+            "install removes); set actor_rollout_ref.rollout.name=hf")
+    data = data or build_data(plan, policy.tokenizer, policy.processor)
     total = total_steps(plan, data)
     loss = instantiate(plan.loss_cls, plan.loss_kwargs, "actor_rollout_ref.actor.*")
     rollout = instantiate(plan.rollout_cls, plan.rollout_kwargs, "actor_rollout_ref.rollout.*")
@@ -179,6 +204,8 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
         from rlflow.rollout.agent import AgentLoop
 
         rollout = instantiate(AgentLoop, {"rollout": rollout, **plan.agent}, "actor_rollout_ref.rollout.multi_turn.*")
+    if plan.async_rollout is not None:  # generation beside training (trainer.async_weight_update)
+        rollout = instantiate(AsyncRollout, {"rollout": rollout, **plan.async_rollout}, "async_training.*")
     estimator = build_estimator(plan, rollout, loss)
     reference = "auto"
     wants_ref = K.REF_LOG_PROBS in set(loss.in_keys) | set(estimator.in_keys)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-
-import torch
 
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 
@@ -27,13 +26,26 @@ class Devices:
     offload: bool         # a CPU-offload key is on (only possible on CPU for now)
 
 
+# Device nodes a CUDA (or ROCm, or WSL) GPU shows; without any, there is no GPU and torch need not load.
+GPU_NODES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
 def cuda_count() -> int:
+    """CUDA devices torch sees; 0 at once (without importing torch) on a machine with no GPU driver."""
+    if not any(os.path.exists(p) for p in GPU_NODES):
+        return 0
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve_devices(cfg: VerlConfig, notes: list[str], with_critic: bool) -> Devices:
-    """Check the request against the machine: too many GPUs and multi-process runs are clear errors."""
-    device, per_node, nnodes = cfg["trainer.device"], cfg["trainer.n_gpus_per_node"], cfg["trainer.nnodes"]
+def resolve_devices(cfg: VerlConfig, notes: list[str], with_critic: bool, record: bool = True) -> Devices:
+    """Check the request against the machine: too many GPUs and multi-process runs are clear errors.
+
+    ``record=False`` (validation) reads the keys without counting them as used.
+    """
+    get = cfg.__getitem__ if record else cfg.flat.get
+    device, per_node, nnodes = get("trainer.device"), get("trainer.n_gpus_per_node"), get("trainer.nnodes")
     found = cuda_count()
     if device not in ("auto", "cuda", "cpu"):
         raise NotSupportedError("trainer.device", device, f"device '{device}'", "Use trainer.device=cpu or cuda.")
@@ -50,30 +62,33 @@ def resolve_devices(cfg: VerlConfig, notes: list[str], with_critic: bool) -> Dev
     accelerator = "cuda" if wants_gpu else "cpu"
     processes = per_node * nnodes
     strategy = "auto"
-    from rlflow.strategies.megatron import verl as megatron_keys  # megatron-core itself is imported only to train
+    if record:  # the plan; validation (record=False) stays torch-free: rlflow.strategies imports Lightning
+        from rlflow.strategies.megatron import verl as megatron_keys  # megatron-core itself is imported only to train
 
-    if megatron_keys.wants_megatron(cfg):
-        strategy = megatron_keys.megatron_strategy(cfg, notes, processes, accelerator, with_critic)
-    else:
-        megatron_keys.check_no_megatron_sizes(cfg)
+        if megatron_keys.wants_megatron(cfg):
+            strategy = megatron_keys.megatron_strategy(cfg, notes, processes, accelerator, with_critic)
+        else:
+            megatron_keys.check_no_megatron_sizes(cfg)
     for role in () if strategy != "auto" else ("actor_rollout_ref.actor", "critic") if with_critic else (
             "actor_rollout_ref.actor",):
-        if cfg[f"{role}.strategy"] in ("fsdp", "fsdp2"):
+        if get(f"{role}.strategy") in ("fsdp", "fsdp2"):
             if processes == 1:
-                notes.append(f"{role}.strategy={cfg[f'{role}.strategy']} on 1 process: rlflow runs Fabric's "
-                             "single-device strategy (FSDP shards across processes; with one there is nothing to shard)")
+                if cfg.is_provided(f"{role}.strategy"):  # verl's default needs no note
+                    notes.append(f"{role}.strategy={get(f'{role}.strategy')} on 1 process: rlflow runs Fabric's "
+                                 "single-device strategy (FSDP shards across processes; with one there is nothing "
+                                 "to shard)")
             else:
                 strategy = "fsdp2"  # verl's fsdp and fsdp2 both mean FSDP2 (fully_shard) here
     offload = False
     for key in OFFLOAD_KEYS + (CRITIC_OFFLOAD_KEYS if with_critic else ()):
-        if cfg[key]:
+        if get(key):
             if accelerator != "cpu":
                 raise NotSupportedError(key, True, "CPU offloading on a single GPU",
                                         "It needs FSDP2 across processes (the distributed issue).")
             offload = True
             notes.append(f"{key}=True: on trainer.device=cpu the weights and optimizer state already live in "
                          "CPU memory, so there is nothing more to offload")
-    precision = cfg["trainer.precision"]
+    precision = get("trainer.precision")
     if precision == "auto":
         precision = "bf16-mixed" if accelerator == "cuda" else "32-true"
     return Devices(accelerator, precision, strategy, processes, per_node, nnodes, offload)

@@ -1,8 +1,9 @@
 """``--dry-run``: validate config and data, then print what a run would do and stop.
 
-Prints the resolved config, the objects the run builds (as the Python calls), the data it found,
-the batch arithmetic of one RL step (prompts x n -> mini-batches -> micro-batches per device),
-the schedule, and a rough estimate of memory and compute per step. Loads the tokenizer and the
+Prints the objects the run builds (as the Python calls), the data it found, the batch arithmetic
+of one RL step (prompts x n -> mini-batches -> micro-batches per device), the schedule, a rough
+estimate of memory and compute per step, and notes on the keys the user set; the full resolved
+config follows with ``--show-config``. Loads the tokenizer and the
 model's config, never its weights.
 """
 
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlflow.config.build import build_data, load_tokenizer, local_model, total_steps, warmup_steps
+from rlflow.config.build import (build_data, load_tokenizer, load_vision_processor, local_model, total_steps,
+                                 warmup_steps)
 from rlflow.config.plan import Plan
 from rlflow.config.resolve import format_kwargs, format_value
 from rlflow.data.prompts import render_prompt
@@ -29,27 +31,29 @@ def gib(n_bytes: float) -> str:
 
 
 def count_parameters(path: str, lora: dict | str | None = None) -> tuple[int, object, int]:
-    """Parameter count from the model's config alone (built on the meta device: no memory, no weights), its
-    config, and the trainable count (all of them; with ``lora``, the adapter's)."""
+    """Parameter count from the model's config alone (built on the meta device: no memory, no weights), the
+    decoder's config (a vision-language model's text config), and the trainable count (all of them; with
+    ``lora``, the adapter's)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
         n_params = sum(p.numel() for p in model.parameters())
         if lora is None:
-            return n_params, config, n_params
+            return n_params, config.get_text_config(), n_params
         from peft import LoraConfig, get_peft_model
 
         lora_config = LoraConfig(**lora) if isinstance(lora, dict) else LoraConfig.from_pretrained(lora)
         model = get_peft_model(model, lora_config)
-    return n_params, config, sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return n_params, config.get_text_config(), sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def prompt_lengths(data, tokenizer) -> list[int]:
     rows = data.train[:MAX_LENGTH_ROWS]
-    return [len(tokenizer(render_prompt(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"]) for r in rows]
+    return [data.prompt_length(r, tokenizer) for r in rows]  # image tokens included for vision-language rows
 
 
 def line(label: str, formula: str, value: str) -> str:
@@ -84,6 +88,8 @@ def objects_section(plan: Plan) -> list[str]:
     reward = plan.reward.describe()
     if plan.overlong:  # DAPO's overlong shaping wraps the scorer
         reward = f"OverlongPenalty({reward}, {format_kwargs(plan.overlong)})"
+    if plan.async_rollout is not None:
+        rollout = f"AsyncRollout({rollout}, {format_kwargs(plan.async_rollout)})"
     if plan.dynamic_sampling:  # the sampler scores its own samples; the Trainer gets reward=None
         rollout = f"DynamicSampling({rollout}, {reward}, {format_kwargs(plan.dynamic_sampling)})"
         reward = "None (DynamicSampling scores its samples)"
@@ -209,23 +215,26 @@ def cost_section(plan: Plan, total: int, longest_prompt: int) -> list[str]:
             f"KV cache for {traj} sequences {gib(kv)}; "
             f"activations per micro-batch of {micro} ~{gib(activations)}"
             f" ({'with' if ckpt else 'without'} gradient checkpointing); peak ~{gib(states + max(kv, activations))}",
-            f"  compute: ~{flops / 1e12:.3g} TFLOP per step, ~{flops * total / 1e15:.3g} PFLOP for {total} steps "
-            f"(~{flops / (0.4 * H100_BF16):.3g} s/step at 40% of one H100's bf16 peak; generation is memory-bound "
-            "and usually slower)"]
+            f"  compute: ~{flops / 1e12:.3g} TFLOP per step, ~{flops * total / 1e15:.3g} PFLOP for {total} steps"
+            + (f" (~{flops / (0.4 * H100_BF16 * plan.devices.processes):.3g} s/step at 40% of the bf16 peak of "
+               f"{plan.devices.processes} H100(s); generation is memory-bound and usually slower)"
+               if plan.devices.accelerator == "cuda" else "")]
 
 
-def dry_run(plan: Plan) -> tuple[str, list[str]]:
-    """The report and its problems (a problem makes the dry run exit non-zero)."""
+def dry_run(plan: Plan, show_config: bool = False) -> tuple[str, list[str]]:
+    """The report and its problems (a problem makes the dry run exit non-zero).
+
+    The summary comes first; the full resolved config (~300 lines of verl keys) only with ``show_config``.
+    """
     from rlflow.config.run import unused_notes
 
     tokenizer = load_tokenizer(plan)
-    data = build_data(plan, tokenizer)
+    data = build_data(plan, tokenizer, load_vision_processor(plan))
     total = total_steps(plan, data)
     problems: list[str] = []
     lengths = prompt_lengths(data, tokenizer)
-    sections = [["Resolved config", plan.cfg.to_yaml()], objects_section(plan),
-                data_section(plan, data, lengths, problems), batch_section(plan), schedule_section(plan, data, total),
-                cost_section(plan, total, max(lengths))]
+    sections = [objects_section(plan), data_section(plan, data, lengths, problems), batch_section(plan),
+                schedule_section(plan, data, total), cost_section(plan, total, max(lengths))]
     if hasattr(plan.devices.strategy, "layout"):  # Megatron: layout and memory per rank
         from transformers import AutoConfig
 
@@ -239,6 +248,9 @@ def dry_run(plan: Plan) -> tuple[str, list[str]]:
         sections.append(["Notes"] + [f"  - {n}" for n in notes])
     if problems:
         sections.append(["PROBLEMS"] + [f"  - {p}" for p in problems])
+    if show_config:
+        sections.append(["Resolved config (every verl key)", plan.cfg.to_yaml()])
     sections.append([f"Dry run: {'config and data are valid' if not problems else 'problems found'}; "
-                     f"nothing was trained. Run without --dry-run to train ({Path.cwd()})."])
+                     f"nothing was trained. Run without --dry-run to train ({Path.cwd()})"
+                     + ("." if show_config else "; add --show-config to print the whole resolved config.")])
     return "\n\n".join("\n".join(s) for s in sections), problems

@@ -32,6 +32,24 @@ class NotSupportedError(ConfigError):
         super().__init__(f"{key}={value!r}: {feature} is not supported yet in rlflow.{' ' + hint if hint else ''}")
 
 
+class ConfigProblems(ConfigError):
+    """Every problem found in one config, reported together (``problems`` holds each one)."""
+
+    def __init__(self, problems: list[ConfigError]):
+        self.problems = list(problems)
+        listed = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problems in the config:\n{listed}")
+
+
+def raise_problems(problems: list[ConfigError]) -> None:
+    """Nothing for no problem; the problem itself for one (its type kept); :class:`ConfigProblems` for more."""
+    unique = list({str(p): p for p in problems}.values())
+    if len(unique) == 1:
+        raise unique[0]
+    if unique:
+        raise ConfigProblems(unique)
+
+
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; an empty dict stays a leaf."""
     if isinstance(tree, dict) and tree:
@@ -49,11 +67,14 @@ class VerlConfig:
     default tree. What was read tells, after building, which provided keys changed nothing.
     """
 
-    def __init__(self, tree: dict, provided: set[str], defaults: dict, deps: dict[str, list[str]] | None = None):
+    def __init__(self, tree: dict, provided: set[str], defaults: dict, deps: dict[str, list[str]] | None = None,
+                 bad_keys: set[str] = frozenset()):
         self.tree, self.provided, self.defaults = tree, provided, defaults
         self.flat, self.default_flat = flatten(tree), flatten(defaults)
         self.deps = deps or {}  # key -> keys its ${...} interpolation reads
         self.read: set[str] = set()
+        self.bad_keys = set(bad_keys)  # keys whose value has the wrong type (already reported): not checked further
+        self.validated = False
 
     def __getitem__(self, key: str) -> Any:
         node = self.tree
@@ -109,18 +130,27 @@ def _node(defaults: DictConfig, key: str) -> tuple[bool, bool]:
     return True, isinstance(node, DictConfig) and len(node) == 0
 
 
-def check_keys(tree: Any, defaults: DictConfig, prefix: str = "", source: str = "") -> None:
-    """Every key of ``tree`` must exist in the default tree or sit under an open node."""
+def check_keys(tree: Any, defaults: DictConfig, prefix: str = "", source: str = "",
+               problems: list[ConfigError] | None = None) -> Any:
+    """Every key of ``tree`` must exist in the default tree or sit under an open node.
+
+    Unknown keys are appended to ``problems`` (raised at the first one when it is ``None``) and
+    left out of the returned tree, so that the rest of the config can still be checked.
+    """
     if not isinstance(tree, dict):
-        return
+        return tree
+    kept = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
         exists, open_ = _node(defaults, key)
         if not exists and not open_:
-            where = f" (in {source})" if source else ""
-            raise unknown_key_error(key, _known_keys(defaults), where)
-        if exists and not open_:
-            check_keys(v, defaults, key + ".", source)
+            error = unknown_key_error(key, _known_keys(defaults), f" (in {source})" if source else "")
+            if problems is None:
+                raise error
+            problems.append(error)
+            continue
+        kept[k] = check_keys(v, defaults, key + ".", source, problems) if exists and not open_ else v
+    return kept
 
 
 def strip_targets(tree: Any) -> Any:
@@ -147,24 +177,35 @@ def load_yaml(path: Path) -> dict:
     return strip_targets(tree)
 
 
-def parse_overrides(overrides: list[str]) -> list:
-    """Hydra's override grammar; an unquoted value it rejects (e.g. ``~/data/x``) is taken as a string."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+def parse_override(parser, text: str):
+    """One override in Hydra's grammar; an unquoted value it rejects (e.g. ``~/data/x``) is taken as a string."""
     from hydra.errors import OverrideParseException
+
+    try:
+        [o] = parser.parse_overrides([text])
+    except OverrideParseException as e:
+        key, sep, value = text.partition("=")
+        if not sep or "'" in value:
+            raise ConfigError(f"cannot parse override {text!r}: {e}") from e
+        [o] = parser.parse_overrides([f"{key}='{value}'"])
+    if o.is_sweep_override():
+        raise ConfigError(f"override {text!r} is a multirun sweep, which rlflow does not run; quote the value "
+                          f"for a string with commas ({o.key_or_group}='...')")
+    return o
+
+
+def parse_overrides(overrides: list[str], problems: list[ConfigError] | None = None) -> list:
+    """Parsed overrides; one that does not parse goes to ``problems`` (raised when it is ``None``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser, parsed = OverridesParser.create(), []
     for text in overrides:
         try:
-            [o] = parser.parse_overrides([text])
-        except OverrideParseException as e:
-            key, sep, value = text.partition("=")
-            if not sep or "'" in value:
-                raise ConfigError(f"cannot parse override {text!r}: {e}") from e
-            [o] = parser.parse_overrides([f"{key}='{value}'"])
-        if o.is_sweep_override():
-            raise ConfigError(f"override {text!r} is a multirun sweep, which rlflow does not run; quote the value "
-                              f"for a string with commas ({o.key_or_group}='...')")
-        parsed.append(o)
+            parsed.append(parse_override(parser, text))
+        except ConfigError as e:
+            if problems is None:
+                raise
+            problems.append(e)
     return parsed
 
 
@@ -188,7 +229,7 @@ def apply_override(cfg: DictConfig, defaults: DictConfig, o, provided: set[str])
     if o.type == OverrideType.CHANGE and not in_cfg:
         raise ConfigError(f"override '{key}=...': {key} is not set yet; add it with +{key}=...")
     if isinstance(value, dict):
-        check_keys(value, defaults, key + ".", f"override {o.input_line}")
+        value = check_keys(value, defaults, key + ".", f"override {o.input_line}")
     OmegaConf.update(cfg, key, value, merge=isinstance(value, dict), force_add=True)
     provided |= set(flatten(value, key + ".")) if isinstance(value, dict) and value else {key}
 
@@ -196,9 +237,12 @@ def apply_override(cfg: DictConfig, defaults: DictConfig, o, provided: set[str])
 STR_OR_LIST = ("data.train_files", "data.val_files", "target_modules")  # keys (or last parts) taking either
 
 
-def check_types(tree: dict, defaults: dict) -> None:
-    """A value must have its default's type (ints for floats are fine; a string for a list is wrapped)."""
-    flat_defaults = flatten(defaults)
+def check_types(tree: dict, defaults: dict) -> list[ConfigError]:
+    """A value must have its default's type (ints for floats are fine; a string for a list is wrapped).
+
+    Returns one error per key with the wrong type (``key`` attribute set).
+    """
+    flat_defaults, errors = flatten(defaults), []
     for key, value in flatten(tree).items():
         default = flat_defaults.get(key)
         if default is None or value is None:
@@ -212,8 +256,11 @@ def check_types(tree: dict, defaults: dict) -> None:
               else isinstance(value, list) if isinstance(default, list) else True)
         if not ok:
             kind = {"bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string", "list": "a list"}
-            raise ConfigError(f"{key}={value!r}: expected {kind.get(type(default).__name__, type(default).__name__)} "
-                              f"(the default is {default!r})")
+            error = ConfigError(f"{key}={value!r}: expected {kind.get(type(default).__name__, type(default).__name__)} "
+                                f"(the default is {default!r})")
+            error.key = key
+            errors.append(error)
+    return errors
 
 
 def _wrap_lists(tree: dict, defaults: dict) -> dict:
@@ -237,9 +284,16 @@ def interpolation_deps(raw: dict) -> dict[str, list[str]]:
 
 
 def load_config(overrides: list[str] = (), config_file: str | Path | None = None, *,
-                base_overlay: dict | None = None, trees: list[tuple[str, dict]] = ()) -> VerlConfig:
+                base_overlay: dict | None = None, trees: list[tuple[str, dict]] = (),
+                problems: list[ConfigError] | None = None) -> VerlConfig:
     """Defaults <- ``base_overlay`` (not counted as set by the user) <- YAML file <- ``trees`` (named
-    key trees, e.g. a translated native recipe) <- overrides; then validate and resolve."""
+    key trees, e.g. a translated native recipe) <- overrides; then validate keys and types and resolve.
+
+    With ``problems`` (a list), every unknown key, bad override and wrong type is appended to it and
+    the config is returned without them, so that the caller can report them with the problems of
+    :func:`rlflow.config.validate.validate` in one message; without it the first problem raises.
+    """
+    collect = problems if problems is not None else []
     defaults = OmegaConf.load(DEFAULTS_FILE)
     cfg, provided = defaults.copy(), set()
     layers = [("rlflow native defaults", base_overlay, False)] if base_overlay else []
@@ -247,18 +301,28 @@ def load_config(overrides: list[str] = (), config_file: str | Path | None = None
         layers.append((str(config_file), load_yaml(Path(config_file)), True))
     layers += [(source, tree, True) for source, tree in trees]
     for source, tree, counts in layers:
-        check_keys(tree, defaults, source=source)
+        tree = check_keys(tree, defaults, source=source, problems=collect)
         cfg = OmegaConf.merge(cfg, tree)
         if counts:
             provided |= set(flatten(tree))
-    for o in parse_overrides(list(overrides)):
-        apply_override(cfg, defaults, o, provided)
+    for o in parse_overrides(list(overrides), collect):
+        try:
+            apply_override(cfg, defaults, o, provided)
+        except ConfigError as e:
+            collect.append(e)
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         default_tree = OmegaConf.to_container(defaults, resolve=True)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"cannot resolve the config: {e}") from e
+        raise_problems(collect + [ConfigError(f"cannot resolve the config: {e}")])
     resolved = _wrap_lists(resolved, default_tree)
-    check_types(resolved, default_tree)
     deps = interpolation_deps(OmegaConf.to_container(cfg, resolve=False))
-    return VerlConfig(resolved, provided, default_tree, deps)
+    type_errors = check_types(resolved, default_tree)
+    # a key that only repeats another (data.gen_batch_size: ${data.train_batch_size}) is reported there
+    collect += [e for e in type_errors if e.key in provided or e.key not in deps]
+    if problems is None:
+        raise_problems(collect)
+    # a key that interpolates a badly typed one (critic.ppo_mini_batch_size: ${...actor...}) is bad too
+    bad = {e.key for e in type_errors}
+    bad |= {k for k, refs in deps.items() if bad & set(refs)}
+    return VerlConfig(resolved, provided, default_tree, deps, bad_keys=bad)

@@ -24,10 +24,11 @@ section and the overrides take verl keys as they are (overrides may also use nat
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
-from rlflow.config.loading import ConfigError, VerlConfig, flatten, load_config, parse_overrides, unknown_key_error
+from rlflow.config.loading import ConfigError, VerlConfig, flatten, load_config, unknown_key_error
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 FG, OB = "algorithm.filter_groups", "reward_model.reward_kwargs.overlong_buffer_cfg"
@@ -88,6 +89,7 @@ NATIVE = {
     "overlong_penalty.buffer_len": f"{OB}.len", "overlong_penalty.penalty_factor": f"{OB}.penalty_factor",
     "truncated_is.level": "algorithm.rollout_correction.rollout_is",
     "truncated_is.threshold": "algorithm.rollout_correction.rollout_is_threshold",
+    "async_rollout.max_staleness": "async_training.staleness_threshold",  # AsyncRollout (docs/async.md)
 }
 
 # Setting a native key also sets these verl keys (unless the recipe sets them itself): native key ->
@@ -99,6 +101,14 @@ IMPLIES = {
     "overlong_penalty.buffer_len": {f"{OB}.enable": bool, "reward_model.reward_manager": lambda v: "dapo"},
 }
 
+# Input paths of a recipe, taken relative to the recipe's folder: verl key -> kind ("file": data,
+# "model": a model folder or hub id, "python": a .py file or module, "class": file.py:ClassName or a name).
+RECIPE_PATHS = {
+    "actor_rollout_ref.model.path": "model", "critic.model.path": "model",
+    "data.train_files": "file", "data.val_files": "file", "custom_reward_function.path": "python",
+    "algorithm.adv_estimator": "class", f"{A}.policy_loss.loss_mode": "class",
+}
+
 # What a native recipe starts from (verl's defaults suit clusters; these suit one machine).
 NATIVE_DEFAULTS = {
     "algorithm": {"adv_estimator": "grpo"},
@@ -107,6 +117,9 @@ NATIVE_DEFAULTS = {
     "actor_rollout_ref": {"model": {"enable_gradient_checkpointing": False}},
     "critic": {"model": {"enable_gradient_checkpointing": False}},
 }
+
+
+SHORTHAND_SECTIONS = ("estimator", "loss", "reward")  # a section given by one string: see _shorthand
 
 
 def _shorthand(tree: dict) -> dict:
@@ -129,19 +142,97 @@ def nested(flat: dict) -> dict:
     return OmegaConf.to_container(out)
 
 
-def to_verl(flat: dict, source: str) -> dict:
-    """Native dotted keys -> a nested tree of verl keys, with what they imply (``IMPLIES``)."""
-    for key in flat:
-        if key not in NATIVE:
-            raise unknown_key_error(key, list(NATIVE), f" (in {source}; native keys are listed in docs/verl-compat.md)")
+def to_verl(flat: dict, source: str, problems: list[ConfigError] | None = None) -> dict:
+    """Native dotted keys -> a nested tree of verl keys, with what they imply (``IMPLIES``).
+
+    An unknown native key is appended to ``problems`` (raised when it is ``None``) and left out.
+    """
+    for key in [k for k in flat if k not in NATIVE]:
+        error = unknown_key_error(key, list(NATIVE), f" (in {source}; native keys are listed in docs/verl-compat.md)")
+        if problems is None:
+            raise error
+        problems.append(error)
+        del flat[key]
     implied = {k: make(flat[n]) for n, keys in IMPLIES.items() if n in flat for k, make in keys.items()}
     return nested(implied | {NATIVE[key]: value for key, value in flat.items()})
 
 
-def load_native(path: str | Path, overrides: list[str] = ()) -> VerlConfig:
-    """A native recipe plus overrides (native keys, or verl keys for anything the recipe format lacks)."""
+def anchor_paths(tree: dict, folder: Path) -> dict:
+    """Relative input paths of a recipe (``RECIPE_PATHS``) -> paths relative to the recipe's ``folder``.
+
+    A model path that is a hub id (``Qwen/Qwen2.5-0.5B``) stays one unless the folder holds it; run
+    outputs (``trainer.run_dir``) stay relative to the current folder.
+    """
+    from rlflow.models.hub import looks_like_hub_id
+    from rlflow.registry import is_file_location, split_spec
+
+    def anchored(value: Any, kind: str) -> Any:
+        if isinstance(value, list):
+            return [anchored(v, kind) for v in value]
+        if not isinstance(value, str) or not value:
+            return value
+        if kind == "class":  # my_est.py:MedianGRPO; a registered name or a module path stays as it is
+            spec = split_spec(value)
+            if spec is None or not is_file_location(spec[0]):
+                return value
+            return f"{anchored(spec[0], 'file')}:{spec[1]}"
+        path = Path(value).expanduser()
+        if path.is_absolute() or (kind == "python" and not is_file_location(value)):
+            return value
+        if kind == "model" and looks_like_hub_id(value) and not (folder / path).exists():
+            return value
+        return str(folder / path)
+
+    flat = flatten(tree)
+    return nested({k: anchored(v, RECIPE_PATHS[k]) if k in RECIPE_PATHS else v for k, v in flat.items()})
+
+
+def split_overrides(overrides: list[str], problems: list[ConfigError] | None) -> tuple[dict, list[str]]:
+    """Command-line overrides -> (native keys and values, verl overrides as text).
+
+    A key that is neither native nor verl gets an error suggesting the native keys near it first.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from rlflow.config.loading import DEFAULTS_FILE, _node, close_matches, parse_override
+
+    parser, defaults = OverridesParser.create(), OmegaConf.load(DEFAULTS_FILE)
+    native_flat, verl_overrides = {}, []
+    for text in overrides:
+        try:
+            o = parse_override(parser, text)
+            key = o.key_or_group
+            if key in NATIVE:
+                native_flat[key] = o.value()
+                continue
+            if key in SHORTHAND_SECTIONS and isinstance(o.value(), str):  # estimator=my_est.py:MedianGRPO, as in a recipe
+                native_flat.update(flatten(_shorthand({key: o.value()})))
+                continue
+            exists, open_ = _node(defaults, key)
+            if not (exists or open_):
+                near = close_matches(key, list(NATIVE))
+                verl_near = [] if near else close_matches(key, list(flatten(OmegaConf.to_container(defaults))))
+                hint = (f" Did you mean: {', '.join(near + verl_near)}?" if near or verl_near else "")
+                raise ConfigError(f"unknown config key '{key}' (on the command line: neither a native recipe key nor "
+                                  f"a verl key).{hint} Native keys are listed in docs/verl-compat.md")
+            verl_overrides.append(text)
+        except ConfigError as e:
+            if problems is None:
+                raise
+            problems.append(e)
+    return native_flat, verl_overrides
+
+
+def load_native(path: str | Path, overrides: list[str] = (), problems: list[ConfigError] | None = None) -> VerlConfig:
+    """A native recipe plus overrides (native keys, or verl keys for anything the recipe format lacks).
+
+    Input paths in the recipe (model, data, reward and class files) are relative to the recipe's folder,
+    so a recipe runs from any folder; paths on the command line are relative to the current folder.
+    With ``problems``, key and type problems are collected there (see :func:`load_config`).
+    """
+    file = Path(path).expanduser()
     try:
-        tree = OmegaConf.to_container(OmegaConf.load(Path(path).expanduser())) or {}
+        tree = OmegaConf.to_container(OmegaConf.load(file)) or {}
     except Exception as e:  # noqa: BLE001 - unreadable file: say which
         raise ConfigError(f"cannot read recipe {path}: {e}") from e
     if not isinstance(tree, dict):
@@ -149,15 +240,11 @@ def load_native(path: str | Path, overrides: list[str] = ()) -> VerlConfig:
     verl_section = tree.pop("verl", None) or {}
     if not isinstance(verl_section, dict):
         raise ConfigError(f"{path}: the verl section must map verl keys to values")
-    trees = [(str(path), to_verl(flatten(_shorthand(tree)) if tree else {}, str(path)))]
+    folder = file.resolve().parent
+    trees = [(str(path), anchor_paths(to_verl(flatten(_shorthand(tree)) if tree else {}, str(path), problems), folder))]
     if verl_section:
-        trees.append((f"{path} (verl section)", nested(flatten(verl_section))))
-    verl_overrides, native_flat = [], {}
-    for text, o in zip(overrides, parse_overrides(list(overrides))):
-        if o.key_or_group in NATIVE:
-            native_flat[o.key_or_group] = o.value()
-        else:
-            verl_overrides.append(text)
+        trees.append((f"{path} (verl section)", anchor_paths(nested(flatten(verl_section)), folder)))
+    native_flat, verl_overrides = split_overrides(list(overrides), problems)
     if native_flat:
-        trees.append(("command-line native overrides", to_verl(native_flat, "the command line")))
-    return load_config(verl_overrides, base_overlay=NATIVE_DEFAULTS, trees=trees)
+        trees.append(("command-line native overrides", to_verl(native_flat, "the command line", problems)))
+    return load_config(verl_overrides, base_overlay=NATIVE_DEFAULTS, trees=trees, problems=problems)

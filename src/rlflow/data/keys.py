@@ -13,6 +13,9 @@ GROUND_TRUTH = "ground_truth"  # non-tensor, B
 EXTRA_INFO = "extra_info"  # non-tensor, B dicts
 PROMPT_TEXT = "prompt_text"  # non-tensor, B strings
 RAW_PROMPT = "raw_prompt"  # non-tensor, B: the prompt as the data gave it (chat messages or a string)
+# vision-language prompts (rlflow.data.multimodal; verl's names)
+MULTI_MODAL_INPUTS = "multi_modal_inputs"  # non-tensor, B dicts of the processor's tensors ({} without images)
+MULTI_MODAL_DATA = "multi_modal_data"  # non-tensor, B dicts {"image": [PIL images]}: for engines with a processor
 
 # written by the rollout
 RESPONSE_IDS = "response_ids"  # B x R, int64, right-padded
@@ -21,6 +24,7 @@ ROLLOUT_LOG_PROBS = "rollout_log_probs"  # B x R, float, the sampler's log-probs
 GROUP = "group"  # B, int64: samples of one prompt share it
 RESPONSE_TEXT = "response_text"  # non-tensor, B strings
 REWARD_BASELINE = "reward_baseline"  # B, float: e.g. ReMax's greedy-rollout score
+POLICY_VERSION = "policy_version"  # B, int64: the weight version that sampled the row (asynchronous rollouts)
 
 # written by an agent (multi-turn) rollout (rlflow.rollout.agent)
 NUM_TURNS = "num_turns"  # B, int64: assistant turns + tool/user turns + 1, as verl counts them

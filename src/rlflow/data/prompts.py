@@ -7,13 +7,15 @@ is read as is.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
-from tensordict import NonTensorStack, TensorDict
+from tensordict import TensorDict
 
 from rlflow.data import keys as K
+from rlflow.data.nontensor import stack
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 MISSING_GROUND_TRUTH = ("error", "skip", "allow")  # PromptData(missing_ground_truth=...)
@@ -23,13 +25,14 @@ class DataError(ValueError):
     """A malformed file or row; the message names the file and the row."""
 
 
-def load_rows(source: str | Path | Sequence[dict], prompt_key: str = "prompt") -> tuple[list[dict], str]:
+def load_rows(source: str | Path | Sequence[dict], prompt_key: str = "prompt",
+              image_key: str = "images") -> tuple[list[dict], str]:
     """Read rows from a parquet/json/jsonl file (with ``datasets``), a list of such files, or a list of dicts.
 
     Returns the normalised rows and a name for error messages.
     """
     if isinstance(source, (list, tuple)) and source and all(isinstance(s, (str, Path)) for s in source):
-        parts = [load_rows(s, prompt_key) for s in source]  # several files: rows in order, one name
+        parts = [load_rows(s, prompt_key, image_key) for s in source]  # several files: rows in order, one name
         rows = [dict(r, index=i) for i, r in enumerate(r for part, _ in parts for r in part)]
         return rows, " + ".join(name for _, name in parts)
     if isinstance(source, (str, Path)):
@@ -44,17 +47,30 @@ def load_rows(source: str | Path | Sequence[dict], prompt_key: str = "prompt") -
         if path.stat().st_size == 0:
             raise DataError(f"{path}: the file is empty")
         try:
-            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+            with datasets_bars_off(datasets):  # reading a local file takes a blink: no "Generating train split" bars
+                ds = datasets.load_dataset(kind, data_files=str(path), split="train")
         except Exception as e:  # noqa: BLE001 - pyarrow/json errors of every kind: name the file
             cause = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
             raise DataError(f"{path}: cannot be read as {kind} ({type(e).__name__}: {cause})") from e
         raw, name = ds.to_list(), str(path)
     else:
         raw, name = list(source), "<in-memory rows>"
-    return [normalise_row(r, i, name, prompt_key) for i, r in enumerate(raw)], name
+    return [normalise_row(r, i, name, prompt_key, image_key) for i, r in enumerate(raw)], name
 
 
-def normalise_row(row: dict, index: int, name: str, prompt_key: str = "prompt") -> dict:
+@contextlib.contextmanager
+def datasets_bars_off(datasets) -> Iterator[None]:
+    """``datasets``' progress bars off for the block (restored after, as the caller had them)."""
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
+
+
+def normalise_row(row: dict, index: int, name: str, prompt_key: str = "prompt", image_key: str = "images") -> dict:
     if not isinstance(row, dict) or prompt_key not in row or row[prompt_key] is None:
         raise DataError(f"{name}, row {index}: no '{prompt_key}' column (row: {str(row)[:200]})")
     prompt = row[prompt_key]
@@ -73,13 +89,15 @@ def normalise_row(row: dict, index: int, name: str, prompt_key: str = "prompt") 
     ground_truth = row.get("ground_truth", reward_model.get("ground_truth"))
     if isinstance(ground_truth, float) and ground_truth != ground_truth:  # NaN: pandas' missing value
         ground_truth = None
-    return {
+    out = {
         "prompt": prompt,
         "ground_truth": None if ground_truth is None else str(ground_truth),
         "data_source": str(row.get("data_source") or "unknown"),
         "extra_info": row.get("extra_info"),
         "index": index,
     }
+    media = {"images": row.get(image_key), "videos": row.get("videos")}  # read by rlflow.data.multimodal
+    return out | {k: v for k, v in media.items() if v is not None}
 
 
 def drop_missing_ground_truth(rows: list[dict], name: str, mode: str) -> tuple[list[dict], int]:
@@ -124,7 +142,7 @@ def collate(rows: Sequence[dict], tokenizer, max_prompt_length: int | None = Non
     """Tokenize rows into a batch: left-padded ``prompt_ids``/``prompt_mask`` and the non-tensor fields."""
     check_chat_template(rows, name, tokenizer)
     texts = [render_prompt(r["prompt"], tokenizer) for r in rows]
-    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    ids = list(tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else []  # one call for the batch
     if max_prompt_length is not None:
         for i, seq in enumerate(ids):
             if len(seq) > max_prompt_length:
@@ -144,11 +162,11 @@ def collate(rows: Sequence[dict], tokenizer, max_prompt_length: int | None = Non
         {
             K.PROMPT_IDS: prompt_ids,
             K.PROMPT_MASK: prompt_mask,
-            K.PROMPT_TEXT: NonTensorStack(*texts),
-            K.RAW_PROMPT: NonTensorStack(*[r["prompt"] for r in rows]),  # re-encoded by reward models
-            K.GROUND_TRUTH: NonTensorStack(*[r["ground_truth"] for r in rows]),
-            K.DATA_SOURCE: NonTensorStack(*[r["data_source"] for r in rows]),
-            K.EXTRA_INFO: NonTensorStack(*[r["extra_info"] for r in rows]),
+            K.PROMPT_TEXT: stack(texts),
+            K.RAW_PROMPT: stack([r["prompt"] for r in rows]),  # re-encoded by reward models
+            K.GROUND_TRUTH: stack([r["ground_truth"] for r in rows]),
+            K.DATA_SOURCE: stack([r["data_source"] for r in rows]),
+            K.EXTRA_INFO: stack([r["extra_info"] for r in rows]),
         },
         batch_size=[len(rows)],
     )
@@ -168,17 +186,18 @@ class PromptLoader:
             raise DataError(f"batch size {batch_size} > {len(data.train)} training prompts in {data.train_name}")
         self.data, self.batch_size, self.tokenizer = data, batch_size, tokenizer
         self.epoch, self.index = 0, 0
+        self._cached_order: tuple = (None, [])
 
     @property
     def steps_per_epoch(self) -> int:
         return len(self.data.train) // self.batch_size
 
     def _order(self) -> list[int]:
-        n = len(self.data.train)
-        if not self.data.shuffle:
-            return list(range(n))
-        g = torch.Generator().manual_seed(self.data.seed + self.epoch)
-        return torch.randperm(n, generator=g).tolist()
+        n, key = len(self.data.train), (self.epoch, len(self.data.train), self.data.seed, self.data.shuffle)
+        if self._cached_order[0] != key:  # one permutation per epoch, not one per batch
+            g = torch.Generator().manual_seed(self.data.seed + self.epoch)
+            self._cached_order = (key, torch.randperm(n, generator=g).tolist() if self.data.shuffle else list(range(n)))
+        return self._cached_order[1]
 
     def __iter__(self) -> Iterator[TensorDict]:
         return self
@@ -211,17 +230,33 @@ class PromptData:
         missing_ground_truth: rows without ``reward_model.ground_truth`` (or ``ground_truth``): ``"error"``
             (the default) names the file and the first such row; ``"skip"`` drops them and counts them in
             ``skipped``; ``"allow"`` keeps them (``ground_truth=None``) for rewards that need none.
+        processor: a vision-language model's processor: rows are read in verl's multimodal layout
+            (``rlflow.data.multimodal``: ``image_key`` column, ``<image>`` placeholders) and batches carry
+            each row's vision inputs.
+        image_key: the column holding each row's images.
+        skip_bad_images: drop (and count in ``skipped_images``) rows with a missing or corrupt image instead
+            of failing with the file, row and image.
     """
 
     def __init__(self, train, val=None, *, prompt_key: str = "prompt", max_prompt_length: int | None = None,
                  truncation: str = "error", shuffle: bool = True, seed: int = 0,
-                 filter_overlong_prompts: bool = False, missing_ground_truth: str = "error"):
+                 filter_overlong_prompts: bool = False, missing_ground_truth: str = "error", processor=None,
+                 image_key: str = "images", skip_bad_images: bool = False):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got '{truncation}'")
         if missing_ground_truth not in MISSING_GROUND_TRUTH:
             raise ValueError(f"missing_ground_truth must be one of {MISSING_GROUND_TRUTH}, got '{missing_ground_truth}'")
-        self.train, self.train_name = load_rows(train, prompt_key)
-        self.val, self.val_name = load_rows(val, prompt_key) if val is not None else ([], "")
+        self.train, self.train_name = load_rows(train, prompt_key, image_key)
+        self.val, self.val_name = load_rows(val, prompt_key, image_key) if val is not None else ([], "")
+        self.processor, self.skipped_images = processor, {"train": 0, "val": 0}
+        if processor is not None:
+            from rlflow.data.multimodal import check_images
+
+            self.train, self.skipped_images["train"] = check_images(self.train, self.train_name, skip_bad_images)
+            self.val, self.skipped_images["val"] = check_images(self.val, self.val_name, skip_bad_images)
+        elif any("images" in r or "videos" in r for r in self.train + self.val):
+            raise DataError(f"{self.train_name}: rows have a '{image_key}' column but no processor was given "
+                            "(PromptData(..., processor=policy.processor) for a vision-language model)")
         if not self.train:
             raise DataError(f"{self.train_name}: no rows")
         self.train, dropped_train = drop_missing_ground_truth(self.train, self.train_name, missing_ground_truth)
@@ -235,16 +270,15 @@ class PromptData:
         """Drop over-long prompts once (when ``filter_overlong_prompts``); returns the count dropped per split.
 
         First checks that chat-message prompts have a chat template to render them (else a DataError)."""
-        check_chat_template(self.train, self.train_name, tokenizer)
-        check_chat_template(self.val, self.val_name, tokenizer)
+        templates = self.processor if self.processor is not None else tokenizer  # a VLM's prompts: the processor's
+        check_chat_template(self.train, self.train_name, templates)
+        check_chat_template(self.val, self.val_name, templates)
         if self.filtered is None:
             self.filtered = {"train": 0, "val": 0}
             if self.filter_overlong_prompts and self.max_prompt_length is not None:
                 for split in ("train", "val"):
                     rows = getattr(self, split)
-                    kept = [r for r in rows if len(tokenizer(render_prompt(r["prompt"], tokenizer),
-                                                             add_special_tokens=False)["input_ids"])
-                            <= self.max_prompt_length]
+                    kept = [r for r in rows if self.prompt_length(r, tokenizer) <= self.max_prompt_length]
                     self.filtered[split] = len(rows) - len(kept)
                     setattr(self, split, kept)
                 if not self.train:
@@ -252,7 +286,19 @@ class PromptData:
                                     f"max_prompt_length={self.max_prompt_length}")
         return self.filtered
 
+    def prompt_length(self, row: dict, tokenizer) -> int:
+        """Tokens of ``row``'s prompt after the chat template (image tokens included with a processor)."""
+        if self.processor is not None:
+            from rlflow.data.multimodal import prompt_length
+
+            return prompt_length(row, self.processor, self.train_name)
+        return len(tokenizer(render_prompt(row["prompt"], tokenizer), add_special_tokens=False)["input_ids"])
+
     def collate(self, rows: Sequence[dict], tokenizer, name: str | None = None) -> TensorDict:
+        if self.processor is not None:
+            from rlflow.data.multimodal import collate_multimodal
+
+            return collate_multimodal(rows, self.processor, self.max_prompt_length, name or self.train_name)
         return collate(rows, tokenizer, self.max_prompt_length, self.truncation, name or self.train_name)
 
     def loader(self, batch_size: int, tokenizer) -> PromptLoader:

@@ -46,9 +46,10 @@ def check_safetensors(file: Path) -> None:
                                "download or copy it again")
 
 
-def check_model_folder(path: str | Path, *, tokenizer: bool = True) -> Path:
-    """A local Hugging Face model folder: ``config.json`` (valid JSON with a ``model_type``), weights (every shard
-    an index names; safetensors headers intact) and, with ``tokenizer``, tokenizer files. Returns the folder."""
+def check_model_folder(path: str | Path, *, tokenizer: bool = True, weights: bool = True) -> Path:
+    """A local Hugging Face model folder: ``config.json`` (valid JSON with a ``model_type``), with ``weights``
+    the weights (every shard an index names; safetensors headers intact; a dry run, which reads only the
+    config, skips them) and, with ``tokenizer``, tokenizer files. Returns the folder."""
     folder = Path(path).expanduser()
     if not folder.exists():
         raise ModelFolderError(f"model folder {folder} does not exist")
@@ -64,11 +65,21 @@ def check_model_folder(path: str | Path, *, tokenizer: bool = True) -> Path:
         raise ModelFolderError(f"{config}: not valid JSON ({e})") from None
     if not model_type:
         raise ModelFolderError(f"{config}: no 'model_type', so transformers cannot tell which model it is")
-    weights = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
-    if not weights:
+    if weights:
+        check_weights(folder)
+    if tokenizer and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelFolderError(f"{folder}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); save the "
+                               "tokenizer there with tokenizer.save_pretrained(folder)")
+    return folder
+
+
+def check_weights(folder: Path) -> None:
+    """Weights in ``folder``: a weights file or a sharded index whose shards are all there; safetensors intact."""
+    found = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if not found:
         raise ModelFolderError(f"{folder}: no weights ({', '.join(WEIGHT_FILES[:2])} or a sharded index); "
                                f"it holds: {_listing(folder)}")
-    for index in (w for w in weights if w.name.endswith(".index.json")):
+    for index in (w for w in found if w.name.endswith(".index.json")):
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, AttributeError) as e:
@@ -76,14 +87,10 @@ def check_model_folder(path: str | Path, *, tokenizer: bool = True) -> Path:
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise ModelFolderError(f"{index} names shard(s) not in the folder: {missing}")
-        weights += [folder / s for s in shards]
-    for w in weights:
+        found += [folder / s for s in shards]
+    for w in found:
         if w.suffix == ".safetensors":
             check_safetensors(w)
-    if tokenizer and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelFolderError(f"{folder}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); save the "
-                               "tokenizer there with tokenizer.save_pretrained(folder)")
-    return folder
 
 
 def check_tokenizer(tokenizer, model=None, source: str = "") -> None:

@@ -71,9 +71,12 @@ class Critic(BatchModule):
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "Critic":
+        """A critic from a model folder or hub id (resolved as ``Policy.from_pretrained`` does)."""
         from transformers import AutoModelForCausalLM
 
-        return cls(AutoModelForCausalLM.from_pretrained(path), **kwargs)
+        from rlflow.models.hub import locate_model
+
+        return cls(AutoModelForCausalLM.from_pretrained(locate_model(path).path), **kwargs)
 
     def values(self, batch: TensorDict) -> Tensor:
         if self.remove_padding:
@@ -84,5 +87,6 @@ class Critic(BatchModule):
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:
         size = self.micro_batch_size or batch.batch_size[0]
-        batch[K.VALUES] = torch.cat([self.values(mb) for mb in batch.split(size)]) * batch[K.RESPONSE_MASK]
+        pieces = batch.split(size) if size < batch.batch_size[0] else (batch,)  # read only: no copy for one piece
+        batch[K.VALUES] = torch.cat([self.values(mb) for mb in pieces]) * batch[K.RESPONSE_MASK]
         return batch

@@ -1,9 +1,15 @@
 """Per-token log-probs and entropy of response tokens, without a float32 [B, T, V] logits copy.
 
-The backbone runs once over prompt + response; the LM head and the softmax run
-over chunks of response positions only (prompt positions are never scored).
-Under autograd each chunk is checkpointed, so only its hidden states are kept
-and its logits are recomputed in the backward pass.
+The backbone runs once over prompt + response; the LM head and the softmax run over chunks of response
+positions only (prompt positions are never scored), so only one chunk's logits exist at a time. The chunk
+holds ``chunk_tokens`` positions, by default as many as fit ``LOGITS_CHUNK_BYTES`` of float32 logits (about
+440 positions for a 150k-token vocabulary, all of a small model's).
+
+For a plain ``nn.Linear`` head (transformers' ``lm_head``, tied or not) one autograd function,
+:class:`ChunkedHeadLogProbs`, does each chunk's forward and backward by hand: it keeps only the hidden states
+and two numbers per position, and the backward recomputes the chunk's logits and forms their gradient in
+place (a fused linear-cross-entropy with the entropy term). Any other head (a LoRA-wrapped or FSDP-sharded
+one, a head with a bias) runs the module itself per chunk under activation checkpointing.
 """
 
 from __future__ import annotations
@@ -13,10 +19,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from rlflow.models.vision import is_multimodal, padded_hidden_states
+
+LOGITS_CHUNK_BYTES = 256 * 2**20  # float32 logits per chunk when ``chunk_tokens`` is not given
+
 
 def position_ids_from_mask(mask: Tensor) -> Tensor:
     """Positions that skip left padding: ``cumsum(mask) - 1``, clamped at 0 (what HF generation uses)."""
     return (mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def auto_chunk_tokens(vocab_size: int, budget_bytes: int = LOGITS_CHUNK_BYTES) -> int:
+    """Positions per chunk so that one chunk's float32 logits take at most ``budget_bytes`` (at least 16)."""
+    return max(16, budget_bytes // (4 * max(vocab_size, 1)))
 
 
 def _chunk_log_probs(hidden: Tensor, head: nn.Module, ids: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
@@ -30,10 +45,94 @@ def _chunk_log_probs(hidden: Tensor, head: nn.Module, ids: Tensor, temperature: 
     return chosen, entropy
 
 
+def _plain_linear(head: nn.Module) -> bool:
+    """A head whose output is exactly ``hidden @ weight.T``: an unwrapped, hook-free ``nn.Linear`` without bias
+    whose weight is an ordinary tensor (FSDP2 changes the class of a module it shards; PEFT replaces it)."""
+    return (type(head) is nn.Linear and head.bias is None and not head._forward_hooks
+            and not head._forward_pre_hooks and type(head.weight) in (nn.Parameter, Tensor))
+
+
+class ChunkedHeadLogProbs(torch.autograd.Function):
+    r"""Log-prob of ``ids`` and entropy under ``softmax(hidden @ weight.T / T)``, chunk by chunk, with a hand-written
+    backward that recomputes each chunk's logits (``N x V``) instead of saving them.
+
+    With :math:`z = h W^\top / T` (float32), :math:`p = \mathrm{softmax}(z)`, :math:`\log Z = \mathrm{logsumexp}(z)`:
+    log-prob :math:`\ell = z_y - \log Z`, entropy :math:`H = \log Z - \sum_v p_v z_v`, and for upstream gradients
+    :math:`g_\ell, g_H`:
+
+    .. math:: \frac{\partial L}{\partial z_v} = g_\ell (\delta_{vy} - p_v) - g_H\, p_v (\log p_v + H),
+              \qquad \frac{\partial L}{\partial h} = \frac{1}{T} \frac{\partial L}{\partial z} W,
+              \qquad \frac{\partial L}{\partial W} = \frac{1}{T} \frac{\partial L}{\partial z}^{\top} h.
+
+    Shapes: hidden ``N x H``, weight ``V x H``, ids ``N`` -> log-probs, entropy ``N`` (float32). The matrix products
+    run in ``compute_dtype`` (the autocast dtype under mixed precision, as ``head(hidden)`` would), the softmax in
+    float32; the weight's gradient is accumulated over chunks in float32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, chunk: int,
+                compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        n = hidden.shape[0]
+        log_probs = hidden.new_empty(n, dtype=torch.float32)
+        entropy, log_z = torch.empty_like(log_probs), torch.empty_like(log_probs)
+        w = weight.to(compute_dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, n, chunk):
+                z = (hidden[s : s + chunk].to(compute_dtype) @ w.T).float()
+                if temperature != 1.0:
+                    z.div_(temperature)
+                lz = torch.logsumexp(z, dim=-1)
+                log_probs[s : s + chunk] = z.gather(-1, ids[s : s + chunk, None]).squeeze(-1) - lz
+                p = (z - lz[:, None]).exp_()
+                entropy[s : s + chunk] = lz - torch.linalg.vecdot(p, z)
+                log_z[s : s + chunk] = lz
+        ctx.save_for_backward(hidden, weight, ids, log_z, entropy)
+        ctx.temperature, ctx.chunk, ctx.compute_dtype = temperature, chunk, compute_dtype
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs: Tensor | None, grad_entropy: Tensor | None):
+        hidden, weight, ids, log_z, entropy = ctx.saved_tensors
+        n, T, cd = hidden.shape[0], ctx.temperature, ctx.compute_dtype
+        g_lp = grad_log_probs if grad_log_probs is not None else torch.zeros_like(log_z)
+        g_h = grad_entropy if grad_entropy is not None else torch.zeros_like(log_z)
+        w = weight.to(cd)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, n, ctx.chunk):
+                h = hidden[s : s + ctx.chunk].to(cd)
+                z = (h @ w.T).float()
+                if T != 1.0:
+                    z.div_(T)
+                lz, ent = log_z[s : s + ctx.chunk, None], entropy[s : s + ctx.chunk, None]
+                gl, ge = g_lp[s : s + ctx.chunk, None].float(), g_h[s : s + ctx.chunk, None].float()
+                p = (z - lz).exp_()
+                # z <- dL/dz = p * (-g_l - g_H (log p + H)) + g_l at the chosen token; log p = z - log Z
+                z.sub_(lz).add_(ent).mul_(-ge).sub_(gl).mul_(p)
+                z.scatter_add_(1, ids[s : s + ctx.chunk, None], gl)
+                if T != 1.0:
+                    z.div_(T)
+                grad_z = z.to(cd)
+                if grad_hidden is not None:
+                    grad_hidden[s : s + ctx.chunk] = (grad_z @ w).to(hidden.dtype)
+                if grad_weight is not None:
+                    grad_weight.add_((grad_z.T @ h).float())
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None
+
+
 def head_log_probs(hidden: Tensor, ids: Tensor, head: nn.Module, temperature: float = 1.0,
-                   chunk_tokens: int = 4096) -> tuple[Tensor, Tensor]:
-    """Log-probs and entropy of ``ids`` (``N``) from hidden states ``N x H``: the LM head in chunks of
-    ``chunk_tokens`` positions, each checkpointed under autograd (its logits are recomputed in the backward)."""
+                   chunk_tokens: int | None = None) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropy of ``ids`` (``N``) from hidden states ``N x H``, the LM head in chunks of
+    ``chunk_tokens`` positions (default: :func:`auto_chunk_tokens` of the head's vocabulary); see the module
+    docstring for the two ways a chunk is computed."""
+    if chunk_tokens is None:
+        chunk_tokens = auto_chunk_tokens(getattr(head, "out_features", None) or head.weight.shape[0])
+    if ids.shape[0] and _plain_linear(head):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+        return ChunkedHeadLogProbs.apply(hidden, head.weight, ids, temperature, chunk_tokens, dtype)
     logps, ents = [], []
     for start in range(0, ids.shape[0], chunk_tokens):
         h, i = hidden[start : start + chunk_tokens], ids[start : start + chunk_tokens]
@@ -58,7 +157,8 @@ class TokenLogProbs(nn.Module):
     Args:
         lm: a causal LM (``PreTrainedModel`` with ``get_decoder`` and ``get_output_embeddings``).
         temperature: logits are divided by it, as the sampler does.
-        chunk_tokens: response positions scored per chunk of the LM head.
+        chunk_tokens: response positions scored per chunk of the LM head (default: as many as fit
+            ``LOGITS_CHUNK_BYTES`` of float32 logits, :func:`auto_chunk_tokens`).
         remove_padding: run the backbone on packed sequences (``rlflow.models.packing``); positions
             after the end of each response (given ``response_mask``) then get 0.
         pack_length: tokens per packed row (default: the longest sequence of the batch).
@@ -66,7 +166,7 @@ class TokenLogProbs(nn.Module):
     :meth:`sequence_parallel` splits each packed row over a process group (``rlflow.models.ulysses``).
     """
 
-    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_tokens: int = 4096,
+    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_tokens: int | None = None,
                  remove_padding: bool = False, pack_length: int | None = None):
         super().__init__()
         self.lm = lm
@@ -80,15 +180,18 @@ class TokenLogProbs(nn.Module):
         self.sp_group = enable_sequence_parallel(self.lm, group, self.remove_padding)
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                response_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Shapes: prompt ``B x P`` (left-padded), response ``B x R`` -> log-probs, entropy ``B x R``."""
+                response_mask: Tensor | None = None, multi_modal: list[dict] | None = None) -> tuple[Tensor, Tensor]:
+        """Shapes: prompt ``B x P`` (left-padded), response ``B x R`` -> log-probs, entropy ``B x R``.
+
+        ``multi_modal``: for a vision-language model, each row's processor outputs (``rlflow.models.vision``).
+        """
         if self.remove_padding:
             from rlflow.models.packing import packed_log_probs
 
             return packed_log_probs(self.lm, prompt_ids, prompt_mask, response_ids, response_mask,
                                     temperature=self.temperature, chunk_tokens=self.chunk_tokens,
-                                    pack_length=self.pack_length, sp_group=self.sp_group)
-        hidden = response_hidden_states(self.lm, prompt_ids, prompt_mask, response_ids)
+                                    pack_length=self.pack_length, sp_group=self.sp_group, multi_modal=multi_modal)
+        hidden = response_hidden_states(self.lm, prompt_ids, prompt_mask, response_ids, multi_modal=multi_modal)
         B, R, H = hidden.shape
         logps, ents = head_log_probs(hidden.reshape(B * R, H), response_ids.reshape(B * R),
                                      self.lm.get_output_embeddings(), self.temperature, self.chunk_tokens)
@@ -99,6 +202,9 @@ def enable_sequence_parallel(lm: nn.Module, group, remove_padding: bool):
     """Checks and switches ``lm`` to Ulysses attention; returns ``group`` (``None`` when it has one rank)."""
     import torch.distributed as dist
 
+    if group is not None and is_multimodal(lm):
+        raise ValueError("sequence parallelism (Ulysses) is not supported for vision-language models yet: the image "
+                         "features of a sequence would have to be split with its tokens; use sequence_parallel_size=1")
     if group is None or dist.get_world_size(group) == 1:
         return None
     if not remove_padding:
@@ -113,18 +219,23 @@ def enable_sequence_parallel(lm: nn.Module, group, remove_padding: bool):
 
 def response_hidden_states(lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
                            response_mask: Tensor | None = None, remove_padding: bool = False,
-                           pack_length: int | None = None) -> Tensor:
+                           pack_length: int | None = None, multi_modal: list[dict] | None = None) -> Tensor:
     """Last hidden states at the positions that predict each response token: ``B x R x H``.
 
     The response attends fully: right padding never influences earlier positions
     under a causal mask, and tool/observation tokens must be seen by later ones.
     ``remove_padding`` packs the sequences (``rlflow.models.packing``; zeros after each response's end).
+    ``multi_modal``: each row's vision inputs, for a vision-language model (``rlflow.models.vision``; its
+    positions are then the model's 3-D rotary positions over prompt + response).
     """
     if remove_padding:
         from rlflow.models.packing import packed_response_hidden_states
 
-        return packed_response_hidden_states(lm, prompt_ids, prompt_mask, response_ids, response_mask, pack_length)
+        return packed_response_hidden_states(lm, prompt_ids, prompt_mask, response_ids, response_mask, pack_length,
+                                             multi_modal)
     P, R = prompt_ids.shape[1], response_ids.shape[1]
+    if is_multimodal(lm):
+        return padded_hidden_states(lm, prompt_ids, prompt_mask, response_ids, multi_modal)[:, P - 1 : P + R - 1]
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], dim=1)
     out = lm.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask))

@@ -21,6 +21,12 @@ sdpa/eager mask a single packed row of all tokens would cost ``(sum of lengths)^
 With flash-attention, which is linear in the number of sequences, a large
 ``pack_length`` (one row) is best.
 
+Vision-language models (``rlflow.models.vision``): the 3-D rotary positions of each sequence and its
+image-token mask are computed in the padded layout and moved with its tokens (``carry``); the decoder
+then gets ``4 x rows x pack_length`` positions (the restarting 1-D positions first: transformers reads
+them to find the packed sequences, then the t/h/w positions), and the rows' images are concatenated in
+the order their sequences lie in the packed rows (:attr:`Packed.order`).
+
 Only the scored positions come back (``N`` of them, ``N`` = kept response
 tokens), so the LM head and the softmax run over ``N`` positions, not ``B x R``.
 """
@@ -33,6 +39,8 @@ import torch
 from torch import Tensor, nn
 
 from rlflow.models.logprobs import head_log_probs
+from rlflow.models.vision import (check_image_tokens, concat_inputs, image_token_mask, is_multimodal,
+                                  multimodal_hidden_states, rope_position_ids)
 
 
 @dataclass
@@ -45,6 +53,8 @@ class Packed:
         src: ``N`` flat indices into ``rows * pack_length``: the positions predicting the kept response tokens.
         dst: ``N`` flat indices into ``B * R``: where each of those goes in the response layout.
         batch_size, response_len: ``B`` and ``R``.
+        order: the batch rows in the order their sequences lie in the packed rows (images follow it).
+        carried: the ``carry`` tensors of :func:`pack`, laid out as ``... x rows x pack_length`` (0 in the tails).
     """
 
     input_ids: Tensor
@@ -53,6 +63,8 @@ class Packed:
     dst: Tensor
     batch_size: int
     response_len: int
+    order: list[int] | None = None
+    carried: dict[str, Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -73,8 +85,12 @@ def pack(
     response_mask: Tensor | None = None,
     pack_length: int | None = None,
     pad_token_id: int = 0,
+    carry: dict[str, Tensor] | None = None,
 ) -> Packed:
-    """Pack the rows' real tokens (see the module docstring). ``response_mask=None`` keeps every response token."""
+    """Pack the rows' real tokens (see the module docstring). ``response_mask=None`` keeps every response token.
+
+    ``carry``: per-token tensors ``... x B x (P + R)`` of the padded layout to move with the tokens.
+    """
     B, P = prompt_ids.shape
     R = response_ids.shape[1]
     device = prompt_ids.device
@@ -110,12 +126,18 @@ def pack(
     target = row_start[r] + pos_in_seq[r, c]
     input_ids[target] = ids[r, c]
     position_ids[target] = pos_in_seq[r, c]
+    carried = {}
+    for name, value in (carry or {}).items():
+        laid = value.new_zeros((*value.shape[:-2], rows * L))
+        laid[..., target] = value[..., r, c]
+        carried[name] = laid.view(*value.shape[:-2], rows, L)
 
     scored = ar[None] < resp_len[:, None]  # B x R
     b, t = scored.nonzero(as_tuple=True)
     p_len = prompt_mask.sum(-1)
     src = row_start[b] + p_len[b] - 1 + t
-    return Packed(input_ids.view(rows, L), position_ids.view(rows, L), src, b * R + t, B, R)
+    return Packed(input_ids.view(rows, L), position_ids.view(rows, L), src, b * R + t, B, R,
+                  sorted(range(B), key=starts.__getitem__), carried)
 
 
 def unpack(values: Tensor, packed: Packed) -> Tensor:
@@ -124,13 +146,36 @@ def unpack(values: Tensor, packed: Packed) -> Tensor:
     return out.index_copy(0, packed.dst, values).view(packed.batch_size, packed.response_len, *values.shape[1:])
 
 
-def packed_hidden_states(lm: nn.Module, packed: Packed) -> Tensor:
-    """The backbone over the packed rows; returns the ``N x H`` hidden states at the scored positions."""
-    # use_cache=False: transformers only looks for packed sequences when there is no KV cache
-    out = lm.get_decoder()(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
-                           use_cache=False)
-    hidden = out.last_hidden_state
+def packed_hidden_states(lm: nn.Module, packed: Packed, multi_modal: list[dict] | None = None) -> Tensor:
+    """The backbone over the packed rows; returns the ``N x H`` hidden states at the scored positions.
+
+    ``multi_modal``: the batch rows' vision inputs (``rlflow.models.vision``), in batch order.
+    """
+    if is_multimodal(lm):
+        inputs = concat_inputs([multi_modal[i] for i in packed.order] if multi_modal else [], packed.input_ids.device)
+        rope = packed.carried["rope"]
+        positions = torch.cat([packed.position_ids[None], rope]) if rope.ndim == 3 else packed.position_ids
+        hidden = multimodal_hidden_states(lm, packed.input_ids, None, positions, inputs, packed.carried["image"])
+    else:  # use_cache=False: transformers only looks for packed sequences when there is no KV cache
+        hidden = lm.get_decoder()(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
+                                  use_cache=False).last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1])[packed.src]
+
+
+def pack_batch(lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+               response_mask: Tensor | None = None, pack_length: int | None = None,
+               multi_modal: list[dict] | None = None) -> Packed:
+    """:func:`pack` with the model's pad id; for a vision-language model its rotary positions and image-token
+    mask go along (``carried["rope"]``, ``carried["image"]``)."""
+    carry = None
+    if is_multimodal(lm):
+        ids = torch.cat([prompt_ids, response_ids], dim=1)
+        mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], dim=1)
+        images = image_token_mask(lm, prompt_ids, response_ids.shape[1])
+        inputs = concat_inputs(multi_modal or [], ids.device)
+        check_image_tokens(lm, inputs, images)
+        carry = {"rope": rope_position_ids(lm, ids, mask, inputs, images), "image": images}
+    return pack(prompt_ids, prompt_mask, response_ids, response_mask, pack_length, _pad_id(lm), carry)
 
 
 def _pad_id(lm: nn.Module) -> int:
@@ -140,28 +185,30 @@ def _pad_id(lm: nn.Module) -> int:
 
 def packed_response_hidden_states(
     lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-    response_mask: Tensor | None = None, pack_length: int | None = None,
+    response_mask: Tensor | None = None, pack_length: int | None = None, multi_modal: list[dict] | None = None,
 ) -> Tensor:
     """What ``response_hidden_states`` returns (``B x R x H``), computed packed; zeros after each response's end."""
-    packed = pack(prompt_ids, prompt_mask, response_ids, response_mask, pack_length, _pad_id(lm))
-    return unpack(packed_hidden_states(lm, packed), packed)
+    packed = pack_batch(lm, prompt_ids, prompt_mask, response_ids, response_mask, pack_length, multi_modal)
+    return unpack(packed_hidden_states(lm, packed, multi_modal), packed)
 
 
 def packed_log_probs(
     lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-    response_mask: Tensor | None = None, *, temperature: float = 1.0, chunk_tokens: int = 4096,
-    pack_length: int | None = None, sp_group=None,
+    response_mask: Tensor | None = None, *, temperature: float = 1.0, chunk_tokens: int | None = None,
+    pack_length: int | None = None, sp_group=None, multi_modal: list[dict] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``TokenLogProbs`` on packed sequences: log-probs and entropy ``B x R`` (0 after each response's end).
 
     The LM head runs in chunks over the ``N`` kept positions only, checkpointed under autograd.
     ``sp_group``: split the sequence over that process group (``rlflow.models.ulysses``).
+    ``multi_modal``: the rows' vision inputs (``rlflow.models.vision``).
     """
-    packed = pack(prompt_ids, prompt_mask, response_ids, response_mask, pack_length, _pad_id(lm))
+    packed = pack_batch(lm, prompt_ids, prompt_mask, response_ids, response_mask, pack_length, multi_modal)
     ids = response_ids.reshape(-1)[packed.dst]
     head = lm.get_output_embeddings()
     if sp_group is None:
-        logps, ents = head_log_probs(packed_hidden_states(lm, packed), ids, head, temperature, chunk_tokens)
+        logps, ents = head_log_probs(packed_hidden_states(lm, packed, multi_modal), ids, head, temperature,
+                                     chunk_tokens)
     else:
         from rlflow.models.ulysses import sequence_parallel_outputs
 

@@ -11,12 +11,13 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from rlflow.data import keys as K
+from rlflow.data.multimodal import per_row
 from rlflow.models.logprobs import TokenLogProbs
 from rlflow.module import BatchModule
 
 
 class Policy(BatchModule):
-    """A causal LM (any architecture transformers loads, or an in-memory model).
+    """A causal LM or an image-text-to-text model (any architecture transformers loads, or an in-memory model).
 
     As a module in the chain it writes ``log_prob_key`` (default ``old_log_probs``)
     and ``entropy`` without gradients; during updates the Trainer calls
@@ -24,7 +25,9 @@ class Policy(BatchModule):
 
     Args:
         model: the causal LM.
-        tokenizer: its tokenizer (the rollout decodes with it).
+        tokenizer: its tokenizer (the rollout decodes with it); default: the processor's.
+        processor: for a vision-language model, its processor (images -> ``pixel_values``; the prompt data
+            uses it). Batches then carry ``multi_modal_inputs`` (``rlflow.models.vision``).
         temperature: the sampling temperature; log-probs use the same scaled logits.
         micro_batch_size: rows per forward pass when scoring a batch (``None``: all at once).
         gradient_checkpointing: recompute activations in the backward pass.
@@ -45,6 +48,7 @@ class Policy(BatchModule):
         model: nn.Module,
         tokenizer=None,
         *,
+        processor=None,
         temperature: float = 1.0,
         micro_batch_size: int | None = None,
         gradient_checkpointing: bool = False,
@@ -53,6 +57,8 @@ class Policy(BatchModule):
         remove_padding: bool = False,
         lora=None,
     ):
+        if tokenizer is None and processor is not None:
+            tokenizer = processor.tokenizer
         if tokenizer is not None:  # ids beyond the embedding table would fail mid-generation
             from rlflow.models.checks import check_tokenizer
 
@@ -64,6 +70,7 @@ class Policy(BatchModule):
 
             model = apply_lora(model, lora)
         self.model = model
+        self.processor = processor
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         self.log_prob_key, self.entropy_key = log_prob_key, entropy_key
@@ -83,32 +90,60 @@ class Policy(BatchModule):
         return self.module.temperature
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs) -> "Policy":
-        """Load a model folder (weights, config, tokenizer) from local disk; ``lora=`` as in the constructor
-        (the adapter then records the folder's absolute path as its base model)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def from_pretrained(cls, path: str | Path, *, min_pixels: int | None = None, max_pixels: int | None = None,
+                        **kwargs) -> "Policy":
+        """Load a model (weights, config, tokenizer): a local folder, or a Hugging Face hub id.
+
+        A hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``) loads as in transformers: downloaded or revalidated
+        when the hub is reachable, from the cache when offline (``HF_HUB_OFFLINE=1``); neither fails at
+        once with :class:`~rlflow.models.hub.ModelNotFoundError`. A path that is not a hub id (``./m``,
+        ``/m``, ``a/b/c``) is only ever a local folder. ``kwargs`` go to the ``Policy`` constructor;
+        ``lora=`` as there (the adapter then records the folder's absolute path as its base model).
+
+        An image-text-to-text model (its config has a ``vision_config``: Qwen2-VL, Qwen2.5-VL, ...) is loaded
+        with ``AutoModelForImageTextToText`` and its processor (``rlflow.models.vision.load_processor``;
+        ``min_pixels`` / ``max_pixels`` bound the image sizes); anything else with ``AutoModelForCausalLM``.
+        """
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         from rlflow.models.checks import check_model_folder, check_tokenizer
+        from rlflow.models.hub import locate_model
 
-        if Path(path).expanduser().exists():  # a local folder: a clear error now rather than from transformers
-            path = check_model_folder(path)
-        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+        located = locate_model(path)
+        path = check_model_folder(located.folder) if located.folder is not None else located.path  # clear errors now
+        folder = Path(path).expanduser()
+        weights = folder.resolve() if folder.is_dir() else path  # absolute: a LoRA adapter records it as its base
+        if getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None:
+            from rlflow.models.vision import load_processor
+
+            processor = load_processor(path, min_pixels, max_pixels)
+            tokenizer = processor.tokenizer
+            tokenizer.padding_side = "left"
+            model = AutoModelForImageTextToText.from_pretrained(weights)
+        else:
+            processor, tokenizer = None, AutoTokenizer.from_pretrained(path, padding_side="left")
+            model = AutoModelForCausalLM.from_pretrained(weights)
         check_tokenizer(tokenizer, source=str(path))
-        folder = Path(path).expanduser()  # absolute: a LoRA adapter records it as its base model
-        model = AutoModelForCausalLM.from_pretrained(folder.resolve() if folder.is_dir() else path)
-        return cls(model, tokenizer, **kwargs)
+        return cls(model, tokenizer, processor=processor, **kwargs)
 
     def log_probs(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
-        """Log-probs and entropy of ``batch``'s response tokens (``B x R`` each), under the caller's grad mode."""
+        """Log-probs and entropy of ``batch``'s response tokens (``B x R`` each), under the caller's grad mode.
+
+        Rows of a vision-language batch are scored with their images (``multi_modal_inputs``).
+        """
+        extra = {}
+        if K.MULTI_MODAL_INPUTS in batch.keys():
+            extra["multi_modal"] = per_row(batch, K.MULTI_MODAL_INPUTS)
         if self.remove_padding:
             return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS],
-                               batch.get(K.RESPONSE_MASK, None))
-        return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS])
+                               batch.get(K.RESPONSE_MASK, None), **extra)
+        return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS], **extra)
 
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:
         size = self.micro_batch_size or batch.batch_size[0]
-        parts = [self.log_probs(mb) for mb in batch.split(size)]
+        pieces = batch.split(size) if size < batch.batch_size[0] else (batch,)  # read only: no copy for one piece
+        parts = [self.log_probs(mb) for mb in pieces]
         batch[self.log_prob_key] = torch.cat([lp for lp, _ in parts])
         if self.entropy_key:
             batch[self.entropy_key] = torch.cat([ent for _, ent in parts])
@@ -124,6 +159,7 @@ class Policy(BatchModule):
         return Policy(
             frozen,
             self.tokenizer,
+            processor=self.processor,
             temperature=self.temperature,
             micro_batch_size=micro,
             log_prob_key=K.REF_LOG_PROBS,

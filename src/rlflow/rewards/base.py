@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from tensordict import NonTensorData, TensorDict
+from tensordict import TensorDict
 
 from rlflow.data.keys import (
     DATA_SOURCE,
@@ -39,6 +39,7 @@ from rlflow.data.keys import (
     SCORES,
     TOKEN_REWARDS,
 )
+from rlflow.data.nontensor import column  # noqa: F401 - the rewards' reader of a batch's columns
 from rlflow.module import BatchModule
 
 
@@ -48,16 +49,6 @@ class RewardError(RuntimeError):
 
 class RewardWarning(UserWarning):
     """A sample's reward failed, timed out or was not finite and was scored 0.0 instead."""
-
-
-def column(batch: TensorDict, key: str) -> list[Any]:
-    """The ``B`` values of a (non-tensor or tensor) column as a plain Python list."""
-    value = batch.get(key)
-    if isinstance(value, NonTensorData):  # one value shared by the whole batch
-        return [value.data] * batch.batch_size[0]
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return list(value)
 
 
 def place_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -168,8 +159,11 @@ class _Timeout(Exception):
     pass
 
 
+RAMP_S = 0.002  # a further worker thread starts when calls are still waiting after this long
+
+
 def run_calls(calls: list[Callable[[], Any]], timeout_s: float | None, workers: int) -> list[tuple[str, Any]]:
-    """Run zero-argument calls on ``workers`` daemon threads, each limited to ``timeout_s``.
+    """Run zero-argument calls on up to ``workers`` daemon threads, each limited to ``timeout_s``.
 
     Returns, per call in order, ``("ok", result)``, ``("error", exception)`` or ``("timeout", None)``.
     The limit counts from a call's start, not from its queueing. Python cannot kill a thread:
@@ -177,16 +171,23 @@ def run_calls(calls: list[Callable[[], Any]], timeout_s: float | None, workers: 
     a hung call delays the batch by at most ``timeout_s``. Awaitable results are awaited on a
     fresh event loop in the worker thread (cancelled at the limit), so this also works when the
     caller runs inside an event loop (Jupyter).
+
+    Threads start one at a time, a further one each ``RAMP_S`` while calls are still waiting: fast
+    scorers (string matches: microseconds a call) finish on one thread without paying for the start-up
+    and scheduling of the others; slow or waiting ones (judges, sandboxes) reach ``workers`` threads
+    within a few milliseconds. The caller sleeps until the last result or the next deadline.
     """
     results: list[tuple[str, Any] | None] = [None] * len(calls)
     pending, started, left = collections.deque(range(len(calls))), {}, len(calls)
     cond = threading.Condition()
+    alive, last_start = 0, 0.0  # threads taking calls (not counting abandoned ones); when the last one started
 
     def worker() -> None:
-        nonlocal left
+        nonlocal left, alive
         while True:
             with cond:
                 if not pending:
+                    alive -= 1
                     return
                 i = pending.popleft()
                 started[i] = time.monotonic()
@@ -201,23 +202,32 @@ def run_calls(calls: list[Callable[[], Any]], timeout_s: float | None, workers: 
                     return
                 results[i], left = out, left - 1
                 del started[i]
-                cond.notify()
+                if not left:
+                    cond.notify()
 
     def spawn() -> None:
+        nonlocal alive, last_start
+        alive, last_start = alive + 1, time.monotonic()
         threading.Thread(target=worker, daemon=True, name="rlflow-reward").start()
 
     with cond:
-        for _ in range(min(workers, len(calls))):
+        if calls:
             spawn()
         while left:
+            now = time.monotonic()
             wait = None
             if timeout_s is not None:
-                now = time.monotonic()
                 for i in [i for i, t0 in started.items() if now - t0 >= timeout_s]:
                     results[i], left = ("timeout", None), left - 1
                     del started[i]
+                    alive -= 1  # its thread is abandoned: a new one takes its place
                     spawn()
                 wait = min((t0 + timeout_s - now for t0 in started.values()), default=timeout_s)
+            if pending and alive < workers:  # calls still waiting: one more thread every RAMP_S
+                if now - last_start >= RAMP_S:
+                    spawn()
+                ramp = max(last_start + RAMP_S - now, 0.0)
+                wait = ramp if wait is None else min(wait, ramp)
             if left:
                 cond.wait(timeout=wait)
     return results  # type: ignore[return-value]

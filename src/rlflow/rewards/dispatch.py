@@ -8,7 +8,7 @@ data_source                                                                 scor
 ``HuggingFaceH4/MATH-500``
 ``math_dapo``, ``math``, ``math_dapo_reasoning``, any ``aime*``             :mod:`.math_dapo`
 ``codecontests``, ``apps``, ``codeforces``, ``taco``                        :mod:`.code`
-``rlflow/addition`` (the built-in task)                                     exact match
+``rlflow/addition``, ``rlflow/shapes`` (the built-in tasks)                exact match
 ==========================================================================  ================
 
 Code is run against the sample's test cases in rlflow's local sandbox (verl runs ``prime_code`` or a
@@ -27,7 +27,7 @@ GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
 DAPO_PREFIX = "aime"
-ADDITION_SOURCES = ("rlflow/addition",)  # rlflow.tasks.addition.DATA_SOURCE
+ADDITION_SOURCES = ("rlflow/addition", "rlflow/shapes")  # the built-in tasks' DATA_SOURCE (exact match)
 CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
 
 

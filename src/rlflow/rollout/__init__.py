@@ -7,12 +7,13 @@
 from rlflow.rollout.hf import HFRollout
 from rlflow.rollout.single_turn import SingleTurnRollout
 
+from rlflow.rollout.async_rollout import AsyncRollout
 from rlflow.rollout.dynamic_sampling import DynamicSampling
 from rlflow.rollout.reference_responses import WithReferenceResponses
 from rlflow.rollout.agent import AgentLoop
 
-__all__ = ["HFRollout", "SingleTurnRollout", "VLLMRollout", "ServerRollout", "SGLangRollout", "DynamicSampling",
-           "WithReferenceResponses", "AgentLoop"]
+__all__ = ["AgentLoop", "AsyncRollout", "HFRollout", "SingleTurnRollout", "VLLMRollout", "ServerRollout", "SGLangRollout",
+           "DynamicSampling", "WithReferenceResponses"]
 
 _LAZY = {"VLLMRollout": "rlflow.rollout.vllm", "ServerRollout": "rlflow.rollout.server",
          "SGLangRollout": "rlflow.rollout.server"}

@@ -111,6 +111,7 @@ class ServerRollout(SingleTurnRollout):
     """
 
     holds_own_weights = True
+    remote_engine = True  # the engine runs in the server: AsyncRollout drives it from a thread, not a process
     engine_class: type[ServerEngine] = ServerEngine
 
     def __init__(self, url: str, n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,

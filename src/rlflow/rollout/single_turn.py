@@ -12,11 +12,13 @@ import copy
 import time
 
 import torch
-from tensordict import NonTensorStack, TensorDict
+from tensordict import TensorDict
 
 from rlflow.data import keys as K
+from rlflow.data.nontensor import repeat_interleave, shallow_copy, stack
 from rlflow.module import BatchModule
-from rlflow.rollout.engines.base import Completion, Engine, SamplingParams
+from rlflow.data.multimodal import per_row
+from rlflow.rollout.engines.base import Completion, Engine, MultiModalPrompt, SamplingParams
 from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES, update_buckets
 
 SAMPLING_OPTIONS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "do_sample", "seed", "stop_token_ids")
@@ -46,6 +48,9 @@ class SingleTurnRollout(BatchModule):
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK)
     out_keys = (K.RESPONSE_IDS, K.RESPONSE_MASK, K.ROLLOUT_LOG_PROBS, K.GROUP, K.RESPONSE_TEXT)
+    # whether the engine this class makes in bind() takes images (vision-language prompts); the verl entry
+    # point refuses a vision-language model before training with a rollout that does not
+    makes_image_engine: bool = False
 
     def __init__(self, engine: Engine | None = None, n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = -1, max_new_tokens: int = 512, do_sample: bool = True, seed: int | None = None,
@@ -128,9 +133,19 @@ class SingleTurnRollout(BatchModule):
         return clone
 
     # ------------------------------------------------------------------ sampling
-    def generate(self, prompts: list[list[int]]) -> list[list[Completion]]:
-        """The engine's completions for token-id prompts (``n`` each); checks none was lost or duplicated."""
-        completions = self.engine.generate(prompts, self.params)
+    def generate(self, prompts: list[list[int]],
+                 multi_modal: list[MultiModalPrompt | None] | None = None) -> list[list[Completion]]:
+        """The engine's completions for token-id prompts (``n`` each); checks none was lost or duplicated.
+
+        ``multi_modal``: per prompt, its images (vision-language prompts; the engine must accept images).
+        """
+        if multi_modal is None:
+            completions = self.engine.generate(prompts, self.params)
+        elif not getattr(self.engine, "accepts_images", False):
+            raise TypeError(f"{type(self.engine).__name__} does not take images (accepts_images=False): "
+                            "vision-language prompts need an engine that does (HFEngine, i.e. HFRollout)")
+        else:
+            completions = self.engine.generate(prompts, self.params, multi_modal)
         if len(completions) != len(prompts) or any(len(c) != self.n for c in completions):
             raise RuntimeError(f"{type(self.engine).__name__} returned {[len(c) for c in completions]} completions "
                                f"for {len(prompts)} prompts, expected {self.n} each")
@@ -141,27 +156,57 @@ class SingleTurnRollout(BatchModule):
             raise RuntimeError(f"{type(self).__name__} has no model: call rollout.bind(model, tokenizer) (the Trainer does)")
         if self.holds_own_weights and self.model is not None and getattr(self.engine, "loaded_from", None) is not self.model:
             self.sync_weights(self.model)  # a shared engine loaded another model's weights since (tests, notebooks)
-        num_prompts = batch.batch_size[0]
-        ids, mask = batch[K.PROMPT_IDS], batch[K.PROMPT_MASK]
-        prompts = unpadded(ids, mask)
-        completions = [c for per_prompt in self.generate(prompts) for c in per_prompt]
-        batch = batch.repeat_interleave(self.n, dim=0) if self.n > 1 else batch.clone(False)
-        device, pad = ids.device, self.tokenizer.pad_token_id
-        R = max(len(c.token_ids) for c in completions)
-        response = torch.full((len(completions), R), pad, dtype=torch.long)
-        response_mask = torch.zeros((len(completions), R), dtype=torch.long)
-        log_probs = torch.zeros((len(completions), R), dtype=torch.float32)
-        for row, c in enumerate(completions):
-            length = len(c.token_ids)
-            response[row, :length] = torch.tensor(c.token_ids, dtype=torch.long)
-            response_mask[row, :length] = 1
-            log_probs[row, :length] = torch.tensor(c.log_probs, dtype=torch.float32)
-        batch[K.RESPONSE_IDS] = response.to(device)
-        batch[K.RESPONSE_MASK] = response_mask.to(device)
-        batch[K.ROLLOUT_LOG_PROBS] = log_probs.to(device)
-        batch[K.GROUP] = torch.arange(num_prompts, device=device).repeat_interleave(self.n)
-        batch[K.RESPONSE_TEXT] = NonTensorStack(*self.tokenizer.batch_decode(response, skip_special_tokens=True))
+        ids, mask = batch.get(K.PROMPT_IDS), batch.get(K.PROMPT_MASK)
+        images = multi_modal_prompts(batch)
+        # engines that sample padded tensors (HF) skip the trip through lists; images take the list form
+        tensor_form = getattr(self.engine, "generate_tensors", None) if images is None else None
+        sampled = tensor_form(ids, mask, self.params) if tensor_form is not None else None
+        if sampled is None:
+            return self.samples(batch, self.generate(unpadded(ids, mask), images))
+        return self.laid_out(batch, sampled)
+
+    def samples(self, batch: TensorDict, completions: list[list[Completion]]) -> TensorDict:
+        """Lay out the engine's completions (``n`` per prompt of ``batch``) as the rollout's batch."""
+        flat = [c for per_prompt in completions for c in per_prompt]
+        return self.laid_out(batch, padded_completions(flat, self.tokenizer.pad_token_id))
+
+    def laid_out(self, batch: TensorDict, sampled: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> TensorDict:
+        """``batch``'s prompt rows repeated ``n`` times with the sampled ``(response_ids, response_mask, log_probs)``,
+        group ids and text."""
+        num_prompts, ids = batch.batch_size[0], batch.get(K.PROMPT_IDS)
+        response, response_mask, log_probs = (t.to(ids.device) for t in sampled)
+        # shallow: tensordict's clone(False) rebuilds every non-tensor row; repeat_interleave shares them
+        batch = repeat_interleave(batch, self.n) if self.n > 1 else shallow_copy(batch)
+        batch[K.RESPONSE_IDS] = response
+        batch[K.RESPONSE_MASK] = response_mask
+        batch[K.ROLLOUT_LOG_PROBS] = log_probs
+        batch[K.GROUP] = torch.arange(num_prompts, device=ids.device).repeat_interleave(self.n)
+        batch[K.RESPONSE_TEXT] = stack(self.tokenizer.batch_decode(response.cpu(), skip_special_tokens=True))
         return batch
+
+
+def padded_completions(completions: list[Completion], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Completions -> right-padded ``(response_ids, response_mask, log_probs)``, ``[len(completions), R]``."""
+    R = max(len(c.token_ids) for c in completions)
+    response = torch.full((len(completions), R), pad, dtype=torch.long)
+    response_mask = torch.zeros((len(completions), R), dtype=torch.long)
+    log_probs = torch.zeros((len(completions), R), dtype=torch.float32)
+    for row, c in enumerate(completions):
+        length = len(c.token_ids)
+        response[row, :length] = torch.tensor(c.token_ids, dtype=torch.long)
+        response_mask[row, :length] = 1
+        log_probs[row, :length] = torch.tensor(c.log_probs, dtype=torch.float32)
+    return response, response_mask, log_probs
+
+
+def multi_modal_prompts(batch: TensorDict) -> list[MultiModalPrompt | None] | None:
+    """Each prompt's images (``multi_modal_inputs`` and ``multi_modal_data``), or ``None`` for a text batch."""
+    if K.MULTI_MODAL_INPUTS not in batch.keys():
+        return None
+    inputs = per_row(batch, K.MULTI_MODAL_INPUTS)
+    data = per_row(batch, K.MULTI_MODAL_DATA) if K.MULTI_MODAL_DATA in batch.keys() else [{}] * len(inputs)
+    prompts = [MultiModalPrompt(i, tuple((d or {}).get("image", ()))) if i else None for i, d in zip(inputs, data)]
+    return prompts if any(prompts) else None
 
 
 def unpadded(prompt_ids, prompt_mask) -> list[list[int]]:

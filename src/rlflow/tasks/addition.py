@@ -19,6 +19,7 @@ import torch
 
 from rlflow.data.prompts import PromptData
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
+from rlflow.threads import choose_threads
 
 DATA_SOURCE = "rlflow/addition"
 
@@ -102,14 +103,26 @@ def greedy_accuracy(model, tokenizer, rows_: list[dict], max_new_tokens: int = 4
 
 def supervised_warm_start(model, tokenizer, train: list[dict], val: list[dict], *, target: float = 0.15,
                           lr: float = 1e-3, batch_size: int = 64, max_steps: int = 3000, eval_every: int = 25,
-                          seed: int = 0) -> int:
+                          seed: int = 0, progress: bool = False) -> int:
     """Train on answer tokens only until greedy accuracy on ``val`` reaches ``target``; returns the step count.
 
-    Budgeted by accuracy, not steps (accuracy jumps within ~150 steps at lr 1e-3).
+    Budgeted by accuracy, not steps (accuracy jumps within ~150 steps at lr 1e-3). ``progress`` shows
+    a bar with the step count and the last measured accuracy.
 
     Raises:
         RuntimeError: if ``target`` is not reached within ``max_steps``.
     """
+    from tqdm.auto import tqdm
+
+    bar = tqdm(desc=f"warm start (until accuracy >= {target})", unit="step", disable=not progress, leave=False,
+               mininterval=1.0)
+    try:
+        return _warm_start_loop(model, tokenizer, train, val, target, lr, batch_size, max_steps, eval_every, seed, bar)
+    finally:
+        bar.close()
+
+
+def _warm_start_loop(model, tokenizer, train, val, target, lr, batch_size, max_steps, eval_every, seed, bar) -> int:
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -130,8 +143,12 @@ def supervised_warm_start(model, tokenizer, train: list[dict], val: list[dict], 
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % eval_every == 0 and greedy_accuracy(model, tokenizer, val) >= target:
-            return step
+        bar.update(1)
+        if step % eval_every == 0:
+            accuracy = greedy_accuracy(model, tokenizer, val)
+            bar.set_postfix(accuracy=f"{accuracy:.2f}")
+            if accuracy >= target:
+                return step
     raise RuntimeError(f"warm start did not reach accuracy {target} on the validation prompts in {max_steps} steps")
 
 
@@ -140,20 +157,26 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def warm_started_model(task: AdditionTask, seed: int, target: float = 0.15, log=print):
-    """The task's model after the supervised warm start, cached on disk by (task, seed, target, versions)."""
+def warm_started_model(task: AdditionTask, seed: int, target: float = 0.15, log=print, progress: bool = False):
+    """The task's model after the supervised warm start, cached on disk by (task, seed, target, versions).
+
+    ``log`` gets one line before a warm start is computed and one after; ``progress`` shows a bar meanwhile.
+    """
     import transformers
 
     key = json.dumps({"task": asdict(task), "seed": seed, "target": target, "torch": torch.__version__,
                       "transformers": transformers.__version__}, sort_keys=True)
     path = cache_dir() / f"addition-warm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
     model, tok = task.model(seed), task.tokenizer()
+    choose_threads(sum(p.numel() for p in model.parameters()), log=log)
     if path.exists():
         model.load_state_dict(torch.load(path, map_location="cpu"))
         log(f"warm start: loaded {path}")
         return model, tok
     train, val, _ = task.splits()
-    steps = supervised_warm_start(model, tok, train, val, target=target, seed=seed)
+    log(f"warm start: supervised training until greedy accuracy >= {target} (a minute or two on a laptop CPU; "
+        "cached for later runs)")
+    steps = supervised_warm_start(model, tok, train, val, target=target, seed=seed, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one per process: several ranks may warm up at once
     torch.save(model.state_dict(), tmp)

@@ -30,17 +30,18 @@ def verl_rows(rows: list[dict], split: str) -> list[dict]:
              "extra_info": {"split": split, "index": i}} for i, r in enumerate(rows)]
 
 
-def export_task(out_dir: str | Path, seed: int = 0, task: AdditionTask | None = None) -> Path:
+def export_task(out_dir: str | Path, seed: int = 0, task: AdditionTask | None = None, progress: bool = False) -> Path:
     """Write ``model/``, ``train.parquet`` and ``test.parquet`` under ``out_dir``; returns ``out_dir``.
 
     The model is the warm start of ``seed`` (made once, then read from the cache; see
-    :func:`~rlflow.tasks.addition.warm_started_model`). The held-out split is the default job's.
+    :func:`~rlflow.tasks.addition.warm_started_model`; ``progress`` shows a bar while it is made).
+    The held-out split is the default job's.
     """
     import pandas as pd
 
     task = task or AdditionTask()
     out = Path(out_dir).expanduser()
-    model, tokenizer = warm_started_model(task, seed)
+    model, tokenizer = warm_started_model(task, seed, progress=progress)
     tokenizer.chat_template = CHAT_TEMPLATE
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="where model/, train.parquet and test.parquet go")
     parser.add_argument("--seed", type=int, default=0, help="the warm start's seed (default 0, the default job's)")
     args = parser.parse_args(argv)
-    out = export_task(args.out_dir, seed=args.seed)
+    out = export_task(args.out_dir, seed=args.seed, progress=True)  # a first warm start takes minutes
     print(f"wrote {out / 'model'}, {out / 'train.parquet'} and {out / 'test.parquet'}")
     return 0
 

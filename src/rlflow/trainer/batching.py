@@ -29,6 +29,7 @@ import torch
 from tensordict import TensorDict
 
 from rlflow.data import keys as K
+from rlflow.data.nontensor import shallow_copy
 
 
 def row_tokens(batch: TensorDict) -> torch.Tensor:
@@ -83,7 +84,7 @@ def micro_batches(batch: TensorDict, micro_batch_size: int | None, max_tokens: i
     """
     size = batch.batch_size[0]
     if max_tokens is None:
-        return list(batch.split(micro_batch_size or size))
+        return split_rows(batch, micro_batch_size or size)
     lengths = row_tokens(batch).tolist()
     groups = plan(lengths, micro_batch_size, max_tokens)
     if fabric is not None and fabric.world_size > 1:
@@ -93,3 +94,9 @@ def micro_batches(batch: TensorDict, micro_batch_size: int | None, max_tokens: i
             groups = plan(lengths, micro_batch_size, max_tokens, min_count=most)
     device = batch[K.PROMPT_MASK].device
     return [batch[torch.tensor(g, dtype=torch.long, device=device)] for g in groups]
+
+
+def split_rows(batch: TensorDict, rows: int) -> list[TensorDict]:
+    """``batch.split(rows)``: new TensorDicts (keys set on a piece do not reach ``batch``); one piece holding
+    every row is a shallow copy (a split rebuilds the non-tensor columns' rows: milliseconds per column)."""
+    return [shallow_copy(batch)] if rows >= batch.batch_size[0] else list(batch.split(rows))

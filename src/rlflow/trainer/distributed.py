@@ -6,7 +6,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 from rlflow.data import keys as K
 from rlflow.trainer.batching import row_tokens
@@ -14,6 +14,8 @@ from rlflow.trainer.batching import row_tokens
 
 def rank_shard(batch: TensorDict, rank: int, world_size: int) -> TensorDict:
     """This rank's contiguous share of a prompt batch (every rank draws the same global batch)."""
+    if world_size == 1:
+        return batch
     size = batch.batch_size[0]
     if size % world_size:
         raise ValueError(f"{size} prompts per step do not split evenly over {world_size} processes")
@@ -99,7 +101,7 @@ def gather_in_group(batch: TensorDict, group) -> TensorDict:
             part.set(K.GROUP, part[K.GROUP] + offset)
             offset = int(part[K.GROUP].max()) + 1 if part.batch_size[0] else offset
         out.append(part)
-    return torch.cat(out).to(batch.device)
+    return torch.cat(out).to(batch[K.PROMPT_IDS].device)
 
 
 # ---------------------------------------------------------------- balancing tokens across ranks
@@ -137,12 +139,12 @@ def balance_tokens(batch: TensorDict, fabric, dp_rank: int, dp_size: int, sp_siz
     """Re-deal each mini-batch's rows over the data-parallel ranks: equal rows, about equal tokens per rank.
 
     Mini-batch ``k`` is the ``k``-th of ``mini_batches`` contiguous slices of every rank's rows (as the
-    Trainer splits them). Every rank gathers the tensors of every rank's rows (non-tensor fields are
-    not carried: the updates read tensors only), pads per-token tensors to the longest response, and
-    takes its part of :func:`partition_equal_counts` over :func:`row_tokens`, mini-batch by
-    mini-batch. The rows of each mini-batch stay the same, so with losses normalised by global
-    counts the updates do too. With sequence parallelism the ranks of a group hold one batch: the
-    first of each group speaks for it. Returns this rank's rows (mini-batch ``k``'s still the
+    Trainer splits them). Every rank gathers the tensors of every rank's rows and their vision inputs
+    (``multi_modal_inputs``; other non-tensor fields are not carried: the updates do not read them),
+    pads per-token tensors to the longest response, and takes its part of :func:`partition_equal_counts`
+    over :func:`row_tokens`, mini-batch by mini-batch. The rows of each mini-batch stay the same, so
+    with losses normalised by global counts the updates do too. With sequence parallelism the ranks of
+    a group hold one batch: the first of each group speaks for it. Returns this rank's rows (mini-batch ``k``'s still the
     ``k``-th slice) and ``perf/`` statistics: the largest rank's tokens over the mean, before and
     after, averaged over the mini-batches.
     """
@@ -156,7 +158,15 @@ def balance_tokens(batch: TensorDict, fabric, dp_rank: int, dp_size: int, sp_siz
         out = (out.bool() if value.dtype == torch.bool else out)[::sp_size]  # one copy per SP group
         gathered[key] = out.reshape(dp_size, mini_batches, n // mini_batches, *value.shape[1:])
     everyone = TensorDict(gathered, batch_size=[dp_size, mini_batches, n // mini_batches], device=batch.device)
-    mine, before, after = [], [], []
+    vision = None
+    if K.MULTI_MODAL_INPUTS in batch.keys():  # per row, in the order of `everyone` (rank, mini-batch, row)
+        from rlflow.data.multimodal import per_row
+
+        shared: list = [None] * dist.get_world_size()
+        dist.all_gather_object(shared, per_row(batch, K.MULTI_MODAL_INPUTS))
+        per = n // mini_batches
+        vision = [[held[k * per : (k + 1) * per] for held in shared[::sp_size]] for k in range(mini_batches)]
+    mine, mine_vision, before, after = [], [], [], []
     for k in range(mini_batches):
         rows = everyone[:, k].reshape(-1)
         lengths = row_tokens(rows)
@@ -166,9 +176,15 @@ def balance_tokens(batch: TensorDict, fabric, dp_rank: int, dp_size: int, sp_siz
         per_rank = torch.stack([lengths[p].sum() for p in parts]).float()
         after.append((per_rank.max() / per_rank.mean().clamp_min(1)).item())
         mine.append(rows[torch.tensor(parts[dp_rank], dtype=torch.long, device=rows.device)])
+        if vision is not None:
+            flat = [row for rank_rows in vision[k] for row in rank_rows]
+            mine_vision += [flat[i] for i in parts[dp_rank]]
     stats = {"perf/tokens_max_over_mean_before_balance": sum(before) / len(before),
              "perf/tokens_max_over_mean": sum(after) / len(after)}
-    return torch.cat(mine), stats
+    out = torch.cat(mine)
+    if vision is not None:
+        out.set(K.MULTI_MODAL_INPUTS, NonTensorStack(*mine_vision))
+    return out, stats
 
 
 def gather_objects(fabric, obj) -> list:

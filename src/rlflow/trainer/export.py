@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads only once a checkpoint is known to exist: a wrong path is reported at once
+    import torch
 
 POLICY_PREFIX = "lm."  # the policy's weights sit under TokenLogProbs.lm
 ADAPTER_DIR = "lora_adapter"  # rlflow.models.lora.ADAPTER_DIR (not imported: plain exports need no PEFT)
@@ -41,6 +43,8 @@ def check_checkpoint(checkpoint: Path) -> None:
 
 def load_policy_state(state_path: Path) -> dict[str, torch.Tensor]:
     """The policy's weights from ``state.ckpt`` (a file, or a sharded folder consolidated on the fly)."""
+    import torch
+
     if state_path.is_dir():
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -59,10 +63,10 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, base_model: str | Pat
 
     ``base_model``: for a LoRA checkpoint, the base model folder (default: the one its adapter config names).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     checkpoint, out_dir = Path(checkpoint).expanduser(), Path(out_dir).expanduser()
     check_checkpoint(checkpoint)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     meta = checkpoint / "huggingface"
     if (checkpoint / ADAPTER_DIR / "adapter_config.json").exists():
         return export_lora(checkpoint, out_dir, base_model)

@@ -12,32 +12,45 @@ from tensordict import TensorDict
 from rlflow.data import keys as K
 
 
-def _summary(prefix: str, values: torch.Tensor) -> dict[str, float]:
+def _summary(prefix: str, values: torch.Tensor) -> dict[str, torch.Tensor]:
     if values.numel() == 0:
         return {}
     v = values.float()
-    return {f"{prefix}/mean": v.mean().item(), f"{prefix}/max": v.max().item(), f"{prefix}/min": v.min().item()}
+    return {f"{prefix}/mean": v.mean(), f"{prefix}/max": v.max(), f"{prefix}/min": v.min()}
+
+
+def host_floats(values: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """``{name: float}`` from 0-d tensors and numbers, with one device-to-host copy for all the tensors
+    (one ``.item()`` each would wait for the device once per metric)."""
+    names = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+    if not names:
+        return {k: float(v) for k, v in values.items()}
+    tensors = [values[k].detach().reshape(()) for k in names]
+    device = tensors[0].device
+    copied = dict(zip(names, torch.stack([t.to(device, torch.float64) for t in tensors]).tolist()))
+    return {k: copied[k] if k in copied else float(v) for k, v in values.items()}
 
 
 def batch_metrics(batch: TensorDict, max_response_length: int | None = None) -> dict[str, float]:
     """Data metrics of one step: scores, rewards, advantages, returns, values, lengths."""
     mask = batch[K.RESPONSE_MASK].bool()
-    out: dict[str, float] = {}
+    out: dict[str, torch.Tensor] = {}
     out |= _summary("critic/score", batch[K.SCORES])
-    if K.TOKEN_REWARDS in batch.keys():
+    keys = batch.keys()
+    if K.TOKEN_REWARDS in keys:
         out |= _summary("critic/rewards", batch[K.TOKEN_REWARDS].sum(-1))
     for key, name in ((K.ADVANTAGES, "critic/advantages"), (K.RETURNS, "critic/returns"), (K.VALUES, "critic/values")):
-        if key in batch.keys():
+        if key in keys:
             out |= _summary(name, batch[key][mask])
-    if K.VALUES in batch.keys() and K.RETURNS in batch.keys() and mask.any():
+    if K.VALUES in keys and K.RETURNS in keys and mask.any():
         ret, val = batch[K.RETURNS][mask], batch[K.VALUES][mask]
-        out["critic/vf_explained_var"] = (1 - (ret - val).var() / (ret.var() + 1e-5)).item()
+        out["critic/vf_explained_var"] = 1 - (ret - val).var() / (ret.var() + 1e-5)
     resp_len = batch[K.RESPONSE_MASK].sum(-1)
     out |= _summary("response_length", resp_len)
     R = max_response_length or batch[K.RESPONSE_IDS].shape[1]
-    out["response_length/clip_ratio"] = (resp_len >= R).float().mean().item()
+    out["response_length/clip_ratio"] = (resp_len >= R).float().mean()
     out |= _summary("prompt_length", batch[K.PROMPT_MASK].sum(-1))
-    return out
+    return host_floats(out)
 
 
 class Timer:

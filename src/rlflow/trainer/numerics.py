@@ -24,6 +24,7 @@ import torch
 from tensordict import TensorDict
 
 from rlflow.data import keys as K
+from rlflow.trainer.metrics import host_floats
 
 
 class NumericsWarning(UserWarning):
@@ -51,21 +52,28 @@ def guard_rewards(batch: TensorDict) -> dict[str, float]:
 
 def zero_variance_group_frac(scores: torch.Tensor, group: torch.Tensor) -> float:
     """Fraction of the groups with at least 2 samples whose scores are all equal. scores, group: [B]."""
+    return float(_zero_variance_group_frac(scores, group))
+
+
+def _zero_variance_group_frac(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     ids, index, counts = torch.unique(group, return_inverse=True, return_counts=True)
-    lo = torch.full((len(ids),), float("inf"), dtype=torch.float64).scatter_reduce(0, index, scores.double(), "amin")
-    hi = torch.full((len(ids),), float("-inf"), dtype=torch.float64).scatter_reduce(0, index, scores.double(), "amax")
+    lo = torch.full((len(ids),), float("inf"), dtype=torch.float64, device=scores.device)
+    hi = torch.full((len(ids),), float("-inf"), dtype=torch.float64, device=scores.device)
+    lo = lo.scatter_reduce(0, index, scores.double(), "amin")
+    hi = hi.scatter_reduce(0, index, scores.double(), "amax")
     several = counts > 1
-    return ((lo == hi) & several).sum().item() / max(int(several.sum()), 1)
+    return ((lo == hi) & several).sum().double() / several.sum().clamp_min(1).double()
 
 
 def batch_health(batch: TensorDict) -> dict[str, float]:
-    """The counts above, after the estimator has run."""
+    """The counts above, after the estimator has run (one device-to-host copy for all of them)."""
     mask = batch[K.RESPONSE_MASK]
-    out = {"numerics/empty_response_frac": (mask.sum(-1) == 0).float().mean().item()}
-    if K.GROUP in batch.keys() and K.SCORES in batch.keys():
-        out["numerics/zero_variance_group_frac"] = zero_variance_group_frac(batch[K.SCORES].cpu(), batch[K.GROUP].cpu())
-    if K.ADVANTAGES in batch.keys():
+    out = {"numerics/empty_response_frac": (mask.sum(-1) == 0).float().mean()}
+    keys = batch.keys()
+    if K.GROUP in keys and K.SCORES in keys:
+        out["numerics/zero_variance_group_frac"] = _zero_variance_group_frac(batch[K.SCORES], batch[K.GROUP])
+    if K.ADVANTAGES in keys:
         valid = mask.bool()
         out["numerics/non_finite_advantage_frac"] = (
-            (~torch.isfinite(batch[K.ADVANTAGES]) & valid).sum() / valid.sum().clamp_min(1)).item()
-    return out
+            (~torch.isfinite(batch[K.ADVANTAGES]) & valid).sum() / valid.sum().clamp_min(1))
+    return host_floats(out)

@@ -7,6 +7,7 @@ them, in the order of the data-flow drawing in the docs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -19,12 +20,15 @@ from tqdm.auto import tqdm
 
 from rlflow.data import keys as K
 from rlflow.algorithms.functional import batch_statistics, data_parallel
+from rlflow.data.nontensor import to_device
 from rlflow.data.prompts import PromptData
 from rlflow.module import check_chain
 from rlflow.rewards.base import setup_rewards
 from rlflow.strategies import resolve_strategy, shards_parameters
+from rlflow.logs import quiet_other_ranks
+from rlflow.threads import choose_threads
 from rlflow.trainer import checkpoint as ckpt, numerics, validation
-from rlflow.trainer.batching import micro_batches
+from rlflow.trainer.batching import micro_batches, split_rows
 from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_sum, rank_shard,
                                         reduce_metrics, sequence_parallel_group)
 from rlflow.trainer.loggers import make_loggers
@@ -115,12 +119,16 @@ class Trainer:
         self.needs_old_log_probs = (ppo_epochs > 1 or self.mini_batch_size < batch_size
                                     or K.OLD_LOG_PROBS in estimator.in_keys)
         self.check_chain()
+        if accelerator == "cpu":  # one thread per core is wrong on a busy machine or for a tiny model
+            choose_threads(sum(p.numel() for p in policy.model.parameters()))
 
+        quiet_other_ranks()  # under torchrun (RANK set): rank 0 alone prints warnings and library logs
         self.fabric = L.Fabric(
             accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=resolve_strategy(strategy, devices * num_nodes),
             precision=precision, loggers=make_loggers(loggers, self.run_dir), callbacks=list(callbacks),
         )
         self.fabric.launch()  # no-op under torchrun or on one device
+        quiet_other_ranks(self.fabric.global_rank)  # processes Fabric launched itself
         # ranks that train on one batch: a sequence-parallel group, or a model replica (Megatron's tensor x pipeline)
         replica = getattr(self.fabric.strategy, "model_parallel_size", 1)
         self.sp_size, self.balance_batch = sequence_parallel_size * replica, balance_batch
@@ -175,7 +183,7 @@ class Trainer:
     def step(self, batch: TensorDict) -> dict[str, float]:
         """One RL step on a batch of prompts; returns its metrics."""
         timer, start = Timer(), time.perf_counter()
-        with timer("gen"):
+        with timer("gen"), self.generation_precision():
             batch = self.rollout(batch)
         self.fabric.call("on_rollout_end", trainer=self, batch=batch)
         if self.reward is not None:  # None when the rollout scores its samples itself (e.g. dynamic sampling)
@@ -227,6 +235,12 @@ class Trainer:
         }
         return reduce_metrics(self.fabric, metrics)
 
+    def generation_precision(self):
+        """The training precision (Fabric's autocast) around sampling with the trained module itself (HF), so that
+        ``precision="bf16-mixed"`` generates in bf16 like the update computes; engines with weights of their own
+        (vLLM, servers) keep their dtype."""
+        return contextlib.nullcontext() if getattr(self.rollout, "holds_own_weights", False) else self.fabric.autocast()
+
     def _batch_sum(self, value: torch.Tensor) -> torch.Tensor:
         """A sum over the processes' shares of the batch (a sequence-parallel group's ranks share one)."""
         return global_sum(self.fabric, value) / self.sp_size
@@ -243,7 +257,7 @@ class Trainer:
         mini = batch.batch_size[0] * self.mini_batch_size // self.batch_size  # prompts -> this rank's samples
         world = self.fabric.world_size * self.sp_size
         for _ in range(self.ppo_epochs):
-            for mb in batch.split(mini):
+            for mb in split_rows(batch, mini):
                 mask = mb[K.RESPONSE_MASK]
                 n_tok = global_sum(self.fabric, mask.sum()) / world
                 n_seq = global_sum(self.fabric, (mask.sum(-1) > 0).sum()) / world
@@ -310,7 +324,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self, data: PromptData) -> list[dict[str, float]]:
         """Train on ``data``; returns every step's metrics (validation metrics merged into their step)."""
-        self.fabric.seed_everything(self.seed)
+        self.fabric.seed_everything(self.seed, verbose=False)  # no 'Seed set to N' after validation's step:0
         # an unwritable or full disk fails now (on every rank), not at the first save
         ckpt.check_run_dir(self.run_dir, self.save_every and ckpt.checkpoint_bytes(
             self.policy.model, self.critic.module if self.critic is not None else None))
@@ -326,7 +340,7 @@ class Trainer:
         bar = tqdm(total=total, initial=self.global_step, desc="rl", disable=not self.progress or self.fabric.global_rank)
         while self.global_step < total:
             prompts = rank_shard(next(self.loader), self.fabric.global_rank, self.fabric.world_size)
-            metrics = self.step(self.fabric.to_device(prompts))
+            metrics = self.step(to_device(prompts, self.fabric.device))  # tensors only: columns stay as they are
             if self.val_every and data.val and (self.global_step % self.val_every == 0 or self.global_step == total):
                 t0 = time.perf_counter()
                 metrics |= self.validate(data)

@@ -5,11 +5,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import torch
 
 from rlflow.data import keys as K
+from rlflow.data.nontensor import column, to_device
 from rlflow.data.prompts import PromptData
 from rlflow.trainer.distributed import gather_objects
 
@@ -40,12 +42,14 @@ def validate(trainer, data: PromptData) -> dict[str, float]:
     reward = trainer.reward or trainer.rollout.reward  # reward=None: the rollout scores (dynamic sampling)
     rank, world = trainer.fabric.global_rank, trainer.fabric.world_size
     for prompts in data.val_batches(trainer.policy.tokenizer):
-        prompts = prompts[rank::world]
+        prompts = prompts[rank::world] if world > 1 else prompts
         if prompts.batch_size[0] == 0:
             continue
-        batch = reward(rollout(trainer.fabric.to_device(prompts)))
+        with getattr(trainer, "generation_precision", contextlib.nullcontext)():  # the training precision
+            batch = rollout(to_device(prompts, trainer.fabric.device))
+        batch = reward(batch)
         extras, scores = getattr(reward, "extras", {}), batch[K.SCORES].tolist()
-        accs, preds, sources = extras.get("acc"), extras.get("pred"), list(batch[K.DATA_SOURCE])
+        accs, preds, sources = extras.get("acc"), extras.get("pred"), column(batch, K.DATA_SOURCE)
         for i in range(0, len(sources), n):  # one prompt's n samples are contiguous
             per = values.setdefault(sources[i], {})
             per.setdefault("reward", []).append(scores[i : i + n])

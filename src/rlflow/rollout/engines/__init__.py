@@ -3,10 +3,10 @@
 ``VLLMEngine`` and ``ServerEngine`` are imported on first use, so ``import rlflow`` never imports vLLM.
 """
 
-from rlflow.rollout.engines.base import Completion, Engine, SamplingParams
+from rlflow.rollout.engines.base import Completion, Engine, MultiModalPrompt, SamplingParams
 from rlflow.rollout.engines.hf import HFEngine
 
-__all__ = ["Completion", "Engine", "SamplingParams", "HFEngine", "VLLMEngine", "ServerEngine"]
+__all__ = ["Completion", "Engine", "MultiModalPrompt", "SamplingParams", "HFEngine", "VLLMEngine", "ServerEngine"]
 
 
 def __getattr__(name: str):

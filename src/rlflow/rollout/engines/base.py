@@ -12,6 +12,10 @@ The log-prob contract: for the token :math:`y_t` sampled after context :math:`c_
 
 with :math:`\\ell` the model's logits and :math:`T` the temperature, *before* top-k/top-p truncation: the
 distribution the :class:`~rlflow.models.policy.Policy` recomputes. Greedy decoding reports :math:`T = 1`.
+
+Images: a vision-language prompt is its token ids (image-pad tokens expanded, as the processor wrote them)
+plus a :class:`MultiModalPrompt` at the same index of ``generate``'s ``multi_modal`` list. Engines that
+take images set ``accepts_images``; the rollout refuses images to the others with a clear error.
 """
 
 from __future__ import annotations
@@ -73,6 +77,21 @@ class SamplingParams:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
 
+@dataclass(frozen=True)
+class MultiModalPrompt:
+    """The images of one prompt, in both forms an engine may want.
+
+    Attributes:
+        inputs: the processor's tensors for this prompt (Qwen-VL: ``pixel_values`` ``[patches, D]``,
+            ``image_grid_thw`` ``[images, 3]``): what a transformers model takes next to the token ids.
+        images: the decoded images (PIL, RGB) in placeholder order: what an engine with its own processor
+            (vLLM's ``multi_modal_data={"image": [...]}``, a server) takes.
+    """
+
+    inputs: dict = field(default_factory=dict)
+    images: tuple = ()
+
+
 @dataclass
 class Completion:
     """One sampled continuation of one prompt.
@@ -101,14 +120,34 @@ class Engine:
     #: True when the engine samples with weights of its own that must be sent after every update
     #: (vLLM, a server); False when it generates with the trained module itself.
     holds_own_weights: bool = False
+    #: True when :meth:`generate` takes images (``multi_modal``).
+    accepts_images: bool = False
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """Token-id prompts (no padding) -> for each prompt, ``params.n`` completions."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 multi_modal: list[MultiModalPrompt | None] | None = None) -> list[list[Completion]]:
+        """Token-id prompts (no padding) -> for each prompt, ``params.n`` completions.
+
+        ``multi_modal`` (engines with ``accepts_images``): per prompt, its images or ``None``.
+        """
         raise NotImplementedError
 
-    async def agenerate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate_tensors(self, prompt_ids: Tensor, prompt_mask: Tensor,
+                         params: SamplingParams) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Optional tensor form of :meth:`generate` for engines that sample padded batches anyway (HF).
+
+        Left-padded ``[B, P]`` prompts -> ``(response_ids, response_mask, log_probs)``, each ``[B * n, R]``
+        with the ``n`` samples of a prompt in consecutive rows, laid out exactly as a rollout lays out
+        :meth:`generate`'s completions (right-padded with the pad id / 0, ``R`` the longest completion).
+        ``None`` (the default) means "use :meth:`generate`": it saves the trip through Python lists only.
+        """
+        return None
+
+    async def agenerate(self, prompts: list[list[int]], params: SamplingParams,
+                        multi_modal: list[MultiModalPrompt | None] | None = None) -> list[list[Completion]]:
         """:meth:`generate` on a worker thread, so an event loop (an agent loop, async rollouts) is not blocked."""
-        return await asyncio.to_thread(self.generate, prompts, params)
+        if multi_modal is None:
+            return await asyncio.to_thread(self.generate, prompts, params)
+        return await asyncio.to_thread(self.generate, prompts, params, multi_modal)
 
     def load_weights(self, buckets: WeightBuckets) -> dict[str, float]:
         """Load ``[(hf_name, tensor), ...]`` buckets (one call for all of them, consumed bucket by bucket) and

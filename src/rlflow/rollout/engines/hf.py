@@ -7,6 +7,7 @@ import time
 import torch
 from torch import Tensor, nn
 from transformers import (
+    CompileConfig,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -15,7 +16,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets, counted
+from rlflow.models.vision import concat_inputs, generation_inputs
+from rlflow.rollout.engines.base import Completion, Engine, MultiModalPrompt, SamplingParams, WeightBuckets, counted
 
 
 class _RecordLogProbs(LogitsProcessor):
@@ -63,16 +65,42 @@ def left_padded(prompts: list[list[int]], n: int, pad: int, device) -> tuple[Ten
     return ids, mask
 
 
+def response_mask_until_eos(response: Tensor, eos_token_id: int | list[int] | None) -> Tensor:
+    """1 on tokens up to and including the first EOS, 0 after it (``B x R`` int64)."""
+    if eos_token_id is None:
+        return torch.ones_like(response)
+    eos_ids = torch.as_tensor(eos_token_id, device=response.device).reshape(-1)
+    is_eos = torch.isin(response, eos_ids).long()
+    # tokens strictly after the first EOS have a positive count of EOS before them
+    after = (is_eos.cumsum(-1) - is_eos) > 0
+    return (~after).long()
+
+
 class HFEngine(Engine):
     """Generates with a transformers causal LM's ``generate``.
 
     When the model is the trained module itself (one device, DDP) nothing needs to move after an update;
     when it is a copy (the Trainer makes one under FSDP2, whose sharded forward is collective),
     :meth:`load_weights` copies buckets into it.
+
+    Image-text-to-text models take images: each prompt's processor tensors are concatenated in row order
+    (``rlflow.models.vision``) and ``generate`` derives the 3-D rotary positions from them.
     """
 
-    def __init__(self, model: nn.Module, tokenizer):
+    accepts_images = True
+
+    def __init__(self, model: nn.Module, tokenizer, *, cache_implementation: str | None = None,
+                 compile: bool = False):
+        """Args:
+            model, tokenizer: the causal LM to sample with and its tokenizer.
+            cache_implementation: transformers' KV cache kind (``None``: its dynamic cache; ``"static"``: one
+                preallocated cache per call, what compiled decoding needs).
+            compile: let ``generate`` compile the decoding step (``torch.compile``, CUDA graphs on GPU; a
+                static cache is implied). Off by default: compiling costs minutes up front and gains on GPUs.
+        """
         self.model, self.tokenizer = model, tokenizer
+        self.cache_implementation = cache_implementation or ("static" if compile else None)
+        self.compile = compile
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -80,14 +108,19 @@ class HFEngine(Engine):
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
     @torch.no_grad()
-    def generate_padded(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
+    def generate_padded(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
+                        vision_inputs: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """The tensor form: left-padded ``[N, P]`` prompts (one row per sample) -> ``(sequences[:, P:], log_probs)``,
-        both ``[N, R]``; rows that stopped early are padded (ids with the pad id, log-probs with 0 from ``R``)."""
+        both ``[N, R]``; rows that stopped early are padded (ids with the pad id, log-probs with 0 from ``R``).
+
+        ``vision_inputs``: the rows' processor tensors, concatenated in row order (``rlflow.models.vision``)."""
         stops = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=not params.greedy,
             temperature=None, top_k=None, top_p=None,  # ours, in processors()
             eos_token_id=stops or None, pad_token_id=self.tokenizer.pad_token_id, use_cache=True,
+            cache_implementation=self.cache_implementation,
+            compile_config=CompileConfig(fullgraph=False) if self.compile else None, disable_compile=not self.compile,
         )
         P = prompt_ids.shape[1]
         procs, recorder = processors(params, P)
@@ -98,8 +131,9 @@ class HFEngine(Engine):
                                        enabled=params.seed is not None):
                 if params.seed is not None:
                     torch.manual_seed(params.seed)
+                extra = generation_inputs(self.model, prompt_ids, vision_inputs) if vision_inputs else {}
                 sequences = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                                generation_config=config, logits_processor=procs)
+                                                generation_config=config, logits_processor=procs, **extra)
         finally:
             self.model.train(was_training)
         recorder.take(sequences)
@@ -108,10 +142,37 @@ class HFEngine(Engine):
         log_probs = torch.stack(recorder.chosen[:R], dim=1) if R else response.float()
         return response, log_probs
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate_tensors(self, prompt_ids: Tensor, prompt_mask: Tensor,
+                         params: SamplingParams) -> tuple[Tensor, Tensor, Tensor] | None:
+        """:meth:`generate` without the trip through Python lists (see ``Engine.generate_tensors``): the same
+        call to ``generate`` on the same left-padded rows, so the same samples. ``None`` when the prompts are
+        not plainly left-padded or a subclass changed :meth:`generate` (its list form is then the truth)."""
+        if type(self).generate is not HFEngine.generate:
+            return None
+        real = prompt_mask.bool()
+        lengths = real.sum(-1)
+        P = int(lengths.max()) if lengths.numel() else 0
+        ids, real = prompt_ids[:, prompt_ids.shape[1] - P:], real[:, real.shape[1] - P:]
+        # left padding: no real token before a padding one, none lost by dropping the all-padding columns
+        if P == 0 or bool((real[:, 1:] < real[:, :-1]).any() | (real.sum(-1) != lengths).any()):
+            return None
+        pad, device = self.tokenizer.pad_token_id, next(self.model.parameters()).device
+        ids = ids.masked_fill(~real, pad).repeat_interleave(params.n, 0).to(device)  # as ``left_padded`` builds them
+        response, log_probs = self.generate_padded(ids, real.long().repeat_interleave(params.n, 0).to(device), params)
+        stops = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
+        mask = response_mask_until_eos(response, stops or None)
+        R = int(mask.sum(-1).max())  # rows that stopped are padded by generate; the longest completion sets R
+        mask, valid = mask[:, :R], mask[:, :R].bool()
+        return response[:, :R].masked_fill(~valid, pad), mask, log_probs[:, :R].masked_fill(~valid, 0.0)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 multi_modal: list[MultiModalPrompt | None] | None = None) -> list[list[Completion]]:
         device = next(self.model.parameters()).device
         ids, mask = left_padded(prompts, params.n, self.tokenizer.pad_token_id, device)
-        response, log_probs = self.generate_padded(ids, mask, params)
+        vision = None
+        if multi_modal is not None:  # each prompt's images once per sample, in row order
+            vision = concat_inputs([(m.inputs if m else {}) for m in multi_modal for _ in range(params.n)], device)
+        response, log_probs = self.generate_padded(ids, mask, params, vision)
         stops = set(self.eos_token_ids) | set(params.stop_token_ids)
         out: list[list[Completion]] = []
         for row, (tokens, lps) in enumerate(zip(response.tolist(), log_probs.tolist())):

@@ -164,6 +164,11 @@ class VLLMEngine(Engine):
             self.loaded_from = model
         path = str(path)
         self.config = AutoConfig.from_pretrained(path)
+        if getattr(self.config, "vision_config", None) is not None:
+            raise NotImplementedError(
+                f"{self.config.architectures}: a vision-language model; rlflow's vLLM engine takes no images yet "
+                "(vLLM's multimodal input path builds transformers' AutoProcessor, whose Qwen2-VL video processor "
+                "needs torchvision, removed on CPU installs); use HFRollout")
         check_head_size(self.config)
         eos = tokenizer.eos_token_id if tokenizer is not None else self.config.eos_token_id
         self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

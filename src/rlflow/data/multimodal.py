@@ -1,0 +1,197 @@
+"""Vision-language prompts in verl's layout: an ``images`` column and ``<image>`` placeholders.
+
+A row (parquet / json / in memory) holds its prompt (a string or chat messages) with one ``<image>``
+placeholder per image, and a list of images under ``image_key`` (default ``images``). An image is
+``{"bytes": ...}`` (what ``datasets`` writes for an ``Image`` column, and verl's geo3k preprocessing),
+``{"path": ...}``, a path string, raw bytes or a PIL image. Relative paths are tried against the working
+directory, then the data file's folder.
+
+:func:`collate_multimodal` splits each message at the placeholders into verl's content parts
+(``{"type": "image"}`` / ``{"type": "text", ...}``), renders them with the processor's chat template and
+runs the processor on the text and the row's images (RGB): ``prompt_ids`` hold the expanded image-pad
+tokens, and the row's processor tensors go into ``multi_modal_inputs`` (one dict per row: variable image
+counts and sizes), its decoded images into ``multi_modal_data`` (``{"image": [...]}``, for engines that run
+their own processor, e.g. vLLM).
+
+Bad images: :func:`check_images` decodes every image once when the data is loaded. A missing file,
+undecodable bytes or a placeholder count that does not match the images raise a
+:class:`~rlflow.data.prompts.DataError` naming the file, the row and the image, or, with
+``skip_bad_images=True``, drop the row and count it (``PromptData.skipped_images``).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+from rlflow.data import keys as K
+from rlflow.data.prompts import DataError
+
+PLACEHOLDER = "<image>"
+
+
+def per_row(batch: TensorDict, key: str) -> list:
+    """The ``B`` values of a non-tensor field as a list (one value repeated when tensordict stored it once)."""
+    value = batch.get(key)
+    if hasattr(value, "tolist"):
+        items = value.tolist()
+        if isinstance(items, list) and len(items) == batch.batch_size[0]:
+            return items
+    data = getattr(value, "data", value)
+    return [data] * batch.batch_size[0]
+
+
+# ---------------------------------------------------------------------------- images
+def _search_dirs(name: str) -> list[Path]:
+    dirs = [Path.cwd()]
+    for part in name.split(" + "):
+        if not part.startswith("<"):
+            dirs.append(Path(part).expanduser().parent)
+    return dirs
+
+
+def load_image(ref, where: str, name: str = ""):
+    """One image reference (see the module docstring) -> an RGB PIL image; a :class:`DataError` naming
+    ``where`` (file, row, image) when it is missing or cannot be decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(ref, Image.Image):
+        return ref.convert("RGB")
+    if isinstance(ref, dict):
+        data, path = ref.get("bytes"), ref.get("path") or ref.get("image")
+        if data is None and path is None:
+            raise DataError(f"{where}: an image needs 'bytes' or 'path' (got keys {sorted(ref)})")
+        ref = data if data is not None else path
+    if isinstance(ref, (bytes, bytearray, memoryview)):
+        source, label = io.BytesIO(bytes(ref)), f"{len(ref)} bytes"
+    elif isinstance(ref, (str, Path)):
+        text = str(ref).removeprefix("file://")
+        candidates = [Path(text).expanduser()] if Path(text).is_absolute() else [d / text for d in _search_dirs(name)]
+        found = next((p for p in candidates if p.is_file()), None)
+        if found is None:
+            raise DataError(f"{where}: image file not found: {text}")
+        source, label = found, str(found)
+    else:
+        raise DataError(f"{where}: an image must be bytes, a path, a {{'bytes'|'path': ...}} dict or a PIL image, "
+                          f"got {type(ref).__name__}")
+    try:
+        with Image.open(source) as image:
+            return image.convert("RGB")  # decodes now: a truncated file fails here, not in the processor
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise DataError(f"{where}: cannot decode image ({label}): {e}") from e
+
+
+def image_refs(row: dict) -> list:
+    """The row's image references (``[]`` when it has none)."""
+    refs = row.get("images")
+    if refs is None:
+        return []
+    return list(refs) if isinstance(refs, (list, tuple)) else [refs]
+
+
+def _placeholders(prompt) -> int:
+    texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+    return sum(t.count(PLACEHOLDER) for t in texts)
+
+
+def check_images(rows: list[dict], name: str, skip: bool = False) -> tuple[list[dict], int]:
+    """Decode every image of ``rows`` once; returns the rows kept and how many were skipped.
+
+    A row fails (:class:`DataError` naming ``name``, the row and the image) or, with ``skip``, is dropped
+    and counted, when an image is missing or corrupt, when its ``<image>`` placeholders do not match its
+    images, or when it holds videos (not supported yet).
+    """
+    kept, skipped = [], 0
+    for row in rows:
+        where = f"{name}, row {row['index']}"
+        try:
+            if row.get("videos"):
+                raise DataError(f"{where}: video inputs are not supported yet")
+            refs = image_refs(row)
+            if _placeholders(row["prompt"]) != len(refs):
+                raise DataError(f"{where}: {len(refs)} image(s) but {_placeholders(row['prompt'])} "
+                                  f"'{PLACEHOLDER}' placeholder(s) in the prompt (one per image, in order)")
+            for j, ref in enumerate(refs):
+                load_image(ref, f"{where}, image {j}", name)
+        except DataError:
+            if not skip:
+                raise
+            skipped += 1
+            continue
+        kept.append(row)
+    return kept, skipped
+
+
+# ---------------------------------------------------------------------------- prompts
+def messages_with_images(prompt) -> list[dict]:
+    """Chat messages whose ``<image>`` placeholders became content parts (verl's ``_build_messages``)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    out = []
+    for m in messages:
+        parts = [{"type": "image"} if seg == PLACEHOLDER else {"type": "text", "text": seg}
+                 for seg in re.split(f"({re.escape(PLACEHOLDER)})", m["content"]) if seg]
+        out.append({"role": m["role"], "content": parts})
+    return out
+
+
+def process_row(row: dict, processor, name: str) -> tuple[str, list[int], dict, list]:
+    """``(rendered text, prompt ids, processor tensors, images)`` of one row."""
+    where = f"{name}, row {row['index']}"
+    images = [load_image(ref, f"{where}, image {j}", name) for j, ref in enumerate(image_refs(row))]
+    text = processor.apply_chat_template(messages_with_images(row["prompt"]), add_generation_prompt=True,
+                                         tokenize=False)
+    try:
+        out = processor(text=[text], images=images or None, return_tensors="pt")
+    except Exception as e:  # the processor's own message, with the row it came from
+        raise DataError(f"{where}: the processor failed: {e}") from e
+    ids = out["input_ids"][0][out["attention_mask"][0].bool()].tolist()
+    tensors = {k: v for k, v in out.items() if images and k in ("pixel_values", "image_grid_thw")}
+    return text, ids, tensors, images
+
+
+def prompt_length(row: dict, processor, name: str = "") -> int:
+    """Tokens of the row's prompt after the chat template, image-pad tokens included."""
+    return len(process_row(row, processor, name)[1])
+
+
+def collate_multimodal(rows: Sequence[dict], processor, max_prompt_length: int | None = None,
+                       name: str = "") -> TensorDict:
+    """Process rows into a batch: left-padded ``prompt_ids``/``prompt_mask`` with the image-pad tokens, the
+    non-tensor fields, and per row ``multi_modal_inputs`` and ``multi_modal_data`` (module docstring).
+
+    A prompt longer than ``max_prompt_length`` raises: cutting it could cut image tokens (filter such
+    prompts with ``filter_overlong_prompts``).
+    """
+    texts, ids, inputs, data = [], [], [], []
+    for row in rows:
+        text, seq, tensors, images = process_row(row, processor, name)
+        if max_prompt_length is not None and len(seq) > max_prompt_length:
+            raise DataError(f"{name}, row {row['index']}: prompt has {len(seq)} tokens (image tokens included) > "
+                              f"max_prompt_length={max_prompt_length}; vision-language prompts are not truncated "
+                              "(it could cut image tokens): raise max_prompt_length, lower max_pixels or set "
+                              "filter_overlong_prompts")
+        texts.append(text)
+        ids.append(seq)
+        inputs.append(tensors)
+        data.append({"image": images} if images else {})
+    P = max(len(s) for s in ids)
+    pad = processor.tokenizer.pad_token_id
+    return TensorDict(
+        {
+            K.PROMPT_IDS: torch.tensor([[pad] * (P - len(s)) + s for s in ids], dtype=torch.long),
+            K.PROMPT_MASK: torch.tensor([[0] * (P - len(s)) + [1] * len(s) for s in ids], dtype=torch.long),
+            K.PROMPT_TEXT: NonTensorStack(*texts),
+            K.RAW_PROMPT: NonTensorStack(*[r["prompt"] for r in rows]),  # with its <image> placeholders
+            K.GROUND_TRUTH: NonTensorStack(*[r["ground_truth"] for r in rows]),
+            K.DATA_SOURCE: NonTensorStack(*[r["data_source"] for r in rows]),
+            K.EXTRA_INFO: NonTensorStack(*[r["extra_info"] for r in rows]),
+            K.MULTI_MODAL_INPUTS: NonTensorStack(*inputs),
+            K.MULTI_MODAL_DATA: NonTensorStack(*data),
+        },
+        batch_size=[len(rows)],
+    )

@@ -1,0 +1,253 @@
+"""AsyncRollout: generation overlapped with training, with bounded staleness (verl's one-step-off recipe).
+
+In a synchronous step the trainer waits for generation, then the engine waits for the update. Here the
+engine runs beside the trainer (in a child process, or a server driven from a thread) and samples the
+next ``max_staleness`` batches while the trainer updates on the current one::
+
+    step t   trainer │ wait for batch t │ reward, log-probs, update │ push weights v(t+1) │
+             engine  │ ... batch t+1, weights v(t) ...    │ load v(t+1) │ batch t+2 with v(t+1) ...
+
+A sample generated with the weights of version ``g`` and trained at version ``t`` (the number of updates
+so far) is ``t - g`` versions stale; batch ``t + k`` is submitted at step ``t`` after the weights ``v(t)``,
+so staleness never exceeds ``max_staleness = k`` (``0`` is synchronous, ``1`` one-step-off). The loss
+corrects for it with the sampler's log-probs as the behaviour policy: ``rollout_log_probs`` come from the
+weights that sampled, and ``TruncatedIS`` (``rlflow.algorithms.correction``) reweights each token by
+``min(pi_old / pi_rollout, C)`` (the verl entry point turns it on in this mode).
+
+The Trainer needs nothing new: the rollout reads upcoming prompt batches from the loader it is given
+(``bind_prompts``, without consuming them), ``sync_weights`` pushes weights without waiting for the
+engine, and each batch carries ``policy_version`` (the version that sampled it) and metrics
+(``stats``): staleness, batches over the bound, and each side's waiting time.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+from rlflow.data import keys as K
+from rlflow.rollout.engines.base import hf_weight_buckets
+from rlflow.rollout.engines.process import ProcessEngine
+from rlflow.rollout.engines.threaded import ThreadedEngine
+from rlflow.rollout.single_turn import unpadded
+from rlflow.rollout.wrapper import RolloutWrapper
+
+PLACEMENTS = ("auto", "process", "thread")
+
+
+@dataclass
+class _Job:
+    """A batch of prompts handed to the engine, and the ticket its samples come back under."""
+
+    ticket: int
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+
+    def matches(self, batch: TensorDict) -> bool:
+        ids, mask = batch[K.PROMPT_IDS].cpu(), batch[K.PROMPT_MASK].cpu()
+        return (ids.shape == self.prompt_ids.shape and torch.equal(ids, self.prompt_ids)
+                and torch.equal(mask, self.prompt_mask))
+
+
+class AsyncRollout(RolloutWrapper):
+    """Runs a single-turn rollout's engine beside the trainer, up to ``max_staleness`` batches ahead.
+
+    Args:
+        rollout: the rollout whose engine samples (``HFRollout``, ``VLLMRollout``, ``ServerRollout``, or a
+            ``SingleTurnRollout`` with an engine); its sampling options and batch layout are used as they are.
+        max_staleness: batches generated ahead of training, which is also the most versions a sample may lag
+            the policy it trains (``0``: synchronous, in the engine's process; ``1``: one-step-off).
+        placement: ``"process"`` runs the engine in a child process
+            (:class:`~rlflow.rollout.engines.process.ProcessEngine`); ``"thread"`` drives an engine that
+            already runs elsewhere from a background thread (a server:
+            :class:`~rlflow.rollout.engines.threaded.ThreadedEngine`); ``"auto"`` picks ``"thread"`` for
+            server rollouts and ``"process"`` otherwise.
+        start_method, threads: for the child process (see ``ProcessEngine``; default fork, one thread).
+        timeout: seconds a batch may take before the run fails (a child that dies fails it within a second).
+
+    Writes the wrapped rollout's keys and ``policy_version`` ([B] int64). ``stats`` (logged every step):
+    ``async/staleness_mean`` and ``async/staleness_max`` (versions behind, over the step's samples),
+    ``async/over_bound_frac`` (fraction of the batch that arrived staler than ``max_staleness`` and was
+    generated again with the newest weights; by construction 0 when ``sync_weights`` follows every step),
+    ``async/regenerated_samples``, ``async/mispredicted_batches`` (prefetched batches that were not the
+    trainer's next ones, e.g. after the loader was moved: dropped and generated again),
+    ``async/policy_version``, ``timing_s/gen_wait`` (the trainer waiting for samples) and
+    ``timing_s/train_wait`` (the engine waiting for work: its idle time before the batches of this step).
+
+    Checkpoints hold the policy version; in-flight batches are not saved: after a resume the first batch
+    is generated with the restored weights and the pipeline refills from there. One training process only.
+    """
+
+    def __init__(self, rollout, max_staleness: int = 1, *, placement: str = "auto", start_method: str | None = None,
+                 threads: int | None = None, timeout: float = 3600.0):
+        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"max_staleness must be an integer >= 0 (batches generated ahead), got {max_staleness!r}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        for needed in ("make_engine", "samples", "params", "bucket_bytes"):
+            if not hasattr(rollout, needed):
+                raise TypeError(f"AsyncRollout runs a single-turn rollout's engine (HFRollout, VLLMRollout, "
+                                f"ServerRollout, SingleTurnRollout): {type(rollout).__name__} has no {needed}")
+        super().__init__(rollout)
+        self.out_keys = tuple(rollout.out_keys) + (K.POLICY_VERSION,)
+        self.max_staleness, self.timeout = max_staleness, timeout
+        self.placement = placement if placement != "auto" else (
+            "thread" if getattr(rollout, "remote_engine", False) else "process")
+        self.process_options = {"start_method": start_method, "threads": threads}
+        self.given_engine = rollout.engine  # what make_engine returns in the child when the user passed one
+        self.engine: ProcessEngine | ThreadedEngine | None = None
+        self.loader, self.version = None, 0
+        self.in_flight: deque[_Job] = deque()
+        self.reseed, self.restored = False, False
+        self.stats: dict[str, float] = {}
+
+    @property
+    def holds_own_weights(self) -> bool:
+        return True  # the engine keeps its own copy, loaded by sync_weights
+
+    # ------------------------------------------------------------------ binding
+    def bind(self, model, tokenizer) -> None:
+        """Start the engine beside the trainer with ``model``'s weights (version 0)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            raise NotImplementedError("AsyncRollout runs with one training process for now; with several, use the "
+                                      "synchronous rollout (or a server rollout per process)")
+        from rlflow.models.policy import lora_module
+
+        if lora_module(model) is not None and self.rollout.holds_own_weights:  # pushes carry PEFT names here
+            raise NotImplementedError(f"AsyncRollout with a LoRA policy runs the transformers engine (HFRollout) for "
+                                      f"now; {type(self.rollout).__name__} needs merged weights, which its "
+                                      "synchronous form sends: use it without AsyncRollout")
+        self._close_engine()
+        self.rollout.engine = self.given_engine
+        if self.placement == "thread":
+            self.rollout.bind(model, tokenizer)
+            if not self.rollout.holds_own_weights:  # it would sample with the module being trained, mid-update
+                raise ValueError(f"placement='thread' needs an engine with weights of its own (a server); "
+                                 f"{type(self.rollout).__name__} generates with the trained module: use 'process'")
+            self.engine = ThreadedEngine(self.rollout.engine, timeout=self.timeout)
+        else:
+            # an engine with weights of its own (vLLM) joins torch.distributed when it starts
+            self.engine = ProcessEngine(self.rollout.make_engine, model, tokenizer, slots=self.max_staleness + 1,
+                                        uses_process_group=self.rollout.holds_own_weights, timeout=self.timeout,
+                                        **self.process_options)
+            self.rollout.model, self.rollout.tokenizer = model, tokenizer
+        self.rollout.engine = self.engine  # validation copies (with_options) sample through it too, in order
+        self.engine.loaded_from = model
+        self.version, self.restored = 0, False
+        self.in_flight.clear()
+
+    def bind_prompts(self, loader) -> None:
+        """The loader the trainer draws from; upcoming batches are read from a copy (the loader is not moved).
+
+        The engine's random state is set from the trainer's before its next batch, so a run with
+        ``max_staleness=0`` samples what the synchronous run samples."""
+        self.loader, self.reseed = loader, True
+
+    def close(self) -> None:
+        """Stop the engine (its process or thread), and a server the wrapped rollout started."""
+        self._close_engine()
+        if hasattr(self.rollout, "close"):
+            self.rollout.close()
+
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+            self.rollout.engine = self.given_engine
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, trained) -> dict[str, float]:
+        """Push ``trained``'s weights as the next version; the engine loads them after the batches already
+        submitted (with the weights they were submitted under) and before any later one."""
+        if self.engine is None:
+            return {}
+        if self.restored:  # the restored checkpoint's weights: the version load_state_dict set
+            self.restored = False
+        else:
+            self.version += 1
+        start = time.perf_counter()
+        metrics = self.engine.load_weights(hf_weight_buckets(trained, self.rollout.bucket_bytes), version=self.version)
+        self.engine.loaded_from = trained
+        return metrics | {"weight_sync/seconds": time.perf_counter() - start}
+
+    def state_dict(self) -> dict:
+        return {"policy_version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the version count; batches in flight are dropped (they are generated again after the
+        restored weights arrive with the ``sync_weights`` that follows a checkpoint load)."""
+        self.version, self.restored, self.reseed = int(state["policy_version"]), True, True
+        self._drop_in_flight()
+
+    # ------------------------------------------------------------------ sampling
+    def forward(self, batch: TensorDict) -> TensorDict:
+        if self.engine is None:
+            raise RuntimeError("AsyncRollout has no engine: call rollout.bind(model, tokenizer) (the Trainer does)")
+        if self.reseed:
+            import numpy as np
+
+            self.engine.seed(torch.get_rng_state(), random.getstate(), np.random.get_state())
+            self.reseed = False
+        mispredicted = 0
+        if not self.in_flight or not self.in_flight[0].matches(batch):
+            mispredicted = len(self.in_flight)
+            self._drop_in_flight()
+            self.in_flight.append(self._submit(batch))
+        self._prefetch()
+        start = time.perf_counter()
+        job = self.in_flight.popleft()
+        generated = [self.engine.result(job.ticket)]
+        stale = self.version - generated[0].version
+        if stale > self.max_staleness:  # weights were pushed more often than batches were taken
+            generated.append(self.engine.result(self._submit(batch).ticket))
+        wait = time.perf_counter() - start
+        completions = generated[-1].completions
+        self._check(completions, batch.batch_size[0])
+        samples = self.rollout.samples(batch, completions)
+        versions = torch.tensor([c.extras["policy_version"] for per_prompt in completions for c in per_prompt],
+                                dtype=torch.long)
+        samples[K.POLICY_VERSION] = versions.to(batch[K.PROMPT_IDS].device)
+        staleness = (self.version - versions).float()
+        over = float(stale > self.max_staleness)
+        self.stats = dict(getattr(self.engine, "stats", {})) | {
+            "async/staleness_mean": float(staleness.mean()), "async/staleness_max": float(staleness.max()),
+            "async/over_bound_frac": over, "async/regenerated_samples": over * len(versions),
+            "async/mispredicted_batches": float(mispredicted), "async/policy_version": float(self.version),
+            "async/engine_gen_s": sum(g.gen_s for g in generated),
+            "timing_s/gen_wait": wait, "timing_s/train_wait": sum(g.idle_s for g in generated),
+        }
+        return samples
+
+    def _submit(self, batch: TensorDict) -> _Job:
+        ids, mask = batch[K.PROMPT_IDS].cpu(), batch[K.PROMPT_MASK].cpu()
+        return _Job(self.engine.submit(unpadded(ids, mask), self.rollout.params), ids, mask)
+
+    def _prefetch(self) -> None:
+        """Keep the batches of the next ``max_staleness`` steps in flight (read from a copy of the loader)."""
+        if not self.max_staleness or self.loader is None:
+            return
+        ahead = copy.copy(self.loader)  # PromptLoader: position (epoch, index) only; the copy moves, not the loader
+        for step in range(1, self.max_staleness + 1):
+            upcoming = next(ahead)
+            if step >= len(self.in_flight):
+                self.in_flight.append(self._submit(upcoming))
+
+    def _drop_in_flight(self) -> None:
+        while self.in_flight:
+            self.engine.cancel(self.in_flight.popleft().ticket)
+
+    def _check(self, completions, num_prompts: int) -> None:
+        n = self.rollout.n
+        if len(completions) != num_prompts or any(len(c) != n for c in completions):
+            raise RuntimeError(f"the engine returned {[len(c) for c in completions]} completions for {num_prompts} "
+                               f"prompts, expected {n} each")
+
+    def __repr__(self) -> str:
+        return f"AsyncRollout({self.rollout!r}, max_staleness={self.max_staleness}, placement={self.placement!r})"

@@ -1,0 +1,106 @@
+"""ThreadedEngine: an engine that already runs elsewhere (a server), driven from a background thread.
+
+A server engine spends the trainer's time waiting on HTTP, not computing, so asynchronous RL needs no
+process of its own for it: one worker thread runs the jobs, in the order they were asked for, while the
+trainer's thread trains. It offers the same pipelined calls as
+:class:`~rlflow.rollout.engines.process.ProcessEngine` (``submit``, ``result``, ``cancel``, ``seed``).
+
+Weights are snapshotted (copied) in the trainer's thread when pushed, so later optimizer steps cannot
+change them before the worker sends them; the worker then writes and reloads them (the server engine's
+own ``load_weights``) before the jobs submitted after the push.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets, counted
+from rlflow.rollout.engines.process import EngineProcessError, Generated
+
+
+class ThreadedEngine(Engine):
+    """Runs ``engine``'s calls on one worker thread, first in, first out.
+
+    Args:
+        engine: the engine to drive (e.g. a :class:`~rlflow.rollout.engines.server.ServerEngine`).
+        timeout: seconds :meth:`result` waits for one job before raising :class:`EngineProcessError`.
+    """
+
+    holds_own_weights = True
+
+    def __init__(self, engine: Engine, *, timeout: float = 3600.0):
+        self.engine, self.timeout = engine, timeout
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlflow-async-engine")
+        self.tickets = itertools.count()
+        self.jobs: dict[int, Future] = {}
+        self.version, self.loaded_version = 0, 0
+        self.loaded_from = getattr(engine, "loaded_from", None)
+        self.idle_since = time.perf_counter()
+        self.failure: EngineProcessError | None = None  # a failed weight load: every later job raises it
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return dict(getattr(self.engine, "stats", {}))
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> int:
+        ticket = next(self.tickets)
+        self.jobs[ticket] = self.worker.submit(self._generate, prompts, params)
+        return ticket
+
+    def _generate(self, prompts, params) -> Generated:
+        if self.failure is not None:
+            raise self.failure
+        start = time.perf_counter()
+        idle, version = start - self.idle_since, self.loaded_version
+        completions = self.engine.generate(prompts, params)
+        done = time.perf_counter()
+        self.idle_since = done
+        for per_prompt in completions:
+            for c in per_prompt:
+                c.extras["policy_version"] = version
+        return Generated(completions, version, done - start, idle)
+
+    def result(self, ticket: int) -> Generated:
+        try:
+            return self.jobs.pop(ticket).result(timeout=self.timeout)
+        except FutureTimeout:
+            raise EngineProcessError(f"{type(self.engine).__name__} gave no answer within {self.timeout:.0f} s") from None
+
+    def cancel(self, ticket: int) -> None:
+        job = self.jobs.pop(ticket, None)
+        if job is not None:
+            job.cancel()  # a job already running finishes; its answer is dropped
+
+    def seed(self, *states) -> None:
+        """A server samples with its own random state: nothing to set."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        return self.result(self.submit(prompts, params)).completions
+
+    def load_weights(self, buckets: WeightBuckets, version: int | None = None) -> dict[str, float]:
+        """Snapshot the weights now; the worker loads them after the jobs already queued."""
+        start, totals = time.perf_counter(), {}
+        snapshot = [(name, tensor.detach().clone()) for name, tensor in counted(buckets, totals)]
+        version = self.version + 1 if version is None else version
+        self.version = version
+
+        def load():
+            try:
+                self.engine.load_weights([snapshot])
+            except Exception as e:  # noqa: BLE001 - old weights must never be sampled as if they were new
+                self.failure = EngineProcessError(f"loading weights version {version} into "
+                                                  f"{type(self.engine).__name__} failed: {e}")
+                raise
+            self.loaded_version = version
+            self.idle_since = time.perf_counter()  # loading is work, not waiting
+
+        self.worker.submit(load)
+        return totals | {"weight_sync/push_s": time.perf_counter() - start}
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=False, cancel_futures=True)
+        self.engine.close()
+

