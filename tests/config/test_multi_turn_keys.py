@@ -31,7 +31,7 @@ def chat_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-chat-model")
     tok = chat_tokenizer()
     tiny_qwen2(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-               max_positions=512, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0).save_pretrained(path)
+               max_positions=2048, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

@@ -146,9 +146,13 @@ class MegatronLogProbs(nn.Module):
 
     state_prefix = "lm."  # the Hugging Face weights' prefix in the module's checkpoint (TokenLogProbs.lm)
 
-    def __init__(self, lm: MegatronLM, temperature: float = 1.0, chunk_tokens: int = 4096,
+    def __init__(self, lm: MegatronLM, temperature: float = 1.0, chunk_tokens: int | None = None,
                  remove_padding: bool = False):
         super().__init__()
+        if chunk_tokens is None:  # as TokenLogProbs: a chunk's float32 logits (this rank's vocabulary rows) fit a budget
+            from rlflow.models.logprobs import auto_chunk_tokens
+
+            chunk_tokens = auto_chunk_tokens(lm.vocab_local)
         self.lm, self.temperature, self.chunk_tokens = lm, temperature, chunk_tokens
         self.remove_padding = remove_padding
 
