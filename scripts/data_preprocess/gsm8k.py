@@ -67,12 +67,14 @@ def convert(path: Path, split: str) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, *, description: str | None = None, default_dir: str = "~/data/gsm8k",
+         transform=None) -> int:
+    """The command line; ``transform`` maps each converted row (the multi-turn script adds its tools)."""
+    parser = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
     parser.add_argument("--local_dataset_path", default=None, help="folder holding a local copy of GSM8K")
     parser.add_argument("--train_file", default=None, help="the train split (jsonl or parquet)")
     parser.add_argument("--test_file", default=None, help="the test split (jsonl or parquet)")
-    parser.add_argument("--local_save_dir", "--local_dir", default="~/data/gsm8k", help="where the parquet files go")
+    parser.add_argument("--local_save_dir", "--local_dir", default=default_dir, help="where the parquet files go")
     args = parser.parse_args(argv)
     if args.local_dataset_path is None and not (args.train_file and args.test_file):
         parser.error("rlflow never downloads: pass --local_dataset_path (or --train_file and --test_file)")
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     for split in ("train", "test"):
         given = getattr(args, f"{split}_file")
         source = Path(given).expanduser() if given else find_split(root, split)
-        rows = convert(source, split)
+        rows = [transform(r) for r in convert(source, split)] if transform else convert(source, split)
         pd.DataFrame(rows).to_parquet(out_dir / f"{split}.parquet")
         print(f"{split}: {len(rows)} rows from {source} -> {out_dir / f'{split}.parquet'}")
     return 0

@@ -13,7 +13,6 @@ the tools, and per-row tool and interaction arguments::
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -36,26 +35,7 @@ def with_tools(row: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--local_dataset_path", default=None, help="folder holding a local copy of GSM8K")
-    parser.add_argument("--train_file", default=None, help="the train split (jsonl or parquet)")
-    parser.add_argument("--test_file", default=None, help="the test split (jsonl or parquet)")
-    parser.add_argument("--local_save_dir", "--local_dir", default="~/data/gsm8k_tool", help="where the parquet files go")
-    args = parser.parse_args(argv)
-    if args.local_dataset_path is None and not (args.train_file and args.test_file):
-        parser.error("rlflow never downloads: pass --local_dataset_path (or --train_file and --test_file)")
-    root = Path(args.local_dataset_path).expanduser() if args.local_dataset_path else None
-    out_dir = Path(args.local_save_dir).expanduser()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    import pandas as pd
-
-    for split in ("train", "test"):
-        given = getattr(args, f"{split}_file")
-        source = Path(given).expanduser() if given else gsm8k.find_split(root, split)
-        rows = [with_tools(r) for r in gsm8k.convert(source, split)]
-        pd.DataFrame(rows).to_parquet(out_dir / f"{split}.parquet")
-        print(f"{split}: {len(rows)} rows from {source} -> {out_dir / f'{split}.parquet'}")
-    return 0
+    return gsm8k.main(argv, description=__doc__.split("\n\n")[0], default_dir="~/data/gsm8k_tool", transform=with_tools)
 
 
 if __name__ == "__main__":
