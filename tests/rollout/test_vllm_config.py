@@ -72,6 +72,7 @@ def test_quick_start_with_rollout_name_vllm(vllm_engine, vllm_model_dir, gsm8k, 
     assert logged[2]["actor/kl_coef"] == 0.001 and "weight_sync/gb" in logged[2]
 
 
+@requires_vllm  # the plan checks that the engine can run here
 def test_engine_keys_are_honoured_or_noted():
     """Every rollout key of verl's vLLM rollout reaches the engine or gets a note saying why it cannot."""
     plan = make_plan(load_config([

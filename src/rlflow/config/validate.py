@@ -253,6 +253,11 @@ def rollout_engine_available(ctx: Context) -> None:
     if name not in tables.ROLLOUT_ENGINES:
         return  # a choice problem
     package, cls_name = tables.ROLLOUT_ENGINES[name]
+    if ctx.get(f"{R}.enable_vision") and name != "hf":  # before "install it": installing would not help
+        cls_name = tables.SERVER_ROLLOUTS.get(name, cls_name) if server else cls_name
+        ctx.add(f"{R}.name={name} with {R}.enable_vision=True: {cls_name} takes no images yet (vLLM's multimodal "
+                f"path needs torchvision, which rlflow's CPU install removes; docs/vision.md); set {R}.name=hf")
+        return
     if server:
         if name not in tables.SERVER_ROLLOUTS:
             ctx.add(f"{R}.server.url is set but {R}.name={name!r} has no server rollout; use "
