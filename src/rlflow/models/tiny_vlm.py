@@ -61,6 +61,16 @@ def _vision_token_ids(tokenizer) -> dict[str, int]:
     return dict(zip(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"), ids))
 
 
+def _text_config(tokenizer, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, max_positions,
+                 section) -> dict:
+    """The Qwen2 decoder of a tiny VLM, with 3-D rotary positions split ``section`` over (t, h, w)."""
+    return dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+                num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                max_position_embeddings=max_positions, pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section})
+
+
 def tiny_qwen2_5_vl(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                     intermediate_size: int = 128, vision_hidden_size: int = 32, vision_depth: int = 2,
                     vision_heads: int = 2, max_positions: int = 512, seed: int | None = None):
@@ -72,11 +82,8 @@ def tiny_qwen2_5_vl(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_h
     section = [head_dim // 8, head_dim // 8 + head_dim // 16, head_dim // 8 + head_dim // 16]  # sums to head_dim / 2
     section[0] += head_dim // 2 - sum(section)
     config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                         max_position_embeddings=max_positions, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}),
+        text_config=_text_config(tokenizer, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
+                                 max_positions, section),
         vision_config=dict(depth=vision_depth, hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
                            num_heads=vision_heads, out_hidden_size=hidden_size, patch_size=14, spatial_merge_size=2,
                            temporal_patch_size=2, window_size=56, fullatt_block_indexes=[vision_depth - 1]),
@@ -97,11 +104,8 @@ def tiny_qwen2_vl(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_hea
     section = [head_dim // 4, head_dim // 8, head_dim // 8]
     section[0] += head_dim // 2 - sum(section)
     config = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                         max_position_embeddings=max_positions, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}),
+        text_config=_text_config(tokenizer, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
+                                 max_positions, section),
         vision_config=dict(depth=vision_depth, embed_dim=vision_hidden_size, hidden_size=hidden_size,
                            mlp_ratio=2, num_heads=vision_heads, patch_size=14, spatial_merge_size=2,
                            temporal_patch_size=2),
