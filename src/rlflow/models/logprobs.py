@@ -236,7 +236,9 @@ def response_hidden_states(lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tenso
     P, R = prompt_ids.shape[1], response_ids.shape[1]
     if is_multimodal(lm):
         return padded_hidden_states(lm, prompt_ids, prompt_mask, response_ids, multi_modal)[:, P - 1 : P + R - 1]
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], dim=1)
+    # the last response token is not fed: no scored position reads its hidden state (causal attention)
+    fed = response_ids[:, : max(R - 1, 0)]
+    input_ids = torch.cat([prompt_ids, fed], dim=1)
+    mask = torch.cat([prompt_mask, torch.ones_like(fed)], dim=1)
     out = lm.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask))
     return out.last_hidden_state[:, P - 1 : P + R - 1]
