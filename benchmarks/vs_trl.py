@@ -95,7 +95,8 @@ def run_trl(steps: int, run_dir: str) -> dict:
         gradient_accumulation_steps=1, max_completion_length=NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0,
         beta=0.0, epsilon=CLIP, loss_type="dapo", scale_rewards="group", num_iterations=1,
         learning_rate=LR, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=MAX_GRAD_NORM,
-        optim="adamw_torch", logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0,
+        optim="adamw_torch", bf16=False, gradient_checkpointing=False,  # TRL's defaults are bf16 and checkpointing
+        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0,
         disable_tqdm=True, dataloader_num_workers=0,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match_reward, args=args, train_dataset=dataset,

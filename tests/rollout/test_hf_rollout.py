@@ -82,26 +82,28 @@ def test_unbound_rollout_says_how_to_fix(tokenizer):
         HFRollout(n=0)
 
 
+
 @pytest.mark.parametrize("lora", [False, True])
-def test_shared_prompt_prefill_gives_the_samples_of_plain_generate(model, tokenizer, lora):
+def test_shared_prompt_prefill_gives_the_samples_of_plain_generate(model, tokenizer, lora, monkeypatch):
     """A prompt's n samples share one prefill (each distinct prompt goes through the model once, minus its last
     token); the samples and log-probs are those of plain ``generate`` on the repeated rows."""
     from peft import LoraConfig
 
+    from rlflow.rollout.engines import hf
     from rlflow.rollout.engines.base import SamplingParams
-    from rlflow.rollout.engines.hf import HFEngine, left_padded
 
     if lora:
         model = Policy(model, tokenizer, lora=LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).model
     texts = ["12+34=", "7", "5+6=", "99+99="]  # "7": its shared part is all padding
-    ids, mask = left_padded([tokenizer(t)["input_ids"] for t in texts], 4, tokenizer.pad_token_id, "cpu")
+    ids, mask = hf.left_padded([tokenizer(t)["input_ids"] for t in texts], 4, tokenizer.pad_token_id, "cpu")
     params = SamplingParams(n=4, temperature=0.8, top_k=9, max_new_tokens=6, seed=3)
-    engine = HFEngine(model, tokenizer)
+    engine = hf.HFEngine(model, tokenizer)
     fed = []
     hook = model.get_input_embeddings().register_forward_pre_hook(lambda m, args: fed.append(tuple(args[0].shape)))
-    shared = engine.generate_padded(ids, mask, params, group=4)
+    shared = engine.generate_padded(ids, mask, params)
     hook.remove()
-    plain = engine.generate_padded(ids, mask, params, group=1)
+    monkeypatch.setattr(hf, "shared_prefill", lambda *args: None)  # plain generate as the reference
+    plain = engine.generate_padded(ids, mask, params)
     assert fed[:2] == [(4, ids.shape[1] - 1), (16, 1)]  # the distinct prompts once, then all rows from the last column
     assert torch.equal(shared[0], plain[0])
     torch.testing.assert_close(shared[1], plain[1], atol=1e-5, rtol=1e-5)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from rlflow.models.shared_prompt import can_share, distinct_prompts, shared_prompt_hidden_states
 from rlflow.models.vision import is_multimodal, padded_hidden_states
 
 LOGITS_CHUNK_BYTES = 256 * 2**20  # float32 logits per chunk when ``chunk_tokens`` is not given
@@ -162,14 +163,17 @@ class TokenLogProbs(nn.Module):
         remove_padding: run the backbone on packed sequences (``rlflow.models.packing``); positions
             after the end of each response (given ``response_mask``) then get 0.
         pack_length: tokens per packed row (default: the longest sequence of the batch).
+        share_prompts: in the padded layout, run each distinct prompt once for all its rows
+            (``rlflow.models.shared_prompt``); ``False``: every row runs its own prompt.
 
     :meth:`sequence_parallel` splits each packed row over a process group (``rlflow.models.ulysses``).
     """
 
     def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_tokens: int | None = None,
-                 remove_padding: bool = False, pack_length: int | None = None):
+                 remove_padding: bool = False, pack_length: int | None = None, share_prompts: bool = True):
         super().__init__()
         self.lm = lm
+        self.share_prompts = share_prompts
         self.temperature = temperature
         self.chunk_tokens = chunk_tokens
         self.remove_padding, self.pack_length = remove_padding, pack_length
@@ -191,7 +195,8 @@ class TokenLogProbs(nn.Module):
             return packed_log_probs(self.lm, prompt_ids, prompt_mask, response_ids, response_mask,
                                     temperature=self.temperature, chunk_tokens=self.chunk_tokens,
                                     pack_length=self.pack_length, sp_group=self.sp_group, multi_modal=multi_modal)
-        hidden = response_hidden_states(self.lm, prompt_ids, prompt_mask, response_ids, multi_modal=multi_modal)
+        hidden = response_hidden_states(self.lm, prompt_ids, prompt_mask, response_ids, multi_modal=multi_modal,
+                                        share_prompts=self.share_prompts)
         B, R, H = hidden.shape
         logps, ents = head_log_probs(hidden.reshape(B * R, H), response_ids.reshape(B * R),
                                      self.lm.get_output_embeddings(), self.temperature, self.chunk_tokens)
@@ -219,7 +224,8 @@ def enable_sequence_parallel(lm: nn.Module, group, remove_padding: bool):
 
 def response_hidden_states(lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
                            response_mask: Tensor | None = None, remove_padding: bool = False,
-                           pack_length: int | None = None, multi_modal: list[dict] | None = None) -> Tensor:
+                           pack_length: int | None = None, multi_modal: list[dict] | None = None,
+                           share_prompts: bool = True) -> Tensor:
     """Last hidden states at the positions that predict each response token: ``B x R x H``.
 
     The response attends fully: right padding never influences earlier positions
@@ -227,6 +233,8 @@ def response_hidden_states(lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tenso
     ``remove_padding`` packs the sequences (``rlflow.models.packing``; zeros after each response's end).
     ``multi_modal``: each row's vision inputs, for a vision-language model (``rlflow.models.vision``; its
     positions are then the model's 3-D rotary positions over prompt + response).
+    ``share_prompts``: rows with the same prompt (a prompt's samples) share one pass over it
+    (``rlflow.models.shared_prompt``; where it applies, see ``can_share``).
     """
     if remove_padding:
         from rlflow.models.packing import packed_response_hidden_states
@@ -236,6 +244,10 @@ def response_hidden_states(lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tenso
     P, R = prompt_ids.shape[1], response_ids.shape[1]
     if is_multimodal(lm):
         return padded_hidden_states(lm, prompt_ids, prompt_mask, response_ids, multi_modal)[:, P - 1 : P + R - 1]
+    if share_prompts and can_share(lm):
+        shared = distinct_prompts(prompt_ids, prompt_mask)
+        if shared is not None:  # each distinct prompt runs once (rlflow.models.shared_prompt)
+            return shared_prompt_hidden_states(lm, prompt_ids, prompt_mask, response_ids, *shared)
     # the last response token is not fed: no scored position reads its hidden state (causal attention)
     fed = response_ids[:, : max(R - 1, 0)]
     input_ids = torch.cat([prompt_ids, fed], dim=1)

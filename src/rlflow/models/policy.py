@@ -39,6 +39,8 @@ class Policy(BatchModule):
             adapter is trainable; :meth:`reference` is the same model with the adapter off; checkpoints hold
             the adapter (see ``rlflow.models.lora`` and the LoRA docs page). A ``PeftModel`` passed as
             ``model`` is used as it is.
+        share_prompts: rows with the same prompt (a prompt's ``n`` samples) run it through the model once
+            (``rlflow.models.shared_prompt``; padded layout, where the model allows it). Same results.
     """
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS)
@@ -56,6 +58,7 @@ class Policy(BatchModule):
         entropy_key: str | None = K.ENTROPY,
         remove_padding: bool = False,
         lora=None,
+        share_prompts: bool = True,
     ):
         if tokenizer is None and processor is not None:
             tokenizer = processor.tokenizer
@@ -74,8 +77,9 @@ class Policy(BatchModule):
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         self.log_prob_key, self.entropy_key = log_prob_key, entropy_key
-        self.module: nn.Module = TokenLogProbs(model, temperature=temperature, remove_padding=remove_padding)
-        self.remove_padding = remove_padding
+        self.module: nn.Module = TokenLogProbs(model, temperature=temperature, remove_padding=remove_padding,
+                                                   share_prompts=share_prompts)
+        self.remove_padding, self.share_prompts = remove_padding, share_prompts
         if gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora_module(model) is not None:  # checkpoints save what training changes: the adapter
@@ -165,6 +169,7 @@ class Policy(BatchModule):
             log_prob_key=K.REF_LOG_PROBS,
             entropy_key=None,
             remove_padding=self.remove_padding,
+            share_prompts=self.share_prompts,
         )
 
     def engine_copy(self) -> nn.Module:

@@ -1,7 +1,7 @@
 """HFEngine: sampling with transformers' ``generate`` (batched, left-padded, KV cache; no per-token Python loop of ours).
 
 The ``n`` samples of a prompt share its prefill: each distinct prompt runs through the model once (all but its
-last token), the KV cache is repeated ``n`` times, and ``generate`` continues from it (:func:`shared_prompt_cache`).
+last token), the KV cache is gathered to its rows, and ``generate`` continues from it (:func:`shared_prefill`).
 With GRPO's ``n = 8`` the prompt tokens cost an eighth of what ``generate`` alone spends on them; the samples are
 the same (same logits up to float rounding, same random draws).
 """
@@ -23,6 +23,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from rlflow.models.shared_prompt import can_share, distinct_prompts, prompt_cache
 from rlflow.models.vision import concat_inputs, generation_inputs
 from rlflow.rollout.engines.base import Completion, Engine, MultiModalPrompt, SamplingParams, WeightBuckets, counted
 
@@ -83,26 +84,14 @@ def response_mask_until_eos(response: Tensor, eos_token_id: int | list[int] | No
     return (~after).long()
 
 
-@torch.no_grad()
-def shared_prompt_cache(model: nn.Module, ids: Tensor, mask: Tensor, group: int) -> DynamicCache | None:
-    """The KV cache of ``ids[:, :-1]`` computed once per group of ``group`` identical rows, then repeated.
-
-    ``generate`` given this cache feeds only the last prompt column and goes on as usual. ``None`` (plain
-    ``generate``) when there is nothing to share (``group == 1``, one prompt column) or the model needs another
-    cache than transformers' dynamic one (e.g. recurrent or linear-attention layers).
-    """
-    rows, P = ids.shape
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model: its transformer
-    supports = getattr(base, "_supports_default_dynamic_cache", lambda: False)()
-    if group <= 1 or P < 2 or rows % group or not supports:
+def shared_prefill(model: nn.Module, ids: Tensor, mask: Tensor) -> DynamicCache | None:
+    """The KV cache of ``ids[:, :-1]`` with each distinct prompt run once (``rlflow.models.shared_prompt``),
+    gathered to every row; ``generate`` given it feeds only the last prompt column. ``None`` (plain ``generate``)
+    when no prompt repeats, there is one prompt column, or the model cannot share (``can_share``)."""
+    shared = distinct_prompts(ids, mask) if ids.shape[1] > 1 and can_share(model) else None
+    if shared is None:
         return None
-    first_ids, first_mask = ids[::group, : P - 1], mask[::group, : P - 1]
-    # the positions ``generate`` gives a left-padded prompt (padding positions are never attended to)
-    positions = (first_mask.long().cumsum(-1) - 1).masked_fill(first_mask == 0, 1)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=first_ids, attention_mask=first_mask, position_ids=positions, past_key_values=cache,
-          use_cache=True, logits_to_keep=1)
-    cache.batch_repeat_interleave(group)
+    cache, _ = prompt_cache(model.get_decoder(), model.config, ids[:, :-1], mask[:, :-1], *shared)
     return cache
 
 
@@ -139,13 +128,13 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def generate_padded(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
-                        vision_inputs: dict[str, Tensor] | None = None, group: int = 1) -> tuple[Tensor, Tensor]:
+                        vision_inputs: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """The tensor form: left-padded ``[N, P]`` prompts (one row per sample) -> ``(sequences[:, P:], log_probs)``,
         both ``[N, R]``; rows that stopped early are padded (ids with the pad id, log-probs with 0 from ``R``).
 
         ``vision_inputs``: the rows' processor tensors, concatenated in row order (``rlflow.models.vision``).
-        ``group``: the rows come in runs of ``group`` copies of one prompt (a prompt's samples): their prefill
-        is shared (:func:`shared_prompt_cache`; not with images, a static cache or compiled decoding)."""
+        Rows with the same prompt (a prompt's samples) share its prefill (:func:`shared_prefill`; not with
+        images, a static cache or compiled decoding)."""
         stops = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=not params.greedy,
@@ -165,7 +154,7 @@ class HFEngine(Engine):
                     torch.manual_seed(params.seed)
                 extra = generation_inputs(self.model, prompt_ids, vision_inputs) if vision_inputs else {}
                 if not vision_inputs and self.cache_implementation is None:
-                    cache = shared_prompt_cache(self.model, prompt_ids, prompt_mask, group)
+                    cache = shared_prefill(self.model, prompt_ids, prompt_mask)
                     extra = {"past_key_values": cache} if cache is not None else {}
                 sequences = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                                                 generation_config=config, logits_processor=procs, **extra)
@@ -193,8 +182,7 @@ class HFEngine(Engine):
             return None
         pad, device = self.tokenizer.pad_token_id, next(self.model.parameters()).device
         ids = ids.masked_fill(~real, pad).repeat_interleave(params.n, 0).to(device)  # as ``left_padded`` builds them
-        response, log_probs = self.generate_padded(ids, real.long().repeat_interleave(params.n, 0).to(device), params,
-                                                   group=params.n)
+        response, log_probs = self.generate_padded(ids, real.long().repeat_interleave(params.n, 0).to(device), params)
         stops = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
         mask = response_mask_until_eos(response, stops or None)
         R = int(mask.sum(-1).max())  # rows that stopped are padded by generate; the longest completion sets R
@@ -208,7 +196,7 @@ class HFEngine(Engine):
         vision = None
         if multi_modal is not None:  # each prompt's images once per sample, in row order
             vision = concat_inputs([(m.inputs if m else {}) for m in multi_modal for _ in range(params.n)], device)
-        response, log_probs = self.generate_padded(ids, mask, params, vision, group=params.n)
+        response, log_probs = self.generate_padded(ids, mask, params, vision)
         stops = set(self.eos_token_ids) | set(params.stop_token_ids)
         out: list[list[Completion]] = []
         for row, (tokens, lps) in enumerate(zip(response.tolist(), log_probs.tolist())):
