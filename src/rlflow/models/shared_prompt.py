@@ -7,9 +7,9 @@ gradients from every sample flow back to the one prompt pass and sum there, as t
 each row's response runs on top of it. Log-probs are those of the padded pass up to float rounding; gradients
 too (summed in another order). The idea is known as shared-prefix training ("Prefix Grouper", arXiv 2506.05433).
 
-With ``n = 8`` samples of a 6-token prompt and 3 response tokens fed, a training pass runs over 1 + 8 x 3/9
-of the tokens the padded pass does per prompt (``benchmarks/vs_trl.py``); the longer the prompts next to the
-responses, the more it saves. Generation shares the prefill the same way (``rlflow.rollout.engines.hf``).
+Per prompt the model runs over ``P + n (R - 1)`` tokens instead of ``n (P + R - 1)``: on the default job (6-token
+prompts, ``n = 8``, 3 response tokens fed) 30 instead of 72. The longer the prompts next to the responses, the
+more it saves. Generation shares the prefill the same way (``rlflow.rollout.engines.hf``).
 
 Used when it can be (:func:`can_share`): a text model with transformers' dynamic KV cache, without gradient
 checkpointing (which turns the cache off) and without FSDP-sharded layers (ranks must run the same number
