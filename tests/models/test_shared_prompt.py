@@ -104,3 +104,27 @@ def test_lora_policy_shares_prompts(model, tokenizer, repeated):
     shared = TokenLogProbs(policy.model)(*repeated)
     padded = TokenLogProbs(policy.model, share_prompts=False)(*repeated)
     torch.testing.assert_close(shared, padded, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_shared_prompts_on_cuda_in_bf16(tokenizer):
+    """On CUDA under bf16 autocast (sdpa), shared prompts give the padded pass's log-probs and gradients up to
+    bf16 rounding. Marked ``gpu``: skipped without CUDA (not run on the CPU-only development machine)."""
+    from rlflow.models.tiny import tiny_qwen2
+
+    model = tiny_qwen2(len(tokenizer), hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
+                       intermediate_size=1024, max_positions=128, seed=0).cuda()
+    texts = [f"{a}+{b}=" for a in range(10, 90, 10) for b in (3, 47)]
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    prompt_ids, prompt_mask = (t.repeat_interleave(8, 0).cuda() for t in (enc["input_ids"], enc["attention_mask"]))
+    response = torch.randint(3, len(tokenizer), (prompt_ids.shape[0], 24), generator=torch.Generator().manual_seed(0))
+    results = []
+    for share in (True, False):
+        m = copy.deepcopy(model)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            lp, ent = TokenLogProbs(m, share_prompts=share)(prompt_ids, prompt_mask, response.cuda())
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        results.append((lp.detach(), torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=5e-2, rtol=5e-2)
+    cosine = torch.nn.functional.cosine_similarity(results[0][1].float(), results[1][1].float(), dim=0)
+    assert cosine > 0.999, cosine
