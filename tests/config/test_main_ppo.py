@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import rlflow.config.devices as devices
+from rlflow.models.checks import activation_checkpointing
 from rlflow.cli import main as cli_main
 from rlflow.config import load_config, make_plan
 from rlflow.config.build import build_trainer
@@ -127,7 +128,7 @@ def test_troubleshooting_keys_land_on_objects(tiny, capsys):
     plan = make_plan(load_config(overrides))
     trainer, _ = build_trainer(plan)
     assert trainer.policy.micro_batch_size == 4
-    assert trainer.policy.model.is_gradient_checkpointing
+    assert activation_checkpointing(trainer.policy.model)
     assert type(trainer.fabric.strategy).__name__ == "SingleDeviceStrategy"
     assert any("strategy=fsdp2 on 1 process" in n for n in plan.notes)
     assert plan.devices.offload and any("offload_policy=True" in n for n in plan.notes)

@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from rlflow.models.checks import enable_activation_checkpointing
 from rlflow.models.critic import ValueHeadModel
 from rlflow.models.logprobs import TokenLogProbs, response_hidden_states
 from rlflow.models.shared_prompt import can_share, distinct_prompts
@@ -83,7 +84,7 @@ def test_not_shared_where_it_cannot_be(model, repeated):
     """Gradient checkpointing turns transformers' cache off: the padded pass runs (and is right)."""
     assert can_share(model)
     m = copy.deepcopy(model)
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(m, {"use_reentrant": False})
     assert not can_share(m)
     shapes, hook = fed_shapes(m)
     m.train()

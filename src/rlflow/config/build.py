@@ -139,7 +139,9 @@ def build_critic(plan: Plan) -> Critic:
         raise ConfigError(f"critic.model.path: {e}") from None
     model = AutoModelForCausalLM.from_pretrained(path)
     if kw.pop("gradient_checkpointing"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from rlflow.models.checks import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model, {"use_reentrant": False})
     return Critic(model, **kw)
 
 

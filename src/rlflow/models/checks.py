@@ -116,3 +116,21 @@ def check_tokenizer(tokenizer, model=None, source: str = "") -> None:
         raise ModelFolderError(f"tokenizer {name} does not fit the model: {what}, but the embedding table has "
                                f"{rows} rows (a tokenizer from another model? or call "
                                "model.resize_token_embeddings(len(tokenizer)))")
+
+
+def activation_checkpointing(model) -> bool:
+    """Whether a transformers model has gradient (activation) checkpointing on, without the deprecation warning
+    of ``is_gradient_checkpointing`` (transformers >= 5.2x: ``is_activation_checkpointing``)."""
+    on = getattr(model, "is_activation_checkpointing", None)
+    return bool(on if on is not None else getattr(model, "is_gradient_checkpointing", False))
+
+
+def enable_activation_checkpointing(model, checkpoint_kwargs: dict) -> None:
+    """Turn on a transformers model's gradient (activation) checkpointing, ``checkpoint_kwargs`` going to
+    ``torch.utils.checkpoint``, under the name the installed transformers has (``activation_checkpointing_enable``
+    from 5.2x on; ``gradient_checkpointing_enable``, deprecated since, before)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)

@@ -81,7 +81,9 @@ class Policy(BatchModule):
                                                    share_prompts=share_prompts)
         self.remove_padding, self.share_prompts = remove_padding, share_prompts
         if gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            from rlflow.models.checks import enable_activation_checkpointing
+
+            enable_activation_checkpointing(model, {"use_reentrant": False})
         if lora_module(model) is not None:  # checkpoints save what training changes: the adapter
             lora_module(model).keep_trainable_state_only(self.module)
 

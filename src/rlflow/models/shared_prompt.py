@@ -18,23 +18,33 @@ of forward passes: whether rows repeat is a per-rank fact).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from rlflow.models.checks import activation_checkpointing
 from rlflow.models.vision import is_multimodal
 
 
 def can_share(lm: nn.Module) -> bool:
     """Whether ``lm`` (a causal LM, or a PEFT model around one) can run a prompt once for several rows."""
     base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    if is_multimodal(base) or getattr(base, "is_gradient_checkpointing", False):
+    if is_multimodal(base) or activation_checkpointing(base):
         return False
     if not getattr(base, "_supports_default_dynamic_cache", lambda: False)():  # e.g. recurrent layers
         return False
     from torch.distributed.fsdp import FSDPModule
 
     return not any(isinstance(m, FSDPModule) for m in base.modules())
+
+
+def cache_argument(lm: nn.Module) -> str:
+    """The name of the KV-cache argument of ``lm.forward`` (a PEFT model: its base model's):
+    ``cache`` from transformers 5.2x on, ``past_key_values`` before (deprecated since)."""
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -72,7 +82,7 @@ def prompt_cache(decoder: nn.Module, config, ids: Tensor, mask: Tensor, first: T
     ids, mask = ids[first], mask[first]
     cache = DynamicCache(config=config)
     out = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                  past_key_values=cache, use_cache=True)
+                  use_cache=True, **{cache_argument(decoder): cache})
     cache.batch_select_indices(inverse)
     return cache, out.last_hidden_state[:, -1][inverse]
 
@@ -89,5 +99,6 @@ def shared_prompt_hidden_states(lm: nn.Module, prompt_ids: Tensor, prompt_mask: 
     fed = response_ids[:, : R - 1]  # the last response token is not fed (no scored position reads it)
     mask = torch.cat([prompt_mask, torch.ones_like(fed)], dim=1)
     positions = (prompt_mask.sum(-1, keepdim=True) + torch.arange(R - 1, device=fed.device)).long()
-    out = decoder(input_ids=fed, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    out = decoder(input_ids=fed, attention_mask=mask, position_ids=positions, use_cache=True,
+                  **{cache_argument(decoder): cache})
     return torch.cat([last[:, None], out.last_hidden_state], dim=1)

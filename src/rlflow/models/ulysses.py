@@ -197,12 +197,10 @@ def checkpoint_context():
 
 def keep_through_checkpointing(model: nn.Module) -> None:
     """Re-enable a model's gradient checkpointing with :func:`checkpoint_context` (a no-op when it is off)."""
-    on = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5; older: is_gradient_checkpointing
-    if on is None:
-        on = getattr(model, "is_gradient_checkpointing", False)
-    if on:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_context})
+    from rlflow.models.checks import activation_checkpointing, enable_activation_checkpointing
+
+    if activation_checkpointing(model):
+        enable_activation_checkpointing(model, {"use_reentrant": False, "context_fn": checkpoint_context})
 
 
 def sequence_parallel_outputs(lm: nn.Module, packed: Packed, fn: Callable[[Tensor, Tensor], Tensor], group) -> Tensor:

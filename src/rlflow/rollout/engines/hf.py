@@ -23,7 +23,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from rlflow.models.shared_prompt import can_share, distinct_prompts, prompt_cache
+from rlflow.models.shared_prompt import cache_argument, can_share, distinct_prompts, prompt_cache
 from rlflow.models.vision import concat_inputs, generation_inputs
 from rlflow.rollout.engines.base import Completion, Engine, MultiModalPrompt, SamplingParams, WeightBuckets, counted
 
@@ -155,7 +155,7 @@ class HFEngine(Engine):
                 extra = generation_inputs(self.model, prompt_ids, vision_inputs) if vision_inputs else {}
                 if not vision_inputs and self.cache_implementation is None:
                     cache = shared_prefill(self.model, prompt_ids, prompt_mask)
-                    extra = {"past_key_values": cache} if cache is not None else {}
+                    extra = {cache_argument(self.model): cache} if cache is not None else {}
                 sequences = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                                                 generation_config=config, logits_processor=procs, **extra)
         finally:

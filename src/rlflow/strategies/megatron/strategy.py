@@ -31,6 +31,7 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
 from torch.optim import Optimizer
 
+from rlflow.models.checks import activation_checkpointing
 from rlflow.strategies.megatron.layout import ParallelLayout
 
 LAYER_SPECS = ("local", "transformer_engine")
@@ -180,8 +181,7 @@ class MegatronStrategy(ModelParallelStrategy):
         """The ``TransformerConfig`` overrides; gradient checkpointing on the Hugging Face model becomes
         Megatron's full recomputation, which needs CUDA (it saves and restores CUDA RNG states)."""
         overrides = dict(self.transformer_overrides)
-        if getattr(hf_model, "is_gradient_checkpointing", False) and not any(k.startswith("recompute")
-                                                                               for k in overrides):
+        if activation_checkpointing(hf_model) and not any(k.startswith("recompute") for k in overrides):
             if on_cpu:
                 from lightning.fabric.utilities import rank_zero_warn
 
