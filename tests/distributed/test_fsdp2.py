@@ -77,6 +77,27 @@ def test_ddp_two_processes_equal_one(single_process, tmp_path):
     assert_same_weights(ddp[1]["weights"], reference[1]["weights"])
 
 
+def test_shared_prompts_under_ddp_and_fsdp2_equal_one_process(tmp_path):
+    """Two (greedy) samples per prompt, two rows per micro-batch: one process and DDP run each prompt once for its
+    two rows (rlflow.models.shared_prompt), FSDP2 the padded pass (sharded layers do not share); all equal."""
+    from rlflow.models import shared_prompt
+
+    passes = []
+    original = shared_prompt.prompt_cache
+    shared_prompt.prompt_cache = lambda *a: passes.append((a[2].shape[0], len(a[4]))) or original(*a)
+    try:
+        trainer, data, record = build(str(tmp_path / "one"), "auto", steps=1, devices=1, samples=2)
+        trainer.fit(data)
+    finally:
+        shared_prompt.prompt_cache = original
+    assert passes and set(passes) == {(2, 1)}  # the update's micro-batches: 2 rows, 1 distinct prompt each
+    reference = record.steps
+    for strategy in ("ddp", "fsdp2"):
+        two = run_ok(2, tmp_path / strategy, strategy, 1, "samples=2")
+        assert two[1]["metrics"]["actor/pg_loss"] == pytest.approx(reference[1]["metrics"]["actor/pg_loss"], abs=1e-5)
+        assert_same_weights(two[1]["weights"], reference[1]["weights"])
+
+
 def test_bf16_mixed_precision_keeps_fp32_master_weights(single_process, tmp_path):
     """FSDP2 with bf16 parameters in compute and fp32 gradient reduction (gloo runs it on CPU)."""
     reference, _ = single_process

@@ -99,7 +99,7 @@ def reward_model(tok):
 
 
 def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1, remove_padding=0, max_tokens=None,
-          val=0, bf16=0, offload=0, cuda=0, batch_stats=0, critic=0, rm=0, lora=0):
+          val=0, bf16=0, offload=0, cuda=0, batch_stats=0, critic=0, rm=0, lora=0, samples=1):
     torch.manual_seed(0)
     devices = devices or int(__import__("os").environ.get("WORLD_SIZE", 1))
     if bf16 or offload:
@@ -120,7 +120,7 @@ def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1,
     trainer = Trainer(
         policy=Policy(model, tok, remove_padding=bool(remove_padding),
                       lora=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None),
-        rollout=HFRollout(n=1, do_sample=False, max_new_tokens=4),
+        rollout=HFRollout(n=samples, do_sample=False, max_new_tokens=4),
         reward=reward_model(tok) if rm else FunctionReward(varied), loss=PPOLoss(kl_coef=0.5) if lora else PPOLoss(),
         estimator=GAE(gamma=1.0, lam=0.95) if critic else Chain(
             KLInReward(AdaptiveKLController(init_coef=0.1, target_kl=1e-3, horizon=10)), ReinforcePlusPlus(),
