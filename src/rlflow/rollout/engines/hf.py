@@ -152,9 +152,11 @@ class HFEngine(Engine):
                                        enabled=params.seed is not None):
                 if params.seed is not None:
                     torch.manual_seed(params.seed)
-                extra = generation_inputs(self.model, prompt_ids, vision_inputs) if vision_inputs else {}
-                if not vision_inputs and self.cache_implementation is None:
-                    cache = shared_prefill(self.model, prompt_ids, prompt_mask)
+                if vision_inputs:
+                    extra = generation_inputs(self.model, prompt_ids, vision_inputs)
+                else:
+                    static = self.cache_implementation is not None  # a preallocated cache of transformers' own
+                    cache = None if static else shared_prefill(self.model, prompt_ids, prompt_mask)
                     extra = {cache_argument(self.model): cache} if cache is not None else {}
                 sequences = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                                                 generation_config=config, logits_processor=procs, **extra)
