@@ -141,6 +141,18 @@ def batch_units(ctx: Context) -> None:
 
 
 @cross_check
+def prompts_split_over_processes(ctx: Context) -> None:
+    """Each process takes an equal share of a step's prompts (``rlflow.trainer.distributed.rank_shard``)."""
+    bs, per_node, nnodes = (ctx.get(k) for k in ("data.train_batch_size", "trainer.n_gpus_per_node", "trainer.nnodes"))
+    if not all(map(_positive_int, (bs, per_node, nnodes))):
+        return  # a range problem, reported already
+    if bs % (per_node * nnodes):
+        ctx.add(f"data.train_batch_size={bs} must be a multiple of the number of processes, trainer.n_gpus_per_node "
+                f"x trainer.nnodes = {per_node} x {nnodes} = {per_node * nnodes}: each process takes an equal share "
+                "of a step's prompts")
+
+
+@cross_check
 def one_micro_size(ctx: Context) -> None:
     """verl's per-GPU micro size and its deprecated global form: at most one of each pair."""
     pairs = [(f"{A}.ppo_micro_batch_size_per_gpu", f"{A}.ppo_micro_batch_size"),
