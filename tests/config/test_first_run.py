@@ -51,6 +51,40 @@ def message(argv: list[str]) -> str:
     return ""
 
 
+@pytest.fixture
+def seed_ppo(model_dir, tmp_path):
+    """The seed's PPO block as a config file, 128 training prompts, and what makes it tiny and CPU-only."""
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "ppo.yaml").write_text(SEED_PPO_BLOCK.format(model=model_dir))
+    pd.DataFrame(verl_rows(128, "train", 0)).to_parquet(tmp_path / "train.parquet")
+    return ["--config-path", str(tmp_path / "config"), "--config-name", "ppo",
+            f"data.train_files={tmp_path}/train.parquet", f"actor_rollout_ref.model.path={model_dir}",
+            "trainer.device=cpu", "trainer.n_gpus_per_node=1", "data.max_prompt_length=8",
+            "data.max_response_length=4", "trainer.logger=[console]", f"trainer.default_local_dir={tmp_path}/run"]
+
+
+@pytest.mark.parametrize("batch", [64, 128])
+def test_seed_ppo_block_critic_mini_batch_applies_to_the_actor(seed_ppo, batch, capsys):
+    """Only critic.ppo_mini_batch_size=64 is set: the Trainer's one mini-batch size is 64 for actor and critic, and
+    validation checks that value, not the actor's unset verl default (256), as the dry run says."""
+    argv = seed_ppo + [f"data.train_batch_size={batch}"]
+    assert message(argv) == ""
+    assert main(argv + ["--dry-run"]) == 0
+    report = capsys.readouterr().out
+    assert f"train_batch_size / ppo_mini_batch_size = {batch} / 64" in report
+    assert f"{C}.ppo_mini_batch_size=64 applies to the actor too" in report
+
+
+def test_seed_ppo_block_with_a_batch_smaller_than_the_critic_mini_batch_names_the_critic_key(seed_ppo):
+    text = message(seed_ppo + ["data.train_batch_size=32"])
+    assert f"data.train_batch_size=32 must be a multiple of {C}.ppo_mini_batch_size=64" in text
+    assert f"applies to the actor too, whose {A}.ppo_mini_batch_size is not set" in text
+    assert f"{A}.ppo_mini_batch_size=256" not in text
+    # the actor's own value, when set, is the one checked (and the critic's then follows it)
+    text = message(seed_ppo + ["data.train_batch_size=32", f"{A}.ppo_mini_batch_size=48", f"{C}.ppo_mini_batch_size=48"])
+    assert f"data.train_batch_size=32 must be a multiple of {A}.ppo_mini_batch_size=48" in text
+
+
 def test_a_batch_that_does_not_split_over_the_processes_fails_validation_and_the_dry_run(tiny, capsys):
     argv = tiny + ["trainer.n_gpus_per_node=3"]  # CPU processes; data.train_batch_size=4
     expected = ("data.train_batch_size=4 must be a multiple of the number of processes, trainer.n_gpus_per_node x "

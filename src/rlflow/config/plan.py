@@ -185,10 +185,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
         return shared(cfg, notes, with_critic, (a,) + aliases, cfg[a] if actor_value is None else actor_value,
                       (c,), cfg[c] if critic_value is None and with_critic else critic_value)
 
+    # validation checked that the batch splits into mini-batches of this size (the critic's, when only it is set)
     n, bs, mini = cfg[f"{R}.n"], cfg["data.train_batch_size"], same("ppo_mini_batch_size")
-    if mini > bs or bs % mini:  # the critic's size, when it wins (validation checked the actor's)
-        raise ConfigError(f"data.train_batch_size={bs} must be a multiple of {C}.ppo_mini_batch_size={mini} "
-                          "(both count prompts)")
     micro = one_of(cfg, f"{A}.ppo_micro_batch_size_per_gpu", f"{A}.ppo_micro_batch_size", procs)
     if micro is not None and (mini * n) % micro:
         raise ConfigError(f"a mini-batch holds ppo_mini_batch_size x rollout.n = {mini} x {n} = {mini * n} "

@@ -124,14 +124,26 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def mini_batch_key(ctx: Context) -> str:
+    """The ``ppo_mini_batch_size`` the Trainer uses for actor and critic alike (the plan's ``shared`` rule): the
+    critic's when only the critic's is set (verl's PPO example), else the actor's."""
+    actor, critic = f"{A}.ppo_mini_batch_size", f"{C}.ppo_mini_batch_size"
+    if ctx.with_critic and ctx.cfg.is_provided(critic) and not ctx.cfg.is_provided(actor):
+        return critic
+    return actor
+
+
 @cross_check
 def batch_units(ctx: Context) -> None:
     """verl's units: mini-batches count prompts and divide the batch; micro-batches count trajectories."""
-    bs, mini, n = ctx.get("data.train_batch_size"), ctx.get(f"{A}.ppo_mini_batch_size"), ctx.get(f"{R}.n")
+    key = mini_batch_key(ctx)
+    bs, mini, n = ctx.get("data.train_batch_size"), ctx.get(key), ctx.get(f"{R}.n")
     if not all(map(_positive_int, (bs, mini, n))):
         return  # a range problem, reported already
     if mini > bs or bs % mini:
-        ctx.add(f"data.train_batch_size={bs} must be a multiple of {A}.ppo_mini_batch_size={mini} (both count prompts)")
+        why = (f"; it applies to the actor too, whose {A}.ppo_mini_batch_size is not set: rlflow's Trainer uses one "
+               "mini-batch size for both" if key.startswith(C) else "")
+        ctx.add(f"data.train_batch_size={bs} must be a multiple of {key}={mini} (both count prompts{why})")
     micro = ctx.get(f"{A}.ppo_micro_batch_size_per_gpu")
     if micro is None and _positive_int(ctx.get(f"{A}.ppo_micro_batch_size")) and ctx.processes:
         micro = max(1, ctx.get(f"{A}.ppo_micro_batch_size") // ctx.processes)
