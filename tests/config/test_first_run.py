@@ -93,3 +93,12 @@ def test_a_batch_that_does_not_split_over_the_processes_fails_validation_and_the
     assert main(["--dry-run"] + argv) == 2
     assert expected in capsys.readouterr().err
     assert "processes" not in message(tiny + ["trainer.n_gpus_per_node=2"])  # 4 prompts: 2 per process
+
+
+def test_enable_vision_on_a_text_only_model_fails_validation(tiny, model_dir, capsys):
+    argv = tiny + [f"{R}.enable_vision=true"]
+    expected = (f"{R}.enable_vision=True but actor_rollout_ref.model.path='{model_dir}' is a text-only model "
+                "(its config.json has no vision_config; model_type='qwen2')")
+    assert expected in message(argv)
+    assert main(["--dry-run"] + argv) == 2
+    assert expected in capsys.readouterr().err

@@ -10,8 +10,8 @@
 3. devices: the processes asked for against this machine;
 4. with ``environment=True`` (the command line does this): files exist, model folders look like
    models (``config.json``, weights, tokenizer), ``max_prompt_length + max_response_length`` fits the
-   model's ``max_position_embeddings`` (read from ``config.json``, no weights), data files have the
-   prompt column and enough rows for one batch.
+   model's ``max_position_embeddings`` (read from ``config.json``, no weights), a model for
+   ``rollout.enable_vision`` has a vision config, data files have the prompt column and enough rows for one batch.
 
 Reading keys here does not count as "used" (the unused-key notes come from building the plan).
 Nothing here imports torch, transformers or Lightning.
@@ -454,6 +454,18 @@ def check_position_embeddings(ctx: Context) -> None:
                     f"tokens exceeds the model's max_position_embeddings={limit} ({key}={ctx.get(key)!r})")
 
 
+def check_vision_model(ctx: Context) -> None:
+    """``rollout.enable_vision`` needs an image-text-to-text model; a local folder's (or the cache's) config.json
+    tells (a vision-language config nests a ``vision_config`` or ``text_config``; a hub id to download is
+    checked when it loads)."""
+    key = "actor_rollout_ref.model.path"
+    config = ctx.model_configs.get(key)
+    if ctx.get(f"{R}.enable_vision") and config is not None and not {"vision_config", "text_config"} & set(config):
+        ctx.add(f"{R}.enable_vision=True but {key}={ctx.get(key)!r} is a text-only model (its config.json has no "
+                f"vision_config; model_type={config.get('model_type')!r}): give an image-text-to-text model "
+                f"(Qwen2-VL, Qwen2.5-VL, ...) or set {R}.enable_vision=False")
+
+
 def check_environment(ctx: Context) -> None:
     for key, kind in checks.PATHS.items():
         if kind == "data":
@@ -467,6 +479,7 @@ def check_environment(ctx: Context) -> None:
             check_model(ctx, key, tokenizer=re_encodes)
     check_reward_files(ctx)
     check_position_embeddings(ctx)
+    check_vision_model(ctx)
 
 
 # ---------------------------------------------------------------------------------------------- entry points
