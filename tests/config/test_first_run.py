@@ -85,6 +85,27 @@ def test_seed_ppo_block_with_a_batch_smaller_than_the_critic_mini_batch_names_th
     assert f"data.train_batch_size=32 must be a multiple of {A}.ppo_mini_batch_size=48" in text
 
 
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_verl_default_loggers_without_wandb_still_write_metrics_jsonl(tiny, tmp_path, capsys):
+    """No trainer.logger: verl's default [console, wandb]; wandb is not installed: a note names the install
+    command, the run writes metrics.jsonl, and the last line points at it."""
+    argv = [a for a in tiny if not a.startswith("trainer.logger=")] + ["trainer.val_before_train=false"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "[rlflow] note: trainer.logger: wandb" in out and "`pip install wandb`" in out
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and "actor/pg_loss" in rows[-1]
+    assert out.rstrip().splitlines()[-1].endswith(f"metrics in {metrics}")
+    assert "step:2 " in out  # the console logger is still there
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_wandb_asked_for_and_not_installed_is_an_error(tiny, capsys):
+    assert main(tiny + ["trainer.logger=[console,wandb]"]) == 2
+    assert "trainer.logger contains wandb, which is not installed: pip install wandb" in capsys.readouterr().err
+
+
 def test_a_batch_that_does_not_split_over_the_processes_fails_validation_and_the_dry_run(tiny, capsys):
     argv = tiny + ["trainer.n_gpus_per_node=3"]  # CPU processes; data.train_batch_size=4
     expected = ("data.train_batch_size=4 must be a multiple of the number of processes, trainer.n_gpus_per_node x "

@@ -239,7 +239,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         raise NotSupportedError("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn rollouts with "
                                 "asynchronous generation", "Turn one of them off.")
     sp_size = sequence_parallel(cfg, notes, with_critic, procs)
-    loggers = logger_names(cfg)
+    loggers = logger_names(cfg, notes)
     resume = resume_arg(cfg)
     val = cfg[f"{R}.val_kwargs"]
     rollout_cls, rollout_kwargs = rollout_plan(cfg, devices, notes, n, temperature, do_sample)
@@ -323,12 +323,20 @@ def dynamic_sampling(cfg: VerlConfig, notes: list[str]) -> dict | None:
     return kwargs
 
 
-def logger_names(cfg: VerlConfig) -> list[str]:
-    """verl's logger names -> rlflow's (validation checked them); verl's default wandb is skipped when it
-    is not installed (wandb named by the user and not installed was a validation error)."""
-    names = [name for name in cfg["trainer.logger"]
-             if not (name == "wandb" and importlib.util.find_spec("wandb") is None)]
-    return [tables.LOGGERS[name] for name in names]
+def logger_names(cfg: VerlConfig, notes: list[str]) -> list[str]:
+    """verl's logger names -> rlflow's (validation checked them), always with ``jsonl``: every run writes
+    ``metrics.jsonl`` in its run folder. verl's default wandb is skipped with a note when it is not installed
+    (wandb named by the user and not installed was a validation error)."""
+    names = []
+    for name in cfg["trainer.logger"]:
+        if name == "wandb" and importlib.util.find_spec("wandb") is None:
+            notes.append("trainer.logger: wandb (in verl's default [console, wandb]) is not installed, so nothing "
+                         "is sent to W&B; `pip install wandb` to log there. The metrics are written to "
+                         f"{cfg['trainer.default_local_dir']}/metrics.jsonl")
+            continue
+        if tables.LOGGERS[name] not in names:
+            names.append(tables.LOGGERS[name])
+    return names if "jsonl" in names else names + ["jsonl"]
 
 
 def resume_arg(cfg: VerlConfig):
