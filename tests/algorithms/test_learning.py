@@ -75,10 +75,12 @@ def mean_reward(history):
     return sum(scores[:10]) / 10, sum(scores[-10:]) / 10
 
 
+@pytest.mark.learning
 @pytest.mark.parametrize("name", list(CASES))
-def test_estimator_raises_reward(name, tmp_path):
+def test_estimator_raises_reward(name, tmp_path, record_property):
     history, estimator = run_case(name, tmp_path)
     first, last = mean_reward(history)
+    record_property("reward_rise", last - first)
     assert last > first + MARGIN, (name, first, last)
     if name == "rloo+kl_in_reward":  # the penalty was applied and the adaptive coefficient moved
         assert history[-1]["actor/reward_kl_penalty"] > 0
@@ -87,7 +89,8 @@ def test_estimator_raises_reward(name, tmp_path):
         assert all(m["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0 for m in history)
 
 
-def test_remax_raises_partial_credit_reward(tmp_path):
+@pytest.mark.learning
+def test_remax_raises_partial_credit_reward(tmp_path, record_property):
     """ReMax with a greedy baseline on the same model, trained and scored with ``digit_match`` (see above)."""
     engine = HFRollout(n=1, temperature=1.0, max_new_tokens=AdditionTask().max_new_tokens)
     estimator = Chain(GreedyBaseline(engine, FunctionReward(digit_match)), ReMax())
@@ -96,5 +99,6 @@ def test_remax_raises_partial_credit_reward(tmp_path):
     engine.bind(trainer.rollout.model, trainer.policy.tokenizer)  # the greedy answer of the model being trained
     history = trainer.fit(data)
     first, last = mean_reward(history)
+    record_property("reward_rise", last - first)
     assert last > first + MARGIN, (first, last)
     assert all("remax/greedy_score/mean" in m for m in history)

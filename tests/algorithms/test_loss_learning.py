@@ -65,16 +65,19 @@ def build(name: str, run_dir: Path):
     return trainer, data, validate, "critic/score/mean"
 
 
+@pytest.mark.learning
 @pytest.mark.parametrize("name", PG_LOSSES + ("dapo", "spin", "sppo"))
-def test_learns_the_addition_task(name, tmp_path, one_thread):
+def test_learns_the_addition_task(name, tmp_path, one_thread, record_property):
     trainer, data, accuracy, reward_key = build(name, tmp_path)
     before = accuracy(trainer, data)
     history = trainer.fit(data)
     after = accuracy(trainer, data)
     min_reward_rise, min_accuracy_rise = MARGINS[name]
+    record_property("accuracy_rise", after - before)
     if reward_key is not None:
         rewards = [m[reward_key] for m in history]
         first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+        record_property("reward_rise", last - first)
         assert last > first + min_reward_rise, (name, first, last)
     assert after > before + min_accuracy_rise, (name, before, after)
     if name == "dapo":

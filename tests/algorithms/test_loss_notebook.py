@@ -24,6 +24,7 @@ def stream(cell) -> str:
     return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
 
 
+@pytest.mark.learning
 def test_custom_loss_notebook_runs_and_learns(warm_start_cached, tmp_path, monkeypatch):
     # One thread in the kernel: the tiny model gains nothing from two, and on shared cores two threads
     # that wait on each other made the training cell 25x slower (300 s instead of 13 s).

@@ -23,6 +23,7 @@ def text_outputs(cell) -> str:
     return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
 
 
+@pytest.mark.learning
 def test_custom_estimator_notebook_runs_and_learns(warm_start_cached, tmp_path):
     nb = nbformat.read(NOTEBOOKS / "custom_estimator.ipynb", as_version=4)
     nbformat.validate(nb)

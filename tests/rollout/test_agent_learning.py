@@ -25,17 +25,20 @@ def held_out(out: str) -> tuple[float, float]:
     return float(before), float(after)
 
 
-def test_rlflow_train_task_tools_learns_to_call_the_calculator(tmp_path, capsys):
+@pytest.mark.learning
+def test_rlflow_train_task_tools_learns_to_call_the_calculator(tmp_path, capsys, record_property):
     assert main(["train", "--task", "tools", "--steps", "10", "--run-dir", str(tmp_path), "--no-progress"]) == 0
     out = capsys.readouterr().out
     before, after = held_out(out)
+    record_property("accuracy_rise", after - before)
     assert after - before >= 0.3, out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["last/agent/tool_calls/mean"] > 0.8 and summary["last/num_turns/mean"] > 3
     assert "agent/tool_calls/mean:" in out and (tmp_path / "metrics.jsonl").exists()
 
 
-def test_custom_tool_notebook_runs_and_learns(tmp_path):
+@pytest.mark.learning
+def test_custom_tool_notebook_runs_and_learns(tmp_path, record_property):
     """The notebook trains with its own (sometimes failing) tool; it asserts its own gain in its last code cell.
     The warm start is cached by the test above (same session, same seed)."""
     from rlflow.tasks.calculator import CalculatorTask, warm_started_model
@@ -49,5 +52,6 @@ def test_custom_tool_notebook_runs_and_learns(tmp_path):
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     before, after = held_out(text)
+    record_property("accuracy_rise", after - before)
     assert after - before >= 0.3
     assert "Error: calc raised RuntimeError: the multiplier is busy" in text or "tool errors" in text

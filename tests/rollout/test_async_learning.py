@@ -10,7 +10,8 @@ from rlflow.tasks.default_job import ACCURACY_KEY, build_trainer
 
 
 @pytest.mark.slow
-def test_grpo_one_step_off_raises_held_out_accuracy(tmp_path):
+@pytest.mark.learning
+def test_grpo_one_step_off_raises_held_out_accuracy(tmp_path, record_property):
     trainer, data = build_trainer(seed=0, steps=50, run_dir=tmp_path, progress=False, loggers=(), max_staleness=1)
     try:
         before = trainer.validate(data)[ACCURACY_KEY]
@@ -18,6 +19,7 @@ def test_grpo_one_step_off_raises_held_out_accuracy(tmp_path):
         after = trainer.validate(data)[ACCURACY_KEY]
     finally:
         trainer.rollout.close()
+    record_property("accuracy_rise", after - before)
     assert [m["async/staleness_max"] for m in history[:3]] == [0, 1, 1]
     assert all(m["async/over_bound_frac"] == 0 for m in history)
     assert after - before >= 0.30, (before, after)

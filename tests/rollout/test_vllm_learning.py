@@ -12,7 +12,8 @@ from tests.rollout.conftest import requires_vllm
 
 @requires_vllm
 @pytest.mark.slow
-def test_grpo_with_vllm_raises_held_out_accuracy(tmp_path):
+@pytest.mark.learning
+def test_grpo_with_vllm_raises_held_out_accuracy(tmp_path, record_property):
     trainer, data = build_trainer(seed=0, steps=40, run_dir=tmp_path, progress=False, loggers=(), rollout="vllm")
     assert type(trainer.rollout).__name__ == "VLLMRollout"
     before = trainer.validate(data)[ACCURACY_KEY]
@@ -20,5 +21,7 @@ def test_grpo_with_vllm_raises_held_out_accuracy(tmp_path):
     after = trainer.validate(data)[ACCURACY_KEY]
     first = sum(m["critic/score/mean"] for m in history[:10]) / 10
     last = sum(m["critic/score/mean"] for m in history[-10:]) / 10
+    record_property("accuracy_rise", after - before)
+    record_property("reward_rise", last - first)
     assert last > first, (first, last)
     assert after > before + 0.15, (before, after)

@@ -8,16 +8,11 @@ Everything is made in code; nothing is downloaded.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import random
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from rlflow.cache import cache_dir
 from rlflow.data.prompts import PromptData
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from rlflow.threads import choose_threads
@@ -155,29 +150,24 @@ def _warm_start_loop(model, tokenizer, train, val, target, lr, batch_size, max_s
 
 
 
-def warm_started_model(task: AdditionTask, seed: int, target: float = 0.15, log=print, progress: bool = False):
-    """The task's model after the supervised warm start, cached on disk by (task, seed, target, versions).
+def warm_started_model(task: AdditionTask, seed: int, target: float = 0.15, log=print, progress: bool = False,
+                       ship: bool = False):
+    """The task's model after the supervised warm start: shipped with rlflow for seeds 0-2 of the default task,
+    else made once and cached (:mod:`rlflow.tasks.warm_start`).
 
     ``log`` gets one line before a warm start is computed and one after; ``progress`` shows a bar meanwhile.
     """
-    import transformers
+    from rlflow.tasks.warm_start import load_or_make
 
-    key = json.dumps({"task": asdict(task), "seed": seed, "target": target, "torch": torch.__version__,
-                      "transformers": transformers.__version__}, sort_keys=True)
-    path = cache_dir() / f"addition-warm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
     model, tok = task.model(seed), task.tokenizer()
     choose_threads(sum(p.numel() for p in model.parameters()), log=log)
-    if path.exists():
-        model.load_state_dict(torch.load(path, map_location="cpu"))
-        log(f"warm start: loaded {path}")
-        return model, tok
-    train, val, _ = task.splits()
-    log(f"warm start: supervised training until greedy accuracy >= {target} (a minute or two on a laptop CPU; "
-        "cached for later runs)")
-    steps = supervised_warm_start(model, tok, train, val, target=target, seed=seed, progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one per process: several ranks may warm up at once
-    torch.save(model.state_dict(), tmp)
-    tmp.replace(path)  # atomic: a concurrent run never reads half a file
-    log(f"warm start: {steps} supervised steps to accuracy >= {target}; cached at {path}")
+
+    def make() -> str:
+        train, val, _ = task.splits()
+        log(f"warm start: supervised training until greedy accuracy >= {target} (a minute or two on a laptop CPU; "
+            "cached for later runs)")
+        steps = supervised_warm_start(model, tok, train, val, target=target, seed=seed, progress=progress)
+        return f"warm start: {steps} supervised steps to accuracy >= {target}"
+
+    load_or_make("addition", {"task": asdict(task), "seed": seed, "target": target}, model, make, log, ship=ship)
     return model, tok

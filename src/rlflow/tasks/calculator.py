@@ -18,9 +18,7 @@ GRPO learns that calling pays and raises it (``rlflow train --task tools``; figu
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import random
 import string
 from dataclasses import asdict, dataclass
@@ -31,7 +29,6 @@ from rlflow.data.prompts import PromptData
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from rlflow.rollout.agent.chat import ChatFormat
 from rlflow.rollout.tools.calculator import Calculator
-from rlflow.tasks.addition import cache_dir
 
 DATA_SOURCE = "rlflow/calculator"
 WORDS = ("system", "user", "assistant", "tool", '"name"', '"arguments"', "calc", "expr")
@@ -191,24 +188,19 @@ def supervised_warm_start(model, task: CalculatorTask, train: list[dict], val: l
     raise RuntimeError(f"warm start did not reach format accuracy {target} in {max_steps} steps")
 
 
-def warm_started_model(task: CalculatorTask, seed: int, target: float = 0.9, log=print):
-    """The task's model after the supervised warm start, cached on disk by (task, seed, target, versions)."""
-    import transformers
+def warm_started_model(task: CalculatorTask, seed: int, target: float = 0.9, log=print, ship: bool = False):
+    """The task's model after the supervised warm start (shipped for seed 0, else made once and cached:
+    :mod:`rlflow.tasks.warm_start`)."""
+    from rlflow.tasks.warm_start import load_or_make
 
-    key = json.dumps({"task": asdict(task), "seed": seed, "target": target, "template": CHAT_TEMPLATE,
-                      "torch": torch.__version__, "transformers": transformers.__version__}, sort_keys=True)
-    path = cache_dir() / f"calculator-warm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
     model, tok = task.model(seed), task.tokenizer()
-    if path.exists():
-        model.load_state_dict(torch.load(path, map_location="cpu"))
-        log(f"warm start: loaded {path}")
-        return model, tok
-    train, val, _ = task.splits()
-    torch.manual_seed(seed)
-    steps = supervised_warm_start(model, task, train, val, target=target, seed=seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(model.state_dict(), tmp)
-    tmp.replace(path)
-    log(f"warm start: {steps} supervised steps to format accuracy >= {target}; cached at {path}")
+
+    def make() -> str:
+        train, val, _ = task.splits()
+        torch.manual_seed(seed)
+        steps = supervised_warm_start(model, task, train, val, target=target, seed=seed)
+        return f"warm start: {steps} supervised steps to format accuracy >= {target}"
+
+    load_or_make("calculator", {"task": asdict(task), "seed": seed, "target": target, "template": CHAT_TEMPLATE},
+                 model, make, log, ship=ship)
     return model, tok

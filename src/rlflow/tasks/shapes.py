@@ -18,9 +18,7 @@ downloaded.
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import random
 from dataclasses import asdict, dataclass
 
@@ -147,31 +145,21 @@ def format_warm_start(policy, data: PromptData, *, lr: float = 3e-3, batch_size:
     raise RuntimeError(f"the warm start did not learn the answer form in {max_steps} steps")
 
 
-def warm_started_policy(task: ShapesTask, seed: int, log=print, **policy_kwargs):
-    """``(policy, data)``: the task's Policy after :func:`format_warm_start` (cached on disk by task, seed
-    and versions, as the addition task's) and its prompts."""
-    import os
-
-    import transformers
-
+def warm_started_policy(task: ShapesTask, seed: int, log=print, ship: bool = False, **policy_kwargs):
+    """``(policy, data)``: the task's Policy after :func:`format_warm_start` (shipped for seed 0, else made once
+    and cached: :mod:`rlflow.tasks.warm_start`) and its prompts."""
     from rlflow.models.policy import Policy
-    from rlflow.tasks.addition import cache_dir
+    from rlflow.tasks.warm_start import load_or_make
 
     processor = task.processor()
     policy = Policy(task.model(processor, seed), processor=processor, **policy_kwargs)
     data = task.data(processor, seed)
-    key = json.dumps({"task": asdict(task), "seed": seed, "warm_start": "format-v2", "torch": torch.__version__,
-                      "transformers": transformers.__version__}, sort_keys=True)
-    path = cache_dir() / f"shapes-warm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
-    if path.exists():
-        policy.model.load_state_dict(torch.load(path, map_location="cpu"))
-        log(f"warm start: loaded {path}")
-        return policy, data
-    torch.manual_seed(seed)
-    steps = format_warm_start(policy, data, seed=seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(policy.model.state_dict(), tmp)
-    tmp.replace(path)
-    log(f"warm start: {steps} supervised steps on the answer's form (a colour name at random); cached at {path}")
+
+    def make() -> str:
+        torch.manual_seed(seed)
+        steps = format_warm_start(policy, data, seed=seed)
+        return f"warm start: {steps} supervised steps on the answer's form (a colour name at random)"
+
+    load_or_make("shapes", {"task": asdict(task), "seed": seed, "warm_start": "format-v2"}, policy.model, make, log,
+                 ship=ship)
     return policy, data
