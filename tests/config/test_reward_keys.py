@@ -9,7 +9,7 @@ from rlflow.config.dryrun import dry_run
 from rlflow.config.loading import ConfigError, NotSupportedError
 from rlflow.config.native import load_native
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2_reward_model
-from rlflow.rewards import CombinedReward, FunctionReward, ModelReward, WithRMScore
+from rlflow.rewards import CombinedReward, FunctionReward, ModelReward, RewardError, WithRMScore
 from rlflow.trainer.main_ppo import main
 
 from .conftest import CHAT_TEMPLATE
@@ -31,6 +31,9 @@ def hangs(data_source, solution_str, ground_truth, extra_info=None):
     if solution_str[:1] in "0123456789":
         time.sleep(3600)
     return 1.0
+
+def raises(data_source, solution_str, ground_truth, extra_info=None):
+    raise ValueError(f"cannot parse {solution_str!r}")
 '''
 
 
@@ -149,6 +152,17 @@ def test_a_reward_function_that_never_returns_does_not_hang_the_run(tiny, reward
         assert main(args) == 0
     last = steps(capsys.readouterr().out)[1]
     assert last["reward/timeouts"] > 0
+
+
+def test_a_reward_function_that_raises_on_every_sample_stops_the_run(tiny, rewards_py):
+    """verl stops at the function's exception (rlflow trained on zeros and exited 0); partial failures are
+    still scored 0.0, counted and warned about."""
+    args = tiny + [f"custom_reward_function.path={rewards_py}", "custom_reward_function.name=raises",
+                   "trainer.val_before_train=false"]
+    with pytest.raises(RewardError, match=r"'raises' failed on every sample of the batch \(8 of 8\).*first: row 0 "
+                                          r"\(data_source='openai/gsm8k'\): raised ValueError: cannot parse") as info:
+        main(args)
+    assert isinstance(info.value.__cause__, ValueError)
 
 
 def test_native_recipe_and_dry_run(tiny, rm_dir, rewards_py, tmp_path, capsys):

@@ -204,6 +204,27 @@ def test_raising_function_is_counted_zeroed_and_warned():
     assert reward.stats["reward/errors"] == 0
 
 
+def test_a_function_that_fails_on_every_sample_stops_with_its_exception_and_the_row():
+    """verl stops at a reward function's exception; training on a batch of zeros would only hide it."""
+    def fn(response, ground_truth):
+        if response == "nan":
+            return math.nan
+        raise ValueError(f"cannot parse {response!r}")
+
+    reward = FunctionReward(fn)  # on_error="zero": partial failures are scored 0.0 and warned about
+    with pytest.raises(RewardError) as info:
+        reward(make_batch(["nan", "x", "y"], sources=["s0", "s1", "s2"]))
+    message = str(info.value)
+    assert "reward function 'fn' failed on every sample of the batch (3 of 3)" in message
+    assert "first: row 1 (data_source='s1'): raised ValueError: cannot parse 'x'" in message  # the row that raised
+    assert isinstance(info.value.__cause__, ValueError) and str(info.value.__cause__) == "cannot parse 'x'"
+    # one row scored: the others are counted and warned about, and the batch goes on
+    good = FunctionReward(lambda response, ground_truth: 1.0 if response == "ok" else fn(response, ground_truth))
+    with pytest.warns(RewardWarning, match="cannot parse"):
+        assert good(make_batch(["x", "ok", "y"]))[SCORES].tolist() == [0.0, 1.0, 0.0]
+    assert good.stats["reward/errors"] == 2
+
+
 def test_on_error_raise_names_row_source_function_and_cause():
     def my_scorer(response, ground_truth):
         if response == "bad":
@@ -292,10 +313,11 @@ def test_batch_form_failures():
         FunctionReward(wrong_length, on_error="raise")(batch)
     with pytest.raises(RewardError, match="broken.*RuntimeError: judge offline"):
         FunctionReward(broken, on_error="raise")(batch)
-    reward = FunctionReward(broken)
-    with pytest.warns(RewardWarning, match="judge offline"):
-        assert reward(batch)[SCORES].tolist() == [0.0, 0.0, 0.0]
-    assert reward.stats["reward/errors"] == 3
+    # a failed batch call fails every row: that stops the run even with on_error="zero" (see below)
+    with pytest.raises(RewardError, match="broken' failed on every sample of the batch .3 of 3.*the batch call: "
+                                          "raised RuntimeError: judge offline") as info:
+        FunctionReward(broken)(batch)
+    assert isinstance(info.value.__cause__, RuntimeError)
     # a bad item inside a well-formed batch result fails only its row
     reward = FunctionReward(lambda responses, ground_truths: [1.0, math.nan, 0.5])
     with pytest.warns(RewardWarning, match="row 1"):

@@ -36,9 +36,11 @@ and a call over its time-out has its process killed and replaced (a thread canno
 Nothing fails silently: a call that raises, times out, or returns anything but a finite
 number is, with ``on_error="zero"``, scored 0.0, counted in ``stats`` (``reward/errors``,
 ``reward/timeouts``, ``reward/non_finite``) and reported by a :class:`RewardWarning` naming
-the rows, the first row's data_source and the cause (one warning per distinct cause per call);
-with ``on_error="raise"`` a :class:`RewardError` names the first failing row, its data_source,
-the function and the cause.
+the rows, the first row's data_source and the cause (one warning per distinct cause per call).
+A batch in which every sample failed (a function that raises on everything, a batch call that
+failed, calls that all timed out) raises a :class:`RewardError` instead, as verl stops: there is
+nothing to learn from all zeros. With ``on_error="raise"`` any failure raises it. The error names
+the first failing row, its data_source, the function and the cause, chained to the function's exception.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class FunctionReward(Reward):
     Args:
         fn: the reward function.
         timeout_s: seconds one sample call (or the batch call) may run; ``None``: no limit.
-        on_error: ``"zero"`` (score 0.0, count, warn) or ``"raise"`` (:class:`RewardError`).
+        on_error: ``"zero"`` (score 0.0, count, warn; a batch where every sample failed still raises) or
+            ``"raise"`` (:class:`RewardError` at any failure).
         max_workers: threads running per-sample calls at once.
         name: the name used in messages and metrics; defaults to ``fn.__name__``.
         form: ``"verl"``, ``"batch"``, ``"sample"`` or ``"trl"`` to skip detection.
@@ -161,7 +164,11 @@ class FunctionReward(Reward):
                 failures.append((i, status, _cause(status, value, self.timeout_s), value))
                 value = 0.0
             scores.append(value)
-        self._report(failures, [row[0] for row in rows])
+        sources = [row[0] for row in rows]
+        if rows and len(failures) == len(rows) and self.on_error == "zero":
+            message, exc = self._all_failed(failures, sources)
+            raise RewardError(message) from exc
+        self._report(failures, sources)
         return torch.tensor(scores, dtype=torch.float32)
 
     def _call(self, *row: Any) -> Any:
@@ -189,9 +196,26 @@ class FunctionReward(Reward):
         cause = f"(batch form) {_cause(status, value, self.timeout_s)}"
         if self.on_error == "raise":
             raise RewardError(f"reward function {self.name!r} {cause}") from _chained(value)
-        warnings.warn(f"reward function {self.name!r} {cause}; all {n} rows scored 0.0", RewardWarning, 5)
-        self.stats[_COUNTERS[status]] += n
-        return [("ok", 0.0)] * n  # counted and reported above, as one failure of n rows
+        if not n:
+            return []
+        # the one call failed, so every row did: stop, as for a per-sample function that fails on every row
+        message, exc = self._all_failed([(0, status, _cause(status, value, self.timeout_s), value)], [], n)
+        raise RewardError(message) from exc
+
+    def _all_failed(self, failures: list[tuple], sources: list[Any], n: int | None = None
+                    ) -> tuple[str, BaseException | None]:
+        """Every sample of the batch failed: the message of the error that stops the run (verl stops at a reward
+        function's exception; training on all zeros would only hide it) and the exception to chain. It names the
+        first row that raised (else the first failing row) and its cause; without ``sources``, the batch call."""
+        row, _, cause, value = next((f for f in failures if _chained(f[3]) is not None), failures[0])
+        n = len(failures) if n is None else n
+        hint = ""
+        if all(status == "timeout" for _, status, _, _ in failures):
+            hint = (f". Every call timed out: the function hangs, or needs more than "
+                    f"timeout_s={self.timeout_s} s a call (reward_model.timeout_s in a config)")
+        where = f"row {row} (data_source={sources[row]!r})" if sources else "the batch call"
+        return (f"reward function {self.name!r} failed on every sample of the batch ({n} of {n}), so there is no "
+                f"reward to learn from; first: {where}: {cause}{hint}", _chained(value))
 
     def _report(self, failures: list[tuple], sources: list[Any]) -> None:
         if failures and self.on_error == "raise":
