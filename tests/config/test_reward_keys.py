@@ -34,6 +34,9 @@ def hangs(data_source, solution_str, ground_truth, extra_info=None):
 
 def raises(data_source, solution_str, ground_truth, extra_info=None):
     raise ValueError(f"cannot parse {solution_str!r}")
+
+def always_hangs(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(3600)
 '''
 
 
@@ -163,6 +166,14 @@ def test_a_reward_function_that_raises_on_every_sample_stops_the_run(tiny, rewar
                                           r"\(data_source='openai/gsm8k'\): raised ValueError: cannot parse") as info:
         main(args)
     assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_a_reward_function_that_hangs_on_every_sample_stops_the_run(tiny, rewards_py):
+    args = tiny + [f"custom_reward_function.path={rewards_py}", "custom_reward_function.name=always_hangs",
+                   "reward_model.timeout_s=0.3", "trainer.val_before_train=false"]
+    with pytest.raises(RewardError, match=r"every sample of the batch \(8 of 8\).*timed out after 0.3 s.*the "
+                                          r"function hangs.*reward_model.timeout_s"):
+        main(args)
 
 
 def test_native_recipe_and_dry_run(tiny, rm_dir, rewards_py, tmp_path, capsys):

@@ -254,6 +254,55 @@ def test_timeout_is_counted_and_does_not_block():
     assert reward.stats["reward/timeouts"] == 1 and reward.stats["reward/errors"] == 0
 
 
+def test_a_batch_of_hanging_calls_gives_up_after_twice_the_timeout_not_a_timeout_per_wave():
+    """64 calls of which 60 hang, 4 threads, timeout 0.5 s: waves of time-outs would take 15 x 0.5 = 7.5 s; with
+    no call finishing for 2 x 0.5 s the batch gives up on the rest (about 1 s)."""
+    release = threading.Event()
+
+    def fn(response, ground_truth):
+        if response != "ok":
+            release.wait(60)  # hangs (released at the end, so no thread outlives the test for long)
+        return 1.0
+
+    reward = FunctionReward(fn, timeout_s=0.5, max_workers=4)
+    try:
+        start = time.monotonic()
+        with pytest.warns(RewardWarning) as caught:
+            out = reward(make_batch(["ok"] * 4 + ["hang"] * 60))
+        elapsed = time.monotonic() - start
+        assert elapsed < 4.0, elapsed
+        assert out[SCORES].tolist() == [1.0] * 4 + [0.0] * 60
+        assert reward.stats["reward/timeouts"] == 60
+        messages = " ".join(str(w.message) for w in caught)
+        assert "timed out after 0.5 s" in messages
+        assert "not scored: no call of the batch finished for 1.0 s (2 x timeout_s), so the batch gave up" in messages
+        # every call hangs: the run stops, saying so, after about 2 x timeout_s
+        start = time.monotonic()
+        with pytest.raises(RewardError, match=r"failed on every sample of the batch \(64 of 64\).*row 0 \("
+                                              r".*timed out after 0.5 s.*the function hangs"):
+            reward(make_batch(["hang"] * 64))
+        assert time.monotonic() - start < 4.0
+    finally:
+        release.set()
+
+
+def test_one_hung_call_on_one_thread_costs_its_timeout_not_the_batch():
+    release = threading.Event()
+
+    def fn(response, ground_truth):
+        if response == "hang":
+            release.wait(60)
+        return 1.0
+
+    try:
+        reward = FunctionReward(fn, timeout_s=0.3, max_workers=1)
+        with pytest.warns(RewardWarning, match="row 0"):
+            assert reward(make_batch(["hang", "a", "b", "c"]))[SCORES].tolist() == [0.0, 1.0, 1.0, 1.0]
+        assert reward.stats["reward/timeouts"] == 1
+    finally:
+        release.set()
+
+
 def test_async_timeout_is_cancelled():
     cancelled = threading.Event()
 

@@ -9,8 +9,8 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from rlflow.data import keys as K
-from rlflow.rewards import CombinedReward, FunctionReward, Reward, RewardWarning
-from rlflow.rewards.pool import WorkerDied, WorkerPool
+from rlflow.rewards import CombinedReward, FunctionReward, Reward, RewardError, RewardWarning
+from rlflow.rewards.pool import GAVE_UP, WorkerDied, WorkerPool
 
 
 def make_batch(texts, gts=None, prompts=None, extras=None):
@@ -81,6 +81,28 @@ def test_function_reward_in_processes_counts_timeouts_and_goes_on():
         assert any("worker process ended" in str(w.message) and "row 2" in str(w.message) for w in caught)
     finally:
         reward.close()
+
+
+def test_function_reward_in_processes_gives_up_on_a_batch_that_only_hangs():
+    """16 hanging calls on 2 processes, timeout 0.5 s: waves of time-outs would take 8 x 0.5 = 4 s; the batch
+    gives up when no call has answered for 2 x 0.5 s, kills the hung workers, and the run stops, saying why."""
+    reward = FunctionReward(slow_or_crash, processes=2, timeout_s=0.5)
+    try:
+        reward(make_batch(["ab"]))  # the workers are started
+        start = time.monotonic()
+        with pytest.raises(RewardError, match=r"every sample of the batch \(16 of 16\).*timed out after 0.5 s"):
+            reward(make_batch(["hang"] * 16))
+        assert time.monotonic() - start < 3.0
+        assert reward._pool.restarts == 4  # two waves of two hung workers, killed and replaced
+        assert reward(make_batch(["abc"]))[K.SCORES].tolist() == [3.0]  # the pool still works
+    finally:
+        reward.close()
+    pool = WorkerPool(slow_or_crash, 2)
+    try:  # the calls that never started come back as given up
+        assert pool.map([(("hang", "x"), {})] * 3, timeout_s=0.3, give_up_s=0.5) == [
+            ("timeout", None), ("timeout", None), ("timeout", GAVE_UP)]
+    finally:
+        pool.close()
 
 
 def test_a_hung_verl_reward_function_does_not_hang_the_trainer_step(tokenizer, model, addition_rows, tmp_path):

@@ -10,8 +10,8 @@ the two tensors the rest of the chain reads:
   is the same for right-padded single-turn masks but wrong when tool/observation tokens
   put zeros in the middle of the mask.
 
-:func:`run_calls` runs per-sample calls on threads with a per-call timeout; any reward that
-calls user code (functions, sandboxes, judges) can use it.
+:func:`run_calls` runs per-sample calls on threads with a per-call timeout (and optionally gives a batch up
+when nothing finishes for a while); any reward that calls user code (functions, sandboxes, judges) can use it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from rlflow.data.keys import (
 )
 from rlflow.data.nontensor import column  # noqa: F401 - the rewards' reader of a batch's columns
 from rlflow.module import BatchModule
+from rlflow.rewards.pool import GAVE_UP  # the value of a ("timeout", ...) result a batch gave up on (give_up_s)
 
 
 class RewardError(RuntimeError):
@@ -162,15 +163,21 @@ class _Timeout(Exception):
 RAMP_S = 0.002  # a further worker thread starts when calls are still waiting after this long
 
 
-def run_calls(calls: list[Callable[[], Any]], timeout_s: float | None, workers: int) -> list[tuple[str, Any]]:
+def run_calls(calls: list[Callable[[], Any]], timeout_s: float | None, workers: int,
+              give_up_s: float | None = None) -> list[tuple[str, Any]]:
     """Run zero-argument calls on up to ``workers`` daemon threads, each limited to ``timeout_s``.
 
     Returns, per call in order, ``("ok", result)``, ``("error", exception)`` or ``("timeout", None)``.
     The limit counts from a call's start, not from its queueing. Python cannot kill a thread:
-    a timed-out call's thread is abandoned (daemon, so it never blocks exit) and replaced, so
-    a hung call delays the batch by at most ``timeout_s``. Awaitable results are awaited on a
-    fresh event loop in the worker thread (cancelled at the limit), so this also works when the
-    caller runs inside an event loop (Jupyter).
+    a timed-out call's thread is abandoned (daemon, so it never blocks exit) and replaced. Awaitable
+    results are awaited on a fresh event loop in the worker thread (cancelled at the limit), so this
+    also works when the caller runs inside an event loop (Jupyter).
+
+    Hung calls still cost ``timeout_s`` per wave of ``workers``; ``give_up_s`` bounds that: when no call has
+    finished (with a result or an exception) for ``give_up_s`` seconds, the running calls are abandoned and
+    the waiting ones never start, each coming back as ``("timeout", GAVE_UP)``. A batch of calls that all
+    hang then ends after about ``give_up_s``, whatever its size, and leaves no more than ``workers`` threads
+    behind per wave it ran.
 
     Threads start one at a time, a further one each ``RAMP_S`` while calls are still waiting: fast
     scorers (string matches: microseconds a call) finish on one thread without paying for the start-up
@@ -181,9 +188,10 @@ def run_calls(calls: list[Callable[[], Any]], timeout_s: float | None, workers: 
     pending, started, left = collections.deque(range(len(calls))), {}, len(calls)
     cond = threading.Condition()
     alive, last_start = 0, 0.0  # threads taking calls (not counting abandoned ones); when the last one started
+    last_done = time.monotonic()  # when a call last finished (or the batch started)
 
     def worker() -> None:
-        nonlocal left, alive
+        nonlocal left, alive, last_done
         while True:
             with cond:
                 if not pending:
@@ -200,7 +208,7 @@ def run_calls(calls: list[Callable[[], Any]], timeout_s: float | None, workers: 
             with cond:
                 if results[i] is not None:  # timed out meanwhile: this thread was replaced
                     return
-                results[i], left = out, left - 1
+                results[i], left, last_done = out, left - 1, time.monotonic()
                 del started[i]
                 if not left:
                     cond.notify()
@@ -216,13 +224,23 @@ def run_calls(calls: list[Callable[[], Any]], timeout_s: float | None, workers: 
         while left:
             now = time.monotonic()
             wait = None
+            replace = 0
             if timeout_s is not None:
                 for i in [i for i, t0 in started.items() if now - t0 >= timeout_s]:
                     results[i], left = ("timeout", None), left - 1
                     del started[i]
-                    alive -= 1  # its thread is abandoned: a new one takes its place
-                    spawn()
+                    alive, replace = alive - 1, replace + 1  # its thread is abandoned: a new one takes its place
                 wait = min((t0 + timeout_s - now for t0 in started.values()), default=timeout_s)
+            if give_up_s is not None and left and now - last_done >= give_up_s:
+                for i in [*started, *pending]:
+                    results[i] = ("timeout", GAVE_UP)
+                started.clear()
+                pending.clear()  # the threads still running calls are abandoned; idle ones find nothing to do
+                break
+            for _ in range(replace):
+                spawn()
+            if give_up_s is not None:
+                wait = min(wait if wait is not None else give_up_s, last_done + give_up_s - now)
             if pending and alive < workers:  # calls still waiting: one more thread every RAMP_S
                 if now - last_start >= RAMP_S:
                     spawn()

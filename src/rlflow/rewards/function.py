@@ -28,10 +28,13 @@ A result (per sample, or each item of a batch result) is a number, a bool, or a 
 
 Per-sample calls run on ``max_workers`` daemon threads. A call running longer than
 ``timeout_s`` (counted from its start) is abandoned: its thread is left to finish alone
-(an awaited coroutine is cancelled), so a hung scorer costs at most ``timeout_s``. For the
-batch forms ``timeout_s`` limits the one batch call. With ``processes=N`` the calls run in a
-:class:`~rlflow.rewards.pool.WorkerPool` of N processes instead: CPU-heavy scorers run in parallel,
-and a call over its time-out has its process killed and replaced (a thread cannot be stopped).
+(an awaited coroutine is cancelled). A batch during which no call finishes for twice
+``timeout_s`` gives up on its remaining calls (the running ones are abandoned, the waiting ones
+never start), so a scorer that hangs on every sample costs a step about ``2 * timeout_s``, not
+``timeout_s`` per wave of ``max_workers`` calls. For the batch forms ``timeout_s`` limits the one
+batch call. With ``processes=N`` the calls run in a :class:`~rlflow.rewards.pool.WorkerPool` of N
+processes instead: CPU-heavy scorers run in parallel, and a call over its time-out (or given up) has
+its process killed and replaced (a thread cannot be stopped).
 
 Nothing fails silently: a call that raises, times out, or returns anything but a finite
 number is, with ``on_error="zero"``, scored 0.0, counted in ``stats`` (``reward/errors``,
@@ -57,7 +60,7 @@ from tensordict import TensorDict
 
 from rlflow.data.keys import (DATA_SOURCE, EXTRA_INFO, GROUND_TRUTH, PROMPT_TEXT, RESPONSE_IDS, RESPONSE_MASK,
                               RESPONSE_TEXT, RM_SCORES)
-from rlflow.rewards.base import Reward, RewardError, RewardWarning, column, run_calls
+from rlflow.rewards.base import GAVE_UP, Reward, RewardError, RewardWarning, column, run_calls
 
 FORMS = ("verl", "sample", "batch", "trl")
 BATCH_FORMS = ("batch", "trl")
@@ -76,7 +79,8 @@ class FunctionReward(Reward):
 
     Args:
         fn: the reward function.
-        timeout_s: seconds one sample call (or the batch call) may run; ``None``: no limit.
+        timeout_s: seconds one sample call (or the batch call) may run; ``None``: no limit. A batch in which
+            no call finishes for ``2 * timeout_s`` gives up on the rest.
         on_error: ``"zero"`` (score 0.0, count, warn; a batch where every sample failed still raises) or
             ``"raise"`` (:class:`RewardError` at any failure).
         max_workers: threads running per-sample calls at once.
@@ -137,11 +141,19 @@ class FunctionReward(Reward):
         if self._pool is not None:
             self._pool.close()
 
+    @property
+    def give_up_s(self) -> float | None:
+        """Seconds without any call finishing after which a batch gives up on its remaining calls: twice
+        ``timeout_s``, time for hung calls to time out and for the calls that replace them to show whether
+        they hang too (a single hung sample never costs the others)."""
+        return None if self.timeout_s is None else 2 * self.timeout_s
+
     def _run(self, rows: list[tuple]) -> list[tuple[str, Any]]:
         """``self._call(*row)`` for each row: on threads, or in the worker processes."""
         if self._pool is not None:
-            return self._pool.map([(row, {}) for row in rows], self.timeout_s)
-        return run_calls([functools.partial(self._call, *row) for row in rows], self.timeout_s, self.max_workers)
+            return self._pool.map([(row, {}) for row in rows], self.timeout_s, self.give_up_s)
+        return run_calls([functools.partial(self._call, *row) for row in rows], self.timeout_s, self.max_workers,
+                         self.give_up_s)
 
     def score(self, batch: TensorDict) -> torch.Tensor:
         keys = (DATA_SOURCE, RESPONSE_TEXT, GROUND_TRUTH, EXTRA_INFO) + ((RM_SCORES,) if self.rm_argument else ())
@@ -161,7 +173,7 @@ class FunctionReward(Reward):
                 except _BadResult as bad:
                     status, value = bad.kind, bad
             if status != "ok":
-                failures.append((i, status, _cause(status, value, self.timeout_s), value))
+                failures.append((i, status, _cause(status, value, self.timeout_s, self.give_up_s), value))
                 value = 0.0
             scores.append(value)
         sources = [row[0] for row in rows]
@@ -211,7 +223,7 @@ class FunctionReward(Reward):
         n = len(failures) if n is None else n
         hint = ""
         if all(status == "timeout" for _, status, _, _ in failures):
-            hint = (f". Every call timed out: the function hangs, or needs more than "
+            hint = (f". Every call timed out or was given up: the function hangs, or needs more than "
                     f"timeout_s={self.timeout_s} s a call (reward_model.timeout_s in a config)")
         where = f"row {row} (data_source={sources[row]!r})" if sources else "the batch call"
         return (f"reward function {self.name!r} failed on every sample of the batch ({n} of {n}), so there is no "
@@ -264,7 +276,10 @@ def _to_score(value: Any, extras: dict[str, list], row: int, n: int) -> float:
     return score
 
 
-def _cause(status: str, value: Any, timeout_s: float | None) -> str:
+def _cause(status: str, value: Any, timeout_s: float | None, give_up_s: float | None = None) -> str:
+    if status == "timeout" and value == GAVE_UP:
+        return (f"not scored: no call of the batch finished for {give_up_s} s (2 x timeout_s), so the batch gave "
+                "up on its remaining calls")
     if status == "timeout":
         return f"timed out after {timeout_s} s"
     return str(value) if isinstance(value, _BadResult) else f"raised {type(value).__name__}: {value}"

@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+GAVE_UP = "gave up"  # the value of a ("timeout", ...) result that a batch gave up on (map's give_up_s)
+
 
 class WorkerDied(RuntimeError):
     """The worker process running a call ended without answering (crash, ``os._exit``, killed)."""
@@ -114,12 +116,19 @@ class WorkerPool:
     def _spawn(self) -> _Worker:
         return _Worker(self.ctx, self.fn)
 
-    def map(self, calls: Sequence[tuple[tuple, dict]], timeout_s: float | None) -> list[tuple[str, Any]]:
-        """Run ``fn(*args, **kwargs)`` for each ``(args, kwargs)``; each call may run ``timeout_s`` seconds."""
+    def map(self, calls: Sequence[tuple[tuple, dict]], timeout_s: float | None,
+            give_up_s: float | None = None) -> list[tuple[str, Any]]:
+        """Run ``fn(*args, **kwargs)`` for each ``(args, kwargs)``; each call may run ``timeout_s`` seconds.
+
+        With ``give_up_s``, when no call has answered for that long, the running calls' workers are killed
+        and replaced and the waiting calls never start: each comes back as ``("timeout", GAVE_UP)`` (so a
+        batch of hanging calls costs about ``give_up_s``, not ``timeout_s`` per wave of workers).
+        """
         while len(self.workers) < min(self.size, max(1, len(calls))):
             self.workers.append(self._spawn())
         results: list[tuple[str, Any] | None] = [None] * len(calls)
         pending, left = deque(range(len(calls))), len(calls)
+        last_done = time.monotonic()  # when a call last answered (or the batch started)
         while left:
             for w in self.workers:  # hand out work
                 if w.task is None and pending:
@@ -133,10 +142,11 @@ class WorkerPool:
             busy = [w for w in self.workers if w.task is not None]
             if not busy:
                 continue
-            wait_s = None
+            wait_s, now = None, time.monotonic()
             if timeout_s is not None:
-                now = time.monotonic()
                 wait_s = max(0.0, min(w.started + timeout_s - now for w in busy))
+            if give_up_s is not None:
+                wait_s = max(0.0, min(wait_s if wait_s is not None else give_up_s, last_done + give_up_s - now))
             ready = wait([w.conn for w in busy] + [w.process.sentinel for w in busy], timeout=wait_s)
             now = time.monotonic()
             for idx, w in enumerate(list(self.workers)):
@@ -158,6 +168,16 @@ class WorkerPool:
                 if answer is not None:
                     results[w.task], left = answer, left - 1
                     w.task = None
+                    if answer[0] != "timeout":
+                        last_done = now
+            if give_up_s is not None and left and now - last_done >= give_up_s:
+                for idx, w in enumerate(list(self.workers)):
+                    if w.task is not None:  # hung: kill it, as at its own time-out
+                        results[w.task], w.task = ("timeout", GAVE_UP), None
+                        self._replace(idx)
+                for i in pending:
+                    results[i] = ("timeout", GAVE_UP)
+                break
         return results  # type: ignore[return-value]
 
     def _replace(self, idx: int) -> None:
