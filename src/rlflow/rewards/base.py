@@ -41,7 +41,7 @@ from rlflow.data.keys import (
 )
 from rlflow.data.nontensor import column  # noqa: F401 - the rewards' reader of a batch's columns
 from rlflow.module import BatchModule
-from rlflow.rewards.pool import GAVE_UP  # the value of a ("timeout", ...) result a batch gave up on (give_up_s)
+from rlflow.rewards.pool import GAVE_UP
 
 
 class RewardError(RuntimeError):

@@ -226,8 +226,9 @@ class FunctionReward(Reward):
             hint = (f". Every call timed out or was given up: the function hangs, or needs more than "
                     f"timeout_s={self.timeout_s} s a call (reward_model.timeout_s in a config)")
         where = f"row {row} (data_source={sources[row]!r})" if sources else "the batch call"
-        return (f"reward function {self.name!r} failed on every sample of the batch ({n} of {n}), so there is no "
-                f"reward to learn from; first: {where}: {cause}{hint}", _chained(value))
+        message = (f"reward function {self.name!r} failed on every sample of the batch ({n} of {n}), so there is "
+                   f"no reward to learn from; first: {where}: {cause}{hint}")
+        return message, _chained(value)
 
     def _report(self, failures: list[tuple], sources: list[Any]) -> None:
         if failures and self.on_error == "raise":
