@@ -131,7 +131,8 @@ class VLLMEngine(Engine):
         tokenizer: gives the EOS id (default: the model config's ``eos_token_id``); vLLM itself never tokenizes here.
         dtype: ``"auto"`` (the config's), ``"float32"``, ``"bfloat16"``, ...; float32 makes log-probs equal the
             policy's to ~1e-5.
-        max_model_len: longest prompt + response (default: the config's ``max_position_embeddings``).
+        max_model_len: longest prompt + response (default: the config's ``max_position_embeddings``; on CPU with
+            the default KV cache, as much of it as that cache holds: SmolLM2's 8,192 tokens need 0.35 GiB).
         kv_cache_memory_bytes: KV-cache size; on CPU it defaults to 256 MiB (vLLM would take most of the RAM).
         gpu_memory_utilization: fraction of GPU memory for weights + KV cache (GPU only; ignored when
             ``kv_cache_memory_bytes`` is given).
@@ -174,6 +175,8 @@ class VLLMEngine(Engine):
         self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.on_gpu = torch.cuda.is_available()
         self.free_cache_engine, self.asleep = free_cache_engine and self.on_gpu, False
+        if max_model_len is None and kv_cache_memory_bytes is None and not self.on_gpu:
+            max_model_len = -1  # vLLM's auto-fit: the config's length, or less if our default CPU cache cannot hold it
         options = dict(model=path, dtype=dtype, seed=seed, skip_tokenizer_init=True,
                        enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
                        logprobs_mode="raw_logprobs", generation_config="vllm", disable_log_stats=True,
