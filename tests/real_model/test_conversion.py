@@ -79,3 +79,16 @@ def test_a_gguf_path_that_does_not_exist_is_a_clear_error(tmp_path):
 
     with pytest.raises(ModelNotFoundError, match="no such folder"):
         locate_model(tmp_path / "missing.gguf")
+
+
+def test_an_out_folder_that_holds_something_else_is_refused(tmp_path):
+    from rlflow.models.gguf import gguf_to_folder
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a converted model folder"):
+        gguf_to_folder(gguf, out)
+    assert (out / "notes.txt").read_text() == "mine"

@@ -62,6 +62,8 @@ def gguf_to_folder(file: str | os.PathLike, out: str | os.PathLike | None = None
     folder = Path(out).expanduser() if out is not None else cache_dir() / "models" / f"{file.stem}-{_fingerprint(file)}"
     if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
         return folder
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise FileExistsError(f"{folder} exists and is not a converted model folder: give an empty or new folder")
     _require_gguf()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -81,12 +83,17 @@ def gguf_to_folder(file: str | os.PathLike, out: str | os.PathLike | None = None
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     folder.parent.mkdir(parents=True, exist_ok=True)
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()  # an empty --out folder: replaced by the finished one
     try:
         tmp.replace(folder)
-    except OSError:  # another process finished first: use its folder
+    except OSError:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (folder / "model.safetensors").is_file():
+            raise
+        # another process finished first: its folder is the same conversion
     return folder
 
 
