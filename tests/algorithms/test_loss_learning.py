@@ -18,16 +18,17 @@ PG_LOSSES = ("gspo", "cispo", "sapo", "clip_cov", "kl_cov", "gmpo", "reinforce")
 
 # What each case must beat: (rise of the batch reward, rise of held-out greedy accuracy over 256 prompts).
 # Batch reward: mean of the last 10 steps minus the first 10 (DAPO: the unfiltered `dapo/gen_score_mean`;
-# SPIN has none, its batches hold the reference answers). Measured with this file's settings on trainer
-# seeds 0-3 (all from the seed-0 warm start, accuracy 0.219 before):
-#   accuracy after: losses 0.383-0.586 (smallest rise +0.164, SAPO seed 3), DAPO 0.289-0.645 (+0.070),
-#   SPIN 0.355-0.648 (+0.136), SPPO 0.398-0.496 (+0.179);
-#   batch-reward rise: losses +0.011..+0.080, DAPO +0.050..+0.071, SPPO +0.007..+0.068.
-# Over 40 steps the 10-step reward means move by about as much as the reward rises (seed 3 starts on
-# easier prompts), so for the losses and SPPO the reward is only required to rise at all; the held-out
-# accuracy carries the margin, at about half the smallest measured rise. The test runs seed 0.
-MARGINS = {name: (0.0, 0.08) for name in PG_LOSSES} | {
-    "dapo": (0.025, 0.035), "spin": (None, 0.07), "sppo": (0.0, 0.09)}
+# SPIN has none, its batches hold the reference answers). Measured with this file's settings from the
+# shipped seed-0 warm start (accuracy 0.078 before) and three 1e-4 jitters of it (scripts/learning_spread.py,
+# 2-core AMD EPYC), the smallest of the four runs:
+#   accuracy rise: GSPO 0.160, CISPO 0.137, SAPO 0.129, Clip-Cov 0.066, KL-Cov 0.121, GMPO 0.105,
+#   REINFORCE 0.113, DAPO 0.254, SPIN 0.152, SPPO 0.086;
+#   batch-reward rise: losses 0.013 (GMPO) .. 0.053, DAPO 0.044, SPPO 0.055.
+# Over 40 steps the 10-step reward means move by about as much as the reward rises, so for the losses and
+# SPPO the reward is only required to rise at all; the held-out accuracy carries the margin, at about half
+# the smallest measured rise. The test runs seed 0.
+MARGINS = {name: (0.0, 0.03) for name in PG_LOSSES} | {
+    "dapo": (0.02, 0.12), "spin": (None, 0.07), "sppo": (0.0, 0.04)}
 
 
 def recipe(name: str):

@@ -1,7 +1,8 @@
 """The default job learns with generation one step off (``AsyncRollout``, truncated IS in the loss), shortened.
 
-Measured on a 2-core CPU (seed 0): held-out accuracy 0.22 -> 0.49 after 40 steps, 0.68 after 50 and 60, 0.75
-after 80; the full command and figures are in docs/async.md.
+From the shipped seed-0 warm start (held-out accuracy 0.078) and three 1e-4 jitters of it
+(scripts/learning_spread.py, 2-core AMD EPYC), 50 steps raised held-out accuracy by 0.184 / 0.180 / 0.195 /
+0.176; the threshold is about half the smallest. The full command and figures are in docs/async.md.
 """
 
 import pytest
@@ -22,4 +23,4 @@ def test_grpo_one_step_off_raises_held_out_accuracy(tmp_path, record_property):
     record_property("accuracy_rise", after - before)
     assert [m["async/staleness_max"] for m in history[:3]] == [0, 1, 1]
     assert all(m["async/over_bound_frac"] == 0 for m in history)
-    assert after - before >= 0.30, (before, after)
+    assert after - before >= 0.08, (before, after)

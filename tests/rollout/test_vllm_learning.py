@@ -1,7 +1,9 @@
 """The default job learns when vLLM generates (``rlflow train --rollout vllm``), shortened to 40 steps.
 
-The full job (200 steps) measured on a 2-core CPU: held-out accuracy 0.22 -> 0.80 with vLLM, 0.22 -> 0.84 with
-HF; after 40 steps vLLM's run was at 0.50.
+From the shipped seed-0 warm start (held-out accuracy 0.078) and three 1e-4 jitters of it
+(scripts/learning_spread.py, 2-core AMD EPYC), 40 steps raised held-out accuracy by 0.184 / 0.172 / 0.184 /
+0.082 and the batch reward (last 10 steps over the first 10) by 0.055 / 0.042 / 0.042 / 0.031; the accuracy
+threshold is about half the smallest rise.
 """
 
 import pytest
@@ -24,4 +26,4 @@ def test_grpo_with_vllm_raises_held_out_accuracy(tmp_path, record_property):
     record_property("accuracy_rise", after - before)
     record_property("reward_rise", last - first)
     assert last > first, (first, last)
-    assert after > before + 0.15, (before, after)
+    assert after > before + 0.04, (before, after)

@@ -44,13 +44,13 @@ def test_a_warm_start_without_a_shipped_file_is_made_once_then_loaded(monkeypatc
     assert torch.equal(other.weight, module.weight)
 
 
-def test_the_jitter_moves_weights_by_a_few_ulps(monkeypatch):
+def test_the_jitter_moves_weights_by_about_1e_4(monkeypatch):
     shipped, _ = warm_started_model(AdditionTask(), 0, log=lambda _: None)
     monkeypatch.setenv(warm_start.JITTER, "1")
     jittered, _ = warm_started_model(AdditionTask(), 0, log=lambda _: None)
     for a, b in zip(shipped.parameters(), jittered.parameters()):
         rel = ((b - a).abs() / a.abs().clamp_min(1e-30)).max().item()
-        assert 0 < rel < 1e-5 or torch.equal(a, torch.zeros_like(a))
+        assert 0 < rel < 1e-3 or torch.equal(a, torch.zeros_like(a))
 
 
 def test_the_supervised_warm_start_reaches_its_target():

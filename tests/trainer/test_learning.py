@@ -1,4 +1,10 @@
-"""GRPO raises held-out accuracy on the built-in task (the default job, shortened)."""
+"""GRPO raises held-out accuracy on the built-in task (the default job, shortened to 80 steps).
+
+From the shipped seed-0 warm start (held-out accuracy 0.078) and three 1e-4 jitters of it
+(scripts/learning_spread.py, 2-core AMD EPYC): held-out accuracy rose 0.188 / 0.277 / 0.379 / 0.285, the batch
+reward (last 10 steps over the first 10) 0.066 / 0.080 / 0.087 / 0.073; each threshold is about half the
+smallest.
+"""
 
 import pytest
 
@@ -15,7 +21,5 @@ def test_grpo_raises_held_out_accuracy(tmp_path, record_property):
     last = sum(m["critic/score/mean"] for m in history[-10:]) / 10
     record_property("accuracy_rise", after - before)
     record_property("reward_rise", last - first)
-    assert after > before + 0.15, (before, after)  # greedy, held out: the claim
-    # the batch reward (sampled at temperature 1, noisy over 10 steps) moves the same way: seed 0 gives
-    # 0.11 -> 0.21 here; runs differing only in float rounding end 0.01-0.02 apart
-    assert last > first + 0.05, (first, last)
+    assert after > before + 0.09, (before, after)  # greedy, held out: the claim
+    assert last > first + 0.03, (first, last)  # the batch reward (sampled at temperature 1) moves the same way
