@@ -3,20 +3,20 @@
 Each case runs the default job's modules with its own estimator (and loss) from the same
 warm start, 80 steps of 16 prompts x 8 samples (about 10 s each on two idle cores), and
 asserts that the mean batch reward of the last 10 steps exceeds that of the first 10 by
-``MARGIN``. Measured margins over warm-start seeds 0, 1, 2 (the test runs seed 0): 0.074-0.101
-for seed 0, 0.041-0.066 over all three; 40 steps is not enough (seed 2: 0.001-0.010).
+``MARGIN``. Measured from the shipped seed-0 warm start and three 1e-4 jitters of it
+(``python scripts/learning_spread.py -- tests/algorithms/test_learning.py``, 2-core AMD EPYC): the rise
+was 0.025-0.074 over the ten cases and four runs (smallest: RLOO 0.025, GRPO pass@k 0.028, RLOO with KL in
+the reward 0.031); ``MARGIN`` is half the smallest. Held-out greedy accuracy is not asserted here: at
+16 prompts a step it rose by as little as 0.008 (RLOO) in one of those runs.
 
 ReMax runs under the partial-credit reward ``digit_match`` (``test_remax_raises_partial_credit_reward``):
 with 0/1 exact match no CPU-cheap setting gains on all three warm-start seeds. Its advantage
 ``s - greedy score`` is not centred: the greedy answer is right 2-3x as often as a sample at
 temperature 1, so most samples are pushed down at once and with 0/1 rewards the reward first dips
-(batch-reward rise after 80 steps, seeds 0-2: +0.022, +0.038, +0.027; held-out greedy accuracy
--0.227 on seed 1; lr, aggregation, one sample per prompt as in the paper, 32 prompts, 16 samples,
-warm-up and lower temperatures were tried: docs/algorithms/remax.md). With ``digit_match`` (its
-greedy baseline scored with it too) the batch reward rises +0.048, +0.072, +0.049 (GRPO +0.051,
-+0.065, +0.057), which the test asserts; but held-out greedy exact-match accuracy moves +0.129,
--0.039, -0.086 (GRPO +0.301, +0.027, +0.098): ReMax raises the reward it is trained on, it does not
-reliably raise exact-match accuracy here. Its pieces are tested in test_advantages.py.
+(docs/algorithms/remax.md). With ``digit_match`` (its greedy baseline scored with it too) the batch
+reward rises, but slowly: over 10-step windows by 0.010-0.032 in the four runs above, over 20-step windows
+(the test's, less noisy) by 0.031-0.046 (``REMAX_MARGIN`` is half the smallest); ReMax raises the reward
+it is trained on, it does not reliably raise exact-match accuracy here. Its pieces are tested in test_advantages.py.
 """
 
 import pytest
@@ -43,7 +43,8 @@ from rlflow.tasks.addition import AdditionTask, digit_match
 from rlflow.tasks.default_job import build_trainer
 
 STEPS, BATCH, N, LR = 80, 16, 8, 2e-4
-MARGIN = 0.025
+MARGIN = 0.012
+REMAX_WINDOW, REMAX_MARGIN = 20, 0.015
 
 CASES = {  # name -> (estimator, loss or None for the default job's PPOLoss(clip_ratio=0.2))
     "grpo": lambda: (GRPO(), None),
@@ -70,9 +71,9 @@ def run_case(name, run_dir, seed=0, steps=STEPS, batch_size=BATCH, n=N, lr=LR):
     return trainer.fit(data), estimator
 
 
-def mean_reward(history):
+def mean_reward(history, k=10):
     scores = [m["critic/score/mean"] for m in history]
-    return sum(scores[:10]) / 10, sum(scores[-10:]) / 10
+    return sum(scores[:k]) / k, sum(scores[-k:]) / k
 
 
 @pytest.mark.learning
@@ -98,7 +99,7 @@ def test_remax_raises_partial_credit_reward(tmp_path, record_property):
                                   loggers=(), estimator=estimator, reward=FunctionReward(digit_match))
     engine.bind(trainer.rollout.model, trainer.policy.tokenizer)  # the greedy answer of the model being trained
     history = trainer.fit(data)
-    first, last = mean_reward(history)
+    first, last = mean_reward(history, REMAX_WINDOW)
     record_property("reward_rise", last - first)
-    assert last > first + MARGIN, (first, last)
+    assert last > first + REMAX_MARGIN, (first, last)
     assert all("remax/greedy_score/mean" in m for m in history)
