@@ -9,46 +9,21 @@ import pandas as pd
 import pytest
 
 import rlflow.config.devices as devices
-from rlflow.config import ConfigError
-from rlflow.config.run import load_and_check, parse_args
 from rlflow.trainer.main_ppo import main
 
 from .conftest import verl_rows
+from .test_loading import SEED_PPO_YAML
+from .test_validate import message
 
 A, R, C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
 
 # The seed's "ワークフロー 2：Critic モデルを使った PPO" block as written, with a local folder for the critic.
-SEED_PPO_BLOCK = """\
-algorithm:
-  adv_estimator: gae  # Use GAE instead of GRPO
-  gamma: 0.99
-  lam: 0.95
-
-critic:
-  model:
-    path: {model}  # Can be same or different from actor
-  ppo_mini_batch_size: 64
-
-actor_rollout_ref:
-  actor:
-    use_kl_loss: true
-    kl_loss_coef: 0.02
-    clip_ratio: 0.2  # PPO clipping
-"""
+SEED_PPO_BLOCK = SEED_PPO_YAML.replace("Qwen/Qwen2.5-7B-Instruct", "{model}")
 
 
 @pytest.fixture(autouse=True)
 def no_gpus(monkeypatch):
     monkeypatch.setattr(devices, "cuda_count", lambda: 0)
-
-
-def message(argv: list[str]) -> str:
-    """The one error message the command line would print for ``argv`` ('' when the config is fine)."""
-    try:
-        load_and_check(parse_args(argv))
-    except ConfigError as e:
-        return str(e)
-    return ""
 
 
 @pytest.fixture
