@@ -29,6 +29,7 @@ from rlflow.logs import quiet_other_ranks
 from rlflow.threads import choose_threads
 from rlflow.trainer import checkpoint as ckpt, numerics, validation
 from rlflow.trainer.batching import micro_batches, split_rows
+from rlflow.trainer.callbacks import with_defaults
 from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_sum, rank_shard,
                                         reduce_metrics, sequence_parallel_group)
 from rlflow.trainer.loggers import make_loggers
@@ -65,7 +66,8 @@ class Trainer:
         save_every, resume: a checkpoint every N steps and at the last (0: none); ``resume`` is ``None``,
             ``"auto"`` (the latest checkpoint in ``run_dir``, if any) or a ``global_step_N`` folder of any run,
             written by any number of processes.
-        loggers: names from ``jsonl``, ``csv``, ``tensorboard``, ``wandb``; callbacks: objects with ``on_*`` hooks.
+        loggers: names from ``jsonl``, ``csv``, ``tensorboard``, ``wandb``; callbacks: objects with ``on_*`` hooks
+            (a :class:`~rlflow.trainer.callbacks.NoLearningSignal` is added unless one is given).
         epochs: passes over the prompts when ``max_steps`` is not given.
         seed: seeds every RNG at the start of ``fit`` (a resumed run restores the saved RNG state instead).
         progress: show a progress bar.
@@ -125,7 +127,7 @@ class Trainer:
         quiet_other_ranks()  # under torchrun (RANK set): rank 0 alone prints warnings and library logs
         self.fabric = L.Fabric(
             accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=resolve_strategy(strategy, devices * num_nodes),
-            precision=precision, loggers=make_loggers(loggers, self.run_dir), callbacks=list(callbacks),
+            precision=precision, loggers=make_loggers(loggers, self.run_dir), callbacks=with_defaults(callbacks),
         )
         self.fabric.launch()  # no-op under torchrun or on one device
         quiet_other_ranks(self.fabric.global_rank)  # processes Fabric launched itself
