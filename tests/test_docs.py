@@ -256,6 +256,20 @@ NOT_RUN.update({
                                                           "with the whole suite",
 })
 
+WORKFLOW1_TEST = "tests/recipes/test_workflow1.py"
+WORKFLOW1_RUN = (f"trains 10 steps (5-10 minutes on 2 cores; the page's figures); {WORKFLOW1_TEST}::"
+                 "test_the_pages_hf_command_trains_two_steps runs the page's HF command for 2 steps at small sizes")
+NOT_RUN.update({
+    ("docs/workflow1.md", "recipes/workflow1/run.sh"): WORKFLOW1_RUN,
+    ("docs/workflow1.md", "ROLLOUT=hf recipes/workflow1/run.sh"): WORKFLOW1_RUN,
+    ("docs/workflow1.md", "python recipes/workflow1/prepare_data.py --out runs/workflow1/data"):
+        f"{WORKFLOW1_TEST}::test_data_script_writes_the_seeds_layout runs the script and checks what it writes",
+})
+for _block in BLOCKS:  # the page's two training commands (vLLM, HF): the recipe's test reads and runs them
+    if _block.file == "docs/workflow1.md" and _block.text.startswith("python3 -m rlflow.trainer.main_ppo"):
+        NOT_RUN[_block.key] = WORKFLOW1_RUN + (" (the vLLM one with rollout.name=hf; tests/rollout/test_vllm_config.py "
+                                               "runs the seed's YAML with vLLM)" if "rollout.name=hf" not in _block.text else "")
+
 # Python blocks that run: (file, first line) -> replacements that fill in what the block elides
 ELIDED_TRAINER = [("Trainer(...,", "Trainer(**roles,")]
 RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
