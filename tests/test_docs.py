@@ -177,7 +177,7 @@ for cmd in ("python benchmarks/generation.py", "python benchmarks/rewards.py", "
             "python benchmarks/fsdp2_memory.py", "python benchmarks/trainer_overhead.py --steps 40 --rounds 3",
             "python benchmarks/parallelism.py", "python benchmarks/threads.py", "python benchmarks/logprob_memory.py",
             "python benchmarks/metric_reduction.py", "python benchmarks/vs_trl.py", "python benchmarks/vs_trl.py --model smollm2",
-            "python benchmarks/default_job.py"):
+            "python benchmarks/default_job.py", "python benchmarks/real_model_step.py --engines hf vllm"):
     NOT_RUN[("benchmarks/README.md", cmd)] = BENCHMARK
 
 ASYNC_LEARNING = "trains 200 steps one step off (minutes); tests/rollout/test_async_learning.py trains the default job so, for 50"
