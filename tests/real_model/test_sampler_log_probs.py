@@ -56,7 +56,10 @@ def vllm_rollout(policy, tok):
 
     rollout = VLLMRollout(**SAMPLING, dtype="float32", enforce_eager=True)
     rollout.bind(policy.model, tok)
-    return rollout
+    yield rollout
+    # Closed with the module: the engine holds GBs for this model, and it would stay in the process's engine pool
+    # for the rest of the session (tests/rollout/test_vllm_config.py counts the pool's engines).
+    rollout.engine.close()
 
 
 @requires_vllm
