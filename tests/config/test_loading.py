@@ -53,7 +53,6 @@ def test_unknown_key_in_yaml_names_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("+data.train_batch_size=8", "already exists"),
     ("data.train_batch_size=eight", "expected an integer"),
     ("trainer.logger=a,b", "multirun sweep"),
     ("~trainer.logger", "deleting keys"),
@@ -62,6 +61,13 @@ def test_unknown_key_in_yaml_names_the_file(tmp_path):
 def test_bad_overrides(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config([override])
+
+
+def test_plus_on_a_key_the_tree_has_sets_it():
+    """verl's trees differ between versions, so scripts write '+' for keys another version has."""
+    cfg = load_config(["+data.train_batch_size=8", "+actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16"])
+    assert cfg["data.train_batch_size"] == 8 and cfg["actor_rollout_ref.actor.fsdp_config.model_dtype"] == "bfloat16"
+    assert "data.train_batch_size" in cfg.provided
 
 
 @pytest.mark.parametrize("override, feature", [

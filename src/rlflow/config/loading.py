@@ -1,7 +1,8 @@
 """Load a verl-style config: the packaged default tree, the user's YAML, then Hydra-syntax overrides.
 
 ``key=value`` changes a key, ``+key=value`` adds one (only where the tree is open, e.g. under
-``override_config``; still validated), ``++key=value`` sets whether or not it exists, ``key=[a,b]``
+``override_config``; still validated; on a key the tree has, it sets it, since verl versions differ in
+which keys need the ``+``), ``++key=value`` sets whether or not it exists, ``key=[a,b]``
 gives a list. Overrides are parsed with Hydra's own grammar. Every key is then checked against the
 default tree: an unknown one is an error naming the full dotted key and its closest matches.
 """
@@ -17,47 +18,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rlflow.config.errors import ConfigError, ConfigProblems, NotSupportedError, raise_problems
+from rlflow.config.trees import flatten, strip_targets
+from rlflow.config.verl_configs import GROUP_KEYS, compose_overlay, default_tree, open_nodes
+
 DEFAULTS_FILE = Path(__file__).with_name("verl_defaults.yaml")
-
-
-class ConfigError(ValueError):
-    """A config key or value that rlflow cannot use; the message names the key."""
-
-
-class NotSupportedError(ConfigError):
-    """A recognised key asks for a feature rlflow does not have yet."""
-
-    def __init__(self, key: str, value: Any, feature: str, hint: str = ""):
-        self.key, self.value, self.feature = key, value, feature
-        super().__init__(f"{key}={value!r}: {feature} is not supported yet in rlflow.{' ' + hint if hint else ''}")
-
-
-class ConfigProblems(ConfigError):
-    """Every problem found in one config, reported together (``problems`` holds each one)."""
-
-    def __init__(self, problems: list[ConfigError]):
-        self.problems = list(problems)
-        listed = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{len(self.problems)} problems in the config:\n{listed}")
-
-
-def raise_problems(problems: list[ConfigError]) -> None:
-    """Nothing for no problem; the problem itself for one (its type kept); :class:`ConfigProblems` for more."""
-    unique = list({str(p): p for p in problems}.values())
-    if len(unique) == 1:
-        raise unique[0]
-    if unique:
-        raise ConfigProblems(unique)
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; an empty dict stays a leaf."""
-    if isinstance(tree, dict) and tree:
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out |= flatten(v, f"{prefix}{k}.")
-        return out
-    return {prefix[:-1]: tree}
 
 
 class VerlConfig:
@@ -75,6 +40,7 @@ class VerlConfig:
         self.read: set[str] = set()
         self.bad_keys = set(bad_keys)  # keys whose value has the wrong type (already reported): not checked further
         self.validated = False
+        self.notes: list[str] = []  # about keys loading took but that change nothing (hydra.*)
 
     def __getitem__(self, key: str) -> Any:
         node = self.tree
@@ -121,13 +87,14 @@ def _known_keys(defaults: DictConfig) -> list[str]:
 def _node(defaults: DictConfig, key: str) -> tuple[bool, bool]:
     """(exists, open) for a dotted key of the default tree; open: an empty dict above or at it."""
     node: Any = defaults
+    path, opened = "", open_nodes(DEFAULTS_FILE)
     for part in key.split("."):
-        if isinstance(node, DictConfig) and len(node) == 0:
+        if isinstance(node, DictConfig) and (len(node) == 0 or path in opened):
             return False, True  # under an open node: any key may be added
         if not isinstance(node, DictConfig) or part not in node:
             return False, False
-        node = node[part]
-    return True, isinstance(node, DictConfig) and len(node) == 0
+        node, path = node[part], f"{path}.{part}" if path else part
+    return True, isinstance(node, DictConfig) and (len(node) == 0 or key in opened)
 
 
 def check_keys(tree: Any, defaults: DictConfig, prefix: str = "", source: str = "",
@@ -151,13 +118,6 @@ def check_keys(tree: Any, defaults: DictConfig, prefix: str = "", source: str = 
             continue
         kept[k] = check_keys(v, defaults, key + ".", source, problems) if exists and not open_ else v
     return kept
-
-
-def strip_targets(tree: Any) -> Any:
-    """Drop verl's ``_target_`` entries (dataclass hints with no meaning here)."""
-    if isinstance(tree, dict):
-        return {k: strip_targets(v) for k, v in tree.items() if k != "_target_"}
-    return tree
 
 
 def load_yaml(path: Path) -> dict:
@@ -213,8 +173,6 @@ def apply_override(cfg: DictConfig, defaults: DictConfig, o, provided: set[str])
     from hydra.core.override_parser.types import OverrideType
 
     key, value = o.key_or_group, (None if o.type == OverrideType.DEL else o.value())
-    if o.package:
-        raise ConfigError(f"override '{o.input_line}': package overrides (@) are not supported")
     exists, open_ = _node(defaults, key)
     known = _known_keys(defaults)
     if o.type == OverrideType.DEL:
@@ -223,9 +181,8 @@ def apply_override(cfg: DictConfig, defaults: DictConfig, o, provided: set[str])
         hint = " ('+' adds keys only under open nodes such as override_config)" if o.type != OverrideType.CHANGE else ""
         raise unknown_key_error(key, known, hint)
     in_cfg = OmegaConf.select(cfg, key, default="__missing__") != "__missing__"
-    if o.type == OverrideType.ADD and in_cfg:
-        raise ConfigError(f"override '+{key}={o.get_value_element_as_str()}': {key} already exists; "
-                          f"drop the '+' to change it (or use '++' to set it either way)")
+    # '+key' on a key the tree has sets it: verl's tree differs between versions (a key one version lacks,
+    # so that its scripts write '+', another has), and nothing is lost by taking the value the user wrote
     if o.type == OverrideType.CHANGE and not in_cfg:
         raise ConfigError(f"override '{key}=...': {key} is not set yet; add it with +{key}=...")
     if isinstance(value, dict):
@@ -283,8 +240,31 @@ def interpolation_deps(raw: dict) -> dict[str, list[str]]:
     return deps
 
 
+def split_groups(parsed: list, problems: list[ConfigError]) -> tuple[list, tuple[str, ...], tuple[str, ...], list[str]]:
+    """Overrides -> (key overrides, verl config-group overrides, ``hydra.searchpath`` entries, notes).
+
+    Group overrides (``model_engine=megatron``, ``actor@actor_rollout_ref.actor=megatron_actor``) and the
+    search path go to Hydra's composition of verl's bundled configs; other ``hydra.*`` keys (run
+    directories, job settings) configure Hydra's app, which rlflow does not run: each gets a note.
+    """
+    keys, groups, searchpath, notes = [], [], [], []
+    for o in parsed:
+        key = o.key_or_group
+        if o.package is not None or key in GROUP_KEYS:
+            groups.append(o.input_line.lstrip("+"))
+        elif key == "hydra.searchpath":
+            value = o.value()
+            searchpath += value if isinstance(value, list) else [value]
+        elif key == "hydra" or key.startswith("hydra."):
+            notes.append(f"{o.input_line} has no effect in rlflow: it configures Hydra's app (run directories, "
+                         "logging), which rlflow does not run")
+        else:
+            keys.append(o)
+    return keys, tuple(groups), tuple(str(p) for p in searchpath), notes
+
+
 def load_config(overrides: list[str] = (), config_file: str | Path | None = None, *,
-                base_overlay: dict | None = None, trees: list[tuple[str, dict]] = (),
+                bundled: str | None = None, base_overlay: dict | None = None, trees: list[tuple[str, dict]] = (),
                 problems: list[ConfigError] | None = None) -> VerlConfig:
     """Defaults <- ``base_overlay`` (not counted as set by the user) <- YAML file <- ``trees`` (named
     key trees, e.g. a translated native recipe) <- overrides; then validate keys and types and resolve.
@@ -294,9 +274,19 @@ def load_config(overrides: list[str] = (), config_file: str | Path | None = None
     :func:`rlflow.config.validate.validate` in one message; without it the first problem raises.
     """
     collect = problems if problems is not None else []
-    defaults = OmegaConf.load(DEFAULTS_FILE)
+    defaults = default_tree(DEFAULTS_FILE)
     cfg, provided = defaults.copy(), set()
-    layers = [("rlflow native defaults", base_overlay, False)] if base_overlay else []
+    overrides, groups, searchpath, notes = split_groups(parse_overrides(list(overrides), collect), collect)
+    layers = []
+    try:  # verl's --config-name ppo_megatron_trainer, model_engine=..., group@package=option
+        overlay = compose_overlay(bundled or "ppo_trainer", groups, searchpath)
+    except ConfigError as e:
+        collect.append(e)
+        overlay = {}
+    if overlay:
+        layers.append((f"verl's {bundled or 'ppo_trainer'} config", overlay, False))
+    if base_overlay:
+        layers.append(("rlflow native defaults", base_overlay, False))
     if config_file is not None:
         layers.append((str(config_file), load_yaml(Path(config_file)), True))
     layers += [(source, tree, True) for source, tree in trees]
@@ -305,19 +295,19 @@ def load_config(overrides: list[str] = (), config_file: str | Path | None = None
         cfg = OmegaConf.merge(cfg, tree)
         if counts:
             provided |= set(flatten(tree))
-    for o in parse_overrides(list(overrides), collect):
+    for o in overrides:
         try:
             apply_override(cfg, defaults, o, provided)
         except ConfigError as e:
             collect.append(e)
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
-        default_tree = OmegaConf.to_container(defaults, resolve=True)
+        default_values = OmegaConf.to_container(defaults, resolve=True)
     except OmegaConfBaseException as e:
         raise_problems(collect + [ConfigError(f"cannot resolve the config: {e}")])
-    resolved = _wrap_lists(resolved, default_tree)
+    resolved = _wrap_lists(resolved, default_values)
     deps = interpolation_deps(OmegaConf.to_container(cfg, resolve=False))
-    type_errors = check_types(resolved, default_tree)
+    type_errors = check_types(resolved, default_values)
     # a key that only repeats another (data.gen_batch_size: ${data.train_batch_size}) is reported there
     collect += [e for e in type_errors if e.key in provided or e.key not in deps]
     if problems is None:
@@ -325,4 +315,6 @@ def load_config(overrides: list[str] = (), config_file: str | Path | None = None
     # a key that interpolates a badly typed one (critic.ppo_mini_batch_size: ${...actor...}) is bad too
     bad = {e.key for e in type_errors}
     bad |= {k for k, refs in deps.items() if bad & set(refs)}
-    return VerlConfig(resolved, provided, default_tree, deps, bad_keys=bad)
+    cfg = VerlConfig(resolved, provided, default_values, deps, bad_keys=bad)
+    cfg.notes = notes
+    return cfg

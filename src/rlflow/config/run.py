@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from rlflow.config import tables
 from rlflow.config.loading import ConfigError, VerlConfig, load_config, raise_problems
 from rlflow.config.validate import validate
+from rlflow.config.verl_configs import bundled_name
 from rlflow.logs import quiet_other_ranks
 from rlflow.trainer.checkpoint import CheckpointError  # light: the checkpoint module imports torch where used
 
@@ -66,6 +67,9 @@ def load(args: argparse.Namespace, problems: list[ConfigError] | None = None) ->
         from rlflow.config.native import load_native
 
         return load_native(args.config, args.overrides, problems)
+    bundled = bundled_name(args.config_name) if args.config_name else None
+    if bundled and not (Path(args.config_path or ".").expanduser() / f"{bundled}.yaml").is_file():
+        return load_config(args.overrides, bundled=bundled, problems=problems)  # verl's own, as verl reads it
     file = config_file(args.config_path, args.config_name) if args.config_name else None
     return load_config(args.overrides, config_file=file, problems=problems)
 
@@ -98,7 +102,7 @@ def recipe_names(problems: list[ConfigError]) -> list[ConfigError]:
 
 def unused_notes(cfg: VerlConfig) -> list[str]:
     """A note for every key the user set that changes nothing here: nothing is silently ignored."""
-    notes = []
+    notes = list(cfg.notes)
     for key in sorted(cfg.provided):
         if key in cfg.read or any(key.startswith(r + ".") for r in cfg.read):
             continue
