@@ -176,7 +176,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
     if estimator_cls.needs_critic and not with_critic:
         raise ConfigError(f"algorithm.adv_estimator={algo} needs a critic, but critic.enable=False")
     devices = resolve_devices(cfg, notes, with_critic)
-    for k in tables.NOT_SUPPORTED:  # checked by validation; read, so that none is reported as unused
+    for k, _, _ in tables.not_supported(cfg.flat):  # checked by validation; read: none is reported as unused
         cfg[k]
     procs = devices.processes
 

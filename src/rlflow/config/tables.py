@@ -13,6 +13,8 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from typing import Any, Callable
 
+from rlflow.config import verl_0_9_keys
+
 # Estimator and policy-loss names live in rlflow.registry (ESTIMATORS, POLICY_LOSSES), with users' own.
 
 # reward_model.reward_manager values (rlflow.config.reward_fn says how each calls the scorer)
@@ -236,6 +238,20 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.ref.megatron.*": "the reference is converted with the actor's Megatron layout (one strategy)",
     "critic.megatron.*": "the critic trains with the actor's Megatron layout (one strategy)",
 }
+
+
+NOT_SUPPORTED |= verl_0_9_keys.NOT_SUPPORTED
+INERT |= verl_0_9_keys.INERT
+
+
+def not_supported(flat: dict[str, Any]) -> list[tuple[str, str, Callable[[Any], bool]]]:
+    """(key, feature, trigger) for each key of the flat config ``flat`` that NOT_SUPPORTED lists (by
+    name or by a ``*`` pattern)."""
+    rows = []
+    for pattern, (feature, triggered) in NOT_SUPPORTED.items():
+        keys = [k for k in flat if fnmatchcase(k, pattern)] if "*" in pattern else [pattern]
+        rows += [(k, feature, triggered) for k in keys]
+    return rows
 
 
 def inert_reason(key: str) -> str | None:

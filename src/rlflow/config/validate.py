@@ -69,7 +69,7 @@ class Context:
 # ---------------------------------------------------------------------------------------------- tables
 
 def check_not_supported(ctx: Context) -> None:
-    for key, (feature, triggered) in tables.NOT_SUPPORTED.items():
+    for key, feature, triggered in tables.not_supported(ctx.cfg.flat):
         value = ctx.get(key)
         try:
             hit = ctx.ok(key) and triggered(value)
