@@ -20,7 +20,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rlflow.config.errors import ConfigError, ConfigProblems, NotSupportedError, raise_problems
 from rlflow.config.trees import flatten, strip_targets
-from rlflow.config.verl_configs import GROUP_KEYS, compose_overlay, default_tree, open_nodes
+from rlflow.config.verl_configs import (GROUP_KEYS, compose_overlay, default_container, default_tree, open_nodes,
+                                        resolved_defaults)
 
 DEFAULTS_FILE = Path(__file__).with_name("verl_defaults.yaml")
 
@@ -80,24 +81,25 @@ def unknown_key_error(key: str, known: list[str], hint: str = "") -> ConfigError
     return ConfigError(f"unknown config key '{key}'.{did_you_mean}{hint}")
 
 
-def _known_keys(defaults: DictConfig) -> list[str]:
-    return list(flatten(OmegaConf.to_container(defaults, resolve=False)))
+def _known_keys(defaults: dict) -> list[str]:
+    return list(flatten(defaults))
 
 
-def _node(defaults: DictConfig, key: str) -> tuple[bool, bool]:
-    """(exists, open) for a dotted key of the default tree; open: an empty dict above or at it."""
+def _node(defaults: dict, key: str) -> tuple[bool, bool]:
+    """(exists, open) for a dotted key of the (plain, unresolved) default tree; open: an empty dict
+    above or at it, or a node rlflow's file leaves open."""
     node: Any = defaults
     path, opened = "", open_nodes(DEFAULTS_FILE)
     for part in key.split("."):
-        if isinstance(node, DictConfig) and (len(node) == 0 or path in opened):
+        if isinstance(node, dict) and (len(node) == 0 or path in opened):
             return False, True  # under an open node: any key may be added
-        if not isinstance(node, DictConfig) or part not in node:
+        if not isinstance(node, dict) or part not in node:
             return False, False
         node, path = node[part], f"{path}.{part}" if path else part
-    return True, isinstance(node, DictConfig) and (len(node) == 0 or key in opened)
+    return True, isinstance(node, dict) and (len(node) == 0 or key in opened)
 
 
-def check_keys(tree: Any, defaults: DictConfig, prefix: str = "", source: str = "",
+def check_keys(tree: Any, defaults: dict, prefix: str = "", source: str = "",
                problems: list[ConfigError] | None = None) -> Any:
     """Every key of ``tree`` must exist in the default tree or sit under an open node.
 
@@ -169,7 +171,7 @@ def parse_overrides(overrides: list[str], problems: list[ConfigError] | None = N
     return parsed
 
 
-def apply_override(cfg: DictConfig, defaults: DictConfig, o, provided: set[str]) -> None:
+def apply_override(cfg: DictConfig, defaults: dict, o, provided: set[str]) -> None:
     from hydra.core.override_parser.types import OverrideType
 
     key, value = o.key_or_group, (None if o.type == OverrideType.DEL else o.value())
@@ -274,8 +276,8 @@ def load_config(overrides: list[str] = (), config_file: str | Path | None = None
     :func:`rlflow.config.validate.validate` in one message; without it the first problem raises.
     """
     collect = problems if problems is not None else []
-    defaults = default_tree(DEFAULTS_FILE)
-    cfg, provided = defaults.copy(), set()
+    defaults = default_container(DEFAULTS_FILE)  # read only
+    cfg, provided = default_tree(DEFAULTS_FILE), set()
     overrides, groups, searchpath, notes = split_groups(parse_overrides(list(overrides), collect), collect)
     layers = []
     try:  # verl's --config-name ppo_megatron_trainer, model_engine=..., group@package=option
@@ -292,7 +294,7 @@ def load_config(overrides: list[str] = (), config_file: str | Path | None = None
     layers += [(source, tree, True) for source, tree in trees]
     for source, tree, counts in layers:
         tree = check_keys(tree, defaults, source=source, problems=collect)
-        cfg = OmegaConf.merge(cfg, tree)
+        cfg.merge_with(tree)
         if counts:
             provided |= set(flatten(tree))
     for o in overrides:
@@ -302,7 +304,7 @@ def load_config(overrides: list[str] = (), config_file: str | Path | None = None
             collect.append(e)
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
-        default_values = OmegaConf.to_container(defaults, resolve=True)
+        default_values = resolved_defaults(DEFAULTS_FILE)
     except OmegaConfBaseException as e:
         raise_problems(collect + [ConfigError(f"cannot resolve the config: {e}")])
     resolved = _wrap_lists(resolved, default_values)

@@ -195,8 +195,9 @@ def split_overrides(overrides: list[str], problems: list[ConfigError] | None) ->
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from rlflow.config.loading import DEFAULTS_FILE, _node, close_matches, parse_override
+    from rlflow.config.verl_configs import default_container
 
-    parser, defaults = OverridesParser.create(), OmegaConf.load(DEFAULTS_FILE)
+    parser, defaults = OverridesParser.create(), default_container(DEFAULTS_FILE)
     native_flat, verl_overrides = {}, []
     for text in overrides:
         try:
@@ -211,7 +212,7 @@ def split_overrides(overrides: list[str], problems: list[ConfigError] | None) ->
             exists, open_ = _node(defaults, key)
             if not (exists or open_):
                 near = close_matches(key, list(NATIVE))
-                verl_near = [] if near else close_matches(key, list(flatten(OmegaConf.to_container(defaults))))
+                verl_near = [] if near else close_matches(key, list(flatten(defaults)))
                 hint = (f" Did you mean: {', '.join(near + verl_near)}?" if near or verl_near else "")
                 raise ConfigError(f"unknown config key '{key}' (on the command line: neither a native recipe key nor "
                                   f"a verl key).{hint} Native keys are listed in docs/verl-compat.md")

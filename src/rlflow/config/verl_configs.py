@@ -55,7 +55,8 @@ def verl_tree(name: str = "ppo_trainer") -> dict:
 
 
 @lru_cache(maxsize=None)
-def _default_container(rlflow_file: Path) -> dict:
+def default_container(rlflow_file: Path) -> dict:
+    """The default tree as a plain nested dict, interpolations unresolved (shared: do not change it)."""
     layers = [_bundled("ppo_megatron_trainer"), _bundled("ppo_trainer"), OmegaConf.load(rlflow_file)]
     return OmegaConf.to_container(OmegaConf.merge(*layers), resolve=False)
 
@@ -68,10 +69,20 @@ def open_nodes(rlflow_file: Path) -> frozenset[str]:
     return frozenset(k for k, v in flatten(tree).items() if v == {})
 
 
+@lru_cache(maxsize=None)
+def _resolved_defaults(rlflow_file: Path) -> dict:
+    return OmegaConf.to_container(OmegaConf.create(default_container(rlflow_file)), resolve=True)
+
+
+def resolved_defaults(rlflow_file: Path) -> dict:
+    """The default tree with its interpolations resolved (a fresh copy: callers may change it)."""
+    return copy.deepcopy(_resolved_defaults(rlflow_file))
+
+
 def default_tree(rlflow_file: Path) -> DictConfig:
     """rlflow's default tree: verl's Megatron tree <- verl's FSDP tree <- rlflow's ``rlflow_file`` (a
     fresh ``DictConfig`` each call: loading mutates it)."""
-    return OmegaConf.create(_default_container(rlflow_file))
+    return OmegaConf.create(default_container(rlflow_file))
 
 
 def verl_keys() -> set[str]:
