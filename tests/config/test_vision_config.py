@@ -124,3 +124,29 @@ def test_bad_images_stop_the_run_naming_the_row_or_are_skipped_and_counted(vlm_f
     assert any("data.bad_images=skip: dropped 1 training and 0 validation row(s)" in n for n in plan.notes)
     with pytest.raises(ConfigError, match="data.bad_images='drop': choose 'error'"):
         make_plan(load_config(keys + ["data.bad_images=drop"]))
+
+
+def test_image_patch_size_and_the_geometry3k_reward_through_the_entry_point(vlm_files, tmp_path, capsys):
+    """verl's geo3k layout (data_source hiyouga/geometry3k, an image per row as bytes): data.image_patch_size
+    resizes the images before the processor (100 x 100 pixels: 112 x 112 with verl's default 14, 96 -> 84 with
+    16), and the geometry3k reward is built in (the entry point accepts the data)."""
+    from tests.vlm import png
+
+    rows = [{"data_source": "hiyouga/geometry3k", "prompt": [{"role": "user", "content": "<image>find x"}],
+             "images": [{"bytes": png(100, 100)}], "reward_model": {"style": "rule", "ground_truth": str(i)}}
+            for i in range(4)]
+    pd.DataFrame(rows).to_parquet(tmp_path / "geo.parquet")
+    keys = [o for o in overrides(vlm_files, tmp_path) if not o.startswith("data.")]  # the processor's own pixel bounds
+    keys += [f"data.train_files={tmp_path}/geo.parquet", "data.max_prompt_length=64", "data.max_response_length=3",
+             "data.train_batch_size=4",
+             f"actor_rollout_ref.model.path={vlm_files}/model", "actor_rollout_ref.rollout.enable_vision=true"]
+
+    def grids(*extra):
+        trainer, data = build_trainer(make_plan(load_config(keys + list(extra))))
+        batch = data.collate(data.train[:1], trainer.policy.processor.tokenizer)
+        return batch["multi_modal_inputs"][0]["image_grid_thw"].tolist()
+
+    assert grids() == grids("data.image_patch_size=null") == [[1, 8, 8]]  # verl's 14 = this processor's own
+    assert grids("data.image_patch_size=16") == [[1, 6, 6]]
+    assert main(keys + ["data.image_patch_size=0", "--dry-run"]) == 2
+    assert "data.image_patch_size=0: must be a positive number" in capsys.readouterr().err

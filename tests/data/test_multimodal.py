@@ -98,3 +98,42 @@ def test_a_vision_language_prompt_is_rendered_with_the_processors_chat_template(
     processor.chat_template = None
     with pytest.raises(DataError, match="row 1: the prompt is chat messages but .* has no chat template"):
         PromptData(mixed_rows(), processor=processor, shuffle=False).filter_overlong(processor.tokenizer)
+
+
+def test_patch_size_dims_follow_qwen_vl_utils_smart_resize():
+    """verl's data.image_patch_size: images go to multiples of 2 x patch pixels within [4, 16384] merged tokens
+    (expected values worked out by hand)."""
+    from rlflow.data.multimodal import patch_size_dims
+
+    assert patch_size_dims(100, 100, 14) == (112, 112)  # round(100 / 28) = 4
+    assert patch_size_dims(100, 100, 16) == (96, 96)  # round(100 / 32) = 3
+    assert patch_size_dims(10, 10, 14) == (56, 56)  # below 4 x 28 x 28 pixels: scaled up to it
+    assert patch_size_dims(10000, 5000, 14) == (5068, 2520)  # above 16384 x 28 x 28: scaled down, floored
+    with pytest.raises(ValueError, match="aspect ratio"):
+        patch_size_dims(10, 2010, 14)
+
+
+def test_image_patch_size_resizes_before_the_processor(processor):
+    """PromptData(image_patch_size=16) pre-resizes a 100 x 100 image to 96 x 96 (multiples of 32), which the
+    14-pixel processor then sizes to 84 x 84 (6 x 6 patches); with 14, or without, the processor's 112 x 112."""
+    rows = [verl_row(0, [{"bytes": png(100, 100)}])]
+
+    def grid(**kw):
+        data = PromptData(rows, processor=processor, image_key="pictures", **kw)
+        return data.collate(data.train, processor.tokenizer)[K.MULTI_MODAL_INPUTS][0]["image_grid_thw"].tolist()
+
+    assert grid() == grid(image_patch_size=14) == [[1, 8, 8]]
+    assert grid(image_patch_size=16) == [[1, 6, 6]]
+
+
+def test_chat_template_kwargs_reach_the_processors_template():
+    processor = tiny_processor()
+    processor.chat_template = processor.chat_template.replace(
+        "<|im_start|>assistant\n", "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+        "<think></think>{% endif %}")
+    rows = [verl_row(0, [{"bytes": png(56, 56)}])]
+    plain = PromptData(rows, processor=processor, image_key="pictures")
+    off = PromptData(rows, processor=processor, image_key="pictures", chat_template_kwargs={"enable_thinking": False})
+    assert not plain.collate(plain.train, processor.tokenizer)[K.PROMPT_TEXT][0].endswith("<think></think>")
+    assert off.collate(off.train, processor.tokenizer)[K.PROMPT_TEXT][0].endswith("<think></think>")
+    assert off.prompt_length(off.train[0], processor.tokenizer) > plain.prompt_length(plain.train[0], processor.tokenizer)

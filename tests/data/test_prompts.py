@@ -80,3 +80,22 @@ def test_loader_is_seeded_resumable_and_covers_each_epoch(tokenizer):
     assert list(next(other_seed)[K.GROUND_TRUTH]) != seen[0]
     with pytest.raises(DataError, match="batch size 11 > 10"):
         data.loader(11, tokenizer)
+
+
+def test_chat_template_kwargs_render_batches_and_the_length_filter():
+    """PromptData(chat_template_kwargs=...) goes into every apply_chat_template call: batches and the filter."""
+    from rlflow.models.tiny import char_tokenizer
+
+    tok = char_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}="
+                         "{% if enable_thinking is defined and not enable_thinking %}#:{% endif %}{% endif %}")
+    rows = [{"prompt": [{"role": "user", "content": "49+49"}], "ground_truth": "98"},
+            {"prompt": [{"role": "user", "content": "1+2"}], "ground_truth": "3"}]
+    plain = PromptData(rows, max_prompt_length=6, filter_overlong_prompts=True, shuffle=False)
+    off = PromptData(rows, max_prompt_length=6, filter_overlong_prompts=True, shuffle=False,
+                     chat_template_kwargs={"enable_thinking": False})
+    assert plain.filter_overlong(tok) == {"train": 0, "val": 0}  # "49+49=" is 6 tokens
+    assert off.filter_overlong(tok) == {"train": 1, "val": 0}  # "49+49=#:" is 8
+    assert list(off.collate(off.train, tok)[K.PROMPT_TEXT]) == ["1+2=#:"]
+    one = load_rows(rows[1:])[0]
+    assert list(collate(one, tok, template_kwargs={"enable_thinking": False})[K.PROMPT_TEXT]) == ["1+2=#:"]

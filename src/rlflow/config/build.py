@@ -7,6 +7,7 @@ exactly what a Python user writes.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from rlflow.config.loading import ConfigError
@@ -42,8 +43,11 @@ def load_tokenizer(plan: Plan):
 
     from rlflow.models.checks import ModelFolderError, check_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(local_model(plan.model_path, "actor_rollout_ref.model.path"),
-                                        padding_side="left")
+    kw = plan.policy_kwargs
+    trust = kw.get("tokenizer_trust_remote_code", kw.get("trust_remote_code", False))
+    with remote_code_errors("actor_rollout_ref.model.path", TRUST_TOKENIZER):
+        tok = AutoTokenizer.from_pretrained(local_model(plan.model_path, "actor_rollout_ref.model.path"),
+                                            padding_side="left", trust_remote_code=trust)
     try:
         check_tokenizer(tok, source=plan.model_path)
     except ModelFolderError as e:
@@ -58,14 +62,45 @@ def load_tokenizer(plan: Plan):
 def load_vision_processor(plan: Plan):
     """The processor of an image-text-to-text model folder (its images' size bounds from ``data.min/max_pixels``),
     else ``None``; no weights are read."""
-    from transformers import AutoConfig
-
     from rlflow.models.vision import load_processor
 
-    path = local_model(plan.model_path, "actor_rollout_ref.model.path")
-    if getattr(AutoConfig.from_pretrained(path), "vision_config", None) is None:
+    path, kw = local_model(plan.model_path, "actor_rollout_ref.model.path"), plan.policy_kwargs
+    if getattr(policy_config(plan), "vision_config", None) is None:
         return None
-    return load_processor(path, plan.policy_kwargs.get("min_pixels"), plan.policy_kwargs.get("max_pixels"))
+    trust = kw.get("tokenizer_trust_remote_code", kw.get("trust_remote_code", False))
+    with remote_code_errors("actor_rollout_ref.model.path", TRUST_TOKENIZER):
+        return load_processor(path, kw.get("min_pixels"), kw.get("max_pixels"), trust_remote_code=trust)
+
+
+TRUST = "actor_rollout_ref.model.trust_remote_code"
+TRUST_TOKENIZER = f"{TRUST}=True, or data.trust_remote_code=True for the tokenizer alone"
+
+
+@contextmanager
+def remote_code_errors(path_key: str, trust_key: str, override_key: str | None = None):
+    """transformers' refusal to run a folder's own code, and a config override it cannot take, as a
+    :class:`ConfigError` naming the verl key that changes it."""
+    from rlflow.models.hf_config import OverrideError
+
+    try:
+        yield
+    except OverrideError as e:
+        raise ConfigError(f"{override_key}{str(e).removeprefix('override_config')}" if override_key else str(e)) \
+            from None
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ConfigError(f"{path_key}: {e} (verl key: {trust_key})") from None
+
+
+def policy_config(plan: Plan):
+    """The policy's transformers config with its overrides (no weights read)."""
+    from rlflow.models.hf_config import load_config
+
+    kw, key = plan.policy_kwargs, "actor_rollout_ref.model"
+    with remote_code_errors(f"{key}.path", f"{TRUST}=True", f"{key}.override_config"):
+        return load_config(local_model(plan.model_path, f"{key}.path"), kw.get("override_config"),
+                           kw.get("trust_remote_code", False))
 
 
 def build_data(plan: Plan, tokenizer, processor=None) -> PromptData:
@@ -73,6 +108,8 @@ def build_data(plan: Plan, tokenizer, processor=None) -> PromptData:
 
     A vision-language policy's ``processor`` reads the rows' images (``data.image_key``)."""
     kw = dict(plan.data_kwargs)
+    if processor is not None and kw.get("image_patch_size", 0) is None:  # verl: the processor's own patch size
+        kw["image_patch_size"] = getattr(getattr(processor, "image_processor", None), "patch_size", 14)
     try:
         data = PromptData(kw.pop("train"), val=kw.pop("val"), processor=processor, **kw)
     except DataError as e:
@@ -108,12 +145,24 @@ def warmup_steps(plan: Plan, total: int) -> int:
     return steps if steps and steps > 0 else int(ratio * total)
 
 
+def critic_config(plan: Plan):
+    """The critic's transformers config with its overrides (no weights read)."""
+    from rlflow.models.hf_config import load_config
+
+    kw, key = plan.critic_kwargs, "critic.model"
+    with remote_code_errors(f"{key}.path", f"{key}.trust_remote_code=True", f"{key}.override_config"):
+        return load_config(local_model(plan.critic_path, f"{key}.path"), kw.get("override_config"),
+                           kw.get("trust_remote_code", False))
+
+
 def build_policy(plan: Plan) -> Policy:
     from rlflow.models.checks import ModelFolderError
 
+    key = "actor_rollout_ref.model"
     try:
-        policy = Policy.from_pretrained(local_model(plan.model_path, "actor_rollout_ref.model.path"),
-                                        **plan.policy_kwargs, lora=make_lora(plan.lora))
+        with remote_code_errors(f"{key}.path", f"{TRUST}=True", f"{key}.override_config"):
+            policy = Policy.from_pretrained(local_model(plan.model_path, f"{key}.path"),
+                                            **plan.policy_kwargs, lora=make_lora(plan.lora))
     except ModelFolderError as e:
         raise ConfigError(f"actor_rollout_ref.model.path: {e}") from None
     if plan.vision and policy.processor is None:
@@ -127,9 +176,8 @@ def build_policy(plan: Plan) -> Policy:
 
 
 def build_critic(plan: Plan) -> Critic:
-    from transformers import AutoModelForCausalLM
-
     from rlflow.models.checks import ModelFolderError, check_model_folder
+    from rlflow.models.critic import load_causal_lm
 
     kw = dict(plan.critic_kwargs)
     path = local_model(plan.critic_path, "critic.model.path")
@@ -137,7 +185,9 @@ def build_critic(plan: Plan) -> Critic:
         check_model_folder(path, tokenizer=False)
     except ModelFolderError as e:
         raise ConfigError(f"critic.model.path: {e}") from None
-    model = AutoModelForCausalLM.from_pretrained(path)
+    trust, overrides = kw.pop("trust_remote_code", False), kw.pop("override_config", None)
+    with remote_code_errors("critic.model.path", "critic.model.trust_remote_code=True", "critic.model.override_config"):
+        model = load_causal_lm(path, trust, overrides)
     if kw.pop("gradient_checkpointing"):
         from rlflow.models.checks import enable_activation_checkpointing
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlflow.config.build import (build_data, load_tokenizer, load_vision_processor, local_model, total_steps,
-                                 warmup_steps)
+from rlflow.config.build import (build_data, critic_config, load_tokenizer, load_vision_processor, policy_config,
+                                 total_steps, warmup_steps)
 from rlflow.config.plan import Plan
 from rlflow.config.resolve import format_kwargs, format_value
 from rlflow.data.prompts import render_prompt
@@ -30,17 +30,16 @@ def gib(n_bytes: float) -> str:
     return f"{n_bytes:.0f} B"
 
 
-def count_parameters(path: str, lora: dict | str | None = None) -> tuple[int, object, int]:
+def count_parameters(config, lora: dict | str | None = None) -> tuple[int, object, int]:
     """Parameter count from the model's config alone (built on the meta device: no memory, no weights), the
     decoder's config (a vision-language model's text config), and the trainable count (all of them; with
     ``lora``, the adapter's)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(path)
     auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = auto.from_config(config)
+        model = auto.from_config(config, trust_remote_code=True)  # the config was loaded as the user allowed
         n_params = sum(p.numel() for p in model.parameters())
         if lora is None:
             return n_params, config.get_text_config(), n_params
@@ -179,8 +178,8 @@ def data_section(plan: Plan, data, lengths: list[int], problems: list[str]) -> l
 
 
 def cost_section(plan: Plan, total: int, longest_prompt: int) -> list[str]:
-    n_params, config, n_train = count_parameters(local_model(plan.model_path, "actor_rollout_ref.model.path"), plan.lora)
-    n_critic = count_parameters(local_model(plan.critic_path, "critic.model.path"))[0] if plan.critic_path else 0
+    n_params, config, n_train = count_parameters(policy_config(plan), plan.lora)
+    n_critic = count_parameters(critic_config(plan))[0] if plan.critic_path else 0
     t = plan.trainer_kwargs
     act = 2 if "bf16" in t["precision"] or "16" in t["precision"] else 4
     P = min(plan.data_kwargs["max_prompt_length"] or longest_prompt, longest_prompt)
@@ -236,11 +235,9 @@ def dry_run(plan: Plan, show_config: bool = False) -> tuple[str, list[str]]:
     sections = [objects_section(plan), data_section(plan, data, lengths, problems), batch_section(plan),
                 schedule_section(plan, data, total), cost_section(plan, total, max(lengths))]
     if hasattr(plan.devices.strategy, "layout"):  # Megatron: layout and memory per rank
-        from transformers import AutoConfig
-
         from rlflow.strategies.megatron.verl import dry_run_section
 
-        config = AutoConfig.from_pretrained(local_model(plan.model_path, "actor_rollout_ref.model.path"))
+        config = policy_config(plan)
         prompt = min(plan.data_kwargs["max_prompt_length"] or max(lengths), max(lengths))
         sections.append(dry_run_section(plan, config, prompt + plan.rollout_kwargs["max_new_tokens"]))
     notes = plan.notes + unused_notes(plan.cfg)

@@ -28,6 +28,7 @@ from rlflow.config.asynchronous import async_plan
 from rlflow.config.devices import Devices, resolve_devices
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.lora import lora_argument
+from rlflow.config.modeldata import chat_template_kwargs, engine_loading, model_loading, patch_size
 from rlflow.config.resolve import class_kwargs
 from rlflow.config.rewards import RewardPlan, reward_plan
 from rlflow.config.rollout import rollout_plan
@@ -221,7 +222,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         critic_path = cfg[f"{C}.model.path"]
         critic_kwargs = {"micro_batch_size": fwd_micro if fwd_micro is not None else critic_micro,
                          "gradient_checkpointing": cfg[f"{C}.model.enable_gradient_checkpointing"],
-                         "remove_padding": cfg[f"{C}.model.use_remove_padding"]}
+                         "remove_padding": cfg[f"{C}.model.use_remove_padding"], **model_loading(cfg, C)}
         value_loss_kwargs = {"clip_range": cfg[f"{C}.cliprange_value"], "agg": cfg[f"{C}.loss_agg_mode"]}
 
     before, after, kl_controller = companions(cfg, estimator_cls)
@@ -235,7 +236,10 @@ def make_plan(cfg: VerlConfig) -> Plan:
         notes.append(f"reward_model.reward_manager={manager}: scores like 'naive' (rlflow runs reward calls on "
                      f"threads with a timeout){'; overlong shaping: OverlongPenalty' if overlong else ''}")
     sampling = dynamic_sampling(cfg, notes)
+    template_kwargs, policy_loading = chat_template_kwargs(cfg), model_loading(cfg, "actor_rollout_ref")
     agent = agent_plan(cfg, notes)
+    if agent is not None and template_kwargs:
+        agent["template_kwargs"] = template_kwargs
     asynchronous = async_plan(cfg, notes, devices, after, sampling)
     if agent and asynchronous:
         raise NotSupportedError("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn rollouts with "
@@ -245,6 +249,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
     resume = resume_arg(cfg)
     val = cfg[f"{R}.val_kwargs"]
     rollout_cls, rollout_kwargs = rollout_plan(cfg, devices, notes, n, temperature, do_sample)
+    if rollout_cls.__name__ == "VLLMRollout":
+        engine_loading(rollout_kwargs, policy_loading)
     external = cfg["actor_rollout_ref.model.external_lib"]
     if external:
         importlib.import_module(external)  # verl imports it to register custom model classes
@@ -258,7 +264,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
                                                   f"{R}.log_prob_micro_batch_size", procs),
                        "gradient_checkpointing": cfg["actor_rollout_ref.model.enable_gradient_checkpointing"],
                        "remove_padding": cfg["actor_rollout_ref.model.use_remove_padding"],
-                       **{k: cfg[f"data.{k}"] for k in ("min_pixels", "max_pixels") if cfg[f"data.{k}"]}},
+                       **{k: cfg[f"data.{k}"] for k in ("min_pixels", "max_pixels") if cfg[f"data.{k}"]},
+                       **policy_loading},
         ref_micro_batch_size=one_of(cfg, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
                                     "actor_rollout_ref.ref.log_prob_micro_batch_size", procs),
         rollout_cls=rollout_cls, rollout_kwargs=rollout_kwargs,
@@ -276,7 +283,9 @@ def make_plan(cfg: VerlConfig) -> Plan:
                      "shuffle": cfg["data.shuffle"], "seed": cfg["data.seed"],
                      "filter_overlong_prompts": cfg["data.filter_overlong_prompts"],
                      "missing_ground_truth": cfg["data.missing_ground_truth"],
-                     "image_key": cfg["data.image_key"], "skip_bad_images": bad_images(cfg)},
+                     "image_key": cfg["data.image_key"], "skip_bad_images": bad_images(cfg),
+                     "image_patch_size": patch_size(cfg),
+                     **({"chat_template_kwargs": template_kwargs} if template_kwargs else {})},
         trainer_kwargs={
             "batch_size": bs, "mini_batch_size": mini, "micro_batch_size": micro, "ppo_epochs": ppo_epochs,
             "lr": lr, "critic_lr": cfg[f"{C}.optim.lr"], "weight_decay": weight_decay,

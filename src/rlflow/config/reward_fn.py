@@ -111,6 +111,12 @@ def check_data_sources(sources: set[str], where: str) -> None:
     from rlflow.rewards import default_compute_score
     from rlflow.rewards.dispatch import supports
 
+    from rlflow.rewards import geo3k
+    from rlflow.rewards.dispatch import GEO3K_SOURCES
+
+    if set(GEO3K_SOURCES) & sources and not geo3k.available():  # fail now, not at the first reward call
+        raise ConfigError(f"{where}: data_source hiyouga/geometry3k is scored with mathruler's grader, as in verl, "
+                          f"which is not installed: {geo3k.INSTALL}")
     for source in sorted(sources):
         if not supports(source):
             try:

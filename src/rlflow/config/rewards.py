@@ -112,9 +112,6 @@ def model_arguments(cfg: VerlConfig, notes: list[str]) -> dict:
     strategy = cfg[f"{RM}.strategy"]
     if strategy not in ("fsdp", "fsdp2"):
         raise NotSupportedError(f"{RM}.strategy", strategy, "Megatron reward models", "Use fsdp or fsdp2.")
-    for key in (f"{RM}.model.trust_remote_code",):
-        if cfg[key]:
-            raise NotSupportedError(key, True, "remote-code reward models")
     if cfg[f"{RM}.ulysses_sequence_parallel_size"] > 1:
         raise NotSupportedError(f"{RM}.ulysses_sequence_parallel_size", cfg[f"{RM}.ulysses_sequence_parallel_size"],
                                 "sequence-parallel reward models")
@@ -138,7 +135,8 @@ def model_arguments(cfg: VerlConfig, notes: list[str]) -> dict:
     if not path:
         raise ConfigError(f"{RM}.enable=True needs {RM}.model.path (a local sequence-classification model folder)")
     return {"path": path, "reencode": cfg[f"{RM}.model.input_tokenizer"] is not None, "micro_batch_size": micro,
-            "max_length": max_length, "shard": True}
+            "max_length": max_length, "shard": True,
+            **({"trust_remote_code": True} if cfg[f"{RM}.model.trust_remote_code"] else {})}
 
 
 def _functions(crf: dict, reward_kwargs: dict, manager: str) -> list[tuple[str, Callable, float]]:

@@ -11,7 +11,8 @@ directory, then the data file's folder.
 runs the processor on the text and the row's images (RGB): ``prompt_ids`` hold the expanded image-pad
 tokens, and the row's processor tensors go into ``multi_modal_inputs`` (one dict per row: variable image
 counts and sizes), its decoded images into ``multi_modal_data`` (``{"image": [...]}``, for engines that run
-their own processor, e.g. vLLM).
+their own processor, e.g. vLLM). With ``image_patch_size`` (verl's ``data.image_patch_size``), each image is
+first resized as verl's ``qwen_vl_utils.fetch_image`` does (:func:`patch_resize`), then the processor runs.
 
 Bad images: :func:`check_images` decodes every image once when the data is loaded. A missing file,
 undecodable bytes or a placeholder count that does not match the images raise a
@@ -22,6 +23,7 @@ undecodable bytes or a placeholder count that does not match the images raise a
 from __future__ import annotations
 
 import io
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -139,12 +141,49 @@ def messages_with_images(prompt) -> list[dict]:
     return out
 
 
-def process_row(row: dict, processor, name: str) -> tuple[str, list[int], dict, list]:
-    """``(rendered text, prompt ids, processor tensors, images)`` of one row."""
+# qwen_vl_utils' bounds for one image, in merged tokens (verl resizes with them before the processor runs)
+MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS, MAX_ASPECT_RATIO = 4, 16384, 200
+
+
+def patch_size_dims(height: int, width: int, patch_size: int, merge: int = 2) -> tuple[int, int]:
+    """``(height, width)`` rounded to multiples of ``patch_size x merge`` pixels and kept within
+    ``[4, 16384]`` merged tokens (``qwen_vl_utils.smart_resize``, which verl calls with
+    ``factor = 2 x data.image_patch_size``)."""
+    factor = patch_size * merge
+    low, high = MIN_IMAGE_TOKENS * factor ** 2, MAX_IMAGE_TOKENS * factor ** 2
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"image of {width}x{height} pixels: aspect ratio over {MAX_ASPECT_RATIO}")
+    h, w = max(factor, round(height / factor) * factor), max(factor, round(width / factor) * factor)
+    if h * w > high:
+        beta = math.sqrt(height * width / high)
+        h, w = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
+    elif h * w < low:
+        beta = math.sqrt(low / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def patch_resize(image, patch_size: int | None):
+    """``image`` (RGB PIL) resized to :func:`patch_size_dims` (PIL's default filter, as qwen_vl_utils);
+    ``patch_size=None``: unchanged."""
+    if patch_size is None:
+        return image
+    h, w = patch_size_dims(image.height, image.width, patch_size)
+    return image if (h, w) == (image.height, image.width) else image.resize((w, h))
+
+
+def process_row(row: dict, processor, name: str, template_kwargs: dict | None = None,
+                patch_size: int | None = None) -> tuple[str, list[int], dict, list]:
+    """``(rendered text, prompt ids, processor tensors, images)`` of one row; ``template_kwargs``: more
+    ``apply_chat_template`` arguments; ``patch_size``: resize the images first (:func:`patch_resize`)."""
     where = f"{name}, row {row['index']}"
     images = [load_image(ref, f"{where}, image {j}", name) for j, ref in enumerate(image_refs(row))]
+    try:
+        images = [patch_resize(image, patch_size) for image in images]
+    except ValueError as e:
+        raise DataError(f"{where}: {e}") from e
     text = processor.apply_chat_template(messages_with_images(row["prompt"]), add_generation_prompt=True,
-                                         tokenize=False)
+                                         tokenize=False, **(template_kwargs or {}))
     try:
         out = processor(text=[text], images=images or None, return_tensors="pt")
     except Exception as e:  # the processor's own message, with the row it came from
@@ -154,13 +193,15 @@ def process_row(row: dict, processor, name: str) -> tuple[str, list[int], dict, 
     return text, ids, tensors, images
 
 
-def prompt_length(row: dict, processor, name: str = "") -> int:
+def prompt_length(row: dict, processor, name: str = "", template_kwargs: dict | None = None,
+                  patch_size: int | None = None) -> int:
     """Tokens of the row's prompt after the chat template, image-pad tokens included."""
-    return len(process_row(row, processor, name)[1])
+    return len(process_row(row, processor, name, template_kwargs, patch_size)[1])
 
 
 def collate_multimodal(rows: Sequence[dict], processor, max_prompt_length: int | None = None,
-                       name: str = "") -> TensorDict:
+                       name: str = "", template_kwargs: dict | None = None,
+                       patch_size: int | None = None) -> TensorDict:
     """Process rows into a batch: left-padded ``prompt_ids``/``prompt_mask`` with the image-pad tokens, the
     non-tensor fields, and per row ``multi_modal_inputs`` and ``multi_modal_data`` (module docstring).
 
@@ -169,7 +210,7 @@ def collate_multimodal(rows: Sequence[dict], processor, max_prompt_length: int |
     """
     texts, ids, inputs, data = [], [], [], []
     for row in rows:
-        text, seq, tensors, images = process_row(row, processor, name)
+        text, seq, tensors, images = process_row(row, processor, name, template_kwargs, patch_size)
         if max_prompt_length is not None and len(seq) > max_prompt_length:
             raise DataError(f"{name}, row {row['index']}: prompt has {len(seq)} tokens (image tokens included) > "
                               f"max_prompt_length={max_prompt_length}; vision-language prompts are not truncated "

@@ -118,11 +118,12 @@ def drop_missing_ground_truth(rows: list[dict], name: str, mode: str) -> tuple[l
     return kept, len(missing)
 
 
-def render_prompt(prompt: str | list[dict], tokenizer) -> str:
-    """Chat messages go through the tokenizer's chat template (see :func:`check_chat_template`)."""
+def render_prompt(prompt: str | list[dict], tokenizer, template_kwargs: dict | None = None) -> str:
+    """Chat messages go through the tokenizer's chat template (see :func:`check_chat_template`), with
+    ``template_kwargs`` as more ``apply_chat_template`` arguments (e.g. ``{"enable_thinking": False}``)."""
     if isinstance(prompt, str):
         return prompt
-    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
 
 
 def check_chat_template(rows: Sequence[dict], name: str, tokenizer) -> None:
@@ -138,10 +139,11 @@ def check_chat_template(rows: Sequence[dict], name: str, tokenizer) -> None:
 
 
 def collate(rows: Sequence[dict], tokenizer, max_prompt_length: int | None = None,
-            truncation: str = "error", name: str = "") -> TensorDict:
-    """Tokenize rows into a batch: left-padded ``prompt_ids``/``prompt_mask`` and the non-tensor fields."""
+            truncation: str = "error", name: str = "", template_kwargs: dict | None = None) -> TensorDict:
+    """Tokenize rows into a batch: left-padded ``prompt_ids``/``prompt_mask`` and the non-tensor fields
+    (chat prompts rendered with ``template_kwargs``, see :func:`render_prompt`)."""
     check_chat_template(rows, name, tokenizer)
-    texts = [render_prompt(r["prompt"], tokenizer) for r in rows]
+    texts = [render_prompt(r["prompt"], tokenizer, template_kwargs) for r in rows]
     ids = list(tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else []  # one call for the batch
     if max_prompt_length is not None:
         for i, seq in enumerate(ids):
@@ -236,12 +238,18 @@ class PromptData:
         image_key: the column holding each row's images.
         skip_bad_images: drop (and count in ``skipped_images``) rows with a missing or corrupt image instead
             of failing with the file, row and image.
+        chat_template_kwargs: more ``apply_chat_template`` arguments for every chat prompt (training,
+            validation, length filter; the processor's template too), e.g. ``{"enable_thinking": False}``.
+        image_patch_size: resize each image first as verl does (``qwen_vl_utils``' ``smart_resize`` to
+            multiples of ``2 x image_patch_size`` pixels, ``rlflow.data.multimodal.patch_resize``); ``None``:
+            the processor alone sizes the images.
     """
 
     def __init__(self, train, val=None, *, prompt_key: str = "prompt", max_prompt_length: int | None = None,
                  truncation: str = "error", shuffle: bool = True, seed: int = 0,
                  filter_overlong_prompts: bool = False, missing_ground_truth: str = "error", processor=None,
-                 image_key: str = "images", skip_bad_images: bool = False):
+                 image_key: str = "images", skip_bad_images: bool = False, chat_template_kwargs: dict | None = None,
+                 image_patch_size: int | None = None):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got '{truncation}'")
         if missing_ground_truth not in MISSING_GROUND_TRUTH:
@@ -249,6 +257,7 @@ class PromptData:
         self.train, self.train_name = load_rows(train, prompt_key, image_key)
         self.val, self.val_name = load_rows(val, prompt_key, image_key) if val is not None else ([], "")
         self.processor, self.skipped_images = processor, {"train": 0, "val": 0}
+        self.chat_template_kwargs, self.image_patch_size = dict(chat_template_kwargs or {}), image_patch_size
         if processor is not None:
             from rlflow.data.multimodal import check_images
 
@@ -291,15 +300,18 @@ class PromptData:
         if self.processor is not None:
             from rlflow.data.multimodal import prompt_length
 
-            return prompt_length(row, self.processor, self.train_name)
-        return len(tokenizer(render_prompt(row["prompt"], tokenizer), add_special_tokens=False)["input_ids"])
+            return prompt_length(row, self.processor, self.train_name, self.chat_template_kwargs, self.image_patch_size)
+        text = render_prompt(row["prompt"], tokenizer, self.chat_template_kwargs)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def collate(self, rows: Sequence[dict], tokenizer, name: str | None = None) -> TensorDict:
         if self.processor is not None:
             from rlflow.data.multimodal import collate_multimodal
 
-            return collate_multimodal(rows, self.processor, self.max_prompt_length, name or self.train_name)
-        return collate(rows, tokenizer, self.max_prompt_length, self.truncation, name or self.train_name)
+            return collate_multimodal(rows, self.processor, self.max_prompt_length, name or self.train_name,
+                                      self.chat_template_kwargs, self.image_patch_size)
+        return collate(rows, tokenizer, self.max_prompt_length, self.truncation, name or self.train_name,
+                       self.chat_template_kwargs)
 
     def loader(self, batch_size: int, tokenizer) -> PromptLoader:
         self.filter_overlong(tokenizer)

@@ -70,13 +70,13 @@ class Critic(BatchModule):
         self.remove_padding = remove_padding
 
     @classmethod
-    def from_pretrained(cls, path, **kwargs) -> "Critic":
-        """A critic from a model folder or hub id (resolved as ``Policy.from_pretrained`` does)."""
-        from transformers import AutoModelForCausalLM
-
+    def from_pretrained(cls, path, *, trust_remote_code: bool = False, override_config: dict | None = None,
+                        **kwargs) -> "Critic":
+        """A critic from a model folder or hub id (resolved as ``Policy.from_pretrained`` does;
+        ``trust_remote_code`` and ``override_config`` as there)."""
         from rlflow.models.hub import locate_model
 
-        return cls(AutoModelForCausalLM.from_pretrained(locate_model(path).path), **kwargs)
+        return cls(load_causal_lm(locate_model(path).path, trust_remote_code, override_config), **kwargs)
 
     def values(self, batch: TensorDict) -> Tensor:
         if self.remove_padding:
@@ -90,3 +90,14 @@ class Critic(BatchModule):
         pieces = batch.split(size) if size < batch.batch_size[0] else (batch,)  # read only: no copy for one piece
         batch[K.VALUES] = torch.cat([self.values(mb) for mb in pieces]) * batch[K.RESPONSE_MASK]
         return batch
+
+
+def load_causal_lm(path, trust_remote_code: bool = False, override_config: dict | None = None,
+                   where: str = "override_config") -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path)`` with its config overridden first (``rlflow.models.hf_config``)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlflow.models.hf_config import load_config, model_kwargs
+
+    config = load_config(path, override_config, trust_remote_code, where)
+    return AutoModelForCausalLM.from_pretrained(path, config=config, **model_kwargs(override_config, trust_remote_code))

@@ -97,7 +97,8 @@ class Policy(BatchModule):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, min_pixels: int | None = None, max_pixels: int | None = None,
-                        **kwargs) -> "Policy":
+                        trust_remote_code: bool = False, override_config: dict | None = None,
+                        tokenizer_trust_remote_code: bool | None = None, **kwargs) -> "Policy":
         """Load a model (weights, config, tokenizer): a local folder, or a Hugging Face hub id.
 
         A hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``) loads as in transformers: downloaded or revalidated
@@ -109,26 +110,36 @@ class Policy(BatchModule):
         An image-text-to-text model (its config has a ``vision_config``: Qwen2-VL, Qwen2.5-VL, ...) is loaded
         with ``AutoModelForImageTextToText`` and its processor (``rlflow.models.vision.load_processor``;
         ``min_pixels`` / ``max_pixels`` bound the image sizes); anything else with ``AutoModelForCausalLM``.
+
+        ``trust_remote_code``: run the folder's own model code (transformers' switch, off by default);
+        ``tokenizer_trust_remote_code`` (default: the same) for its tokenizer / processor. ``override_config``
+        entries update the model's config before it is built (``rlflow.models.hf_config``: e.g.
+        ``{"attention_dropout": 0.1}``, ``{"attn_implementation": "eager"}``).
         """
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         from rlflow.models.checks import check_model_folder, check_tokenizer
+        from rlflow.models.hf_config import load_config, model_kwargs
         from rlflow.models.hub import locate_model
 
         located = locate_model(path)
         path = check_model_folder(located.folder) if located.folder is not None else located.path  # clear errors now
         folder = Path(path).expanduser()
         weights = folder.resolve() if folder.is_dir() else path  # absolute: a LoRA adapter records it as its base
-        if getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None:
+        trust_tokenizer = trust_remote_code if tokenizer_trust_remote_code is None else tokenizer_trust_remote_code
+        config = load_config(path, override_config, trust_remote_code)
+        load = {"config": config, **model_kwargs(override_config, trust_remote_code)}
+        if getattr(config, "vision_config", None) is not None:
             from rlflow.models.vision import load_processor
 
-            processor = load_processor(path, min_pixels, max_pixels)
+            processor = load_processor(path, min_pixels, max_pixels, trust_remote_code=trust_tokenizer)
             tokenizer = processor.tokenizer
             tokenizer.padding_side = "left"
-            model = AutoModelForImageTextToText.from_pretrained(weights)
+            model = AutoModelForImageTextToText.from_pretrained(weights, **load)
         else:
-            processor, tokenizer = None, AutoTokenizer.from_pretrained(path, padding_side="left")
-            model = AutoModelForCausalLM.from_pretrained(weights)
+            processor = None
+            tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=trust_tokenizer)
+            model = AutoModelForCausalLM.from_pretrained(weights, **load)
         check_tokenizer(tokenizer, source=str(path))
         return cls(model, tokenizer, processor=processor, **kwargs)
 

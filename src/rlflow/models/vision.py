@@ -60,8 +60,10 @@ def _has_torchvision() -> bool:
     return importlib.util.find_spec("torchvision") is not None
 
 
-def load_processor(path, min_pixels: int | None = None, max_pixels: int | None = None):
-    """The processor of a local model folder, with the image size bounds overridden when given.
+def load_processor(path, min_pixels: int | None = None, max_pixels: int | None = None, *,
+                   trust_remote_code: bool = False):
+    """The processor of a local model folder, with the image size bounds overridden when given
+    (``trust_remote_code``: transformers' switch for a folder's own processor code).
 
     With torchvision installed this is ``AutoProcessor.from_pretrained``; without it, the same processor
     class is built from ``AutoImageProcessor`` (which then falls back to the PIL image processor),
@@ -72,16 +74,17 @@ def load_processor(path, min_pixels: int | None = None, max_pixels: int | None =
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     sizes = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+    trust = {"trust_remote_code": trust_remote_code}
     if _has_torchvision():
-        return AutoProcessor.from_pretrained(path, **sizes)
-    model_type = AutoConfig.from_pretrained(path).model_type
+        return AutoProcessor.from_pretrained(path, **sizes, **trust)
+    model_type = AutoConfig.from_pretrained(path, **trust).model_type
     name = PROCESSOR_MAPPING_NAMES.get(model_type)
     if name is None:
         raise ValueError(f"{path}: no processor class known for model type '{model_type}'")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, **trust)
     template_file = Path(path) / "chat_template.jinja"
     template = template_file.read_text() if template_file.exists() else tokenizer.chat_template
-    images = AutoImageProcessor.from_pretrained(path, **sizes)
+    images = AutoImageProcessor.from_pretrained(path, **sizes, **trust)
     kwargs = {"video_processor": None} if "video_processor" in getattr(transformers, name).get_attributes() else {}
     return image_only_processor(getattr(transformers, name))(image_processor=images, tokenizer=tokenizer,
                                                              chat_template=template, **kwargs)

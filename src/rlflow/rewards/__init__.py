@@ -1,7 +1,7 @@
 """Rewards: any Python callable, verl's rule scorers, reward models, LLM judges, code execution, and
 weighted combinations of them."""
 
-from rlflow.rewards import gsm8k, math, math_dapo
+from rlflow.rewards import geo3k, gsm8k, math, math_dapo
 from rlflow.rewards.base import Reward, RewardError, RewardWarning
 from rlflow.rewards.code import CodeReward
 from rlflow.rewards.combine import CombinedReward, WithRMScore
@@ -23,6 +23,7 @@ __all__ = [
     "RewardError",
     "RewardWarning",
     "default_compute_score",
+    "geo3k",
     "gsm8k",
     "math",
     "math_dapo",

@@ -8,13 +8,14 @@ data_source                                                                 scor
 ``HuggingFaceH4/MATH-500``
 ``math_dapo``, ``math``, ``math_dapo_reasoning``, any ``aime*``             :mod:`.math_dapo`
 ``codecontests``, ``apps``, ``codeforces``, ``taco``                        :mod:`.code`
+``hiyouga/geometry3k``                                                      :mod:`.geo3k` (``rlflow[math]``)
 ``rlflow/addition``, ``rlflow/shapes`` (the built-in tasks)                exact match
 ==========================================================================  ================
 
 Code is run against the sample's test cases in rlflow's local sandbox (verl runs ``prime_code`` or a
-SandboxFusion server); the score is the pass fraction, verl's ``continuous=True``. verl's geometry,
-search and PRIME scorers are not built in: pass your own function to
-:class:`~rlflow.rewards.FunctionReward` for those.
+SandboxFusion server); the score is the pass fraction, verl's ``continuous=True``. Geometry3K is graded with
+``mathruler``, as in verl (an optional dependency: ``pip install "rlflow[math]"``). verl's search and PRIME
+scorers are not built in: pass your own function to :class:`~rlflow.rewards.FunctionReward` for those.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
 DAPO_PREFIX = "aime"
 ADDITION_SOURCES = ("rlflow/addition", "rlflow/shapes")  # the built-in tasks' DATA_SOURCE (exact match)
 CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+GEO3K_SOURCES = ("hiyouga/geometry3k",)
 
 
 def supports(data_source: str) -> bool:
     """Whether :func:`default_compute_score` has a scorer for ``data_source``."""
-    return (data_source in (*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, *CODE_SOURCES, *ADDITION_SOURCES)
+    return (data_source in (*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, *CODE_SOURCES, *ADDITION_SOURCES,
+                            *GEO3K_SOURCES)
             or str(data_source).startswith(DAPO_PREFIX))
 
 
@@ -42,7 +45,7 @@ def default_compute_score(
 ) -> float | dict:
     """Score one sample with the rule scorer for its ``data_source``.
 
-    Returns a float (GSM8K, MATH, the built-in addition task) or a dict with ``"score"``
+    Returns a float (GSM8K, MATH, Geometry3K, the built-in addition task) or a dict with ``"score"``
     (DAPO: ``score``, ``acc``, ``pred``; code: ``score``, ``passed``, ``total``).
 
     Raises:
@@ -58,12 +61,16 @@ def default_compute_score(
         from rlflow.rewards import code  # imported here: only code data needs the sandbox
 
         return code.compute_score(solution_str, ground_truth)
+    if data_source in GEO3K_SOURCES:
+        from rlflow.rewards import geo3k  # its grader (mathruler) is an optional dependency
+
+        return float(geo3k.compute_score(solution_str, ground_truth))
     if data_source in ADDITION_SOURCES:
         from rlflow.tasks.addition import exact_match  # imported here: the task module loads models
 
         return exact_match(solution_str, str(ground_truth))
     supported = ", ".join([*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, f"{DAPO_PREFIX}*", *CODE_SOURCES,
-                           *ADDITION_SOURCES])
+                           *GEO3K_SOURCES, *ADDITION_SOURCES])
     raise NotImplementedError(
         f"no built-in reward for data_source={data_source!r}. Supported: {supported}. "
         "For other data, pass your own function: FunctionReward(my_compute_score)."

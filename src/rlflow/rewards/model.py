@@ -99,12 +99,15 @@ class ModelReward(Reward):
         self.in_keys = keys
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, reencode: bool = True, **kwargs) -> "ModelReward":
-        """Load a local model folder (weights, config, tokenizer); ``reencode=False`` reads the policy's ids."""
+    def from_pretrained(cls, path: str | Path, *, reencode: bool = True, trust_remote_code: bool = False,
+                        **kwargs) -> "ModelReward":
+        """Load a local model folder (weights, config, tokenizer); ``reencode=False`` reads the policy's ids;
+        ``trust_remote_code``: run the folder's own model code (transformers' switch, off by default)."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        model = AutoModelForSequenceClassification.from_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(path) if reencode else None
+        trust = {"trust_remote_code": trust_remote_code}
+        model = AutoModelForSequenceClassification.from_pretrained(path, **trust)
+        tokenizer = AutoTokenizer.from_pretrained(path, **trust) if reencode else None
         return cls(model, tokenizer, **kwargs)
 
     def __repr__(self) -> str:

@@ -164,7 +164,11 @@ class VLLMEngine(Engine):
             write_checkpoint(update_buckets(model), path, model.config)  # a LoRA policy: its merged weights
             self.loaded_from = model
         path = str(path)
-        self.config = AutoConfig.from_pretrained(path)
+        self.config = AutoConfig.from_pretrained(path, trust_remote_code=bool(engine_kwargs.get("trust_remote_code")))
+        if engine_kwargs.get("hf_overrides"):  # the policy's config overrides, which vLLM applies too
+            from rlflow.models.hf_config import apply_overrides
+
+            apply_overrides(self.config, dict(engine_kwargs["hf_overrides"]), "hf_overrides")
         if getattr(self.config, "vision_config", None) is not None:
             raise NotImplementedError(
                 f"{self.config.architectures}: a vision-language model; rlflow's vLLM engine takes no images yet "
