@@ -1,9 +1,10 @@
 """Load a verl-style config: the packaged default tree, the user's YAML, then Hydra-syntax overrides.
 
 ``key=value`` changes a key, ``+key=value`` adds one (only where the tree is open, e.g. under
-``override_config``; still validated), ``++key=value`` sets whether or not it exists, ``key=[a,b]``
-gives a list. Overrides are parsed with Hydra's own grammar. Every key is then checked against the
-default tree: an unknown one is an error naming the full dotted key and its closest matches.
+``override_config``; still validated) or, as in Hydra, sets a key whose value is null, ``++key=value``
+sets whether or not it exists, ``key=[a,b]`` gives a list. Overrides are parsed with Hydra's own grammar.
+Every key is then checked against the default tree: an unknown one is an error naming the full dotted key
+and its closest matches.
 """
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ def apply_override(cfg: DictConfig, defaults: DictConfig, o, provided: set[str])
         hint = " ('+' adds keys only under open nodes such as override_config)" if o.type != OverrideType.CHANGE else ""
         raise unknown_key_error(key, known, hint)
     in_cfg = OmegaConf.select(cfg, key, default="__missing__") != "__missing__"
-    if o.type == OverrideType.ADD and in_cfg:
+    if o.type == OverrideType.ADD and in_cfg and OmegaConf.select(cfg, key) is not None:  # Hydra: + fills a null
         raise ConfigError(f"override '+{key}={o.get_value_element_as_str()}': {key} already exists; "
                           f"drop the '+' to change it (or use '++' to set it either way)")
     if o.type == OverrideType.CHANGE and not in_cfg:
@@ -235,6 +236,7 @@ def apply_override(cfg: DictConfig, defaults: DictConfig, o, provided: set[str])
 
 
 STR_OR_LIST = ("data.train_files", "data.val_files", "target_modules")  # keys (or last parts) taking either
+NUMBER_OR_STR = ("algorithm.rollout_correction.rollout_is_threshold",)  # verl's '0.5_4.0' (lower_upper) form
 
 
 def check_types(tree: dict, defaults: dict) -> list[ConfigError]:
@@ -248,6 +250,8 @@ def check_types(tree: dict, defaults: dict) -> list[ConfigError]:
         if default is None or value is None:
             continue
         if (key in STR_OR_LIST or key.rsplit(".", 1)[-1] in STR_OR_LIST) and isinstance(value, (str, list)):
+            continue
+        if key in NUMBER_OR_STR and isinstance(value, str):
             continue
         ok = (isinstance(value, bool) if isinstance(default, bool)
               else isinstance(value, int) and not isinstance(value, bool) if isinstance(default, int)

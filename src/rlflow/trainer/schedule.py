@@ -37,6 +37,12 @@ class Schedule:
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
+    def __str__(self) -> str:
+        if self.kind == "constant":
+            return "constant"
+        return (f"cosine down to {self.min_lr_ratio:g} x lr, {self.num_cycles:g} cycles"
+                + ("" if self.zero_indexed_step else ", steps counted from 1"))
+
     def factor(self, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
         """The multiplier of the base learning rate at each step (0-based, as ``LambdaLR`` counts)."""
         m, cycles, shift = self.min_lr_ratio, self.num_cycles, 0 if self.zero_indexed_step else 1
