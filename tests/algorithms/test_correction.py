@@ -9,7 +9,7 @@ from tensordict import TensorDict
 
 from rlflow.algorithms import GRPO, PPOLoss, TruncatedIS
 from rlflow.algorithms import functional as F
-from rlflow.algorithms.correction import truncated_is_weights
+from rlflow.algorithms.correction import parse_is_threshold, truncated_is_weights
 from rlflow.data import keys as K
 from rlflow.module import Chain, MissingKeyError
 from tests.trainer.helpers import make_trainer
@@ -113,6 +113,56 @@ def test_module_writes_weights_and_rollout_corr_stats():
         TruncatedIS(level="geometric")
     with pytest.raises(ValueError, match="threshold"):
         TruncatedIS(threshold=0.0)
+
+
+# ---------------------------------------------------------------- verl's 'lower_upper' threshold and batch normalisation
+
+@pytest.mark.parametrize("spec, want", [(2.0, (2.0, None)), (3, (3.0, None)), ("4", (4.0, None)),
+                                        ("0.5_4.0", (4.0, 0.5)), (" 0.25_2 ", (2.0, 0.25))])
+def test_threshold_forms_as_verl_parses_them(spec, want):
+    assert parse_is_threshold(spec) == want
+
+
+@pytest.mark.parametrize("spec, message", [("abc", "cannot read"), ("4_0.5", "lower bound"), ("0_2", "lower bound"),
+                                           (-1.0, "must be > 0"), (True, "number")])
+def test_bad_thresholds_are_refused(spec, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        TruncatedIS(threshold=spec)
+
+
+def test_lower_upper_zeroes_weights_outside_the_band():
+    """IcePop (verl's '0.5_4.0'): a weight in [lower, upper] stays as it is, one outside becomes 0 (not clamped)."""
+    old = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0]])
+    rollout = torch.tensor([[math.log(2.0), -math.log(3.0), math.log(4.0), -math.log(5.0), 0.0]])  # w = 1/2, 3, 1/4, 5, 1
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    module = TruncatedIS(level="token", threshold="0.5_4.0")
+    assert (module.threshold, module.lower) == (4.0, 0.5)
+    batch = TensorDict({K.OLD_LOG_PROBS: old, K.ROLLOUT_LOG_PROBS: rollout, K.RESPONSE_MASK: mask}, [1])
+    torch.testing.assert_close(module(batch)[K.IS_WEIGHTS], torch.tensor([[0.5, 3.0, 0.0, 0.0, 0.0]]))
+    assert module.stats["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(0.5)  # 1/4 and 5 of 4 tokens
+    assert module.stats["rollout_corr/rollout_is_ratio_fraction_low"] == pytest.approx(0.25)  # below 0.5, not 1/4
+    upper_only, _ = truncated_is_weights(old, rollout, mask, "token", threshold=4.0)
+    torch.testing.assert_close(upper_only, torch.tensor([[0.5, 3.0, 0.25, 4.0, 0.0]]))  # truncation keeps them
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_batch_normalize_gives_mean_one_as_verl(level):
+    gen = torch.Generator().manual_seed(3)
+    old = torch.randn(4, 5, generator=gen, dtype=torch.float64) * 0.4
+    rollout = old + torch.randn(4, 5, generator=gen, dtype=torch.float64) * 0.4
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float64)
+    plain, _ = truncated_is_weights(old, rollout, mask, level, threshold=1.5)
+    w, stats = truncated_is_weights(old, rollout, mask, level, threshold=1.5, batch_normalize=True)
+    # verl: token level divides by the mean over valid tokens; sequence level by the mean over sequences of each
+    # sequence's (constant) weight
+    rows = [[plain[i, t].item() for t in range(5) if mask[i, t]] for i in range(4)]
+    mean = (sum(map(sum, rows)) / sum(map(len, rows)) if level == "token" else
+            sum(r[0] for r in rows) / len(rows))
+    torch.testing.assert_close(w, plain / mean)
+    assert stats["rollout_is_batch_norm_factor"].item() == pytest.approx(mean)
+    assert mean != pytest.approx(1.0, abs=1e-3)  # so the test sees the normalisation
+    units = w[mask.bool()] if level == "token" else w[:, 0]
+    assert units.mean().item() == pytest.approx(1.0)
 
 
 # ---------------------------------------------------------------- the loss

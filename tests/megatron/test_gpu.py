@@ -38,3 +38,6 @@ def test_distributed_optimizer_equals_the_default_optimizer(tmp_path):
     parameter) give the losses, gradient norms and weights of the default optimizer (AdamW per shard)."""
     result = launch(processes(), tmp_path, ["gpu_distopt"])["gpu_distopt"]
     assert_same_run(result["distributed"], result["default"], steps=(1, 2), atol=1e-4)
+    # verl's Megatron scripts' override_optimizer_config (states on the CPU, MegatronStrategy(optimizer_overrides=)):
+    # the same run, the optimizer step done by megatron-core's HybridDeviceOptimizer on the host
+    assert_same_run(result["offloaded"], result["default"], steps=(1, 2), atol=1e-4)

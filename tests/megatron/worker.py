@@ -347,7 +347,10 @@ def gpu_distopt(out: Path) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     ws = world_size()
     distributed = MegatronStrategy(tensor_parallel=ws, distributed_optimizer=True)
+    offloaded = MegatronStrategy(tensor_parallel=ws, distributed_optimizer=True, optimizer_overrides={
+        "optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0, "overlap_cpu_optimizer_d2h_h2d": True})
     return {"distributed": run_training(out / "distopt", distributed, steps=2, accelerator="cuda"),
+            "offloaded": run_training(out / "offload", offloaded, steps=2, accelerator="cuda"),
             "default": run_training(out / "default", MegatronStrategy(tensor_parallel=ws), steps=2, accelerator="cuda")}
 
 

@@ -51,7 +51,7 @@ def test_timer_accumulates_named_phases():
 
 def test_lr_schedules():
     warm_const = lr_lambda("constant", warmup_steps=4, total_steps=10)
-    assert [warm_const(s) for s in (0, 3, 4, 9)] == [0.25, 1.0, 1.0, 1.0]
+    assert [warm_const(s) for s in (0, 3, 4, 9)] == [0.0, 0.75, 1.0, 1.0]  # verl's step / warmup (test_schedule*)
     cosine = lr_lambda("cosine", warmup_steps=0, total_steps=10)
     assert cosine(0) == 1.0 and cosine(5) == pytest.approx(0.5) and cosine(10) == pytest.approx(0.0)
     with pytest.raises(ValueError, match="unknown lr_schedule 'linear'"):

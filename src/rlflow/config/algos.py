@@ -9,10 +9,13 @@ from typing import Any
 
 import rlflow.algorithms
 from rlflow.config import tables
-from rlflow.config.loading import NotSupportedError, VerlConfig
+from rlflow.algorithms.correction import parse_is_threshold
+from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.optim import first_set
 from rlflow.config.resolve import Candidate, class_kwargs, fill, key, resolve_class
 
 A = "actor_rollout_ref.actor"
+RC = "algorithm.rollout_correction.rollout_is_"
 
 __all__ = ["ESTIMATOR_POOL", "KL_CTRL_POOL", "KL_IN_REWARD_KEYS", "companions", "loss_pool"]
 
@@ -22,7 +25,11 @@ def loss_pool(cfg: VerlConfig) -> dict[str, Candidate]:
     use_kl = Candidate((f"{A}.use_kl_loss", f"{A}.kl_loss_coef"),
                        lambda c: float(c[f"{A}.kl_loss_coef"]) if c[f"{A}.use_kl_loss"] else 0.0, always=True)
     pool = {name: key(f"{A}.{name}") for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
-                                                   "tau_pos", "tau_neg", "loss_scale_factor")}
+                                                   "loss_scale_factor")}
+    # SAPO: verl reads actor.tau_pos / tau_neg; its SAPO example writes +actor.policy_loss.tau_pos (either here)
+    pool |= {name: Candidate((f"{A}.{name}", f"{A}.policy_loss.{name}"),
+                             lambda c, n=name: first_set(c, (f"{A}.policy_loss.{n}", f"{A}.{n}")))
+             for name in ("tau_pos", "tau_neg")}
     pool |= {name: key(f"{A}.policy_loss.{name}") for name in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
                                                                 "kl_cov_ratio", "ppo_kl_coef")}
     return pool | {"kl_coef": use_kl, "kl_type": key(f"{A}.kl_loss_type"), "entropy_coef": key(f"{A}.entropy_coeff"),
@@ -45,6 +52,16 @@ def algorithm_class(name: str, key_: str, value: Any) -> type:
     return cls
 
 
+def is_threshold(cfg: VerlConfig) -> tuple[float, float | None]:
+    """``rollout_is_threshold``: a number (truncation at it) or verl's ``'lower_upper'`` string (IcePop: weights
+    outside ``[lower, upper]`` are zeroed); a bad one is an error naming the key."""
+    value = cfg[RC + "threshold"]
+    try:
+        return parse_is_threshold(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{RC}threshold={value!r}: {e}") from None
+
+
 def companions(cfg: VerlConfig, estimator_cls: type) -> tuple[list, list, tuple | None]:
     """Modules chained around the estimator: KL in the reward, ReMax's greedy baseline, IS weights."""
     before, after, controller = [], [], None
@@ -63,7 +80,10 @@ def companions(cfg: VerlConfig, estimator_cls: type) -> tuple[list, list, tuple 
     level = cfg["algorithm.rollout_correction.rollout_is"]
     if level:
         cls = algorithm_class(tables.ROLLOUT_IS, "algorithm.rollout_correction.rollout_is", level)
+        upper, lower = is_threshold(cfg)
         pool = {"level": Candidate((), lambda c: level, always=True),
-                "threshold": key("algorithm.rollout_correction.rollout_is_threshold", always=True)}
+                "threshold": Candidate((RC + "threshold",), lambda c: upper, always=True),
+                "lower": Candidate((), lambda c: lower, always=lower is not None),
+                "batch_normalize": key(RC + "batch_normalize")}
         after.append((cls, class_kwargs(cls, pool, cfg)))
     return before, after, controller

@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlflow.config.errors import ConfigError, ConfigProblems, NotSupportedError, raise_problems
+from rlflow.config.errors import ConfigError, ConfigProblems, NotSupportedError, raise_problems  # noqa: F401 (re-exported)
 from rlflow.config.trees import flatten, strip_targets
 from rlflow.config.verl_configs import (GROUP_KEYS, compose_overlay, default_container, default_tree, open_nodes,
                                         resolved_defaults)
@@ -194,6 +194,7 @@ def apply_override(cfg: DictConfig, defaults: dict, o, provided: set[str]) -> No
 
 
 STR_OR_LIST = ("data.train_files", "data.val_files", "target_modules")  # keys (or last parts) taking either
+NUMBER_OR_STR = ("algorithm.rollout_correction.rollout_is_threshold",)  # verl's '0.5_4.0' (lower_upper) form
 
 
 def check_types(tree: dict, defaults: dict) -> list[ConfigError]:
@@ -207,6 +208,8 @@ def check_types(tree: dict, defaults: dict) -> list[ConfigError]:
         if default is None or value is None:
             continue
         if (key in STR_OR_LIST or key.rsplit(".", 1)[-1] in STR_OR_LIST) and isinstance(value, (str, list)):
+            continue
+        if key in NUMBER_OR_STR and isinstance(value, str):
             continue
         ok = (isinstance(value, bool) if isinstance(default, bool)
               else isinstance(value, int) and not isinstance(value, bool) if isinstance(default, int)

@@ -8,14 +8,12 @@ prompts, ``*_micro_batch_size_per_gpu`` counts trajectories (samples).
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
 
 import rlflow
 import rlflow.algorithms
@@ -29,6 +27,7 @@ from rlflow.config.devices import Devices, resolve_devices
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.lora import lora_argument
 from rlflow.config.modeldata import chat_template_kwargs, engine_loading, model_loading, patch_size
+from rlflow.config.optim import optim_kwargs
 from rlflow.config.resolve import class_kwargs
 from rlflow.config.rewards import RewardPlan, reward_plan
 from rlflow.config.rollout import rollout_plan
@@ -36,7 +35,6 @@ from rlflow.config.validate import check
 
 A, R, C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
 FG, OB = "algorithm.filter_groups", "reward_model.reward_kwargs.overlong_buffer_cfg"
-SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
@@ -118,21 +116,6 @@ def one_of(cfg: VerlConfig, per_gpu: str, global_: str, processes: int) -> int |
     return a if b is None else max(1, b // processes)
 
 
-def aliased(cfg: VerlConfig, verl_key: str, alias: str) -> Any:
-    """The seed's spellings (``actor.lr``, ``actor.max_grad_norm``) override verl's key when set."""
-    if cfg[alias] is None:
-        return cfg[verl_key]
-    cfg[verl_key]  # read: validation made sure the two agree
-    return cfg[alias]
-
-
-def schedule(cfg: VerlConfig, role: str) -> str:
-    kind = cfg[f"{role}.optim.warmup_style"] or cfg[f"{role}.optim.lr_scheduler_type"]
-    if kind not in SCHEDULES:
-        raise ConfigError(f"{role}.optim.lr_scheduler_type={kind!r}: choose from {SCHEDULES}")
-    return kind
-
-
 def shared(cfg: VerlConfig, notes: list[str], with_critic: bool, actor_keys: tuple[str, ...], actor_value: Any,
            critic_keys: tuple[str, ...], critic_value: Any) -> Any:
     """One value for actor and critic (rlflow's Trainer updates both with one mini-batching, schedule and
@@ -181,10 +164,11 @@ def make_plan(cfg: VerlConfig) -> Plan:
         cfg[k]
     procs = devices.processes
 
-    def same(name: str, actor_value: Any = None, critic_value: Any = None, aliases: tuple[str, ...] = ()) -> Any:
+    def same(name: str, actor_value: Any = None, critic_value: Any = None, aliases: tuple[str, ...] = (),
+             critic_aliases: tuple[str, ...] = ()) -> Any:
         a, c = f"{A}.{name}", f"{C}.{name}"
         return shared(cfg, notes, with_critic, (a,) + aliases, cfg[a] if actor_value is None else actor_value,
-                      (c,), cfg[c] if critic_value is None and with_critic else critic_value)
+                      (c,) + critic_aliases, cfg[c] if critic_value is None and with_critic else critic_value)
 
     # validation checked that the batch splits into mini-batches of this size (the critic's, when only it is set)
     n, bs, mini = cfg[f"{R}.n"], cfg["data.train_batch_size"], same("ppo_mini_batch_size")
@@ -195,20 +179,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
     temperature, do_sample = cfg[f"{R}.temperature"], cfg[f"{R}.do_sample"]
     if not do_sample and temperature == 0:
         temperature = 1.0  # greedy: log-probs of the unscaled distribution
-    lr = aliased(cfg, f"{A}.optim.lr", f"{A}.lr")
-    grad_clip = same("grad_clip", aliased(cfg, f"{A}.grad_clip", f"{A}.max_grad_norm"), aliases=(f"{A}.max_grad_norm",))
-    # verl's Megatron configs name Megatron's optimizers: its "adam" is decoupled weight decay (megatron-core
-    # falls back to torch.optim.AdamW for it), "sgd" is SGD
-    optim = tables.MEGATRON_OPTIMIZERS.get(same("optim.optimizer"), same("optim.optimizer"))
-    if not hasattr(torch.optim, optim):
-        raise ConfigError(f"{A}.optim.optimizer={optim!r}: torch.optim has no such optimizer")
-    weight_decay, betas = same("optim.weight_decay"), same("optim.betas")
-    make_optimizer = functools.partial(getattr(torch.optim, optim), lr=lr, weight_decay=weight_decay,
-                                       betas=tuple(betas))
-    ppo_epochs, lr_schedule = same("ppo_epochs"), same("optim.lr_scheduler_type", schedule(cfg, A), (
-        schedule(cfg, C) if with_critic else None), aliases=(f"{A}.optim.warmup_style",))
-    warmup = (same("optim.lr_warmup_steps"), same("optim.lr_warmup_steps_ratio"))
-    same("optim.min_lr_ratio")  # checked against NOT_SUPPORTED for the actor; the critic must agree
+    optimizer = optim_kwargs(cfg, notes, with_critic, same, devices)  # lr, schedule, clipping, shuffling
+    ppo_epochs, warmup = same("ppo_epochs"), (same("optim.lr_warmup_steps"), same("optim.lr_warmup_steps_ratio"))
 
     critic_path, critic_kwargs, value_loss_kwargs = None, {}, {}
     if with_critic:
@@ -288,8 +260,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
                      **({"chat_template_kwargs": template_kwargs} if template_kwargs else {})},
         trainer_kwargs={
             "batch_size": bs, "mini_batch_size": mini, "micro_batch_size": micro, "ppo_epochs": ppo_epochs,
-            "lr": lr, "critic_lr": cfg[f"{C}.optim.lr"], "weight_decay": weight_decay,
-            "lr_schedule": lr_schedule, "optimizer": make_optimizer, "max_grad_norm": grad_clip,
+            **optimizer,
             "val_every": max(test_freq, 0), "val_n": val["n"], "save_every": max(save_freq, 0),
             "run_dir": cfg["trainer.default_local_dir"],
             "resume": resume, "seed": cfg["data.seed"],

@@ -75,12 +75,8 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.model.enable_activation_offload": ("activation offloading", _truthy),
     "actor_rollout_ref.model.use_liger": ("Liger kernels", _truthy),
-    "actor_rollout_ref.model.use_fused_kernels": ("fused kernels", _truthy),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
-    "actor_rollout_ref.actor.shuffle": ("shuffling within mini-batches", _truthy),
     "actor_rollout_ref.actor.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
-    "actor_rollout_ref.actor.optim.min_lr_ratio": ("a cosine floor (min_lr_ratio)", lambda v: v not in (None, 0, 0.0)),
-    "actor_rollout_ref.actor.optim.num_cycles": ("cosine cycles other than 0.5", _not(0.5)),
     "actor_rollout_ref.ref.model": ("a reference model other than the initial policy", _truthy),
     "actor_rollout_ref.rollout.ignore_eos": ("generation that ignores EOS", _truthy),
     "actor_rollout_ref.rollout.over_sample_rate": ("rollout over-sampling", _truthy),
@@ -92,9 +88,7 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "critic.model.lora_rank": (LORA, lambda v: v > 0),
     "critic.model.enable_activation_offload": ("activation offloading", _truthy),
-    "critic.shuffle": ("shuffling within mini-batches", _truthy),
     "critic.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
-    "critic.optim.num_cycles": ("cosine cycles other than 0.5", _not(0.5)),
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
                                         "sources are scored without a server)", _truthy),
     "algorithm.use_pf_ppo": ("PF-PPO", _truthy),
@@ -120,6 +114,8 @@ _ENGINE = "a vLLM/SGLang engine setting; rlflow's HF rollout generates with the 
 _SINGLE = "an FSDP tuning knob; rlflow's FSDP2 shards every decoder layer with torch's defaults"
 _RAY = "rlflow does not use Ray"
 _PACKED = "rlflow always computes log-probs on response tokens only, in chunks"
+_FUSED = ("rlflow's log-prob head is always fused and chunked (rlflow.models.logprobs.ChunkedHeadLogProbs: linear + "
+          "log-prob/entropy over response tokens only, logits recomputed in backward, never all at once)")
 _LOADER = "rlflow reads the data files in the main process"
 _CKPT = "rlflow checkpoints always hold model, optimizer, schedule, data position and RNG"
 _NO_RM = "only used with reward_model.enable=True"
@@ -148,7 +144,7 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.hybrid_engine": "rlflow's rollout always shares the policy's weights",
     "actor_rollout_ref.nccl_timeout": "process groups use rlflow's own time-out (rlflow.strategies.DEFAULT_TIMEOUT)",
     "actor_rollout_ref.model.use_shm": _LOADER, 
-    "actor_rollout_ref.model.fused_kernel_options.*": "fused kernels are not supported yet",
+    "actor_rollout_ref.model.use_fused_kernels": _FUSED, "actor_rollout_ref.model.fused_kernel_options.*": _FUSED,
     **{f"actor_rollout_ref.model.{k}": _POLICY_LORA_ONLY for k in (
         "target_modules", "exclude_modules", "lora_alpha", "use_rslora", "use_dora")},
     **{f"actor_rollout_ref.actor.lora.{k}": _POLICY_LORA_ONLY for k in ("r", "alpha", "target_modules")},
@@ -200,7 +196,8 @@ INERT: dict[str, str] = {
     # read when reward_model.enable=True, except these, which change nothing then either
     "reward_model.model.use_shm": _LOADER,
     "reward_model.model.use_remove_padding": "the reward model scores right-padded micro-batches",
-    "reward_model.model.use_fused_kernels": "fused kernels are not supported yet",
+    "reward_model.model.use_fused_kernels": "the reward model computes one score per sequence: it has no log-prob "
+                                            "head to fuse",
     "reward_model.model.fsdp_config.*": "the reward model is placed by the policy's strategy (sharded by FSDP2, "
                                         "with its offload policy, when the policy is)",
     "reward_model.forward_max_token_len_per_gpu": "the reward model's micro-batches count rows "
@@ -219,6 +216,7 @@ INERT: dict[str, str] = {
     "algorithm.pf_ppo.*": _PF_RC_ONLY, "algorithm.filter_groups.metric": _FILTER_ONLY,
     "algorithm.filter_groups.max_num_gen_batches": _FILTER_ONLY,
     "algorithm.rollout_correction.rollout_is_threshold": "only used with algorithm.rollout_correction.rollout_is",
+    "algorithm.rollout_correction.rollout_is_batch_normalize": "only used with algorithm.rollout_correction.rollout_is",
     "algorithm.rollout_correction.*": _PF_RC_ONLY,
     "trainer.esi_redundant_time": "rlflow saves on save_freq and at the last step",
     "async_training.use_rollout_log_probs": "the sampler's log-probs are the behaviour policy of the IS correction",

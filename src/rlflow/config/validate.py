@@ -180,13 +180,19 @@ def one_micro_size(ctx: Context) -> None:
             ctx.add(f"set only one of {per_gpu}={a} and {global_}={b} (the latter is deprecated)")
 
 
+ALIASES = (  # names of one setting: verl 0.9's, older verl's, the seed's
+    (f"{A}.optim.lr", f"{A}.lr"), (f"{A}.optim.clip_grad", f"{A}.grad_clip", f"{A}.max_grad_norm"),
+    (f"{C}.optim.clip_grad", f"{C}.grad_clip"),
+    (f"{A}.tau_pos", f"{A}.policy_loss.tau_pos"), (f"{A}.tau_neg", f"{A}.policy_loss.tau_neg"))
+
+
 @cross_check
 def aliases_agree(ctx: Context) -> None:
-    """The seed's spellings (``actor.lr``, ``actor.max_grad_norm``) and verl's keys must not disagree."""
-    for verl_key, alias in ((f"{A}.optim.lr", f"{A}.lr"), (f"{A}.grad_clip", f"{A}.max_grad_norm")):
-        a, v = ctx.get(alias), ctx.get(verl_key)
-        if a is not None and verl_key in ctx.cfg.provided and a != v:
-            ctx.add(f"{alias}={a} and {verl_key}={v} disagree; set only one")
+    """Two names of one setting (:data:`ALIASES`), both set, must not disagree."""
+    for names in ALIASES:
+        given = [(k, ctx.get(k)) for k in names if k in ctx.cfg.provided and ctx.get(k) is not None]
+        if len({v for _, v in given}) > 1:
+            ctx.add(f"{' and '.join(f'{k}={v}' for k, v in given)} disagree: they name one setting; set only one")
 
 
 @cross_check

@@ -1,4 +1,5 @@
-"""Micro-batches by row count or by token budget (verl: ``use_dynamic_bsz`` + ``ppo_max_token_len_per_gpu``).
+"""Micro-batches by row count or by token budget (verl: ``use_dynamic_bsz`` + ``ppo_max_token_len_per_gpu``),
+and verl's shuffled mini-batches (``actor.shuffle``; :func:`shuffled_mini_batches`).
 
 The Trainer normalises each micro-batch's loss by its mini-batch's totals, so
 any partition of a mini-batch into micro-batches gives the same gradient: rows
@@ -100,3 +101,19 @@ def split_rows(batch: TensorDict, rows: int) -> list[TensorDict]:
     """``batch.split(rows)``: new TensorDicts (keys set on a piece do not reach ``batch``); one piece holding
     every row is a shallow copy (a split rebuilds the non-tensor columns' rows: milliseconds per column)."""
     return [shallow_copy(batch)] if rows >= batch.batch_size[0] else list(batch.split(rows))
+
+
+def shuffled_mini_batches(rows: int, mini: int, epochs: int, seed: int) -> list[list[torch.Tensor]]:
+    """Row indices of each mini-batch of each epoch, dealt at random as verl's ``actor.shuffle=True`` does.
+
+    verl (``verl.utils.tensordict_utils.make_iterator``) iterates ``epochs`` times over a
+    ``DataLoader(range(rows), batch_size=mini, shuffle=True, generator=torch.Generator().manual_seed(seed))``
+    made anew for every update, with ``seed = data_loader_seed + data-parallel rank``: each epoch is a fresh
+    permutation, and every RL step repeats the same sequence of permutations (the rows are new each step).
+    The same loader is used here, so the split is verl's, index for index.
+    """
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(torch.arange(rows), batch_size=mini, shuffle=True, collate_fn=torch.stack,
+                        generator=torch.Generator().manual_seed(seed))
+    return [list(loader) for _ in range(epochs)]

@@ -28,13 +28,13 @@ from rlflow.strategies import resolve_strategy, shards_parameters
 from rlflow.logs import quiet_other_ranks
 from rlflow.threads import choose_threads
 from rlflow.trainer import checkpoint as ckpt, numerics, validation
-from rlflow.trainer.batching import micro_batches, split_rows
+from rlflow.trainer.batching import micro_batches, shuffled_mini_batches, split_rows
 from rlflow.trainer.callbacks import with_defaults
 from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_sum, rank_shard,
                                         reduce_metrics, sequence_parallel_group)
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.metrics import MeanAccumulator, Timer, batch_metrics, sum_micro_batches
-from rlflow.trainer.schedule import lr_lambda, step_schedulers
+from rlflow.trainer.schedule import Schedule, lr_lambda, step_schedulers
 
 # Loss statistics that are each micro-batch's share of its mini-batch's loss (see rlflow.algorithms.losses).
 ADDITIVE_STATS = frozenset({"actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss"})
@@ -54,7 +54,11 @@ class Trainer:
         max_tokens_per_micro_batch: token budget per forward/backward (verl's ``use_dynamic_bsz`` +
             ``ppo_max_token_len_per_gpu``; see ``rlflow.trainer.batching``); ``None``: split by rows only.
         ppo_epochs: passes over the batch per step.
-        lr, critic_lr, weight_decay, warmup_steps, lr_schedule: AdamW and its schedule ("constant" or "cosine").
+        shuffle_seed: ``None`` splits each rank's rows into mini-batches in order; a seed deals them at random,
+            anew each epoch, as verl's ``actor.shuffle`` with ``data_loader_seed`` does
+            (:func:`~rlflow.trainer.batching.shuffled_mini_batches`, seeded with ``seed + data-parallel rank``).
+        lr, critic_lr, weight_decay, warmup_steps, lr_schedule: AdamW and its schedule (``"constant"``, ``"cosine"``
+            or a :class:`~rlflow.trainer.schedule.Schedule`: verl's cosine with ``min_lr_ratio`` and ``num_cycles``).
         optimizer: ``params -> torch.optim.Optimizer`` to replace AdamW for the policy.
         max_grad_norm: gradient clipping (``None`` only measures the norm).
         max_steps: RL steps to run; default ``epochs x steps per epoch``.
@@ -87,8 +91,9 @@ class Trainer:
         reference="auto", critic=None, value_loss=None,
         batch_size: int = 32, mini_batch_size: int | None = None, micro_batch_size: int | None = None,
         max_tokens_per_micro_batch: int | None = None,
-        ppo_epochs: int = 1, lr: float = 1e-6, critic_lr: float = 1e-5, weight_decay: float = 0.01,
-        warmup_steps: int = 0, lr_schedule: str = "constant", optimizer: Callable | None = None,
+        ppo_epochs: int = 1, shuffle_seed: int | None = None,
+        lr: float = 1e-6, critic_lr: float = 1e-5, weight_decay: float = 0.01,
+        warmup_steps: int = 0, lr_schedule: str | Schedule = "constant", optimizer: Callable | None = None,
         max_grad_norm: float | None = 1.0, max_steps: int | None = None, epochs: int = 1,
         val_every: int = 0, val_n: int = 1, save_every: int = 0, run_dir: str | Path = "runs/rlflow",
         resume: str | Path | None = None, loggers=("jsonl", "csv", "tensorboard"), callbacks=(),
@@ -110,7 +115,7 @@ class Trainer:
         if mini_batch_size is not None and batch_size % mini_batch_size:
             raise ValueError(f"batch_size={batch_size} is not a multiple of mini_batch_size={mini_batch_size}")
         self.batch_size, self.mini_batch_size = batch_size, mini_batch_size or batch_size
-        self.micro_batch_size, self.ppo_epochs = micro_batch_size, ppo_epochs
+        self.micro_batch_size, self.ppo_epochs, self.shuffle_seed = micro_batch_size, ppo_epochs, shuffle_seed
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.max_grad_norm, self.max_steps, self.epochs = max_grad_norm, max_steps, epochs
         self.val_every, self.val_n, self.save_every = val_every, val_n, save_every
@@ -257,9 +262,11 @@ class Trainer:
         ``sp`` does both.
         """
         mini = batch.batch_size[0] * self.mini_batch_size // self.batch_size  # prompts -> this rank's samples
-        world = self.fabric.world_size * self.sp_size
-        for _ in range(self.ppo_epochs):
-            for mb in split_rows(batch, mini):
+        world, device = self.fabric.world_size * self.sp_size, batch[K.PROMPT_MASK].device
+        orders = ([None] * self.ppo_epochs if self.shuffle_seed is None else shuffled_mini_batches(
+            batch.batch_size[0], mini, self.ppo_epochs, self.shuffle_seed + self.dp_rank))
+        for order in orders:
+            for mb in split_rows(batch, mini) if order is None else (batch[i.to(device)] for i in order):
                 mask = mb[K.RESPONSE_MASK]
                 n_tok = global_sum(self.fabric, mask.sum()) / world
                 n_seq = global_sum(self.fabric, (mask.sum(-1) > 0).sum()) / world

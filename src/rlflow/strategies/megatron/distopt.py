@@ -1,8 +1,9 @@
 """Megatron's distributed optimizer behind the torch optimizer the Trainer holds (GPU only).
 
 ``MegatronStrategy(distributed_optimizer=True)`` replaces the Trainer's AdamW (its ``lr``, ``betas``,
-``eps`` and ``weight_decay`` carry over, weight decay on every parameter as with AdamW) by megatron-core's
-``DistributedDataParallel`` + distributed optimizer: float32 master weights and moments sharded over the
+``eps`` and ``weight_decay`` carry over, weight decay on every parameter as with AdamW; ``optimizer_overrides``
+set further ``OptimizerConfig`` fields, e.g. CPU offload) by megatron-core's ``DistributedDataParallel`` +
+distributed optimizer: float32 master weights and moments sharded over the
 data-parallel ranks, gradients reduce-scattered into contiguous buffers. Megatron's optimizer refuses
 CPU tensors, so this path only runs on GPUs; ``tests/megatron/test_gpu.py`` checks it against the default
 optimizer (it did not run in the session that wrote it: no GPU).
@@ -19,16 +20,51 @@ scaled by ``DP / W`` (one over the model-parallel size).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
+
+# OptimizerConfig fields rlflow fills from the Trainer's optimizer and its own clipping: not overridable
+OWN_FIELDS = ("optimizer", "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "decoupled_weight_decay",
+              "use_distributed_optimizer", "clip_grad", "params_dtype")
+
+
+def check_overrides(overrides: dict | None) -> dict:
+    """``overrides`` as megatron-core ``OptimizerConfig`` fields (verl's ``optim.override_optimizer_config``): an
+    unknown field, or one rlflow sets from the optimizer itself, is a ``ValueError`` naming it."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    for name in overrides or {}:
+        if name not in fields:
+            raise ValueError(f"{name!r} is not a field of megatron-core's OptimizerConfig (its fields: "
+                             f"{', '.join(sorted(fields - set(OWN_FIELDS)))})")
+        if name in OWN_FIELDS:
+            raise ValueError(f"{name!r} comes from the Trainer's optimizer and clipping (lr, weight decay, betas, "
+                             "eps, max_grad_norm), not from the overrides")
+    return dict(overrides or {})
+
+
+def optimizer_config(group: dict, overrides: dict | None = None):
+    """megatron-core's ``OptimizerConfig`` for an Adam/AdamW param group: its lr, betas, eps and weight decay
+    (decoupled, as AdamW), float32, no clipping of its own (the strategy clips), then ``overrides``
+    (e.g. ``optimizer_cpu_offload``, ``optimizer_offload_fraction``, ``overlap_cpu_optimizer_d2h_h2d``)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam", lr=group["lr"], weight_decay=group["weight_decay"], adam_beta1=group["betas"][0],
+        adam_beta2=group["betas"][1], adam_eps=group["eps"], decoupled_weight_decay=True,
+        use_distributed_optimizer=True, clip_grad=0.0, params_dtype=torch.float32, **check_overrides(overrides))
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """Megatron's DDP + distributed optimizer for the Megatron models whose parameters ``optimizer`` holds."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, models: list[nn.Module], model_parallel_size: int):
+    def __init__(self, optimizer: torch.optim.Optimizer, models: list[nn.Module], model_parallel_size: int,
+                 overrides: dict | None = None):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
 
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or len(optimizer.param_groups) != 1:
             raise ValueError("distributed_optimizer=True takes the hyperparameters of one Adam/AdamW param group; got "
@@ -43,10 +79,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True)
         self.ddps = [DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt) for gpt in gpts]
-        config = OptimizerConfig(
-            optimizer="adam", lr=group["lr"], weight_decay=group["weight_decay"], adam_beta1=group["betas"][0],
-            adam_beta2=group["betas"][1], adam_eps=group["eps"], decoupled_weight_decay=True,
-            use_distributed_optimizer=True, clip_grad=0.0, params_dtype=torch.float32)
+        config = optimizer_config(group, overrides)
         # config_overrides={}: Megatron's default exempts biases and norms from weight decay; AdamW does not
         self.inner = get_megatron_optimizer(config, self.ddps, config_overrides={})
         self.model_parallel_size = model_parallel_size

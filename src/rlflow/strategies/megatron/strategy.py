@@ -52,13 +52,16 @@ class MegatronStrategy(ModelParallelStrategy):
         distributed_optimizer: replace the Trainer's Adam/AdamW by Megatron's DDP + distributed optimizer
             (GPU only; :mod:`~rlflow.strategies.megatron.distopt`).
         transformer_overrides: extra ``TransformerConfig`` fields (verl's ``override_transformer_config``).
+        optimizer_overrides: extra megatron-core ``OptimizerConfig`` fields for the distributed optimizer (verl's
+            ``optim.override_optimizer_config``: ``optimizer_cpu_offload``, ``optimizer_offload_fraction``, ...);
+            an unknown field is a ``ValueError`` naming it.
         timeout: how long a rank waits in a collective before giving up.
     """
 
     def __init__(self, tensor_parallel: int = 1, pipeline_parallel: int = 1, *, context_parallel: int = 1,
                  expert_parallel: int = 1, sequence_parallel: bool = False, layer_spec: str = "local",
                  distributed_optimizer: bool = False, transformer_overrides: dict | None = None,
-                 timeout: timedelta = timedelta(minutes=10)):
+                 optimizer_overrides: dict | None = None, timeout: timedelta = timedelta(minutes=10)):
         if layer_spec not in LAYER_SPECS:
             raise ValueError(f"layer_spec={layer_spec!r}: choose from {LAYER_SPECS}")
         if sequence_parallel and tensor_parallel > 1 and layer_spec == "local":
@@ -72,6 +75,11 @@ class MegatronStrategy(ModelParallelStrategy):
                                      expert=expert_parallel, sequence_parallel=sequence_parallel)
         self.layer_spec, self.transformer_overrides = layer_spec, dict(transformer_overrides or {})
         self.distributed_optimizer = distributed_optimizer
+        self.optimizer_overrides = {}
+        if optimizer_overrides:
+            from rlflow.strategies.megatron.distopt import check_overrides
+
+            self.optimizer_overrides = check_overrides(optimizer_overrides)
         self._converted: list[nn.Module] = []  # the Megatron modules set up, for the distributed optimizer
         self._cpu_workarounds = None
         self._reduced: set[int] = set()  # optimizers whose gradients were reduced since the last backward
@@ -201,7 +209,7 @@ class MegatronStrategy(ModelParallelStrategy):
             return optimizer
         from rlflow.strategies.megatron.distopt import DistributedOptimizer
 
-        return DistributedOptimizer(optimizer, self._converted, self.layout.model_parallel)
+        return DistributedOptimizer(optimizer, self._converted, self.layout.model_parallel, self.optimizer_overrides)
 
     def _finalize(self, optimizer: Optimizer) -> list[nn.Parameter]:
         from rlflow.strategies.megatron.grads import reduce_gradients

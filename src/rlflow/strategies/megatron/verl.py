@@ -138,10 +138,34 @@ def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, acceler
         raise NotSupportedError(f"{M}.context_parallel_size", layout.context, "context parallelism without "
                                 "Transformer Engine", "It needs a GPU with transformer_engine installed.")
     overrides = _notes(cfg, notes, on_cpu, layout, spec)
-    return MegatronStrategy(tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline,
-                            context_parallel=layout.context, expert_parallel=layout.expert,
-                            sequence_parallel=layout.sequence_parallel, layer_spec=spec,
-                            transformer_overrides=overrides)
+    optimizer = optimizer_overrides(cfg, notes, on_cpu)
+    try:
+        return MegatronStrategy(tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline,
+                                context_parallel=layout.context, expert_parallel=layout.expert,
+                                sequence_parallel=layout.sequence_parallel, layer_spec=spec,
+                                transformer_overrides=overrides, optimizer_overrides=optimizer)
+    except ValueError as e:
+        raise ConfigError(f"{A}.optim.override_optimizer_config: {e}") from None
+
+
+def optimizer_overrides(cfg: VerlConfig, notes: list[str], on_cpu: bool) -> dict:
+    """``optim.override_optimizer_config`` -> megatron-core ``OptimizerConfig`` fields of the distributed optimizer
+    (checked by the strategy: an unknown field is an error naming it). The verl entry point trains with the
+    Trainer's AdamW per shard (see ``use_distributed_optimizer``'s note), which these fields do not change: on CPU
+    its state is already in CPU memory; on a GPU the CPU offload they ask for is refused."""
+    key = f"{A}.optim.override_optimizer_config"
+    overrides = dict(cfg[key] or {})
+    if not overrides:
+        return {}
+    if overrides.get("optimizer_cpu_offload") and not on_cpu:
+        raise NotSupportedError(f"{key}.optimizer_cpu_offload", True, "offloading the optimizer to the CPU from the "
+                                "verl entry point", "It needs Megatron's distributed optimizer: from Python, "
+                                "MegatronStrategy(distributed_optimizer=True, optimizer_overrides={...}).")
+    notes.append(f"{key}: {overrides} go to megatron-core's OptimizerConfig, used by Megatron's distributed optimizer "
+                 "(MegatronStrategy(distributed_optimizer=True), GPUs); the Trainer's AdamW "
+                 + ("on trainer.device=cpu keeps its state in CPU memory, in float32" if on_cpu else
+                    "per shard does not read them"))
+    return overrides
 
 
 def dry_run_section(plan, config, seq_len: int) -> list[str]:
