@@ -60,7 +60,6 @@ def _not(*ok: Any) -> Callable[[Any], bool]:
 OTHER_BACKENDS = "training strategies other than fsdp, fsdp2 and megatron"
 LORA = "LoRA on the critic"
 MULTI_TURN = "custom agent loops (agent_loop_config_path)"
-DYN_BSZ = "token-budget micro-batches (use_dynamic_bsz; set ppo_micro_batch_size_per_gpu instead)"
 
 NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "data.custom_cls.path": ("custom dataset classes", _truthy),
@@ -127,15 +126,12 @@ _NO_RM = "only used with reward_model.enable=True"
 _LORA_ONLY = "only used with LoRA, not supported yet"
 _POLICY_LORA_ONLY = ("only used with LoRA on: actor_rollout_ref.model.lora_rank > 0, "
                      "actor_rollout_ref.actor.lora.enabled=True or actor_rollout_ref.model.lora_adapter_path")
-_DYN_ONLY = ("the scoring passes (old/ref log-probs) use log_prob_micro_batch_size(_per_gpu); the token budget "
-             "applies to the training micro-batches (actor.use_dynamic_bsz + ppo_max_token_len_per_gpu)")
+_DYN_ONLY = "only used with this role's use_dynamic_bsz / log_prob_use_dynamic_bsz=True (a token budget per pass)"
 _PF_RC_ONLY = "only used with PF-PPO or with rollout-correction options that are not supported yet"
 _FILTER_ONLY = "only used with algorithm.filter_groups.enable=True (DynamicSampling)"
 _MEGATRON_ONLY = "only used with actor_rollout_ref.actor.strategy=megatron"
 
 INERT: dict[str, str] = {
-    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": _DYN_ONLY,
-    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": _DYN_ONLY,
     "data.tokenizer": "prompts are tokenized with the policy's tokenizer",
     "data.use_shm": _LOADER, "data.dataloader_num_workers": _LOADER, "data.filter_overlong_prompts_workers": _LOADER,
     "data.return_raw_input_ids": "rlflow batches carry prompt ids and text",
