@@ -179,6 +179,9 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.rollout.trace.token2text": "rollout tracing is not supported yet",
     "actor_rollout_ref.rollout.skip_dump_dir": "rollout dumps are not supported yet",
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": _ENGINE,
+    "actor_rollout_ref.rollout.enable_prefix_caching": (
+        "vLLM's cache of prompt blocks across requests; the HF rollout keeps none between generate calls (within "
+        "one it always runs each prompt's prefill once for its n samples: rlflow.models.shared_prompt)"),
     "actor_rollout_ref.rollout.server.*": "only used by a server rollout (rollout.server.url set)",
     **{f"actor_rollout_ref.rollout.{k}": _ENGINE for k in (
         "dtype", "gpu_memory_utilization", "enforce_eager", "cudagraph_capture_sizes", "free_cache_engine",
