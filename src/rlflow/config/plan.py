@@ -108,6 +108,16 @@ def scoring_split(cfg: VerlConfig, dynamic: str, tokens: str, per_gpu: str, glob
     return one_of(cfg, per_gpu, global_, processes), None
 
 
+def reward_keys(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[str]) -> RewardPlan:
+    """:func:`rlflow.config.rewards.reward_plan`; a problem of a key set as verl 0.9's ``reward.*`` names it."""
+    from rlflow.config.reward_section import user_names
+
+    try:
+        return reward_plan(cfg, manager, reward_kwargs, notes)
+    except ConfigError as e:
+        raise user_names([e], cfg.aliased)[0] from None
+
+
 def sequence_parallel(cfg: VerlConfig, notes: list[str], with_critic: bool, processes: int) -> int:
     """verl's ``ulysses_sequence_parallel_size`` (actor, ref, critic) -> the Trainer's one size for all roles."""
     keys = [f"{A}.ulysses_sequence_parallel_size", "actor_rollout_ref.ref.ulysses_sequence_parallel_size"]
@@ -281,7 +291,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         rollout_cls=rollout_cls, rollout_kwargs=rollout_kwargs,
         val_sampling={"n": val["n"], "do_sample": val["do_sample"], "top_p": val["top_p"], "top_k": val["top_k"],
                       "temperature": val["temperature"] if val["do_sample"] else 1.0},
-        reward=reward_plan(cfg, manager, reward_kwargs, notes),
+        reward=reward_keys(cfg, manager, reward_kwargs, notes),
         estimator_cls=estimator_cls, estimator_kwargs=estimator_kwargs,
         loss_cls=loss_cls, loss_kwargs=class_kwargs(loss_cls, loss_pool(cfg), cfg,
                                                     fixed={"is_weights": True} if after else None),

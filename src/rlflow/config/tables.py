@@ -100,6 +100,8 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "algorithm.use_pf_ppo": ("PF-PPO", _truthy),
     "algorithm.rollout_correction.rollout_rs": ("rollout correction (rejection sampling)", _truthy),
     "algorithm.rollout_correction.bypass_mode": ("rollout correction (bypass mode)", _truthy),
+    "reward.reward_manager.source": ("reward-manager classes loaded from a file (verl's source=importlib; "
+                                     "rlflow's managers: naive, prime, dapo, batch)", _not("register")),
     "trainer.critic_warmup": ("critic warm-up steps", _truthy),
     "trainer.log_val_generations": ("logging validation generations", _truthy),
     "trainer.rollout_data_dir": ("dumping rollouts to files", _truthy),
@@ -216,6 +218,16 @@ INERT: dict[str, str] = {
     "reward_model.sandbox_fusion.max_concurrent": "code runs in rlflow's local sandbox (rlflow.rewards.code)",
     "reward_model.sandbox_fusion.memory_limit_mb": "code runs in rlflow's local sandbox; its limits are "
                                                    "rlflow.rewards.code.DEFAULT_LIMITS (512 MiB)",
+    # verl 0.9's reward section: the keys without an older counterpart (the others: rlflow.config.reward_section)
+    "reward.reward_manager.module.*": "only used with reward.reward_manager.source=importlib, not supported",
+    "reward.reward_model.model_path": _NO_RM,
+    **{f"reward.reward_model.{k}": "the reward model runs in the training processes, placed like the policy"
+       for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes")},
+    "reward.reward_model.rollout.*": ("settings of verl's reward-model inference server; rlflow scores with a "
+                                      "sequence-classification model in the training processes (ModelReward)"),
+    "reward.sandbox_fusion.max_concurrent": "code runs in rlflow's local sandbox (rlflow.rewards.code)",
+    "reward.sandbox_fusion.memory_limit_mb": "code runs in rlflow's local sandbox; its limits are "
+                                             "rlflow.rewards.code.DEFAULT_LIMITS (512 MiB)",
     "algorithm.pf_ppo.*": _PF_RC_ONLY, "algorithm.filter_groups.metric": _FILTER_ONLY,
     "algorithm.filter_groups.max_num_gen_batches": _FILTER_ONLY,
     "algorithm.rollout_correction.rollout_is_threshold": "only used with algorithm.rollout_correction.rollout_is",
