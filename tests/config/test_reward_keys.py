@@ -240,7 +240,8 @@ def test_verl09_reward_section_custom_function_workers_and_kwargs(tiny, rewards_
 def test_verl09_reward_manager_and_reward_kwargs_as_verl_examples_write_them(tiny):
     """verl's DAPO scripts: reward.reward_manager.name=dapo +reward.reward_kwargs.overlong_buffer_cfg.* ..."""
     dapo = ["reward.reward_manager.name=dapo", "+reward.reward_kwargs.overlong_buffer_cfg.enable=True",
-            "+reward.reward_kwargs.overlong_buffer_cfg.len=2", "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+            "+reward.reward_kwargs.overlong_buffer_cfg.len=2",
+            "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
             "+reward.reward_kwargs.overlong_buffer_cfg.log=False", "+reward.reward_kwargs.max_resp_len=4"]
     plan = plan_of(tiny, *dapo)
     assert plan.overlong == {"max_response_length": 4, "buffer_len": 2, "penalty_factor": 0.5}

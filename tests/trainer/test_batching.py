@@ -102,7 +102,8 @@ def test_update_with_token_budget_equals_update_without(model, tokenizer, additi
 def scored_batch(vocab: int, seed: int = 0, rows: int = 10):
     """Ragged rows with real token ids: prompts of 1-6 tokens, responses of 1-8 (right-padded with id 0)."""
     g = torch.Generator().manual_seed(seed)
-    batch = ragged(torch.randint(1, 7, (rows,), generator=g).tolist(), torch.randint(1, 9, (rows,), generator=g).tolist())
+    batch = ragged(torch.randint(1, 7, (rows,), generator=g).tolist(),
+                   torch.randint(1, 9, (rows,), generator=g).tolist())
     batch[K.PROMPT_IDS] = torch.randint(3, vocab, batch[K.PROMPT_IDS].shape, generator=g) * batch[K.PROMPT_MASK]
     batch[K.RESPONSE_IDS] = torch.randint(3, vocab, batch[K.RESPONSE_IDS].shape, generator=g) * batch[K.RESPONSE_MASK]
     return batch

@@ -1,4 +1,5 @@
-"""verl 0.9's ``reward.*`` section, read through rlflow's reward keys (``reward_model.*``, ``custom_reward_function.*``).
+"""verl 0.9's ``reward.*`` section, read through rlflow's reward keys (``reward_model.*``,
+``custom_reward_function.*``).
 
 verl 0.9.1 moved the reward settings under ``reward:`` (``trainer/config/reward/reward.yaml``). Its ``main_ppo``
 reads only those; the older keys stay in its tree (``legacy_reward_impl.yaml``, all null) and only its
