@@ -321,7 +321,8 @@ RUN_COMMANDS = {
 }
 RUN_YAML = {("docs/verl-compat.md", "policy: {path: models/qwen-0.5b}    # LoRA: {path: ..., lora: {r: 32, alpha: 64, "
                                     "target_modules: all-linear}}"): "native",  # a recipe
-            ("docs/rewards.md", "reward_model:"): "verl"}  # verl keys
+            ("docs/rewards.md", "reward_model:"): "verl",  # verl keys
+            ("docs/rewards.md", "reward:"): "verl"}  # verl 0.9's reward section
 
 
 def keyed() -> dict[tuple[str, str], Block]:

@@ -259,3 +259,6 @@ def test_dynamic_bsz_and_remove_padding_reach_the_objects():
     assert p.trainer_kwargs["max_tokens_per_micro_batch"] == 512
     assert p.policy_kwargs["remove_padding"] is True  # verl's default use_remove_padding=true
     assert plan().trainer_kwargs["max_tokens_per_micro_batch"] is None
+    assert p.policy_kwargs["max_tokens_per_micro_batch"] == 512  # the log-prob keys follow the actor's (verl)
+    assert (p.ref_micro_batch_size, p.ref_max_tokens) == (None, 512)
+    assert plan().policy_kwargs["max_tokens_per_micro_batch"] is None and plan().ref_max_tokens is None

@@ -143,6 +143,33 @@ def test_troubleshooting_keys_land_on_objects(tiny, capsys):
     assert "partial rollouts (generation interrupted by weight updates) is not supported yet" in capsys.readouterr().err
 
 
+def test_scoring_token_budgets_land_on_objects(tiny, model_dir, capsys):
+    """verl's log-prob / value token budgets reach Policy, reference and Critic; the micro sizes are unused then."""
+    R, REF = "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
+    overrides = tiny + [
+        "algorithm.adv_estimator=gae", f"critic.model.path={model_dir}", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.ppo_epochs=2",  # old log-probs are computed
+        f"{R}.log_prob_use_dynamic_bsz=true", f"{R}.log_prob_max_token_len_per_gpu=40",
+        f"{R}.log_prob_micro_batch_size_per_gpu=2", f"{REF}.log_prob_use_dynamic_bsz=true",
+        f"{REF}.log_prob_max_token_len_per_gpu=30", "critic.use_dynamic_bsz=true",
+        "critic.forward_max_token_len_per_gpu=50", "trainer.total_training_steps=1", "trainer.val_before_train=false"]
+    plan = make_plan(load_config(overrides))
+    trainer, _ = build_trainer(plan)
+    assert (trainer.policy.micro_batch_size, trainer.policy.max_tokens_per_micro_batch) == (None, 40)
+    assert (trainer.reference.micro_batch_size, trainer.reference.max_tokens_per_micro_batch) == (None, 30)
+    assert (trainer.critic.micro_batch_size, trainer.critic.max_tokens_per_micro_batch) == (None, 50)
+    assert trainer.max_tokens_per_micro_batch == 32768  # critic.use_dynamic_bsz: its ppo_max_token_len_per_gpu too
+    from rlflow.config.run import unused_notes
+
+    assert f"{R}.log_prob_micro_batch_size_per_gpu=2 is not used" in "\n".join(unused_notes(plan.cfg))
+    off = build_trainer(make_plan(load_config(tiny + [f"{R}.log_prob_micro_batch_size_per_gpu=2",
+                                                      "actor_rollout_ref.actor.use_kl_loss=true"])))[0]
+    assert (off.policy.micro_batch_size, off.policy.max_tokens_per_micro_batch) == (2, None)
+    assert (off.reference.micro_batch_size, off.reference.max_tokens_per_micro_batch) == (2, None)
+    assert main(overrides) == 0
+    assert "critic/values/mean" in steps(capsys.readouterr().out)[1]
+
+
 def test_dry_run_prints_the_batch_arithmetic(tiny, capsys):
     argv = ["--dry-run", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
             "trainer.total_training_steps=null", "trainer.total_epochs=2", "trainer.test_freq=2", "trainer.save_freq=3"]

@@ -8,6 +8,7 @@ from rlflow.config.build import build_reward
 from rlflow.config.dryrun import dry_run
 from rlflow.config.loading import ConfigError, NotSupportedError
 from rlflow.config.native import load_native
+from rlflow.config.run import unused_notes
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2_reward_model
 from rlflow.rewards import CombinedReward, FunctionReward, ModelReward, RewardError, WithRMScore
 from rlflow.trainer.main_ppo import main
@@ -203,3 +204,86 @@ def test_functions_by_file_or_module_name(tiny, rewards_py):
     assert both.names == ["digit_match", "correct"]
     with pytest.raises(ConfigError, match="no importable module"):
         plan_of(tiny, "custom_reward_function.name=no_such_pkg.rewards:f")
+
+
+# ------------------------------------------------------------------ verl 0.9's reward.* section
+
+BONUS = '''
+def scaled(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):
+    return scale * float(solution_str.strip() == ground_truth)
+'''
+
+
+def test_verl09_reward_section_custom_function_workers_and_kwargs(tiny, rewards_py, capsys):
+    rewards_py.write_text(FUNCTIONS + BONUS)
+    new = [f"reward.custom_reward_function.path={rewards_py}", "reward.custom_reward_function.name=scaled",
+           "+reward.custom_reward_function.reward_kwargs.scale=3.0", "reward.num_workers=2"]
+    reward = build_reward(plan_of(tiny, *new))
+    try:
+        assert isinstance(reward, FunctionReward) and reward.name == "scaled" and reward.processes == 2
+        assert reward.fn("openai/gsm8k", "12", "12") == 3.0  # the bound reward_kwargs
+    finally:
+        reward.close()
+    old = build_reward(plan_of(tiny, f"custom_reward_function.path={rewards_py}", "custom_reward_function.name=scaled",
+                               "+custom_reward_function.reward_kwargs.scale=3.0", "reward_model.num_workers=2"))
+    try:  # the older names still work, the same way
+        assert (old.name, old.processes, old.fn("openai/gsm8k", "12", "12")) == ("scaled", 2, 3.0)
+    finally:
+        old.close()
+    run = tiny + [f"reward.custom_reward_function.path={rewards_py}", "reward.custom_reward_function.name=correct",
+                  "trainer.total_training_steps=1", "trainer.val_before_train=false"]
+    assert main(run) == 0
+    out = capsys.readouterr().out
+    assert "reward/errors" in steps(out)[1] and "reward.custom_reward_function" not in out  # used: no note
+
+
+def test_verl09_reward_manager_and_reward_kwargs_as_verl_examples_write_them(tiny):
+    """verl's DAPO scripts: reward.reward_manager.name=dapo +reward.reward_kwargs.overlong_buffer_cfg.* ..."""
+    dapo = ["reward.reward_manager.name=dapo", "+reward.reward_kwargs.overlong_buffer_cfg.enable=True",
+            "+reward.reward_kwargs.overlong_buffer_cfg.len=2",
+            "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+            "+reward.reward_kwargs.overlong_buffer_cfg.log=False", "+reward.reward_kwargs.max_resp_len=4"]
+    plan = plan_of(tiny, *dapo)
+    assert plan.overlong == {"max_response_length": 4, "buffer_len": 2, "penalty_factor": 0.5}
+    assert any("reward_manager=dapo" in n for n in plan.notes)
+    assert plan_of(tiny).overlong is None
+    with pytest.raises(NotSupportedError, match=r"reward.reward_manager.source='importlib'.*from a file"):
+        plan_of(tiny, "reward.reward_manager.source=importlib", "reward.reward_manager.module.path=m.py")
+
+
+def test_verl09_reward_model_keys(tiny, rm_dir):
+    plan = plan_of(tiny, "reward.reward_model.enable=true", f"reward.reward_model.model_path={rm_dir}",
+                   "reward.reward_model.rollout.name=vllm", "reward.reward_model.rollout.gpu_memory_utilization=0.8",
+                   "reward.reward_model.enable_resource_pool=true")
+    assert plan.reward.mode == "model" and plan.reward.model["path"] == str(rm_dir)
+    assert isinstance(build_reward(plan), ModelReward)
+    notes = "\n".join(unused_notes(plan.cfg))
+    assert "reward.reward_model.rollout.name='vllm' has no effect in rlflow: settings of verl's reward-model " \
+           "inference server" in notes
+    assert "reward.reward_model.enable_resource_pool=True has no effect in rlflow: the reward model runs in the " \
+           "training processes" in notes
+    assert "model_path" not in notes and "reward.reward_model.enable" not in notes.replace("enable_resource", "")
+
+
+def test_verl09_sandbox_fusion_keys(tiny):
+    with pytest.raises(NotSupportedError, match=r"reward.sandbox_fusion.url \(read as reward_model.sandbox_fusion.url"
+                                                r"\): .*SandboxFusion server"):
+        plan_of(tiny, "reward.sandbox_fusion.url=http://127.0.0.1:8080/run_code")
+    plan = plan_of(tiny, "reward.sandbox_fusion.max_concurrent=8")
+    assert "reward.sandbox_fusion.max_concurrent=8 has no effect in rlflow: code runs in rlflow's local sandbox" \
+        in "\n".join(unused_notes(plan.cfg))
+
+
+def test_verl09_and_older_reward_keys_together(tiny, rewards_py):
+    with pytest.raises(ConfigError, match=r"reward.num_workers=3 and reward_model.num_workers=4 set one thing.*"
+                                          "set only reward.num_workers"):
+        plan_of(tiny, "reward.num_workers=3", "reward_model.num_workers=4")
+    with pytest.raises(ConfigError, match=r"reward.custom_reward_function.name='correct' and "
+                                          r"custom_reward_function.name='short'"):
+        plan_of(tiny, f"custom_reward_function.path={rewards_py}", "reward.custom_reward_function.name=correct",
+                "custom_reward_function.name=short")
+    same = plan_of(tiny, "reward.num_workers=3", "reward_model.num_workers=3")  # equal values: one setting
+    assert same.reward.processes == 3
+    with pytest.raises(ConfigError, match=r"reward.num_workers \(read as reward_model.num_workers\): "
+                                          r"reward_model.num_workers=0: must be >= 1"):
+        plan_of(tiny, "reward.num_workers=0")

@@ -100,6 +100,35 @@ def test_engine_keys_are_honoured_or_noted():
     assert "max_num_seqs=16 has no effect in rlflow: a vLLM/SGLang engine setting" in "\n".join(unused_notes(hf.cfg))
 
 
+@requires_vllm
+def test_enable_prefix_caching_reaches_the_engine_and_the_server_command(vllm_engine):
+    """verl's rollout.enable_prefix_caching (default true) -> VLLMRollout -> vllm.LLM; the session engine shows the
+    default arriving in vLLM's cache config; the server command line carries either value; HF: a note."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from rlflow.rollout import VLLMRollout
+    from rlflow.rollout.server import vllm_server_command
+
+    base = ["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"{R}.name=vllm"]
+    on, off = (make_plan(load_config(base + extra)) for extra in ([], [f"{R}.enable_prefix_caching=false"]))
+    assert on.rollout_kwargs["enable_prefix_caching"] is True and off.rollout_kwargs["enable_prefix_caching"] is False
+    assert VLLMRollout(**off.rollout_kwargs).engine_options["enable_prefix_caching"] is False
+    engine = vllm_engine[0]  # started with VLLMRollout's default, which is verl's
+    assert engine.options["enable_prefix_caching"] is True
+    assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
+    parser = make_arg_parser(FlexibleArgumentParser())
+    for flag in (True, False):
+        cmd = vllm_server_command("/tmp/model", 8000, enable_prefix_caching=flag)
+        assert cmd[:3] == [cmd[0], "-m", "vllm.entrypoints.openai.api_server"]
+        assert parser.parse_args(cmd[3:]).enable_prefix_caching is flag
+    server = make_plan(load_config(base + [f"{R}.server.url=http://127.0.0.1:1", f"{R}.enable_prefix_caching=false"]))
+    assert "enable_prefix_caching=False: a setting of the server" in "\n".join(server.notes)
+    hf = make_plan(load_config(base[:2] + [f"{R}.enable_prefix_caching=false"]))
+    assert "enable_prefix_caching=False has no effect in rlflow: vLLM's cache of prompt blocks" in \
+        "\n".join(unused_notes(hf.cfg))
+
+
 def test_the_seed_example_still_names_vllm():
     assert "name: vllm" in Path(EXAMPLE).read_text()
 

@@ -97,3 +97,76 @@ def test_update_with_token_budget_equals_update_without(model, tokenizer, additi
     for a, b in zip(results[0][0] + results[0][1], results[1][0] + results[1][1]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert results[0][2]["actor/pg_loss"] == pytest.approx(results[1][2]["actor/pg_loss"], abs=1e-6)
+
+
+def scored_batch(vocab: int, seed: int = 0, rows: int = 10):
+    """Ragged rows with real token ids: prompts of 1-6 tokens, responses of 1-8 (right-padded with id 0)."""
+    g = torch.Generator().manual_seed(seed)
+    batch = ragged(torch.randint(1, 7, (rows,), generator=g).tolist(),
+                   torch.randint(1, 9, (rows,), generator=g).tolist())
+    batch[K.PROMPT_IDS] = torch.randint(3, vocab, batch[K.PROMPT_IDS].shape, generator=g) * batch[K.PROMPT_MASK]
+    batch[K.RESPONSE_IDS] = torch.randint(3, vocab, batch[K.RESPONSE_IDS].shape, generator=g) * batch[K.RESPONSE_MASK]
+    return batch
+
+
+def count_passes(role):
+    """Each forward of ``role.module`` (the real model under the role) with the rows and tokens it was given."""
+    calls = []
+
+    def hook(module, args):
+        prompt_ids, prompt_mask, response_ids = args[:3]
+        piece = TensorDict({K.PROMPT_MASK: prompt_mask, K.RESPONSE_MASK: (response_ids != 0).long()},
+                           batch_size=[prompt_ids.shape[0]])
+        calls.append((prompt_ids.shape[0], int(row_tokens(piece).sum())))
+
+    return calls, role.module.register_forward_pre_hook(hook)
+
+
+@pytest.mark.parametrize("remove_padding", [False, True])
+def test_scoring_passes_split_by_token_budget_with_the_same_results(model, tokenizer, remove_padding):
+    from rlflow import Critic, Policy
+
+    batch = scored_batch(len(tokenizer))
+    budget = 20
+    assert int(row_tokens(batch).max()) <= budget < int(row_tokens(batch).sum())
+    policy = Policy(model, tokenizer, micro_batch_size=3, remove_padding=remove_padding)
+    fixed = policy(batch.clone())
+    policy.max_tokens_per_micro_batch, policy.micro_batch_size = budget, None
+    calls, handle = count_passes(policy)
+    dynamic = policy(batch.clone())
+    handle.remove()
+    assert 1 < len(calls) < batch.batch_size[0] and sum(rows for rows, _ in calls) == batch.batch_size[0]
+    assert all(tokens <= budget for _, tokens in calls)
+    mask = batch[K.RESPONSE_MASK].bool()
+    for key in (K.OLD_LOG_PROBS, K.ENTROPY):  # in the batch's row order
+        torch.testing.assert_close(dynamic[key][mask], fixed[key][mask], atol=1e-5, rtol=1e-5)
+
+    ref = policy.reference()  # the reference keeps the budget, or takes its own
+    assert ref.max_tokens_per_micro_batch == budget and policy.reference(max_tokens_per_micro_batch=9) \
+        .max_tokens_per_micro_batch == 9
+    calls, handle = count_passes(ref)
+    ref(batch.clone())
+    handle.remove()
+    assert len(calls) > 1 and all(tokens <= budget for _, tokens in calls)
+
+    critic = Critic(model, micro_batch_size=3, remove_padding=remove_padding)
+    torch.nn.init.normal_(critic.module.value_head.weight, generator=torch.Generator().manual_seed(1))
+    fixed = critic(batch.clone())[K.VALUES]
+    critic.max_tokens_per_micro_batch, critic.micro_batch_size = budget, None
+    calls, handle = count_passes(critic)
+    values = critic(batch.clone())[K.VALUES]
+    handle.remove()
+    assert len(calls) > 1 and all(tokens <= budget for _, tokens in calls)
+    assert fixed.abs().sum() > 0
+    torch.testing.assert_close(values, fixed, atol=1e-5, rtol=1e-5)
+
+
+def test_scoring_pieces_restore_the_row_order():
+    from rlflow.trainer.batching import scoring_pieces
+
+    batch = ragged([5, 1, 4, 1, 3], [5, 1, 4, 1, 3])
+    pieces, restore = scoring_pieces(batch, None, 10)
+    assert len(pieces) > 1 and restore is not None
+    assert torch.cat([p["row"] for p in pieces])[restore].tolist() == list(range(5))
+    pieces, restore = scoring_pieces(batch, 2, None)
+    assert restore is None and [p["row"].tolist() for p in pieces] == [[0, 1], [2, 3], [4]]

@@ -261,8 +261,11 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
     estimator = build_estimator(plan, rollout, loss)
     reference = "auto"
     wants_ref = K.REF_LOG_PROBS in set(loss.in_keys) | set(estimator.in_keys)
-    if wants_ref and plan.ref_micro_batch_size not in (None, policy.micro_batch_size):
-        reference = policy.reference(micro_batch_size=plan.ref_micro_batch_size)
+    if wants_ref:  # its own scoring split (verl's ref.log_prob_*): a token budget only with its dynamic bsz on,
+        reference = policy.reference()  # else its micro size (unset: the policy's)
+        reference.max_tokens_per_micro_batch = plan.ref_max_tokens
+        if plan.ref_max_tokens or plan.ref_micro_batch_size is not None:
+            reference.micro_batch_size = plan.ref_micro_batch_size
     critic, value_loss = None, None
     if plan.critic_path is not None:
         from rlflow.algorithms import ValueLoss

@@ -109,11 +109,12 @@ RANGES: dict[str, Range] = {
     f"{A}.ulysses_sequence_parallel_size": count(),
     # reference and rollout
     f"{REF}.log_prob_micro_batch_size": count(), f"{REF}.log_prob_micro_batch_size_per_gpu": count(),
+    f"{REF}.log_prob_max_token_len_per_gpu": count(), f"{C}.forward_max_token_len_per_gpu": count(),
     f"{REF}.ulysses_sequence_parallel_size": count(),
     f"{R}.temperature": ge(0, note="0 samples greedily"), f"{R}.top_p": between(0, 1, low_open=True),
     f"{R}.top_k": count(-1, note="-1 or 0: off"), f"{R}.n": count(note="samples per prompt"),
     f"{R}.response_length": count(), f"{R}.log_prob_micro_batch_size": count(),
-    f"{R}.log_prob_micro_batch_size_per_gpu": count(),
+    f"{R}.log_prob_micro_batch_size_per_gpu": count(), f"{R}.log_prob_max_token_len_per_gpu": count(),
     f"{R}.val_kwargs.temperature": ge(0), f"{R}.val_kwargs.top_p": between(0, 1, low_open=True),
     f"{R}.val_kwargs.top_k": count(-1), f"{R}.val_kwargs.n": count(),
     # critic

@@ -114,7 +114,7 @@ def batch_section(plan: Plan) -> list[str]:
     replica = getattr(plan.devices.strategy, "model_parallel_size", 1)  # Megatron: ranks that share a batch
     per_dev = mini_traj // (procs // replica)
     micro = t["micro_batch_size"] or per_dev
-    lp_micro = plan.policy_kwargs["micro_batch_size"]
+    lp_micro, lp_tokens = plan.policy_kwargs["micro_batch_size"], plan.policy_kwargs.get("max_tokens_per_micro_batch")
     return [
         "Batch arithmetic of one RL step (verl units: mini-batches count prompts, micro-batches trajectories)",
         line("prompts per step", "data.train_batch_size", f"{bs}"),
@@ -132,7 +132,10 @@ def batch_section(plan: Plan) -> list[str]:
         line("grad. accumulation", f"{per_dev} / {micro}", f"{-(-per_dev // micro)} forward/backward passes per "
                                                            "optimizer step"),
         line("log-prob micro-batch", f"{R}.log_prob_micro_batch_size_per_gpu",
-             f"{lp_micro or traj} trajectories" + ("" if lp_micro else " (unset: the whole batch)")),
+             f"{lp_micro or traj} trajectories" + ("" if lp_micro else " (unset: the whole batch)"))
+        if not lp_tokens else
+        line("log-prob micro-batch", f"{R}.log_prob_max_token_len_per_gpu (log_prob_use_dynamic_bsz)",
+             f"<= {lp_tokens} tokens (rows grouped by length)"),
     ]
 
 

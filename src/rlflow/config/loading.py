@@ -22,6 +22,7 @@ from rlflow.config.errors import ConfigError, ConfigProblems, NotSupportedError,
 from rlflow.config.trees import flatten, strip_targets
 from rlflow.config.verl_configs import (GROUP_KEYS, compose_overlay, default_container, default_tree, open_nodes,
                                         resolved_defaults)
+from rlflow.config.reward_section import fold, verl09_name
 
 DEFAULTS_FILE = Path(__file__).with_name("verl_defaults.yaml")
 
@@ -30,7 +31,8 @@ class VerlConfig:
     """The resolved config: ``cfg["a.b.c"]`` reads a key and records that it was read.
 
     ``provided`` holds the dotted keys the user's YAML or overrides set; ``defaults`` the resolved
-    default tree. What was read tells, after building, which provided keys changed nothing.
+    default tree. What was read tells, after building, which provided keys changed nothing. ``aliased``: the
+    legacy reward keys that carry a ``reward.*`` key the user set (:mod:`rlflow.config.reward_section`).
     """
 
     def __init__(self, tree: dict, provided: set[str], defaults: dict, deps: dict[str, list[str]] | None = None,
@@ -42,6 +44,7 @@ class VerlConfig:
         self.bad_keys = set(bad_keys)  # keys whose value has the wrong type (already reported): not checked further
         self.validated = False
         self.notes: list[str] = []  # about keys loading took but that change nothing (hydra.*)
+        self.aliased: dict[str, str] = {}
 
     def __getitem__(self, key: str) -> Any:
         node = self.tree
@@ -55,10 +58,12 @@ class VerlConfig:
             if k not in self.read:
                 self.read.add(k)
                 todo += self.deps.get(k, [])
+                if verl09_name(k):  # a legacy reward key: its verl 0.9 name (reward.*) is used with it
+                    self.read.add(verl09_name(k))
         return node
 
     def is_provided(self, key: str) -> bool:
-        return any(k == key or k.startswith(key + ".") for k in self.provided)
+        return any(k == key or k.startswith(key + ".") for k in (*self.provided, *self.aliased))
 
     def to_yaml(self) -> str:
         return OmegaConf.to_yaml(OmegaConf.create(self.tree))
@@ -311,6 +316,8 @@ def load_config(overrides: list[str] = (), config_file: str | Path | None = None
     except OmegaConfBaseException as e:
         raise_problems(collect + [ConfigError(f"cannot resolve the config: {e}")])
     resolved = _wrap_lists(resolved, default_values)
+    aliased, clashes = fold(resolved, provided)  # verl 0.9's reward.* onto the keys rlflow reads
+    collect += [ConfigError(c) for c in clashes]
     deps = interpolation_deps(OmegaConf.to_container(cfg, resolve=False))
     type_errors = check_types(resolved, default_values)
     # a key that only repeats another (data.gen_batch_size: ${data.train_batch_size}) is reported there
@@ -321,5 +328,5 @@ def load_config(overrides: list[str] = (), config_file: str | Path | None = None
     bad = {e.key for e in type_errors}
     bad |= {k for k, refs in deps.items() if bad & set(refs)}
     cfg = VerlConfig(resolved, provided, default_values, deps, bad_keys=bad)
-    cfg.notes = notes
+    cfg.notes, cfg.aliased = notes, aliased
     return cfg

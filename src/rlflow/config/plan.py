@@ -48,6 +48,7 @@ class Plan:
     chat_template: str | None
     policy_kwargs: dict
     ref_micro_batch_size: int | None
+    ref_max_tokens: int | None          # ref.log_prob_use_dynamic_bsz: the reference's scoring token budget
     rollout_cls: type
     rollout_kwargs: dict
     val_sampling: dict
@@ -95,6 +96,25 @@ def token_budget(cfg: VerlConfig, with_critic: bool) -> int | None:
     pairs = [(cfg[f"{r}.use_dynamic_bsz"], cfg[f"{r}.ppo_max_token_len_per_gpu"]) for r in roles]
     budgets = [tokens for on, tokens in pairs if on]
     return min(budgets) if budgets else None
+
+
+def scoring_split(cfg: VerlConfig, dynamic: str, tokens: str, per_gpu: str, global_: str,
+                  processes: int) -> tuple[int | None, int | None]:
+    """A scoring pass's (micro-batch rows, token budget): verl's ``*use_dynamic_bsz`` on -> the budget of
+    ``tokens`` and no row count (verl ignores the micro sizes then), off -> the micro size and no budget."""
+    if cfg[dynamic]:
+        return None, cfg[tokens]
+    return one_of(cfg, per_gpu, global_, processes), None
+
+
+def reward_keys(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[str]) -> RewardPlan:
+    """:func:`rlflow.config.rewards.reward_plan`; a problem of a key set as verl 0.9's ``reward.*`` names it."""
+    from rlflow.config.reward_section import user_names
+
+    try:
+        return reward_plan(cfg, manager, reward_kwargs, notes)
+    except ConfigError as e:
+        raise user_names([e], cfg.aliased)[0] from None
 
 
 def sequence_parallel(cfg: VerlConfig, notes: list[str], with_critic: bool, processes: int) -> int:
@@ -185,14 +205,17 @@ def make_plan(cfg: VerlConfig) -> Plan:
     critic_path, critic_kwargs, value_loss_kwargs = None, {}, {}
     if with_critic:
         critic_micro = one_of(cfg, f"{C}.ppo_micro_batch_size_per_gpu", f"{C}.ppo_micro_batch_size", procs)
-        fwd_micro = one_of(cfg, f"{C}.forward_micro_batch_size_per_gpu", f"{C}.forward_micro_batch_size", procs)
+        fwd_micro, fwd_tokens = scoring_split(cfg, f"{C}.use_dynamic_bsz", f"{C}.forward_max_token_len_per_gpu",
+                                              f"{C}.forward_micro_batch_size_per_gpu",
+                                              f"{C}.forward_micro_batch_size", procs)
         if critic_micro is not None and critic_micro != micro:
             notes.append(f"{C}.ppo_micro_batch_size_per_gpu={critic_micro} and the actor's {micro}: the Trainer "
                          f"uses one micro-batch size, {min(x for x in (micro, critic_micro) if x)}; gradients "
                          "do not depend on it")
             micro = min(x for x in (micro, critic_micro) if x)
         critic_path = cfg[f"{C}.model.path"]
-        critic_kwargs = {"micro_batch_size": fwd_micro if fwd_micro is not None else critic_micro,
+        critic_kwargs = {"micro_batch_size": fwd_micro if fwd_micro is not None or fwd_tokens else critic_micro,
+                         "max_tokens_per_micro_batch": fwd_tokens,
                          "gradient_checkpointing": cfg[f"{C}.model.enable_gradient_checkpointing"],
                          "remove_padding": cfg[f"{C}.model.use_remove_padding"], **model_loading(cfg, C)}
         value_loss_kwargs = {"clip_range": cfg[f"{C}.cliprange_value"], "agg": cfg[f"{C}.loss_agg_mode"]}
@@ -227,23 +250,29 @@ def make_plan(cfg: VerlConfig) -> Plan:
     if external:
         importlib.import_module(external)  # verl imports it to register custom model classes
     test_freq, save_freq = cfg["trainer.test_freq"], cfg["trainer.save_freq"]
+    REF = "actor_rollout_ref.ref"
+    lp_micro, lp_tokens = scoring_split(cfg, f"{R}.log_prob_use_dynamic_bsz", f"{R}.log_prob_max_token_len_per_gpu",
+                                        f"{R}.log_prob_micro_batch_size_per_gpu", f"{R}.log_prob_micro_batch_size",
+                                        procs)
+    ref_micro, ref_tokens = scoring_split(cfg, f"{REF}.log_prob_use_dynamic_bsz",
+                                          f"{REF}.log_prob_max_token_len_per_gpu",
+                                          f"{REF}.log_prob_micro_batch_size_per_gpu",
+                                          f"{REF}.log_prob_micro_batch_size", procs)
     return Plan(
         cfg=cfg, devices=devices, model_path=cfg["actor_rollout_ref.model.path"],
         vision=bool(cfg[f"{R}.enable_vision"]),
         chat_template=cfg["actor_rollout_ref.model.custom_chat_template"],
         policy_kwargs={"temperature": temperature,
-                       "micro_batch_size": one_of(cfg, f"{R}.log_prob_micro_batch_size_per_gpu",
-                                                  f"{R}.log_prob_micro_batch_size", procs),
+                       "micro_batch_size": lp_micro, "max_tokens_per_micro_batch": lp_tokens,
                        "gradient_checkpointing": cfg["actor_rollout_ref.model.enable_gradient_checkpointing"],
                        "remove_padding": cfg["actor_rollout_ref.model.use_remove_padding"],
                        **{k: cfg[f"data.{k}"] for k in ("min_pixels", "max_pixels") if cfg[f"data.{k}"]},
                        **policy_loading},
-        ref_micro_batch_size=one_of(cfg, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-                                    "actor_rollout_ref.ref.log_prob_micro_batch_size", procs),
+        ref_micro_batch_size=ref_micro, ref_max_tokens=ref_tokens,
         rollout_cls=rollout_cls, rollout_kwargs=rollout_kwargs,
         val_sampling={"n": val["n"], "do_sample": val["do_sample"], "top_p": val["top_p"], "top_k": val["top_k"],
                       "temperature": val["temperature"] if val["do_sample"] else 1.0},
-        reward=reward_plan(cfg, manager, reward_kwargs, notes),
+        reward=reward_keys(cfg, manager, reward_kwargs, notes),
         estimator_cls=estimator_cls, estimator_kwargs=estimator_kwargs,
         loss_cls=loss_cls, loss_kwargs=class_kwargs(loss_cls, loss_pool(cfg), cfg,
                                                     fixed={"is_weights": True} if after else None),

@@ -90,7 +90,8 @@ def vllm_kwargs(cfg: VerlConfig, devices: Devices, notes: list[str]) -> dict:
     return {"dtype": cfg[f"{R}.dtype"], "max_model_len": max_len,
             "gpu_memory_utilization": memory if on_gpu else None, "enforce_eager": cfg[f"{R}.enforce_eager"],
             "max_num_batched_tokens": cfg[f"{R}.max_num_batched_tokens"], "max_num_seqs": cfg[f"{R}.max_num_seqs"],
-            "enable_chunked_prefill": cfg[f"{R}.enable_chunked_prefill"], "free_cache_engine": free,
+            "enable_chunked_prefill": cfg[f"{R}.enable_chunked_prefill"],
+            "enable_prefix_caching": cfg[f"{R}.enable_prefix_caching"], "free_cache_engine": free,
             "engine_seed": cfg["data.seed"], **({"engine_kwargs": extra} if extra else {})}
 
 
@@ -98,7 +99,8 @@ def vllm_kwargs(cfg: VerlConfig, devices: Devices, notes: list[str]) -> dict:
 SERVER_SIDE = ("dtype", "gpu_memory_utilization", "enforce_eager", "cudagraph_capture_sizes", "free_cache_engine",
                "tensor_model_parallel_size", "tensor_parallel_size", "data_parallel_size", "expert_parallel_size",
                "pipeline_model_parallel_size", "max_num_batched_tokens", "max_model_len", "max_num_seqs",
-               "enable_chunked_prefill", "load_format", "engine_kwargs.vllm", "engine_kwargs.sglang")
+               "enable_chunked_prefill", "enable_prefix_caching", "load_format", "engine_kwargs.vllm",
+               "engine_kwargs.sglang")
 
 
 def server_kwargs(cfg: VerlConfig, devices: Devices, notes: list[str]) -> dict:

@@ -65,7 +65,6 @@ def _not(*ok: Any) -> Callable[[Any], bool]:
 OTHER_BACKENDS = "training strategies other than fsdp, fsdp2 and megatron"
 LORA = "LoRA on the critic"
 MULTI_TURN = "custom agent loops (agent_loop_config_path)"
-DYN_BSZ = "token-budget micro-batches (use_dynamic_bsz; set ppo_micro_batch_size_per_gpu instead)"
 
 NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "data.custom_cls.path": ("custom dataset classes", _truthy),
@@ -94,6 +93,8 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "algorithm.use_pf_ppo": ("PF-PPO", _truthy),
     "algorithm.rollout_correction.rollout_rs": ("rollout correction (rejection sampling)", _truthy),
     "algorithm.rollout_correction.bypass_mode": ("rollout correction (bypass mode)", _truthy),
+    "reward.reward_manager.source": ("reward-manager classes loaded from a file (verl's source=importlib; "
+                                     "rlflow's managers: naive, prime, dapo, batch)", _not("register")),
     "trainer.critic_warmup": ("critic warm-up steps", _truthy),
     "trainer.log_val_generations": ("logging validation generations", _truthy),
     "trainer.rollout_data_dir": ("dumping rollouts to files", _truthy),
@@ -122,15 +123,12 @@ _NO_RM = "only used with reward_model.enable=True"
 _LORA_ONLY = "only used with LoRA, not supported yet"
 _POLICY_LORA_ONLY = ("only used with LoRA on: actor_rollout_ref.model.lora_rank > 0, "
                      "actor_rollout_ref.actor.lora.enabled=True or actor_rollout_ref.model.lora_adapter_path")
-_DYN_ONLY = ("the scoring passes (old/ref log-probs) use log_prob_micro_batch_size(_per_gpu); the token budget "
-             "applies to the training micro-batches (actor.use_dynamic_bsz + ppo_max_token_len_per_gpu)")
+_DYN_ONLY = "only used with this role's use_dynamic_bsz / log_prob_use_dynamic_bsz=True (a token budget per pass)"
 _PF_RC_ONLY = "only used with PF-PPO or with rollout-correction options that are not supported yet"
 _FILTER_ONLY = "only used with algorithm.filter_groups.enable=True (DynamicSampling)"
 _MEGATRON_ONLY = "only used with actor_rollout_ref.actor.strategy=megatron"
 
 INERT: dict[str, str] = {
-    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": _DYN_ONLY,
-    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": _DYN_ONLY,
     "data.tokenizer": "prompts are tokenized with the policy's tokenizer",
     "data.use_shm": _LOADER, "data.dataloader_num_workers": _LOADER, "data.filter_overlong_prompts_workers": _LOADER,
     "data.return_raw_input_ids": "rlflow batches carry prompt ids and text",
@@ -178,6 +176,9 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.rollout.trace.token2text": "rollout tracing is not supported yet",
     "actor_rollout_ref.rollout.skip_dump_dir": "rollout dumps are not supported yet",
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": _ENGINE,
+    "actor_rollout_ref.rollout.enable_prefix_caching": (
+        "vLLM's cache of prompt blocks across requests; the HF rollout keeps none between generate calls (within "
+        "one it always runs each prompt's prefill once for its n samples: rlflow.models.shared_prompt)"),
     "actor_rollout_ref.rollout.server.*": "only used by a server rollout (rollout.server.url set)",
     **{f"actor_rollout_ref.rollout.{k}": _ENGINE for k in (
         "dtype", "gpu_memory_utilization", "enforce_eager", "cudagraph_capture_sizes", "free_cache_engine",
@@ -213,6 +214,16 @@ INERT: dict[str, str] = {
     "reward_model.sandbox_fusion.max_concurrent": "code runs in rlflow's local sandbox (rlflow.rewards.code)",
     "reward_model.sandbox_fusion.memory_limit_mb": "code runs in rlflow's local sandbox; its limits are "
                                                    "rlflow.rewards.code.DEFAULT_LIMITS (512 MiB)",
+    # verl 0.9's reward section: the keys without an older counterpart (the others: rlflow.config.reward_section)
+    "reward.reward_manager.module.*": "only used with reward.reward_manager.source=importlib, not supported",
+    "reward.reward_model.model_path": _NO_RM,
+    **{f"reward.reward_model.{k}": "the reward model runs in the training processes, placed like the policy"
+       for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes")},
+    "reward.reward_model.rollout.*": ("settings of verl's reward-model inference server; rlflow scores with a "
+                                      "sequence-classification model in the training processes (ModelReward)"),
+    "reward.sandbox_fusion.max_concurrent": "code runs in rlflow's local sandbox (rlflow.rewards.code)",
+    "reward.sandbox_fusion.memory_limit_mb": "code runs in rlflow's local sandbox; its limits are "
+                                             "rlflow.rewards.code.DEFAULT_LIMITS (512 MiB)",
     "algorithm.pf_ppo.*": _PF_RC_ONLY, "algorithm.filter_groups.metric": _FILTER_ONLY,
     "algorithm.filter_groups.max_num_gen_batches": _FILTER_ONLY,
     "algorithm.rollout_correction.rollout_is_threshold": "only used with algorithm.rollout_correction.rollout_is",

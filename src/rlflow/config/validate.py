@@ -503,7 +503,9 @@ def validate(cfg: VerlConfig, environment: bool = False, dry_run: bool = False) 
             continue
     if environment:
         check_environment(ctx)
-    return ctx.problems
+    from rlflow.config.reward_section import user_names
+
+    return user_names(ctx.problems, cfg.aliased)  # a problem of reward_model.x set as reward.y names both
 
 
 def check(cfg: VerlConfig, environment: bool = False) -> None:

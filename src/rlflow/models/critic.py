@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from rlflow.data import keys as K
 from rlflow.models.logprobs import response_hidden_states
 from rlflow.module import BatchModule
+from rlflow.trainer.batching import scoring_pieces
 
 
 class ValueHeadModel(nn.Module):
@@ -58,15 +59,18 @@ class Critic(BatchModule):
     Args:
         model: a causal LM whose backbone becomes the value model (its LM head is unused).
         micro_batch_size: rows per forward pass when scoring.
+        max_tokens_per_micro_batch: token budget per scoring forward pass instead (verl's ``critic.use_dynamic_bsz``
+            + ``forward_max_token_len_per_gpu``; see ``Policy``); ``None``: split by rows only.
         remove_padding: run the backbone on packed sequences (``rlflow.models.packing``).
     """
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS)
     out_keys = (K.VALUES,)
 
-    def __init__(self, model: nn.Module, *, micro_batch_size: int | None = None, remove_padding: bool = False):
+    def __init__(self, model: nn.Module, *, micro_batch_size: int | None = None,
+                 max_tokens_per_micro_batch: int | None = None, remove_padding: bool = False):
         self.module: nn.Module = ValueHeadModel(model, remove_padding=remove_padding)
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size, self.max_tokens_per_micro_batch = micro_batch_size, max_tokens_per_micro_batch
         self.remove_padding = remove_padding
 
     @classmethod
@@ -86,9 +90,9 @@ class Critic(BatchModule):
 
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:
-        size = self.micro_batch_size or batch.batch_size[0]
-        pieces = batch.split(size) if size < batch.batch_size[0] else (batch,)  # read only: no copy for one piece
-        batch[K.VALUES] = torch.cat([self.values(mb) for mb in pieces]) * batch[K.RESPONSE_MASK]
+        pieces, restore = scoring_pieces(batch, self.micro_batch_size, self.max_tokens_per_micro_batch)
+        values = torch.cat([self.values(mb) for mb in pieces])
+        batch[K.VALUES] = (values if restore is None else values[restore]) * batch[K.RESPONSE_MASK]
         return batch
 
 

@@ -81,11 +81,14 @@ class AdapterDisabledReference(Policy):
     under ``PeftModel.disable_adapter()``, so the log-probs are the base model's. Writes ``ref_log_probs``.
     """
 
-    def __init__(self, policy: Policy, micro_batch_size: int | None = None):
+    def __init__(self, policy: Policy, micro_batch_size: int | None = None,
+                 max_tokens_per_micro_batch: int | None = None):
         # no module of its own (Policy.__init__ would build one): the policy's is used, see `module`
         self.source = policy
         self.model, self.tokenizer = policy.model, policy.tokenizer
         self.micro_batch_size = micro_batch_size if micro_batch_size is not None else policy.micro_batch_size
+        self.max_tokens_per_micro_batch = (max_tokens_per_micro_batch if max_tokens_per_micro_batch is not None
+                                           else policy.max_tokens_per_micro_batch)
         self.log_prob_key, self.entropy_key = K.REF_LOG_PROBS, None
         self.remove_padding = policy.remove_padding
 

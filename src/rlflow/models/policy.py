@@ -14,6 +14,7 @@ from rlflow.data import keys as K
 from rlflow.data.multimodal import per_row
 from rlflow.models.logprobs import TokenLogProbs
 from rlflow.module import BatchModule
+from rlflow.trainer.batching import scoring_pieces
 
 
 class Policy(BatchModule):
@@ -30,6 +31,10 @@ class Policy(BatchModule):
             uses it). Batches then carry ``multi_modal_inputs`` (``rlflow.models.vision``).
         temperature: the sampling temperature; log-probs use the same scaled logits.
         micro_batch_size: rows per forward pass when scoring a batch (``None``: all at once).
+        max_tokens_per_micro_batch: token budget per scoring forward pass instead (verl's
+            ``log_prob_use_dynamic_bsz`` + ``log_prob_max_token_len_per_gpu``): rows grouped by length as the
+            Trainer's training micro-batches are (``rlflow.trainer.batching``), results in the batch's row order;
+            ``micro_batch_size`` then also caps the rows. ``None``: split by rows only.
         gradient_checkpointing: recompute activations in the backward pass.
         log_prob_key / entropy_key: where the scoring pass writes (``entropy_key=None`` skips it).
         remove_padding: score packed sequences without padding (``rlflow.models.packing``); log-probs and
@@ -53,6 +58,7 @@ class Policy(BatchModule):
         processor=None,
         temperature: float = 1.0,
         micro_batch_size: int | None = None,
+        max_tokens_per_micro_batch: int | None = None,
         gradient_checkpointing: bool = False,
         log_prob_key: str = K.OLD_LOG_PROBS,
         entropy_key: str | None = K.ENTROPY,
@@ -75,7 +81,7 @@ class Policy(BatchModule):
         self.model = model
         self.processor = processor
         self.tokenizer = tokenizer
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size, self.max_tokens_per_micro_batch = micro_batch_size, max_tokens_per_micro_batch
         self.log_prob_key, self.entropy_key = log_prob_key, entropy_key
         self.module: nn.Module = TokenLogProbs(model, temperature=temperature, remove_padding=remove_padding,
                                                    share_prompts=share_prompts)
@@ -158,20 +164,25 @@ class Policy(BatchModule):
 
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:
-        size = self.micro_batch_size or batch.batch_size[0]
-        pieces = batch.split(size) if size < batch.batch_size[0] else (batch,)  # read only: no copy for one piece
+        pieces, restore = scoring_pieces(batch, self.micro_batch_size, self.max_tokens_per_micro_batch)
         parts = [self.log_probs(mb) for mb in pieces]
-        batch[self.log_prob_key] = torch.cat([lp for lp, _ in parts])
+        log_probs = torch.cat([lp for lp, _ in parts])
+        batch[self.log_prob_key] = log_probs if restore is None else log_probs[restore]
         if self.entropy_key:
-            batch[self.entropy_key] = torch.cat([ent for _, ent in parts])
+            entropy = torch.cat([ent for _, ent in parts])
+            batch[self.entropy_key] = entropy if restore is None else entropy[restore]
         return batch
 
-    def reference(self, micro_batch_size: int | None = None) -> "Policy":
+    def reference(self, micro_batch_size: int | None = None,
+                  max_tokens_per_micro_batch: int | None = None) -> "Policy":
         """The KL anchor, writing ``ref_log_probs``: a frozen copy of the model, or with LoRA the same model
-        with its adapter disabled (no copy). ``micro_batch_size``: rows per scoring pass (default: the policy's)."""
+        with its adapter disabled (no copy). ``micro_batch_size``, ``max_tokens_per_micro_batch``: its scoring
+        passes' rows / token budget (each defaults to the policy's)."""
         micro = micro_batch_size if micro_batch_size is not None else self.micro_batch_size
+        tokens = max_tokens_per_micro_batch if max_tokens_per_micro_batch is not None \
+            else self.max_tokens_per_micro_batch
         if lora_module(self.model) is not None:
-            return lora_module(self.model).AdapterDisabledReference(self, micro)
+            return lora_module(self.model).AdapterDisabledReference(self, micro, tokens)
         frozen = copy.deepcopy(self.model).eval().requires_grad_(False)
         return Policy(
             frozen,
@@ -179,6 +190,7 @@ class Policy(BatchModule):
             processor=self.processor,
             temperature=self.temperature,
             micro_batch_size=micro,
+            max_tokens_per_micro_batch=tokens,
             log_prob_key=K.REF_LOG_PROBS,
             entropy_key=None,
             remove_padding=self.remove_padding,

@@ -78,14 +78,18 @@ class ServerProcess:
 def vllm_server_command(model_dir: str | Path, port: int, *, host: str = "127.0.0.1", dtype: str = "auto",
                         max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
                         enforce_eager: bool = False, logprobs_mode: str = "raw_logprobs", seed: int = 0,
-                        extra: tuple[str, ...] = ()) -> list[str]:
+                        enable_prefix_caching: bool = True, extra: tuple[str, ...] = ()) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server`` for ``model_dir`` (it needs the tokenizer files too).
+
+    ``enable_prefix_caching``: ``--enable-prefix-caching`` or ``--no-enable-prefix-caching`` (verl's
+    ``rollout.enable_prefix_caching``; rlflow resets the cache after every weight update either way).
 
     Run it with ``VLLM_SERVER_DEV_MODE=1`` in the environment so rlflow can send weights
     (:data:`VLLM_SERVER_ENV` holds that and the in-process engine core setting)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", host,
            "--port", str(port), "--dtype", dtype, "--logprobs-mode", logprobs_mode, "--seed", str(seed),
-           "--disable-log-stats", "--uvicorn-log-level", "warning"]
+           "--disable-log-stats", "--uvicorn-log-level", "warning",
+           "--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching"]
     cmd += ["--max-model-len", str(max_model_len)] if max_model_len else []
     cmd += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)] if kv_cache_memory_bytes else []
     return cmd + (["--enforce-eager"] if enforce_eager else []) + list(extra)

@@ -22,6 +22,12 @@ rank with fewer micro-batches splits its largest (in tokens, with at least two r
 in two until the counts match (splitting never breaks the budget). This needs at
 least as many rows on each rank as that maximum count, which holds when ranks hold
 equal row counts (as ``rank_shard`` gives); otherwise it raises.
+
+Scoring passes (:func:`scoring_pieces`: old/ref log-probs, values; verl's ``log_prob_use_dynamic_bsz`` +
+``log_prob_max_token_len_per_gpu``, ``critic.forward_max_token_len_per_gpu``) use the same plan; their outputs are
+put back in the batch's row order (verl's ``restore_dynamic_batch``). There is no gradient to normalise, so any
+partition gives the same numbers. Across processes the counts are made equal over ``torch.distributed``'s
+default group (FSDP2's forward is collective too).
 """
 
 from __future__ import annotations
@@ -86,15 +92,47 @@ def micro_batches(batch: TensorDict, micro_batch_size: int | None, max_tokens: i
     size = batch.batch_size[0]
     if max_tokens is None:
         return split_rows(batch, micro_batch_size or size)
+    return [batch[g] for g in token_groups(batch, micro_batch_size, max_tokens, fabric)]
+
+
+def token_groups(batch: TensorDict, micro_batch_size: int | None, max_tokens: int, fabric=None) -> list[torch.Tensor]:
+    """Row indices (int64 tensors on the batch's device) of each micro-batch under the budget, the count made
+    equal over the processes: through ``fabric``, else ``torch.distributed``'s default group when it is set up."""
     lengths = row_tokens(batch).tolist()
     groups = plan(lengths, micro_batch_size, max_tokens)
-    if fabric is not None and fabric.world_size > 1:
-        count = torch.tensor(len(groups), device=fabric.device)
-        most = int(fabric.all_reduce(count, reduce_op="max"))
-        if most > len(groups):
-            groups = plan(lengths, micro_batch_size, max_tokens, min_count=most)
     device = batch[K.PROMPT_MASK].device
-    return [batch[torch.tensor(g, dtype=torch.long, device=device)] for g in groups]
+    most = len(groups)
+    if fabric is not None and fabric.world_size > 1:
+        most = int(fabric.all_reduce(torch.tensor(len(groups), device=fabric.device), reduce_op="max"))
+    elif fabric is None and torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        count = torch.tensor(len(groups), device=device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        most = int(count)
+    if most > len(groups):
+        groups = plan(lengths, micro_batch_size, max_tokens, min_count=most)
+    return [torch.tensor(g, dtype=torch.long, device=device) for g in groups]
+
+
+def scoring_pieces(batch: TensorDict, micro_batch_size: int | None,
+                   max_tokens: int | None) -> tuple[list[TensorDict], torch.Tensor | None]:
+    """The micro-batches of a no-grad scoring pass, and the index that puts the concatenated outputs back in the
+    batch's row order (``torch.cat(outputs)[restore]``; ``None`` when they already are).
+
+    Without a budget: ``batch.split(micro_batch_size)`` (one piece is ``batch`` itself, read only: no copy). With
+    one: :func:`token_groups` (``micro_batch_size`` then also caps the rows of a piece).
+    """
+    size = batch.batch_size[0]
+    if max_tokens is None:
+        rows = micro_batch_size or size
+        return (list(batch.split(rows)) if rows < size else [batch]), None
+    groups = token_groups(batch, micro_batch_size, max_tokens)
+    if not groups:  # no rows
+        return [batch], None
+    order = torch.cat(groups)
+    restore = torch.empty_like(order)
+    restore[order] = torch.arange(order.numel(), device=order.device)
+    return [batch[g] for g in groups], restore
 
 
 def split_rows(batch: TensorDict, rows: int) -> list[TensorDict]:
