@@ -38,7 +38,7 @@ def test_every_key_of_verl_0_9_1_is_in_the_tree_without_a_plus():
 
 def verl_overrides(tiny):
     """What verl itself requires beside its generated file (``rollout.name: ???``), plus the tiny run."""
-    return tiny + ["actor_rollout_ref.rollout.name=hf", "reward_model.reward_manager=naive"]
+    return tiny + ["actor_rollout_ref.rollout.name=hf"]
 
 
 @pytest.mark.parametrize("generated", [GENERATED, MEGATRON], ids=["fsdp", "megatron"])

@@ -86,6 +86,8 @@ def fold(tree: dict, provided: set[str]) -> tuple[dict[str, str], list[str]]:
             continue
         value = _get(tree, key)
         clash = [k for k in provided if k == legacy or k.startswith(legacy + ".") or legacy.startswith(k + ".")]
+        if clash and _get(tree, legacy) is None:  # the older key written as null (verl 0.9.1's file does): unset
+            clash = []
         if clash:
             other = _get(tree, legacy)
             if other != value:
