@@ -3,6 +3,7 @@ validation-generations table): each on a tiny model for a few steps, checked on 
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -106,7 +107,12 @@ def test_validation_generations_are_logged_as_verl_picks_them(model, tokenizer, 
     logged = read_jsonl(tmp_path / "val_generations.jsonl")
     assert [r["step"] for r in logged] == [1, 1, 1, 2, 2, 2]
     every = read_jsonl(tmp_path / "v" / "1.jsonl")
-    expected = pick_samples([r["input"] for r in every], [r["output"] for r in every], [r["score"] for r in every], 3)
+    # verl 0.9.1's _maybe_log_val_generations, step by step: sort by input, shuffle with seed 42, take n
+    verl_order = sorted([(r["input"], r["output"], r["score"]) for r in every], key=lambda s: s[0])
+    np.random.RandomState(42).shuffle(verl_order)
+    expected = verl_order[:3]
+    assert pick_samples([r["input"] for r in every], [r["output"] for r in every], [r["score"] for r in every],
+                        3) == expected
     assert [(r["input"], r["output"], r["score"]) for r in logged[:3]] == expected
     # the same prompts every validation (verl's fixed seed), not the first three
     assert [r["input"] for r in logged[:3]] == [r["input"] for r in logged[3:]]

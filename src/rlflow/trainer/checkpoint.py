@@ -246,13 +246,18 @@ def critic_state(trainer) -> dict:
     return {"critic": trainer.critic.module, "critic_optimizer": trainer.critic_optimizer}
 
 
+def remove_hidden(root: str | Path) -> None:
+    """Delete the hidden folders a run killed while saving (``.partial``) or rotating (``.old``) left."""
+    for stale in Path(root).glob(".global_step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def save(trainer) -> Path:
     """Write ``<run_dir>/global_step_N`` atomically (see the module docstring) and mark it latest."""
     fabric, root, step = trainer.fabric, trainer.checkpoint_dir, trainer.global_step
     partial, final = partial_dir(root, step), step_dir(root, step)
-    if fabric.global_rank == 0:  # folders left by a run killed while saving
-        for stale in Path(root).glob(".global_step_*"):
-            shutil.rmtree(stale, ignore_errors=True)
+    if fabric.global_rank == 0:
+        remove_hidden(root)
     fabric.barrier()
     try:
         fabric.save(partial / "state.ckpt", trainer_state(trainer))
@@ -330,6 +335,9 @@ def resume(trainer) -> None:
     if path is not None:
         load(trainer, path)
         trainer.fabric.print(f"resumed from {path} at step {trainer.global_step}")
+        if trainer.fabric.global_rank == 0 and path.parent.resolve() == Path(trainer.checkpoint_dir).resolve():
+            remove_hidden(path.parent)  # finish what a run killed while saving or rotating left undone
+            rotate(path.parent, getattr(trainer, "keep_checkpoints", None), trainer.global_step)
     for logger in trainer.fabric.loggers:  # rows of steps after the checkpoint are logged again
         if hasattr(logger, "drop_after"):
             logger.drop_after(trainer.global_step)
