@@ -102,6 +102,9 @@ class DumpGenerations:
         if rollout_dir is None:  # no training hook: the step does not decode what nobody writes
             self.on_batch_end = None
 
+    def __repr__(self) -> str:
+        return f"DumpGenerations(rollout_dir={self.rollout_dir!r}, validation_dir={self.validation_dir!r})"
+
     def on_batch_end(self, trainer, batch) -> None:
         extras = getattr(trainer.reward, "extras", {}) if trainer.reward is not None else {}
         mine = batch_columns(batch, trainer.policy.tokenizer, extras)
@@ -124,6 +127,9 @@ class LogValidationGenerations:
         if n < 1:
             raise ValueError(f"LogValidationGenerations: n must be >= 1, got {n}")
         self.n, self.table_rows = n, []
+
+    def __repr__(self) -> str:
+        return f"LogValidationGenerations({self.n})"
 
     def on_fit_start(self, trainer) -> None:
         """A resumed run validates the steps after its checkpoint again: their old lines go."""
