@@ -47,7 +47,7 @@ def test_rotate_never_deletes_the_latest_nor_later_steps(tmp_path):
 
 def test_critic_warmup_trains_only_the_critic_first(model, tokenizer, addition_rows, tmp_path):
     trainer, data = make_trainer(model, tokenizer, addition_rows, tmp_path, ppo=True, max_steps=3,
-                                 critic_warmup_steps=2, loggers=("jsonl",), lr_schedule="cosine", warmup_steps=1)
+                                 critic_warmup_steps=2, loggers=("jsonl",), warmup_steps=3)
     policy0, critic0 = params(trainer.policy.model), params(trainer.critic.module)
     lrs = []
 
@@ -63,7 +63,8 @@ def test_critic_warmup_trains_only_the_critic_first(model, tokenizer, addition_r
     assert [m["actor/critic_warmup"] for m in history] == [1.0, 1.0, 0.0]
     assert "actor/pg_loss" not in history[0] and "actor/pg_loss" in history[2]
     assert "critic/vf_loss" in history[0]
-    assert lrs[0] == lrs[1]  # the policy's schedule waits with it
+    assert lrs == pytest.approx([1e-3 / 3, 1e-3 / 3, 2e-3 / 3])  # the policy's warm-up schedule waits with it
+    assert trainer.critic_optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)  # the critic's does not (3 steps)
 
 
 def test_critic_warmup_without_a_critic_is_refused(model, tokenizer, addition_rows, tmp_path):

@@ -224,8 +224,8 @@ class Trainer:
         if not warmup:
             with timer("update_actor"):
                 stats |= self.update_actor(update_batch)
-            with timer("update_weights"):
-                stats |= self.rollout.sync_weights(self.policy.model) or {}
+        with timer("update_weights"):  # also in warm-up, as verl's (an asynchronous rollout counts versions)
+            stats |= self.rollout.sync_weights(self.policy.model) or {}
         step_schedulers(self.schedulers[1:] if warmup else self.schedulers)  # [policy, critic]
         self.global_step += 1
         self.fabric.call("on_batch_end", trainer=self, batch=batch)
