@@ -30,12 +30,12 @@ def test_max_ckpt_to_keep_rotates_the_run_folder(tiny, tmp_path):
     assert (tmp_path / "run" / ckpt.TRACKER).read_text() == "3"
 
 
-@pytest.mark.parametrize("actor, critic, keep", [(1, 2, 2), (2, None, None), (3, 3, 3), (-1, 1, None), (0, 0, None)])
+@pytest.mark.parametrize("actor, critic, keep", [(1, 2, 1), (2, None, 2), (3, 3, 3), (-1, 1, 1), (0, 0, None)])
 def test_actor_and_critic_counts_map_to_one_folder(tiny, model_dir, actor, critic, keep):
     plan = make_plan(load_config(tiny + ["algorithm.adv_estimator=gae", f"critic.model.path={model_dir}",
                                          "trainer.save_freq=1", f"trainer.max_actor_ckpt_to_keep={actor}",
                                          f"trainer.max_critic_ckpt_to_keep={'null' if critic is None else critic}"]))
-    assert plan.trainer_kwargs["keep_checkpoints"] == keep  # the larger count; "keep all" wins
+    assert plan.trainer_kwargs["keep_checkpoints"] == keep  # the checkpoints verl keeps both halves of
     noted = any("one global_step_N folder" in n for n in plan.notes)
     counts = [v if v is not None and v > 0 else None for v in (actor, critic)]
     assert noted == (counts[0] != counts[1])

@@ -1,8 +1,9 @@
 """verl ``trainer.*`` keys about what a run keeps and writes, and critic warm-up -> the Trainer's arguments.
 
 - ``max_actor_ckpt_to_keep`` / ``max_critic_ckpt_to_keep`` -> ``Trainer(keep_checkpoints=...)``. verl rotates the
-  actor's and the critic's sub-folders of ``global_step_N`` separately; rlflow saves both in one folder, so it
-  keeps the larger count (a folder goes only when both keys allow it; null / 0 / < 0, verl's "keep all", wins).
+  actor's and the critic's sub-folders of ``global_step_N`` separately, so a step resumes only while both parts
+  are there: verl keeps the smaller count of resumable checkpoints (null / 0 / < 0: no limit), plus half
+  checkpoints of the other role. rlflow saves both in one folder and keeps that smaller count of whole ones.
   Without a critic only the actor's key counts, as in verl.
 - ``critic_warmup=N`` -> ``Trainer(critic_warmup_steps=N - 1)``: verl skips the actor update while
   ``critic_warmup > global_steps``, with steps numbered from 1, so N gives N - 1 critic-only steps. Without a
@@ -27,12 +28,12 @@ def keep_checkpoints(cfg: VerlConfig, notes: list[str], with_critic: bool) -> in
                          f"(max_actor_ckpt_to_keep rotates the checkpoints)")
         keep = actor
     else:
-        keep = None if actor is None or critic is None else max(actor, critic)
+        keep = min((v for v in (actor, critic) if v is not None), default=None)
         if actor != critic:
             notes.append(f"{T}.max_actor_ckpt_to_keep={actor} and max_critic_ckpt_to_keep={critic}: rlflow saves "
-                         "actor and critic in one global_step_N folder and keeps "
-                         f"{'every one' if keep is None else f'the newest {keep}'} (the larger count; none deleted "
-                         "that either key keeps)")
+                         f"actor and critic in one global_step_N folder and keeps the newest {keep}: the checkpoints "
+                         "verl can resume from (it would also keep the other role's half of older steps, which "
+                         "cannot resume)")
     if keep is not None and cfg[f"{T}.save_freq"] <= 0:
         notes.append(f"{T}.max_actor_ckpt_to_keep={keep}: no effect, trainer.save_freq={cfg[f'{T}.save_freq']} "
                      "saves no checkpoints")
