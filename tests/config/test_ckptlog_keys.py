@@ -96,6 +96,13 @@ def test_generations_dumped_and_logged(tiny, tmp_path, capsys):
     assert out.count("[val/generations step:2") == 2
 
 
+def test_validation_keys_without_validation_are_noted(tiny):
+    plan = make_plan(load_config(tiny + ["trainer.log_val_generations=2", "trainer.val_before_train=false"]))
+    assert any("trainer.log_val_generations: no effect, this run never validates" in n for n in plan.notes)
+    plan = make_plan(load_config(tiny + ["trainer.log_val_generations=2"]))  # validates before training
+    assert not any("never validates" in n for n in plan.notes)
+
+
 @pytest.mark.parametrize("override, message", [
     ("trainer.max_actor_ckpt_to_keep=two", "trainer.max_actor_ckpt_to_keep='two': expected an integer"),
     ("trainer.log_val_generations=-1", "trainer.log_val_generations=-1: must be >= 0 (an integer)"),

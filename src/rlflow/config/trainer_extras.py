@@ -67,11 +67,16 @@ def folder(cfg: VerlConfig, key: str) -> str | None:
     return value
 
 
-def generation_callbacks(cfg: VerlConfig) -> list:
+def generation_callbacks(cfg: VerlConfig, notes: list[str]) -> list:
     """DumpGenerations / LogValidationGenerations for the keys that are set (none: an empty list)."""
     from rlflow.trainer.generations import DumpGenerations, LogValidationGenerations
 
     rollouts, validation = folder(cfg, f"{T}.rollout_data_dir"), folder(cfg, f"{T}.validation_data_dir")
     out = [DumpGenerations(rollouts, validation)] if rollouts or validation else []
     n = cfg[f"{T}.log_val_generations"]
+    validates = cfg["data.val_files"] and (cfg[f"{T}.test_freq"] > 0 or cfg[f"{T}.val_before_train"])
+    for key, on in ((f"{T}.validation_data_dir", validation), (f"{T}.log_val_generations", n)):
+        if on and not validates:
+            notes.append(f"{key}: no effect, this run never validates (it needs data.val_files and trainer.test_freq "
+                         "> 0 or trainer.val_before_train)")
     return out + ([LogValidationGenerations(n)] if n else [])
