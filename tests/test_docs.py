@@ -295,6 +295,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/algorithms/spin.md", "from rlflow import FunctionReward, HFRollout, Trainer"): [],
     ("docs/algorithms/sppo.md", "from rlflow import FunctionReward, HFRollout, Trainer"): [],
     ("docs/concepts.md", "from rlflow import AdvantageEstimator, keys"): [],
+    ("docs/metrics.md", "from rlflow import GRPO, PPOLoss"): ELIDED_TRAINER,
     ("docs/performance.md", "policy = Policy(model, tokenizer, remove_padding=True)"): [],
     ("docs/rewards.md", "from rlflow import FunctionReward"): [],
     ("docs/rewards.md", "from rlflow.rewards import CombinedReward"): [],

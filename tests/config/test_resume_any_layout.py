@@ -63,15 +63,22 @@ def assert_same_weights(ckpt_a, ckpt_b) -> None:
 
 def test_one_file_to_two_sharded_processes_and_back_to_one(model_dir, data_dir, tmp_path):
     reference = tmp_path / "reference"
-    assert main(command(model_dir, data_dir, tmp_path, reference, 4, 1)) == 0
+    assert main(command(model_dir, data_dir, tmp_path, reference, 4, 1) + [
+        f"trainer.rollout_data_dir={tmp_path}/dump_reference"]) == 0
     ref = logged(reference)
     assert ref[4]["actor/grad_norm"] > 0.01 and not (reference / "global_step_4" / "state.ckpt").is_dir()
 
     run = tmp_path / "run"  # the reference, stopped after step 2
     shutil.copytree(reference / "global_step_2", run / "global_step_2")
     ckpt.mark_latest(run, 2)
-    assert main(command(model_dir, data_dir, tmp_path, run, 3, 2)) == 0  # launches torchrun: 2 processes
+    assert main(command(model_dir, data_dir, tmp_path, run, 3, 2) + [  # launches torchrun: 2 processes
+        f"trainer.rollout_data_dir={tmp_path}/dump_run", "trainer.max_actor_ckpt_to_keep=1"]) == 0
     assert (run / "global_step_3" / "state.ckpt").is_dir()  # sharded (torch.distributed.checkpoint)
+    assert ckpt.complete_steps(run) == [3]  # rotated by rank 0 after the sharded save
+    # rank 0 wrote both ranks' samples: the same rows as the one-process run's step 3
+    rows = [sorted(map(json.loads, (tmp_path / d / "3.jsonl").read_text().splitlines()), key=json.dumps)
+            for d in ("dump_reference", "dump_run")]
+    assert len(rows[1]) == 4 and [(r["input"], r["output"]) for r in rows[0]] == [(r["input"], r["output"]) for r in rows[1]]
     assert sorted(logged(run)) == [3]
     assert_same_step(logged(run)[3], ref[3])
     assert_same_weights(run / "global_step_3", reference / "global_step_3")

@@ -1,6 +1,6 @@
 """Kill anywhere, lose nothing: a run killed with SIGKILL at random points (in a step, in every phase of
-a save, while resuming) and resumed with ``resume="auto"`` ends with the logged metrics and the weights
-of an uninterrupted run.
+a save, while deleting a rotated-out checkpoint, while resuming) and resumed with ``resume="auto"`` ends
+with the logged metrics and the weights of an uninterrupted run, and the newest ``keep_checkpoints``.
 
 Each run is a child forked from this (already warm) process, so no case pays for a fresh interpreter.
 Points inside a save are reached by making the child SIGKILL itself when it gets there (the process dies
@@ -25,6 +25,7 @@ from rlflow.trainer.export import load_policy_state
 from .helpers import comparable, make_trainer
 
 STEPS = 4
+KEEP = 2  # the killed and resumed runs rotate checkpoints (keep_checkpoints); the uninterrupted one keeps all
 CTX = multiprocessing.get_context("fork")
 
 
@@ -68,6 +69,24 @@ def half_written_state(occurrence):
     torch_io._atomic_save = torn
 
 
+def dies_while_rotating(occurrence):
+    """The ``occurrence``-th deletion of a rotated-out checkpoint (keep_checkpoints) removes one file, then dies."""
+    from pathlib import Path
+
+    real, calls = shutil.rmtree, [0]
+
+    def rmtree(path, *args, **kwargs):
+        p = Path(path)
+        if p.name.endswith(".old") and p.exists():
+            calls[0] += 1
+            if calls[0] == occurrence:
+                next(f for f in sorted(p.rglob("*")) if f.is_file()).unlink()
+                die()
+        return real(path, *args, **kwargs)
+
+    shutil.rmtree = rmtree
+
+
 def inside_save_points(rng):
     """(description, installer) pairs: each installer, run in the child, makes it die at that point."""
     from rlflow.trainer.trainer import Trainer
@@ -82,15 +101,16 @@ def inside_save_points(rng):
         (f"rename {2 * o} (publish or tracker)", lambda: kill_on_call(os, "replace", 2 * o)),
         (f"in the policy update (step {o})", lambda: kill_on_call(Trainer, "update_actor", o)),
         ("while loading the checkpoint", lambda: kill_on_call(ckpt, "set_rng_state", 1)),
+        (f"deleting an old checkpoint (rotation {o})", lambda: dies_while_rotating(o)),
     ]
 
 
-def run_child(model, tokenizer, rows, run_dir, install=None):
+def run_child(model, tokenizer, rows, run_dir, install=None, keep=None):
     def target():
         if install:
             install()
         trainer, data = make_trainer(model, tokenizer, rows, run_dir, max_steps=STEPS, save_every=1, resume="auto",
-                                     loggers=("jsonl",))
+                                     loggers=("jsonl",), keep_checkpoints=keep)
         trainer.fit(data)
 
     proc = CTX.Process(target=target)
@@ -138,16 +158,16 @@ def test_sigkill_at_random_points_then_resume_equals_uninterrupted(reference, tm
             (run / "metrics.jsonl").write_text("".join(
                 line + "\n" for line in (ref_dir / "metrics.jsonl").read_text().splitlines()[:start_step]))
         if isinstance(how, float):
-            proc = run_child(model, tok, rows, run)
+            proc = run_child(model, tok, rows, run, keep=KEEP)
             time.sleep(how)
             os.kill(proc.pid, signal.SIGKILL)
         else:
-            proc = run_child(model, tok, rows, run, install=how)
+            proc = run_child(model, tok, rows, run, install=how, keep=KEEP)
         proc.join(120)
         kills.append(proc.exitcode == -signal.SIGKILL)
         assert proc.exitcode in (0, -signal.SIGKILL), (what, proc.exitcode)
 
-        resumed = run_child(model, tok, rows, run)  # resume="auto", no kill
+        resumed = run_child(model, tok, rows, run, keep=KEEP)  # resume="auto", no kill
         resumed.join(120)
         assert resumed.exitcode == 0, what
         assert (run / ckpt.TRACKER).read_text() == str(STEPS), what
@@ -155,4 +175,5 @@ def test_sigkill_at_random_points_then_resume_equals_uninterrupted(reference, tm
         weights = load_policy_state(run / f"global_step_{STEPS}" / "state.ckpt")
         assert all(torch.equal(weights[n], expected_weights[n]) for n in expected_weights), what
         assert not list(run.glob(".global_step_*")), what  # no partial folder survives a finished run
+        assert ckpt.complete_steps(run) == list(range(STEPS - KEEP + 1, STEPS + 1)), what  # rotated as asked
     assert sum(kills) >= 10, [c for (c, _), killed in zip(cases, kills) if not killed]

@@ -140,6 +140,10 @@ RANGES: dict[str, Range] = {
     "trainer.nnodes": count(), "trainer.n_gpus_per_node": count(note="processes per node"),
     "trainer.save_freq": Range(integer=True, note="<= 0: never"),
     "trainer.test_freq": Range(integer=True, note="<= 0: never"),
+    "trainer.max_actor_ckpt_to_keep": Range(integer=True, note="null, 0 or < 0: keep every checkpoint"),
+    "trainer.max_critic_ckpt_to_keep": Range(integer=True, note="null, 0 or < 0: keep every checkpoint"),
+    "trainer.log_val_generations": count(0, note="validation samples logged; 0: none"),
+    "trainer.critic_warmup": count(0, note="0 or 1: no warm-up"),
 }
 
 # rlflow.algorithms.functional's (torch-free copies; tests/config/test_validate.py keeps them equal)

@@ -31,6 +31,7 @@ from rlflow.config.optim import optim_kwargs
 from rlflow.config.resolve import class_kwargs
 from rlflow.config.rewards import RewardPlan, reward_plan
 from rlflow.config.rollout import rollout_plan
+from rlflow.config.trainer_extras import critic_warmup_steps, generation_callbacks, keep_checkpoints
 from rlflow.config.validate import check
 
 A, R, C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
@@ -292,7 +293,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
             **optimizer,
             "val_every": max(test_freq, 0), "val_n": val["n"], "save_every": max(save_freq, 0),
             "run_dir": cfg["trainer.default_local_dir"],
-            "resume": resume, "seed": cfg["data.seed"],
+            "resume": resume, "seed": cfg["data.seed"], "keep_checkpoints": keep_checkpoints(cfg, notes, with_critic),
+            "critic_warmup_steps": critic_warmup_steps(cfg, notes, with_critic), "callbacks": generation_callbacks(cfg, notes),
             "progress": "console" not in loggers, "max_tokens_per_micro_batch": token_budget(cfg, with_critic),
             "sequence_parallel_size": sp_size, "balance_batch": cfg["trainer.balance_batch"],
             "accelerator": devices.accelerator, "devices": devices.per_node, "num_nodes": devices.nnodes,

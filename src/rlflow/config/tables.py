@@ -95,14 +95,8 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "algorithm.rollout_correction.bypass_mode": ("rollout correction (bypass mode)", _truthy),
     "reward.reward_manager.source": ("reward-manager classes loaded from a file (verl's source=importlib; "
                                      "rlflow's managers: naive, prime, dapo, batch)", _not("register")),
-    "trainer.critic_warmup": ("critic warm-up steps", _truthy),
-    "trainer.log_val_generations": ("logging validation generations", _truthy),
-    "trainer.rollout_data_dir": ("dumping rollouts to files", _truthy),
-    "trainer.validation_data_dir": ("dumping validation generations to files", _truthy),
     "trainer.default_hdfs_dir": ("HDFS checkpoints", _truthy),
     "trainer.del_local_ckpt_after_load": ("deleting checkpoints after loading", _truthy),
-    "trainer.max_actor_ckpt_to_keep": ("checkpoint rotation", _truthy),
-    "trainer.max_critic_ckpt_to_keep": ("checkpoint rotation", _truthy),
     "async_training.trigger_parameter_sync_step": ("weight sync less often than every step", _not(1)),
     "async_training.require_batches": ("training on several generated batches per step", _not(1)),
     "async_training.partial_rollout": ("partial rollouts (generation interrupted by weight updates)", _truthy),
@@ -174,7 +168,8 @@ INERT: dict[str, str] = {
         "rlflow never re-tokenizes the model's turns, so there is nothing to check"),
     "actor_rollout_ref.rollout.agent.num_workers": "single-turn generation runs in one batch",
     "actor_rollout_ref.rollout.trace.token2text": "rollout tracing is not supported yet",
-    "actor_rollout_ref.rollout.skip_dump_dir": "rollout dumps are not supported yet",
+    "actor_rollout_ref.rollout.skip_dump_dir": "only used with rollout.skip_rollout (replaying dumped rollouts), not "
+                                               "supported yet",
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": _ENGINE,
     "actor_rollout_ref.rollout.enable_prefix_caching": (
         "vLLM's cache of prompt blocks across requests; the HF rollout keeps none between generate calls (within "

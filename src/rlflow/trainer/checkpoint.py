@@ -16,6 +16,11 @@ Atomic: a checkpoint is written into ``.global_step_N.partial`` and renamed to `
 complete; the tracker file is replaced (``os.replace``) after that. A process killed at any point
 leaves the previous checkpoint and a tracker that names a complete folder.
 
+Rotation (``Trainer(keep_checkpoints=N)``, verl's ``max_*_ckpt_to_keep``): after the tracker names the new
+checkpoint, older ``global_step_*`` folders beyond the newest N are renamed to hidden ``.global_step_K.old``
+folders (one atomic step each) and deleted; a run killed while deleting leaves hidden folders only, which
+the next save removes.
+
 Any layout: a one-file checkpoint loads on FSDP2 (Fabric consolidates it), and a sharded folder loads on
 one process or on DDP (:func:`load_sharded_unsharded`), whatever the number of ranks that wrote it.
 """
@@ -103,6 +108,23 @@ def publish(partial: Path, final: Path) -> None:
     else:
         os.replace(partial, final)
     _fsync(final.parent)
+
+
+def rotate(root: str | Path, keep: int | None, latest: int) -> list[int]:
+    """Delete the complete checkpoints older than the newest ``keep`` up to step ``latest`` (the one the tracker
+    names, never deleted); returns the deleted steps. ``keep`` None or <= 0 keeps all (verl's rule for
+    ``max_ckpt_to_keep``). Folders of later steps (left by a run that resumed from an earlier checkpoint,
+    replaced when this run reaches them) are not counted and not touched."""
+    if not keep or keep <= 0:
+        return []
+    steps = [s for s in complete_steps(root) if s <= latest]
+    doomed = [s for s in steps[:-keep] if s != latest]
+    for s in doomed:  # hidden in one rename first: a half-deleted folder is never taken for a checkpoint
+        hidden = Path(root, f".global_step_{s}.old")
+        shutil.rmtree(hidden, ignore_errors=True)
+        os.replace(step_dir(root, s), hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+    return doomed
 
 
 def checkpoint_bytes(*modules) -> int:
@@ -224,13 +246,18 @@ def critic_state(trainer) -> dict:
     return {"critic": trainer.critic.module, "critic_optimizer": trainer.critic_optimizer}
 
 
+def remove_hidden(root: str | Path) -> None:
+    """Delete the hidden folders a run killed while saving (``.partial``) or rotating (``.old``) left."""
+    for stale in Path(root).glob(".global_step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def save(trainer) -> Path:
     """Write ``<run_dir>/global_step_N`` atomically (see the module docstring) and mark it latest."""
     fabric, root, step = trainer.fabric, trainer.checkpoint_dir, trainer.global_step
     partial, final = partial_dir(root, step), step_dir(root, step)
-    if fabric.global_rank == 0:  # folders left by a run killed while saving
-        for stale in Path(root).glob(".global_step_*"):
-            shutil.rmtree(stale, ignore_errors=True)
+    if fabric.global_rank == 0:
+        remove_hidden(root)
     fabric.barrier()
     try:
         fabric.save(partial / "state.ckpt", trainer_state(trainer))
@@ -241,6 +268,7 @@ def save(trainer) -> Path:
             save_hf_metadata(partial / "huggingface", trainer.policy.model, trainer.policy.tokenizer)
             publish(partial, final)
             mark_latest(root, step)
+            rotate(root, getattr(trainer, "keep_checkpoints", None), step)
     except OSError as e:
         previous = latest_checkpoint(root)
         raise CheckpointError(f"could not write checkpoint {final} ({e.strerror or e}); "
@@ -307,6 +335,9 @@ def resume(trainer) -> None:
     if path is not None:
         load(trainer, path)
         trainer.fabric.print(f"resumed from {path} at step {trainer.global_step}")
+        if trainer.fabric.global_rank == 0 and path.parent.resolve() == Path(trainer.checkpoint_dir).resolve():
+            remove_hidden(path.parent)  # finish what a run killed while saving or rotating left undone
+            rotate(path.parent, getattr(trainer, "keep_checkpoints", None), trainer.global_step)
     for logger in trainer.fabric.loggers:  # rows of steps after the checkpoint are logged again
         if hasattr(logger, "drop_after"):
             logger.drop_after(trainer.global_step)

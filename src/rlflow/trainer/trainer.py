@@ -70,6 +70,9 @@ class Trainer:
         save_every, resume: a checkpoint every N steps and at the last (0: none); ``resume`` is ``None``,
             ``"auto"`` (the latest checkpoint in ``run_dir``, if any) or a ``global_step_N`` folder of any run,
             written by any number of processes.
+        keep_checkpoints: keep only the newest N ``global_step_*`` folders (``None`` or <= 0: all; verl's
+            ``max_actor_ckpt_to_keep``); older ones are deleted after each save (``rlflow.trainer.checkpoint.rotate``).
+        critic_warmup_steps: the first N steps update only the critic (the policy and its schedule stay as they are).
         loggers: names from ``jsonl``, ``csv``, ``tensorboard``, ``wandb``; callbacks: objects with ``on_*`` hooks
             (a :class:`~rlflow.trainer.callbacks.NoLearningSignal` is added unless one is given).
         epochs: passes over the prompts when ``max_steps`` is not given.
@@ -96,7 +99,8 @@ class Trainer:
         warmup_steps: int = 0, lr_schedule: str | Schedule = "constant", optimizer: Callable | None = None,
         max_grad_norm: float | None = 1.0, max_steps: int | None = None, epochs: int = 1,
         val_every: int = 0, val_n: int = 1, save_every: int = 0, run_dir: str | Path = "runs/rlflow",
-        resume: str | Path | None = None, loggers=("jsonl", "csv", "tensorboard"), callbacks=(),
+        resume: str | Path | None = None, keep_checkpoints: int | None = None, critic_warmup_steps: int = 0,
+        loggers=("jsonl", "csv", "tensorboard"), callbacks=(),
         seed: int = 0, progress: bool = True,
         accelerator: str = "cpu", devices: int = 1, num_nodes: int = 1, strategy="auto", precision: str = "32-true",
         sequence_parallel_size: int = 1, balance_batch: bool = True,
@@ -112,6 +116,8 @@ class Trainer:
                              "log-probs must be computed from the distribution that was sampled")
         if estimator.needs_critic and (critic is None or value_loss is None):
             raise ValueError(f"{type(estimator).__name__} needs a critic: pass critic=Critic(...) and value_loss=ValueLoss()")
+        if critic_warmup_steps and critic is None:
+            raise ValueError(f"critic_warmup_steps={critic_warmup_steps} needs a critic: without one no step would train")
         if mini_batch_size is not None and batch_size % mini_batch_size:
             raise ValueError(f"batch_size={batch_size} is not a multiple of mini_batch_size={mini_batch_size}")
         self.batch_size, self.mini_batch_size = batch_size, mini_batch_size or batch_size
@@ -120,6 +126,7 @@ class Trainer:
         self.max_grad_norm, self.max_steps, self.epochs = max_grad_norm, max_steps, epochs
         self.val_every, self.val_n, self.save_every = val_every, val_n, save_every
         self.run_dir, self.resume, self.seed, self.progress = Path(run_dir), resume, seed, progress
+        self.keep_checkpoints, self.critic_warmup_steps = keep_checkpoints, critic_warmup_steps
         self.lr_schedule, self.warmup_steps = lr_schedule, warmup_steps
         # With one update per batch the "old" policy is the current one: skip its forward pass,
         # unless something before the update (e.g. a KL-in-reward estimator) reads it.
@@ -218,18 +225,23 @@ class Trainer:
         if self.critic is not None:
             with timer("update_critic"):
                 stats |= self.update_critic(update_batch)
-        with timer("update_actor"):
-            stats |= self.update_actor(update_batch)
-        with timer("update_weights"):
+        warmup = self.global_step < self.critic_warmup_steps  # verl's critic_warmup: the policy waits
+        if not warmup:
+            with timer("update_actor"):
+                stats |= self.update_actor(update_batch)
+        with timer("update_weights"):  # also in warm-up, as verl's (an asynchronous rollout counts versions)
             stats |= self.rollout.sync_weights(self.policy.model) or {}
-        step_schedulers(self.schedulers)
+        step_schedulers(self.schedulers[1:] if warmup else self.schedulers)  # [policy, critic]
         self.global_step += 1
+        self.fabric.call("on_batch_end", trainer=self, batch=batch)
 
         step_time = time.perf_counter() - start
         tokens = batch[K.PROMPT_MASK].sum() + batch[K.RESPONSE_MASK].sum()
         total_tokens = int(global_sum(self.fabric, tokens)) // self.sp_size
         metrics = batch_metrics(batch, getattr(self.rollout, "max_new_tokens", None)) | stats
         metrics |= health | numerics.batch_health(batch)
+        if self.critic_warmup_steps:
+            metrics["actor/critic_warmup"] = float(warmup)
         for role in (self.rollout, self.reward, self.estimator):
             metrics |= getattr(role, "stats", {})  # e.g. reward/errors, actor/reward_kl_penalty
         metrics |= timer.metrics() | {

@@ -14,6 +14,7 @@ from rlflow.data import keys as K
 from rlflow.data.nontensor import column, to_device
 from rlflow.data.prompts import PromptData
 from rlflow.trainer.distributed import gather_objects
+from rlflow.trainer.generations import batch_columns, concat, wants
 
 
 @torch.no_grad()
@@ -31,6 +32,10 @@ def validate(trainer, data: PromptData) -> dict[str, float]:
 
     With several processes each rank generates for every ``world``-th prompt and the scores are
     gathered before the metrics, which every rank then holds.
+
+    When a callback has ``on_validation_generations`` (``rlflow.trainer.generations``), it is called with
+    every sample's text columns (input, output, gts, score, ``reward`` and the scorer's extras), gathered
+    from all ranks, before ``on_validation_end``.
     """
     opts = getattr(trainer, "val_sampling", None) or {
         "n": trainer.val_n, "do_sample": trainer.val_n > 1,
@@ -41,6 +46,7 @@ def validate(trainer, data: PromptData) -> dict[str, float]:
     votes: dict[str, list] = {}               # source -> one list of n predictions (or None) per prompt
     reward = trainer.reward or trainer.rollout.reward  # reward=None: the rollout scores (dynamic sampling)
     rank, world = trainer.fabric.global_rank, trainer.fabric.world_size
+    samples = [] if wants(trainer, "on_validation_generations") else None  # per batch: verl's dump columns
     for prompts in data.val_batches(trainer.policy.tokenizer):
         prompts = prompts[rank::world] if world > 1 else prompts
         if prompts.batch_size[0] == 0:
@@ -50,6 +56,8 @@ def validate(trainer, data: PromptData) -> dict[str, float]:
         batch = reward(batch)
         extras, scores = getattr(reward, "extras", {}), batch[K.SCORES].tolist()
         accs, preds, sources = extras.get("acc"), extras.get("pred"), column(batch, K.DATA_SOURCE)
+        if samples is not None:
+            samples.append(batch_columns(batch, trainer.policy.tokenizer, {"reward": scores, **extras}))
         for i in range(0, len(sources), n):  # one prompt's n samples are contiguous
             per = values.setdefault(sources[i], {})
             per.setdefault("reward", []).append(scores[i : i + n])
@@ -58,7 +66,11 @@ def validate(trainer, data: PromptData) -> dict[str, float]:
                 per.setdefault("acc", []).append([float(a) for a in acc])
             votes.setdefault(sources[i], []).append(
                 [str(p) for p in pred] if all(p is not None for p in pred) else None)
-    values, votes = _merge_shards(gather_objects(trainer.fabric, (values, votes)))
+    shards = gather_objects(trainer.fabric, (values, votes, samples))
+    values, votes = _merge_shards([shard[:2] for shard in shards])
+    if samples is not None:
+        trainer.fabric.call("on_validation_generations", trainer=trainer,
+                            samples=concat([part for shard in shards for part in shard[2]]))
     metrics = {}
     for src, per in values.items():
         core = "acc" if len(per.get("acc", ())) == len(per["reward"]) else "reward"
