@@ -73,6 +73,9 @@ def build_data(plan: Plan, tokenizer, processor=None) -> PromptData:
 
     A vision-language policy's ``processor`` reads the rows' images (``data.image_key``)."""
     kw = dict(plan.data_kwargs)
+    if processor is None and kw.get("mm_processor_kwargs"):
+        plan.notes.append(f"data.mm_processor_kwargs={kw['mm_processor_kwargs']!r} has no effect: "
+                          f"{plan.model_path} has no processor (not a vision-language model)")
     try:
         data = PromptData(kw.pop("train"), val=kw.pop("val"), processor=processor, **kw)
     except DataError as e:
