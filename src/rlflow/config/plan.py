@@ -25,12 +25,14 @@ from rlflow.config import tables
 from rlflow.config.agent import agent_plan
 from rlflow.config.algos import ESTIMATOR_POOL, companions, loss_pool
 from rlflow.config.asynchronous import async_plan
+from rlflow.config.data_keys import data_extras
 from rlflow.config.devices import Devices, resolve_devices
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.lora import lora_argument
 from rlflow.config.resolve import class_kwargs
 from rlflow.config.rewards import RewardPlan, reward_plan
 from rlflow.config.rollout import rollout_plan
+from rlflow.config.trainer_keys import checkpoint_callbacks, v1_mode
 from rlflow.config.validate import check
 
 A, R, C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
@@ -234,6 +236,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
                      f"threads with a timeout){'; overlong shaping: OverlongPenalty' if overlong else ''}")
     sampling = dynamic_sampling(cfg, notes)
     agent = agent_plan(cfg, notes)
+    v1_mode(cfg, notes)
     asynchronous = async_plan(cfg, notes, devices, after, sampling)
     if agent and asynchronous:
         raise NotSupportedError("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn rollouts with "
@@ -274,7 +277,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
                      "shuffle": cfg["data.shuffle"], "seed": cfg["data.seed"],
                      "filter_overlong_prompts": cfg["data.filter_overlong_prompts"],
                      "missing_ground_truth": cfg["data.missing_ground_truth"],
-                     "image_key": cfg["data.image_key"], "skip_bad_images": bad_images(cfg)},
+                     "image_key": cfg["data.image_key"], "skip_bad_images": bad_images(cfg),
+                     **data_extras(cfg, agent)},
         trainer_kwargs={
             "batch_size": bs, "mini_batch_size": mini, "micro_batch_size": micro, "ppo_epochs": ppo_epochs,
             "lr": lr, "critic_lr": cfg[f"{C}.optim.lr"], "weight_decay": weight_decay,
@@ -285,7 +289,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
             "progress": "console" not in loggers, "max_tokens_per_micro_batch": token_budget(cfg, with_critic),
             "sequence_parallel_size": sp_size, "balance_batch": cfg["trainer.balance_batch"],
             "accelerator": devices.accelerator, "devices": devices.per_node, "num_nodes": devices.nnodes,
-            "strategy": devices.strategy, "precision": devices.precision},
+            "strategy": devices.strategy, "precision": devices.precision, **checkpoint_callbacks(cfg)},
         total_training_steps=cfg["trainer.total_training_steps"], total_epochs=cfg["trainer.total_epochs"],
         warmup=warmup,
         loggers=loggers, project=cfg["trainer.project_name"], experiment=cfg["trainer.experiment_name"],
