@@ -65,7 +65,8 @@ def test_mm_processor_kwargs_reach_the_processor_call(vlm_files, tmp_path):  # n
                                                  "actor_rollout_ref.rollout.enable_vision=true",
                                                  "data.max_prompt_length=256"]
     grids = []
-    for extra in ([], ["+data.mm_processor_kwargs.min_pixels=12544", "+data.mm_processor_kwargs.max_pixels=12544"]):
+    for extra in ([], ["+data.mm_processor_kwargs.size.shortest_edge=12544",
+                            "+data.mm_processor_kwargs.size.longest_edge=12544"]):
         cfg = load_config(args + extra)
         trainer, data = build_trainer(make_plan(cfg))
         batch = data.collate(data.train[:1], trainer.policy.tokenizer)
