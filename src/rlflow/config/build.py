@@ -110,6 +110,9 @@ def build_data(plan: Plan, tokenizer, processor=None) -> PromptData:
     kw = dict(plan.data_kwargs)
     if processor is not None and kw.get("image_patch_size", 0) is None:  # verl: the processor's own patch size
         kw["image_patch_size"] = getattr(getattr(processor, "image_processor", None), "patch_size", 14)
+    if processor is None and kw.get("mm_processor_kwargs"):
+        plan.notes.append(f"data.mm_processor_kwargs={kw['mm_processor_kwargs']!r} has no effect: "
+                          f"{plan.model_path} has no processor (not a vision-language model)")
     try:
         data = PromptData(kw.pop("train"), val=kw.pop("val"), processor=processor, **kw)
     except DataError as e:

@@ -23,6 +23,7 @@ from rlflow.config import tables
 from rlflow.config.agent import agent_plan
 from rlflow.config.algos import ESTIMATOR_POOL, companions, loss_pool
 from rlflow.config.asynchronous import async_plan
+from rlflow.config.data_keys import data_extras
 from rlflow.config.devices import Devices, resolve_devices
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.lora import lora_argument
@@ -32,6 +33,7 @@ from rlflow.config.resolve import class_kwargs
 from rlflow.config.rewards import RewardPlan, reward_plan
 from rlflow.config.rollout import rollout_plan
 from rlflow.config.trainer_extras import critic_warmup_steps, generation_callbacks, keep_checkpoints
+from rlflow.config.trainer_keys import checkpoint_callbacks, v1_mode
 from rlflow.config.validate import check
 
 A, R, C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
@@ -236,6 +238,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
     agent = agent_plan(cfg, notes)
     if agent is not None and template_kwargs:
         agent["template_kwargs"] = template_kwargs
+    v1_mode(cfg, notes)
     asynchronous = async_plan(cfg, notes, devices, after, sampling)
     if agent and asynchronous:
         raise NotSupportedError("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn rollouts with "
@@ -287,14 +290,15 @@ def make_plan(cfg: VerlConfig) -> Plan:
                      "missing_ground_truth": cfg["data.missing_ground_truth"],
                      "image_key": cfg["data.image_key"], "skip_bad_images": bad_images(cfg),
                      "image_patch_size": patch_size(cfg),
-                     **({"chat_template_kwargs": template_kwargs} if template_kwargs else {})},
+                     **({"chat_template_kwargs": template_kwargs} if template_kwargs else {}),
+                     **data_extras(cfg, agent)},
         trainer_kwargs={
             "batch_size": bs, "mini_batch_size": mini, "micro_batch_size": micro, "ppo_epochs": ppo_epochs,
             **optimizer,
             "val_every": max(test_freq, 0), "val_n": val["n"], "save_every": max(save_freq, 0),
             "run_dir": cfg["trainer.default_local_dir"],
             "resume": resume, "seed": cfg["data.seed"], "keep_checkpoints": keep_checkpoints(cfg, notes, with_critic),
-            "critic_warmup_steps": critic_warmup_steps(cfg, notes, with_critic), "callbacks": generation_callbacks(cfg, notes),
+            "critic_warmup_steps": critic_warmup_steps(cfg, notes, with_critic), "callbacks": generation_callbacks(cfg, notes) + checkpoint_callbacks(cfg),
             "progress": "console" not in loggers, "max_tokens_per_micro_batch": token_budget(cfg, with_critic),
             "sequence_parallel_size": sp_size, "balance_batch": cfg["trainer.balance_batch"],
             "accelerator": devices.accelerator, "devices": devices.per_node, "num_nodes": devices.nnodes,

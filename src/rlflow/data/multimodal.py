@@ -173,9 +173,11 @@ def patch_resize(image, patch_size: int | None):
 
 
 def process_row(row: dict, processor, name: str, template_kwargs: dict | None = None,
-                patch_size: int | None = None) -> tuple[str, list[int], dict, list]:
+                patch_size: int | None = None, processor_kwargs: dict | None = None
+                ) -> tuple[str, list[int], dict, list]:
     """``(rendered text, prompt ids, processor tensors, images)`` of one row; ``template_kwargs``: more
-    ``apply_chat_template`` arguments; ``patch_size``: resize the images first (:func:`patch_resize`)."""
+    ``apply_chat_template`` arguments; ``patch_size``: resize the images first (:func:`patch_resize`);
+    ``processor_kwargs`` go to the processor's call (verl's ``data.mm_processor_kwargs``)."""
     where = f"{name}, row {row['index']}"
     images = [load_image(ref, f"{where}, image {j}", name) for j, ref in enumerate(image_refs(row))]
     try:
@@ -185,7 +187,7 @@ def process_row(row: dict, processor, name: str, template_kwargs: dict | None = 
     text = processor.apply_chat_template(messages_with_images(row["prompt"]), add_generation_prompt=True,
                                          tokenize=False, **(template_kwargs or {}))
     try:
-        out = processor(text=[text], images=images or None, return_tensors="pt")
+        out = processor(text=[text], images=images or None, return_tensors="pt", **(processor_kwargs or {}))
     except Exception as e:  # the processor's own message, with the row it came from
         raise DataError(f"{where}: the processor failed: {e}") from e
     ids = out["input_ids"][0][out["attention_mask"][0].bool()].tolist()
@@ -194,14 +196,14 @@ def process_row(row: dict, processor, name: str, template_kwargs: dict | None = 
 
 
 def prompt_length(row: dict, processor, name: str = "", template_kwargs: dict | None = None,
-                  patch_size: int | None = None) -> int:
+                  patch_size: int | None = None, processor_kwargs: dict | None = None) -> int:
     """Tokens of the row's prompt after the chat template, image-pad tokens included."""
-    return len(process_row(row, processor, name, template_kwargs, patch_size)[1])
+    return len(process_row(row, processor, name, template_kwargs, patch_size, processor_kwargs)[1])
 
 
 def collate_multimodal(rows: Sequence[dict], processor, max_prompt_length: int | None = None,
                        name: str = "", template_kwargs: dict | None = None,
-                       patch_size: int | None = None) -> TensorDict:
+                       patch_size: int | None = None, processor_kwargs: dict | None = None) -> TensorDict:
     """Process rows into a batch: left-padded ``prompt_ids``/``prompt_mask`` with the image-pad tokens, the
     non-tensor fields, and per row ``multi_modal_inputs`` and ``multi_modal_data`` (module docstring).
 
@@ -210,7 +212,7 @@ def collate_multimodal(rows: Sequence[dict], processor, max_prompt_length: int |
     """
     texts, ids, inputs, data = [], [], [], []
     for row in rows:
-        text, seq, tensors, images = process_row(row, processor, name, template_kwargs, patch_size)
+        text, seq, tensors, images = process_row(row, processor, name, template_kwargs, patch_size, processor_kwargs)
         if max_prompt_length is not None and len(seq) > max_prompt_length:
             raise DataError(f"{name}, row {row['index']}: prompt has {len(seq)} tokens (image tokens included) > "
                               f"max_prompt_length={max_prompt_length}; vision-language prompts are not truncated "

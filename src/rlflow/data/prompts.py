@@ -218,6 +218,20 @@ class PromptLoader:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 
+def select_rows(rows: list[dict], max_samples: int | None, shuffle: bool, seed: int | None) -> list[dict]:
+    """At most ``max_samples`` rows, as verl's ``RLHFDataset`` picks them (``train_max_samples``): with
+    ``shuffle``, ``numpy.random.default_rng(seed).choice(len(rows), max_samples, replace=False)`` in that order,
+    else the first ``max_samples``; every row when ``max_samples`` is ``None``, <= 0 or not below the count."""
+    if not max_samples or max_samples <= 0 or max_samples >= len(rows):
+        return rows
+    if not shuffle:
+        return rows[:max_samples]
+    import numpy as np
+
+    rng = np.random.default_rng(*(() if seed is None else (seed,)))
+    return [rows[i] for i in rng.choice(len(rows), size=max_samples, replace=False).tolist()]
+
+
 class PromptData:
     """Training (and optional validation) prompts.
 
@@ -243,19 +257,29 @@ class PromptData:
         image_patch_size: resize each image first as verl does (``qwen_vl_utils``' ``smart_resize`` to
             multiples of ``2 x image_patch_size`` pixels, ``rlflow.data.multimodal.patch_resize``); ``None``:
             the processor alone sizes the images.
+        train_max_samples, val_max_samples: use at most this many rows of each split (``None``: all), chosen
+            as verl does (:func:`select_rows`) before any filtering.
+        tool_schemas: OpenAI function schemas rendered into chat prompts (``apply_chat_template(tools=...)``)
+            when ``filter_overlong_prompts`` measures them, as an agent loop with these tools renders them.
+        mm_processor_kwargs: keyword arguments of every ``processor(...)`` call on a row (vision-language).
     """
 
     def __init__(self, train, val=None, *, prompt_key: str = "prompt", max_prompt_length: int | None = None,
                  truncation: str = "error", shuffle: bool = True, seed: int = 0,
                  filter_overlong_prompts: bool = False, missing_ground_truth: str = "error", processor=None,
                  image_key: str = "images", skip_bad_images: bool = False, chat_template_kwargs: dict | None = None,
-                 image_patch_size: int | None = None):
+                 image_patch_size: int | None = None,
+                 train_max_samples: int | None = None, val_max_samples: int | None = None,
+                 tool_schemas: list[dict] | None = None, mm_processor_kwargs: dict | None = None):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got '{truncation}'")
         if missing_ground_truth not in MISSING_GROUND_TRUTH:
             raise ValueError(f"missing_ground_truth must be one of {MISSING_GROUND_TRUTH}, got '{missing_ground_truth}'")
         self.train, self.train_name = load_rows(train, prompt_key, image_key)
         self.val, self.val_name = load_rows(val, prompt_key, image_key) if val is not None else ([], "")
+        self.train = select_rows(self.train, train_max_samples, shuffle, seed)
+        self.val = select_rows(self.val, val_max_samples, shuffle, seed)
+        self.tool_schemas, self.mm_processor_kwargs = tool_schemas, dict(mm_processor_kwargs or {})
         self.processor, self.skipped_images = processor, {"train": 0, "val": 0}
         self.chat_template_kwargs, self.image_patch_size = dict(chat_template_kwargs or {}), image_patch_size
         if processor is not None:
@@ -300,8 +324,13 @@ class PromptData:
         if self.processor is not None:
             from rlflow.data.multimodal import prompt_length
 
-            return prompt_length(row, self.processor, self.train_name, self.chat_template_kwargs, self.image_patch_size)
-        text = render_prompt(row["prompt"], tokenizer, self.chat_template_kwargs)
+            return prompt_length(row, self.processor, self.train_name, self.chat_template_kwargs, self.image_patch_size,
+                                 self.mm_processor_kwargs)
+        prompt = row["prompt"]
+        text = (tokenizer.apply_chat_template(prompt, tools=self.tool_schemas, add_generation_prompt=True,
+                                              tokenize=False, **self.chat_template_kwargs)
+                if self.tool_schemas and not isinstance(prompt, str)
+                else render_prompt(prompt, tokenizer, self.chat_template_kwargs))
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def collate(self, rows: Sequence[dict], tokenizer, name: str | None = None) -> TensorDict:
@@ -309,7 +338,7 @@ class PromptData:
             from rlflow.data.multimodal import collate_multimodal
 
             return collate_multimodal(rows, self.processor, self.max_prompt_length, name or self.train_name,
-                                      self.chat_template_kwargs, self.image_patch_size)
+                                      self.chat_template_kwargs, self.image_patch_size, self.mm_processor_kwargs)
         return collate(rows, tokenizer, self.max_prompt_length, self.truncation, name or self.train_name,
                        self.chat_template_kwargs)
 

@@ -390,8 +390,11 @@ class Trainer:
         return self.run_dir
 
     def save(self) -> Path:
-        """Write a checkpoint of this step (see :func:`rlflow.trainer.checkpoint.save`)."""
-        return ckpt.save(self)
+        """Write a checkpoint of this step (see :func:`rlflow.trainer.checkpoint.save`), then call the callbacks'
+        ``on_save(trainer=, global_step=, checkpoint_dir=)``."""
+        path = ckpt.save(self)
+        self.fabric.call("on_save", trainer=self, global_step=self.global_step, checkpoint_dir=str(path))
+        return path
 
     def load(self, path: str | Path) -> None:
         """Restore model, optimizer, schedule, RNG, data position and step from a checkpoint folder."""
