@@ -54,9 +54,8 @@ class Trainer:
         max_tokens_per_micro_batch: token budget per forward/backward (verl's ``use_dynamic_bsz`` +
             ``ppo_max_token_len_per_gpu``; see ``rlflow.trainer.batching``); ``None``: split by rows only.
         ppo_epochs: passes over the batch per step.
-        shuffle_seed: ``None`` splits each rank's rows into mini-batches in order; a seed deals them at random,
-            anew each epoch, as verl's ``actor.shuffle`` with ``data_loader_seed`` does
-            (:func:`~rlflow.trainer.batching.shuffled_mini_batches`, seeded with ``seed + data-parallel rank``).
+        shuffle_seed: ``None`` splits each rank's rows into mini-batches in order; a seed deals them at random anew
+            each epoch, as verl's ``actor.shuffle`` (:func:`~rlflow.trainer.batching.shuffled_mini_batches`).
         lr, critic_lr, weight_decay, warmup_steps, lr_schedule: AdamW and its schedule (``"constant"``, ``"cosine"``
             or a :class:`~rlflow.trainer.schedule.Schedule`: verl's cosine with ``min_lr_ratio`` and ``num_cycles``).
         optimizer: ``params -> torch.optim.Optimizer`` to replace AdamW for the policy.
@@ -240,8 +239,7 @@ class Trainer:
         total_tokens = int(global_sum(self.fabric, tokens)) // self.sp_size
         metrics = batch_metrics(batch, getattr(self.rollout, "max_new_tokens", None)) | stats
         metrics |= health | numerics.batch_health(batch)
-        if self.critic_warmup_steps:
-            metrics["actor/critic_warmup"] = float(warmup)
+        metrics |= {"actor/critic_warmup": float(warmup)} if self.critic_warmup_steps else {}
         for role in (self.rollout, self.reward, self.estimator):
             metrics |= getattr(role, "stats", {})  # e.g. reward/errors, actor/reward_kl_penalty
         metrics |= timer.metrics() | {
