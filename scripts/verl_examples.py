@@ -341,6 +341,8 @@ def rewrite(argv: list[str], fx: Fixtures, out: Path) -> list[str]:
         elif name in REWARD_FILE_KEYS and value not in ("", "null") and (
                 "{VERL}" in value or not value.startswith(("/", "{HOME}", "~"))):  # a file of verl's repository
             value = str(fx.reward_file(values.get(name.rsplit(".", 1)[0] + ".name") or "compute_score"))
+        elif name == "trainer.device":
+            value = "cpu"
         elif OUTPUT_KEYS.search(name):
             value = str(out / name.rsplit(".", 1)[-1])
         elif NULL.search(name):
@@ -442,7 +444,7 @@ def check(only: str = "", fixtures: Path | None = None, commands: Path = COMMAND
         tmp = Path(tmp)
         fx = Fixtures(fixtures or tmp / "fixtures")
         for i, (script, argvs) in enumerate(recorded["commands"].items()):
-            if only not in script:
+            if only not in script or not argvs:  # no command: listed in "no_command"
                 continue
             results[script] = []
             for j, argv in enumerate(argvs):
@@ -460,15 +462,25 @@ def check(only: str = "", fixtures: Path | None = None, commands: Path = COMMAND
 
 def tally(report: dict) -> tuple[list[tuple[str, int, int]], Counter]:
     """(blocking key, scripts it blocks, scripts it alone blocks), most frequent first; and the environment
-    problems (ENVIRONMENT) by the number of scripts they hit, which are not counted as blocking."""
-    blocks, alone, env = Counter(), Counter(), Counter()
+    problems (ENVIRONMENT) by the number of scripts they hit, which are not counted as blocking. Three or more
+    keys under one parent that block the same scripts are one row, ``parent.* (N keys)``."""
+    per_script, env = [], Counter()
     for runs in report["scripts"].values():
         problems = [p for r in runs for p in r["problems"]]
         env.update({environment(p) for p in problems} - {None})
-        keys = {blocking_key(p) for p in problems if not environment(p)}
-        blocks.update(keys)
-        if len(keys) == 1:
-            alone.update(keys)
+        per_script.append({blocking_key(p) for p in problems if not environment(p)})
+    hits = {k: frozenset(i for i, keys in enumerate(per_script) if k in keys) for k in set().union(*per_script)}
+    family = Counter((k.rsplit(".", 1)[0], hits[k]) for k in hits if "." in k)  # siblings blocking the same scripts
+    group = {}
+    for k in hits:
+        n = family.get((k.rsplit(".", 1)[0], hits[k]), 0) if "." in k else 0
+        group[k] = f"{k.rsplit('.', 1)[0]}.* ({n} keys)" if n >= 3 else k
+    blocks, alone = Counter(), Counter()
+    for keys in per_script:
+        groups = {group[k] for k in keys}
+        blocks.update(groups)
+        if len(groups) == 1:
+            alone.update(groups)
     return [(k, n, alone[k]) for k, n in sorted(blocks.items(), key=lambda kv: (-kv[1], kv[0]))], env
 
 
@@ -481,18 +493,19 @@ def accepted(report: dict, but_environment: bool = False) -> list[str]:
 def markdown(report: dict, top: int = 40) -> str:
     n, ok, ok_env = len(report["scripts"]), len(accepted(report)), len(accepted(report, but_environment=True))
     rows, env = tally(report)
-    lines = [f"Of the {n} example scripts of verl {report['commit'][:7]} that name `{ENTRY}` (each rewritten only "
+    lines = [f"Of the {n} example scripts of verl {report['commit'][:7]} that run `{ENTRY}` (each rewritten only "
              "for paths and device counts: `tests/config/verl_examples/README.md`), **{ok} are accepted** by "
              f"`--dry-run`"
              + (f" ({ok_env - ok} more refused only because {', '.join(env)} here)" if ok_env > ok else "")
-             + f"; {len(report['no_command'])} have no `{ENTRY}` command "
+             + f"; {len(report['no_command'])} more name it but run no `{ENTRY}` command "
              f"({'; '.join(f'`{k}`: {v}' for k, v in report['no_command'].items())}). "
              "Not counted as blocking: " + (", ".join(f"{k} ({v} scripts)" for k, v in env.items()) or "nothing")
              + ". The keys that block the others, by the number of scripts they block (and those they alone "
              "block); `python scripts/verl_examples.py check --markdown` remakes this table:", "",
              "| blocking key (or message) | scripts | only blocker |", "| --- | --- | --- |"]
     lines[0] = lines[0].replace("{ok}", str(ok))
-    lines += [f"| `{k}` | {b} | {a} |" for k, b, a in rows[:top]]
+    # <code>, not backticks: tests/config/test_loading.py finds a key's row of "Every verl key" by `key`
+    lines += [f"| <code>{k}</code> | {b} | {a} |" for k, b, a in rows[:top]]
     if len(rows) > top:
         lines.append(f"| {len(rows) - top} more keys | {sum(b for _, b, _ in rows[top:])} | "
                      f"{sum(a for _, _, a in rows[top:])} |")
