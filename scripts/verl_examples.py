@@ -217,7 +217,7 @@ class Fixtures:
         return path if path.exists() else make(path)
 
     def model(self, kind: str) -> Path:
-        makers = {"text": text_model, "image": vision_model, "video": vision_model, "reward": reward_model,
+        makers = {"text": text_model, "image": vision_model, "reward": reward_model,
                   "adapter": lambda p: lora_adapter(p, self.model("text"))}
         return self._once(kind, makers[kind])
 
@@ -244,11 +244,7 @@ def text_model(folder: Path) -> Path:
 
 
 def vision_model(folder: Path) -> Path:
-    from rlflow.models.tiny_vlm import (
-        save_model_folder,
-        tiny_processor,
-        tiny_qwen2_5_vl,
-    )
+    from rlflow.models.tiny_vlm import save_model_folder, tiny_processor, tiny_qwen2_5_vl
 
     processor = tiny_processor()
     model = tiny_qwen2_5_vl(processor.tokenizer, **SIZES)
@@ -312,8 +308,8 @@ def rewrite(argv: list[str], fx: Fixtures, out: Path) -> list[str]:
     """The command with only its paths and device counts changed (module docstring, README)."""
     pairs = [a.split("=", 1) if "=" in a and not a.startswith("-") else [a, None] for a in argv]
     values = {k.lstrip("+~"): v for k, v in pairs if v is not None}
-    rows = max(int(values.get(k) or 0) for k in ("data.train_batch_size", "data.gen_batch_size"))
-    rows = rows or VERL_TRAIN_BATCH
+    sizes = [int(values[k]) for k in ("data.train_batch_size", "data.gen_batch_size") if str(values.get(k)).isdigit()]
+    rows = max(sizes, default=VERL_TRAIN_BATCH)
     files = [dataset(f) for k in DATA_KEYS for f in split_list(values.get(k, ""))[0]]
     vision = any(kind != "text" for _, kind in files) or values.get("data.image_key") not in (None, "null") \
         or any(VISION_MODEL.search(v or "") for k, v in values.items() if MODEL_KEYS.search(k))
@@ -334,8 +330,7 @@ def rewrite(argv: list[str], fx: Fixtures, out: Path) -> list[str]:
             split = "train" if name == "data.train_files" else "test"
             made = []
             for item in items:
-                source, kind = dataset(item)
-                kind = "image" if vision and kind == "text" else kind
+                source, kind = dataset(item)  # text data stays text with a vision model, as verl's gsm8k files do
                 made.append(str(fx.data(source, kind, split, rows if split == "train" else 4)))
             value = f"[{','.join(made)}]" if is_list else made[0]
         elif name in REWARD_FILE_KEYS and value not in ("", "null") and (
@@ -373,10 +368,14 @@ def problems_of(code: int, out: str, err: str) -> list[str]:
 
 def blocking_key(problem: str) -> str:
     """The key a problem names first (``a.b.c=1: ...``, ``unknown config key 'a.b'``, ``override 'a.b=...'``
-    -> ``a.b.c`` / ``a.b``), else its first words."""
+    -> ``a.b.c`` / ``a.b``); for a data file's problem its first sentence; else its first words."""
     found = re.match(r"(?:unknown config key |override )'[+~]*([^'=]+)", problem) or \
         re.match(r"[+~]*([A-Za-z_][\w@-]*(?:\.[\w@-]+)+|--[\w-]+)", problem)
-    return found.group(1) if found else " ".join(problem.split(":", 1)[0].split()[:8])
+    if found:
+        return found.group(1)
+    if problem.startswith(("/", "<")) and ": " in problem:  # about a data file: what it says, not which file
+        return re.split(r"\. |; ", problem.split(": ", 1)[1])[0]
+    return " ".join(problem.split(":", 1)[0].split()[:8])
 
 
 # Problems of the machine the check runs on, not of rlflow: an optional package a script names is not installed
@@ -454,7 +453,9 @@ def check(only: str = "", fixtures: Path | None = None, commands: Path = COMMAND
                 cwd = where / "verl" / recorded["cwd"].get(script, ["."] * len(argvs))[j]
                 t0 = time.perf_counter()
                 code, out, err, dropped = run_dropping(new, cwd) if drop else (*run_one(new, cwd), None)
-                results[script].append({"argv": new, "code": code, "problems": problems_of(code, out, err),
+                problems = [p.replace(str(fx.root), "<stand-ins>").replace(str(tmp), "<tmp>")
+                            for p in problems_of(code, out, err)]
+                results[script].append({"argv": new, "code": code, "problems": problems,
                                         "output": out + err, "seconds": time.perf_counter() - t0, "dropped": dropped})
     return {"scripts": results, "no_command": {k: v for k, v in recorded["no_command"].items() if only in k},
             "seconds": time.perf_counter() - started, "commit": recorded["commit"]}

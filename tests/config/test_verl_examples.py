@@ -70,7 +70,8 @@ def test_every_main_ppo_script_has_its_command_or_a_reason():
 
 def test_the_rewrite_changes_only_paths_and_device_counts(tmp_path):
     fx = harness.Fixtures(tmp_path / "fx")
-    argv = ["--config-path=config", "data.train_files=['{HOME}/data/gsm8k/train.parquet', '{HOME}/data/geo3k/a.parquet']",
+    argv = ["--config-path=config",
+            "data.train_files=['{HOME}/data/gsm8k/train.parquet', '{HOME}/data/geo3k/a.parquet']",
             "data.val_files={HOME}/data/gsm8k/test.parquet", "data.train_batch_size=6",
             "actor_rollout_ref.model.path=Qwen/Qwen3-8B", "critic.model.path=Qwen/Qwen3-8B",
             "+distillation.teacher_models.t.model_path=Qwen/Qwen3-32B",
@@ -78,15 +79,17 @@ def test_the_rewrite_changes_only_paths_and_device_counts(tmp_path):
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=8",
             "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2",
             "actor_rollout_ref.actor.fsdp_config.fsdp_size=8", "trainer.n_gpus_per_node=8", "trainer.device=npu",
-            "trainer.default_local_dir=/data/ckpt", "actor_rollout_ref.actor.optim.lr=1e-6", "trainer.logger=[console,wandb]"]
+            "trainer.default_local_dir=/data/ckpt", "actor_rollout_ref.actor.optim.lr=1e-6",
+            "trainer.logger=[console,wandb]"]
     new = dict(a.split("=", 1) for a in harness.rewrite(argv, fx, tmp_path / "out") if "=" in a)
     train = new.pop("data.train_files").strip("[]").split(",")
-    assert [Path(f).name for f in train] == ["openai_gsm8k-image-train-6.parquet",  # a vision command: images on all
+    assert [Path(f).name for f in train] == ["openai_gsm8k-text-train-6.parquet",  # as verl's data: text stays text
                                              "hiyouga_geometry3k-image-train-6.parquet"]
     assert all(Path(f).is_file() for f in train)
-    assert Path(new.pop("data.val_files")).name == "openai_gsm8k-image-test-4.parquet"
+    assert Path(new.pop("data.val_files")).name == "openai_gsm8k-text-test-4.parquet"
     models = {new.pop(k) for k in ("actor_rollout_ref.model.path", "critic.model.path",
                                    "+distillation.teacher_models.t.model_path")}
+    # geo3k data makes it a vision command: every model is the tiny vision-language one
     assert models == {str(tmp_path / "fx" / "image")} and (tmp_path / "fx" / "image" / "config.json").is_file()
     reward = Path(new.pop("reward.custom_reward_function.path"))
     assert "def f(data_source, solution_str, ground_truth" in reward.read_text()
@@ -100,7 +103,7 @@ def test_the_rewrite_changes_only_paths_and_device_counts(tmp_path):
 
 
 def test_only_the_named_backends_count():
-    assert backend("actor_rollout_ref.actor.strategy='veomni': the VeOmni engine is not supported in rlflow") == "VeOmni"
+    assert backend("actor_rollout_ref.actor.strategy='veomni': the VeOmni engine is not supported here") == "VeOmni"
     assert backend("trainer.device='npu': Ascend NPUs are not supported in rlflow") == "NPU / Ascend"
     assert backend("unknown config key 'actor_rollout_ref.actor.veomni.fsdp_size'. Did you mean: a.b?") is None
     assert backend("override 'actor_rollout_ref.actor.profiler.tool_config.npu.level=...': not set yet") is None
