@@ -181,12 +181,11 @@ def apply_override(cfg: DictConfig, defaults: dict, o, provided: set[str]) -> No
 
     key, value = o.key_or_group, (None if o.type == OverrideType.DEL else o.value())
     exists, open_ = _node(defaults, key)
-    known = _known_keys(defaults)
     if o.type == OverrideType.DEL:
         raise ConfigError(f"override '~{key}': deleting keys is not supported; set {key}=null instead")
     if not exists and not open_:
         hint = " ('+' adds keys only under open nodes such as override_config)" if o.type != OverrideType.CHANGE else ""
-        raise unknown_key_error(key, known, hint)
+        raise unknown_key_error(key, _known_keys(defaults), hint)
     in_cfg = OmegaConf.select(cfg, key, default="__missing__") != "__missing__"
     # '+key' on a key the tree has sets it: verl's tree differs between versions (a key one version lacks,
     # so that its scripts write '+', another has), and nothing is lost by taking the value the user wrote
