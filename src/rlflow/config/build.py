@@ -36,16 +36,33 @@ def local_model(path: str, key: str) -> str:
         raise ConfigError(str(e)) from None
 
 
+def model_files(plan: Plan) -> dict[str, str]:
+    """What transformers loads for the policy: its model, and its tokenizer and config (verl's
+    ``model.tokenizer_path`` / ``model.hf_config_path``: the model folder unless set)."""
+    model = local_model(plan.model_path, "actor_rollout_ref.model.path")
+    given = {k: local_model(plan.policy_kwargs[k], f"actor_rollout_ref.model.{key}")
+             for k, key in (("tokenizer_path", "tokenizer_path"), ("config_path", "hf_config_path"))
+             if plan.policy_kwargs.get(k)}
+    return {"model": model, "tokenizer_path": model, "config_path": model} | given
+
+
+def is_vision_model(files: dict[str, str]) -> bool:
+    """An image-text-to-text model: its config has a ``vision_config`` (no weights are read)."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(files["config_path"]), "vision_config", None) is not None
+
+
 def load_tokenizer(plan: Plan):
     """The policy's tokenizer alone (the dry run needs no weights)."""
     from transformers import AutoTokenizer
 
     from rlflow.models.checks import ModelFolderError, check_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(local_model(plan.model_path, "actor_rollout_ref.model.path"),
-                                        padding_side="left")
+    source = plan.policy_kwargs.get("tokenizer_path") or plan.model_path
+    tok = AutoTokenizer.from_pretrained(model_files(plan)["tokenizer_path"], padding_side="left")
     try:
-        check_tokenizer(tok, source=plan.model_path)
+        check_tokenizer(tok, source=source)
     except ModelFolderError as e:
         raise ConfigError(f"actor_rollout_ref.model.path: {e}") from None
     if tok.pad_token is None:
@@ -58,14 +75,13 @@ def load_tokenizer(plan: Plan):
 def load_vision_processor(plan: Plan):
     """The processor of an image-text-to-text model folder (its images' size bounds from ``data.min/max_pixels``),
     else ``None``; no weights are read."""
-    from transformers import AutoConfig
-
     from rlflow.models.vision import load_processor
 
-    path = local_model(plan.model_path, "actor_rollout_ref.model.path")
-    if getattr(AutoConfig.from_pretrained(path), "vision_config", None) is None:
+    files = model_files(plan)
+    if not is_vision_model(files):
         return None
-    return load_processor(path, plan.policy_kwargs.get("min_pixels"), plan.policy_kwargs.get("max_pixels"))
+    return load_processor(files["tokenizer_path"], plan.policy_kwargs.get("min_pixels"),
+                          plan.policy_kwargs.get("max_pixels"))
 
 
 def build_data(plan: Plan, tokenizer, processor=None) -> PromptData:
@@ -111,9 +127,14 @@ def warmup_steps(plan: Plan, total: int) -> int:
 def build_policy(plan: Plan) -> Policy:
     from rlflow.models.checks import ModelFolderError
 
+    files, kwargs = model_files(plan), dict(plan.policy_kwargs)
+    kwargs |= {k: files[k] for k in ("tokenizer_path", "config_path") if k in kwargs}
+    if kwargs.get("freeze_vision_tower") and not is_vision_model(files):  # as verl: nothing to freeze
+        del kwargs["freeze_vision_tower"]
+        plan.notes.append(f"actor_rollout_ref.actor.freeze_vision_tower=True: {plan.model_path} is a text model, "
+                          "so there is no vision tower to freeze")
     try:
-        policy = Policy.from_pretrained(local_model(plan.model_path, "actor_rollout_ref.model.path"),
-                                        **plan.policy_kwargs, lora=make_lora(plan.lora))
+        policy = Policy.from_pretrained(files["model"], **kwargs, lora=make_lora(plan.lora))
     except ModelFolderError as e:
         raise ConfigError(f"actor_rollout_ref.model.path: {e}") from None
     if plan.vision and policy.processor is None:
@@ -127,7 +148,7 @@ def build_policy(plan: Plan) -> Policy:
 
 
 def build_critic(plan: Plan) -> Critic:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlflow.models.checks import ModelFolderError, check_model_folder
 
@@ -137,7 +158,9 @@ def build_critic(plan: Plan) -> Critic:
         check_model_folder(path, tokenizer=False)
     except ModelFolderError as e:
         raise ConfigError(f"critic.model.path: {e}") from None
-    model = AutoModelForCausalLM.from_pretrained(path)
+    config = kw.pop("config_path", None)  # critic.model.hf_config_path: the model config, when not the folder's
+    given = {"config": AutoConfig.from_pretrained(local_model(config, "critic.model.hf_config_path"))} if config else {}
+    model = AutoModelForCausalLM.from_pretrained(path, **given)
     if kw.pop("gradient_checkpointing"):
         from rlflow.models.checks import enable_activation_checkpointing
 

@@ -104,7 +104,7 @@ RANGES: dict[str, Range] = {
     f"{A}.lr": gt(0), f"{A}.optim.lr": gt(0), f"{A}.max_grad_norm": gt(0), f"{A}.grad_clip": gt(0),
     f"{A}.optim.weight_decay": ge(0), f"{A}.optim.lr_warmup_steps_ratio": PROB,
     f"{A}.optim.lr_warmup_steps": Range(integer=True, note="< 0: use lr_warmup_steps_ratio"),
-    f"{A}.ulysses_sequence_parallel_size": count(),
+    f"{A}.ulysses_sequence_parallel_size": count(), f"{A}.fsdp_config.ulysses_sequence_parallel_size": count(),
     # reference and rollout
     f"{REF}.log_prob_micro_batch_size": count(), f"{REF}.log_prob_micro_batch_size_per_gpu": count(),
     f"{REF}.ulysses_sequence_parallel_size": count(),
@@ -121,7 +121,7 @@ RANGES: dict[str, Range] = {
     f"{C}.ppo_micro_batch_size_per_gpu": count(), f"{C}.ppo_max_token_len_per_gpu": count(),
     f"{C}.ppo_epochs": count(), f"{C}.cliprange_value": gt(0), f"{C}.forward_micro_batch_size": count(),
     f"{C}.forward_micro_batch_size_per_gpu": count(), f"{C}.ulysses_sequence_parallel_size": count(),
-    f"{C}.grad_clip": gt(0),
+    f"{C}.grad_clip": gt(0), f"{C}.fsdp.ulysses_sequence_parallel_size": count(), f"{C}.loss_scale_factor": gt(0),
     # algorithm
     "algorithm.gamma": PROB, "algorithm.lam": PROB, "algorithm.kl_ctrl.kl_coef": ge(0),
     "algorithm.kl_ctrl.horizon": gt(0), "algorithm.kl_ctrl.target_kl": gt(0),

@@ -30,6 +30,7 @@ from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.lora import lora_argument
 from rlflow.config.resolve import class_kwargs
 from rlflow.config.rewards import RewardPlan, reward_plan
+from rlflow.config.role_keys import SP_ENGINE_KEYS, model_paths, sequence_parallel_keys
 from rlflow.config.rollout import rollout_plan
 from rlflow.config.validate import check
 
@@ -100,8 +101,9 @@ def token_budget(cfg: VerlConfig, with_critic: bool) -> int | None:
 
 def sequence_parallel(cfg: VerlConfig, notes: list[str], with_critic: bool, processes: int) -> int:
     """verl's ``ulysses_sequence_parallel_size`` (actor, ref, critic) -> the Trainer's one size for all roles."""
-    keys = [f"{A}.ulysses_sequence_parallel_size", "actor_rollout_ref.ref.ulysses_sequence_parallel_size"]
-    keys += [f"{C}.ulysses_sequence_parallel_size"] if with_critic else []
+    keys = sequence_parallel_keys(cfg.flat.get, cfg.is_provided, with_critic)  # verl 0.9: or the engine's key
+    for role_key, engine_key in list(SP_ENGINE_KEYS.items())[:2 if with_critic else 1]:
+        cfg[role_key], cfg[engine_key]  # read: both spellings decide the size
     size = cfg[keys[0]]
     others = {k: cfg[k] for k in keys[1:] if cfg[k] != size}
     if size > 1 and others:
@@ -220,7 +222,9 @@ def make_plan(cfg: VerlConfig) -> Plan:
         critic_kwargs = {"micro_batch_size": fwd_micro if fwd_micro is not None else critic_micro,
                          "gradient_checkpointing": cfg[f"{C}.model.enable_gradient_checkpointing"],
                          "remove_padding": cfg[f"{C}.model.use_remove_padding"]}
-        value_loss_kwargs = {"clip_range": cfg[f"{C}.cliprange_value"], "agg": cfg[f"{C}.loss_agg_mode"]}
+        critic_kwargs |= model_paths(cfg, f"{C}.model")  # critic.model.hf_config_path
+        value_loss_kwargs = {"clip_range": cfg[f"{C}.cliprange_value"], "agg": cfg[f"{C}.loss_agg_mode"],
+                             "loss_scale_factor": cfg[f"{C}.loss_scale_factor"]}
 
     before, after, kl_controller = companions(cfg, estimator_cls)
     loss_cls = registry.POLICY_LOSSES.resolve(cfg[f"{A}.policy_loss.loss_mode"])
@@ -256,7 +260,9 @@ def make_plan(cfg: VerlConfig) -> Plan:
                                                   f"{R}.log_prob_micro_batch_size", procs),
                        "gradient_checkpointing": cfg["actor_rollout_ref.model.enable_gradient_checkpointing"],
                        "remove_padding": cfg["actor_rollout_ref.model.use_remove_padding"],
-                       **{k: cfg[f"data.{k}"] for k in ("min_pixels", "max_pixels") if cfg[f"data.{k}"]}},
+                       **{k: cfg[f"data.{k}"] for k in ("min_pixels", "max_pixels") if cfg[f"data.{k}"]},
+                       **model_paths(cfg, "actor_rollout_ref.model"),  # model.tokenizer_path, model.hf_config_path
+                       **({"freeze_vision_tower": True} if cfg[f"{A}.freeze_vision_tower"] else {})},
         ref_micro_batch_size=one_of(cfg, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
                                     "actor_rollout_ref.ref.log_prob_micro_batch_size", procs),
         rollout_cls=rollout_cls, rollout_kwargs=rollout_kwargs,

@@ -97,6 +97,8 @@ ROLE_INERT: dict[str, str] = {
     "critic.fsdp.model_dtype": "parameters stay float32; trainer.precision sets compute",
     f"{ACT}.qat.*": _QAT_ONLY, f"{ROLL}.qat.*": _QAT_ONLY,
     # the rollout
+    f"{ROLL}.seed": ("with name=vllm, the engine's seed; the HF rollout samples from the trainer's random stream, "
+                     "seeded by data.seed (rlflow's one seed)"),
     f"{ROLL}.nnodes": _ROLLOUT_PLACE, f"{ROLL}.n_gpus_per_node": _ROLLOUT_PLACE,
     f"{ROLL}.logprobs_mode": ("rlflow's engines always report the temperature-scaled, untruncated log-probs the "
                               "Policy recomputes (rlflow.rollout.engines)"),

@@ -41,6 +41,8 @@ class Policy(BatchModule):
             ``model`` is used as it is.
         share_prompts: rows with the same prompt (a prompt's ``n`` samples) run it through the model once
             (``rlflow.models.shared_prompt``; padded layout, where the model allows it). Same results.
+        freeze_vision_tower: a vision-language model's vision tower (with any LoRA adapters in it) is not trained
+            (``rlflow.models.vision.freeze_vision_tower``); a text model is an error.
     """
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS)
@@ -59,6 +61,7 @@ class Policy(BatchModule):
         remove_padding: bool = False,
         lora=None,
         share_prompts: bool = True,
+        freeze_vision_tower: bool = False,
     ):
         if tokenizer is None and processor is not None:
             tokenizer = processor.tokenizer
@@ -72,6 +75,10 @@ class Policy(BatchModule):
             from rlflow.models.lora import apply_lora
 
             model = apply_lora(model, lora)
+        if freeze_vision_tower:
+            from rlflow.models.vision import freeze_vision_tower as freeze
+
+            freeze(model)
         self.model = model
         self.processor = processor
         self.tokenizer = tokenizer
@@ -97,6 +104,7 @@ class Policy(BatchModule):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, min_pixels: int | None = None, max_pixels: int | None = None,
+                        tokenizer_path: str | Path | None = None, config_path: str | Path | None = None,
                         **kwargs) -> "Policy":
         """Load a model (weights, config, tokenizer): a local folder, or a Hugging Face hub id.
 
@@ -109,6 +117,9 @@ class Policy(BatchModule):
         An image-text-to-text model (its config has a ``vision_config``: Qwen2-VL, Qwen2.5-VL, ...) is loaded
         with ``AutoModelForImageTextToText`` and its processor (``rlflow.models.vision.load_processor``;
         ``min_pixels`` / ``max_pixels`` bound the image sizes); anything else with ``AutoModelForCausalLM``.
+        ``tokenizer_path`` (a folder or hub id) is where the tokenizer and the processor are read from, and
+        ``config_path`` the model config (``config.json``), when they are not the model's own (verl's
+        ``model.tokenizer_path`` / ``model.hf_config_path``).
         """
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -116,20 +127,23 @@ class Policy(BatchModule):
         from rlflow.models.hub import locate_model
 
         located = locate_model(path)
-        path = check_model_folder(located.folder) if located.folder is not None else located.path  # clear errors now
+        path = (check_model_folder(located.folder, tokenizer=tokenizer_path is None) if located.folder is not None
+                else located.path)  # clear errors now
         folder = Path(path).expanduser()
         weights = folder.resolve() if folder.is_dir() else path  # absolute: a LoRA adapter records it as its base
-        if getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None:
+        config = AutoConfig.from_pretrained(config_path or path)
+        tokens, given = tokenizer_path or path, {"config": config} if config_path else {}
+        if getattr(config, "vision_config", None) is not None:
             from rlflow.models.vision import load_processor
 
-            processor = load_processor(path, min_pixels, max_pixels)
+            processor = load_processor(tokens, min_pixels, max_pixels)
             tokenizer = processor.tokenizer
             tokenizer.padding_side = "left"
-            model = AutoModelForImageTextToText.from_pretrained(weights)
+            model = AutoModelForImageTextToText.from_pretrained(weights, **given)
         else:
-            processor, tokenizer = None, AutoTokenizer.from_pretrained(path, padding_side="left")
-            model = AutoModelForCausalLM.from_pretrained(weights)
-        check_tokenizer(tokenizer, source=str(path))
+            processor, tokenizer = None, AutoTokenizer.from_pretrained(tokens, padding_side="left")
+            model = AutoModelForCausalLM.from_pretrained(weights, **given)
+        check_tokenizer(tokenizer, source=str(tokens))
         return cls(model, tokenizer, processor=processor, **kwargs)
 
     def log_probs(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
