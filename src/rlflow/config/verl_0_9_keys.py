@@ -33,6 +33,7 @@ def _not(*ok: Any) -> Callable[[Any], bool]:
 AR, ACT, ROLL, MOD = "actor_rollout_ref", "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.model"
 _ROLES = (ACT, "critic")
 _ENGINES = (f"{ACT}.fsdp_config", "critic.fsdp")  # verl 0.9's FSDP engine blocks of the actor and the critic
+_REF_ENGINE = f"{AR}.ref.fsdp_config"  # the reference's (tables.INERT notes its other keys: placed like the policy)
 _FSDP2 = "an FSDP tuning knob; rlflow's FSDP2 shards every decoder layer with torch's defaults"
 _PACKED_OWN = "rlflow computes log-probs and entropy on response tokens only, in its own chunks (rlflow.models.logprobs)"
 _SHAPES = "a kernel-shape setting (speed only): rlflow packs each micro-batch to its exact length"
@@ -76,7 +77,7 @@ ROLE_INERT: dict[str, str] = {
     **{f"{r}.entropy_from_logits_chunk_size": _PACKED_OWN for r in (ACT, f"{AR}.ref")},
     **{f"{r}.pad_to_length": _SHAPES for r in (ACT, f"{AR}.ref")},
     # verl 0.9's FSDP engine blocks (actor.fsdp_config.*, critic.fsdp.*); the offload keys are read
-    **{f"{e}.{k}": v for e in _ENGINES for k, v in {
+    **{f"{e}.{k}": v for e in _ENGINES + (_REF_ENGINE,) for k, v in {
         "use_orig_params": "an FSDP1 setting; rlflow's FSDP2 (fully_shard) always keeps the original parameters",
         "seed": "only used with full_determinism=True, which rlflow refuses; rlflow seeds every role from data.seed",
         "entropy_from_logits_with_chunking": _PACKED_OWN, "entropy_from_logits_chunk_size": _PACKED_OWN,
@@ -95,6 +96,8 @@ ROLE_INERT: dict[str, str] = {
     **{f"critic.fsdp.{k}": _FSDP2 for k in ("wrap_policy.*", "reshard_after_forward", "fsdp_size",
                                              "forward_prefetch")},
     "critic.fsdp.model_dtype": "parameters stay float32; trainer.precision sets compute",
+    f"{_REF_ENGINE}.model_dtype": "the reference is a frozen copy of the policy, in the policy's dtype",
+    f"{_REF_ENGINE}.optimizer_offload": "the frozen reference has no optimizer",
     f"{ACT}.qat.*": _QAT_ONLY, f"{ROLL}.qat.*": _QAT_ONLY,
     # the rollout
     f"{ROLL}.seed": ("with name=vllm, the engine's seed; the HF rollout samples from the trainer's random stream, "
@@ -110,6 +113,9 @@ ROLE_INERT: dict[str, str] = {
     f"{ROLL}.checkpoint_engine.custom_backend_module": ("only used with checkpoint_engine.backend other than naive, "
                                                         "not supported yet"),
     f"{ROLL}.trace.*": "rollout tracing is not supported yet",
+    f"{ROLL}.engine_kwargs.trtllm": "TensorRT-LLM's engine arguments; rlflow has no TensorRT-LLM rollout (name=trtllm)",
+    f"{ROLL}.multi_turn.num_repeat_rollouts": "verl 0.9.1 itself never reads it; samples per prompt are rollout.n",
+    **{f"{r}.profiler.*": "profiling is not supported yet" for r in (ACT, f"{AR}.ref", ROLL, "critic")},
     f"{ROLL}.skip_tokenizer_init": "rlflow's vLLM engine always starts with skip_tokenizer_init=True (token ids in and out)",
     f"{ROLL}.moe_load_balance_metrics_interval": "only used with enable_rollout_routing_replay, which rlflow refuses",
     f"{ROLL}.prometheus.*": ("rlflow exports no Prometheus metrics of its rollout engine; its metrics go to "
@@ -142,7 +148,9 @@ ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
                                                     "and Adam states)", _truthy) for r in _ROLES},
     **{f"{r}.optim.optimizer_impl": ("optimizers from other modules (optim.optimizer_impl; rlflow's optim.optimizer "
                                      "names a torch.optim class)", _not("torch.optim")) for r in _ROLES},
-    **{f"{e}.full_determinism": (_FULL_DETERMINISM, _truthy) for e in _ENGINES + (ROLL,)},
+    **{f"{e}.full_determinism": (_FULL_DETERMINISM, _truthy) for e in _ENGINES + (_REF_ENGINE, ROLL)},
+    f"{ROLL}.multi_turn.function_tool_path": ("Python function tools (multi_turn.function_tool_path; rlflow's tools "
+                                              "come from multi_turn.tool_config_path)", _truthy),
     "*.qat.enable": ("quantization-aware training (qat.enable)", _truthy),
     "*.mtp.enable": ("multi-token prediction (mtp.enable)", _truthy),
     f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation)", _truthy),
