@@ -314,11 +314,13 @@ def value_loss(
     agg: str = "token-mean",
     num_tokens: float | Tensor | None = None,
     num_seqs: float | Tensor | None = None,
+    norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss (verl ``compute_value_loss``).
 
     ``v_clip = clamp(v, V_old - c, V_old + c)``; ``0.5 * agg(max((v - R)^2, (v_clip - R)^2))``.
-    ``clip_range=None`` disables clipping. Stats: ``vf_clipfrac`` = masked mean of
+    ``clip_range=None`` disables clipping. ``norm_length`` is ``agg_loss``'s (``seq-mean-token-sum-norm`` only;
+    verl's ``critic.loss_scale_factor``). Stats: ``vf_clipfrac`` = masked mean of
     ``(v_clip - R)^2 > (v - R)^2`` (detached). All inputs [B, R]; returns (scalar loss, stats).
     """
     if clip_range is None:
@@ -327,5 +329,5 @@ def value_loss(
         clipped_values = torch.clamp(values, old_values - clip_range, old_values + clip_range)
     loss1 = (values - returns) ** 2
     loss2 = (clipped_values - returns) ** 2
-    loss = 0.5 * agg_loss(torch.maximum(loss1, loss2), mask, agg, num_tokens, num_seqs)
+    loss = 0.5 * agg_loss(torch.maximum(loss1, loss2), mask, agg, num_tokens, num_seqs, norm_length)
     return loss, {"vf_clipfrac": masked_mean((loss2 > loss1).to(values.dtype), mask).detach()}

@@ -185,16 +185,20 @@ class ValueLoss:
     in_keys: tuple[str, ...] = (VALUES, OLD_VALUES, RETURNS, RESPONSE_MASK)
     out_keys: tuple[str, ...] = ()
 
-    def __init__(self, clip_range: float | None = 0.5, agg: str = "token-mean"):
+    def __init__(self, clip_range: float | None = 0.5, agg: str = "token-mean", loss_scale_factor: float | None = None):
         _check_agg(agg)
+        if loss_scale_factor is not None and loss_scale_factor <= 0:
+            raise ValueError(f"loss_scale_factor must be > 0, got {loss_scale_factor}")
         self.clip_range = clip_range
         self.agg = agg
+        self.loss_scale_factor = loss_scale_factor  # seq-mean-token-sum-norm's divisor (default: the response length)
 
     def __call__(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> LossOutput:
         _require(self, batch)
         values, mask = batch[VALUES], batch[RESPONSE_MASK]
         loss, stats = F.value_loss(
-            values, batch[OLD_VALUES], batch[RETURNS], mask, self.clip_range, self.agg, num_tokens, num_seqs
+            values, batch[OLD_VALUES], batch[RETURNS], mask, self.clip_range, self.agg, num_tokens, num_seqs,
+            norm_length=self.loss_scale_factor,
         )
         return LossOutput(
             loss,
@@ -208,4 +212,5 @@ class ValueLoss:
         )
 
     def __repr__(self) -> str:
-        return f"ValueLoss(clip_range={self.clip_range!r}, agg={self.agg!r})"
+        scale = f", loss_scale_factor={self.loss_scale_factor!r}" if self.loss_scale_factor is not None else ""
+        return f"ValueLoss(clip_range={self.clip_range!r}, agg={self.agg!r}{scale})"

@@ -37,6 +37,16 @@ def local_model(path: str, key: str) -> str:
         raise ConfigError(str(e)) from None
 
 
+def model_files(plan: Plan) -> dict[str, str]:
+    """What transformers loads for the policy: its model, and its tokenizer and config (verl's
+    ``model.tokenizer_path`` / ``model.hf_config_path``: the model folder unless set)."""
+    model = local_model(plan.model_path, "actor_rollout_ref.model.path")
+    given = {k: local_model(plan.policy_kwargs[k], f"actor_rollout_ref.model.{key}")
+             for k, key in (("tokenizer_path", "tokenizer_path"), ("config_path", "hf_config_path"))
+             if plan.policy_kwargs.get(k)}
+    return {"model": model, "tokenizer_path": model, "config_path": model} | given
+
+
 def load_tokenizer(plan: Plan):
     """The policy's tokenizer alone (the dry run needs no weights)."""
     from transformers import AutoTokenizer
@@ -45,11 +55,12 @@ def load_tokenizer(plan: Plan):
 
     kw = plan.policy_kwargs
     trust = kw.get("tokenizer_trust_remote_code", kw.get("trust_remote_code", False))
+    source = kw.get("tokenizer_path") or plan.model_path
     with remote_code_errors("actor_rollout_ref.model.path", TRUST_TOKENIZER):
-        tok = AutoTokenizer.from_pretrained(local_model(plan.model_path, "actor_rollout_ref.model.path"),
-                                            padding_side="left", trust_remote_code=trust)
+        tok = AutoTokenizer.from_pretrained(model_files(plan)["tokenizer_path"], padding_side="left",
+                                            trust_remote_code=trust)
     try:
-        check_tokenizer(tok, source=plan.model_path)
+        check_tokenizer(tok, source=source)
     except ModelFolderError as e:
         raise ConfigError(f"actor_rollout_ref.model.path: {e}") from None
     if tok.pad_token is None:
@@ -64,12 +75,13 @@ def load_vision_processor(plan: Plan):
     else ``None``; no weights are read."""
     from rlflow.models.vision import load_processor
 
-    path, kw = local_model(plan.model_path, "actor_rollout_ref.model.path"), plan.policy_kwargs
+    files, kw = model_files(plan), plan.policy_kwargs
     if getattr(policy_config(plan), "vision_config", None) is None:
         return None
     trust = kw.get("tokenizer_trust_remote_code", kw.get("trust_remote_code", False))
     with remote_code_errors("actor_rollout_ref.model.path", TRUST_TOKENIZER):
-        return load_processor(path, kw.get("min_pixels"), kw.get("max_pixels"), trust_remote_code=trust)
+        return load_processor(files["tokenizer_path"], kw.get("min_pixels"), kw.get("max_pixels"),
+                              trust_remote_code=trust)
 
 
 TRUST = "actor_rollout_ref.model.trust_remote_code"
@@ -94,12 +106,12 @@ def remote_code_errors(path_key: str, trust_key: str, override_key: str | None =
 
 
 def policy_config(plan: Plan):
-    """The policy's transformers config with its overrides (no weights read)."""
+    """The policy's transformers config (``model.hf_config_path`` when set) with its overrides (no weights read)."""
     from rlflow.models.hf_config import load_config
 
     kw, key = plan.policy_kwargs, "actor_rollout_ref.model"
     with remote_code_errors(f"{key}.path", f"{TRUST}=True", f"{key}.override_config"):
-        return load_config(local_model(plan.model_path, f"{key}.path"), kw.get("override_config"),
+        return load_config(model_files(plan)["config_path"], kw.get("override_config"),
                            kw.get("trust_remote_code", False))
 
 
@@ -154,7 +166,8 @@ def critic_config(plan: Plan):
 
     kw, key = plan.critic_kwargs, "critic.model"
     with remote_code_errors(f"{key}.path", f"{key}.trust_remote_code=True", f"{key}.override_config"):
-        return load_config(local_model(plan.critic_path, f"{key}.path"), kw.get("override_config"),
+        config = kw.get("config_path") and local_model(kw["config_path"], f"{key}.hf_config_path")
+        return load_config(config or local_model(plan.critic_path, f"{key}.path"), kw.get("override_config"),
                            kw.get("trust_remote_code", False))
 
 
@@ -162,10 +175,15 @@ def build_policy(plan: Plan) -> Policy:
     from rlflow.models.checks import ModelFolderError
 
     key = "actor_rollout_ref.model"
+    files, kwargs = model_files(plan), dict(plan.policy_kwargs)
+    kwargs |= {k: files[k] for k in ("tokenizer_path", "config_path") if k in kwargs}
+    if kwargs.get("freeze_vision_tower") and getattr(policy_config(plan), "vision_config", None) is None:
+        del kwargs["freeze_vision_tower"]  # as verl: nothing to freeze
+        plan.notes.append(f"actor_rollout_ref.actor.freeze_vision_tower=True: {plan.model_path} is a text model, "
+                          "so there is no vision tower to freeze")
     try:
         with remote_code_errors(f"{key}.path", f"{TRUST}=True", f"{key}.override_config"):
-            policy = Policy.from_pretrained(local_model(plan.model_path, f"{key}.path"),
-                                            **plan.policy_kwargs, lora=make_lora(plan.lora))
+            policy = Policy.from_pretrained(files["model"], **kwargs, lora=make_lora(plan.lora))
     except ModelFolderError as e:
         raise ConfigError(f"actor_rollout_ref.model.path: {e}") from None
     if plan.vision and policy.processor is None:
@@ -189,8 +207,10 @@ def build_critic(plan: Plan) -> Critic:
     except ModelFolderError as e:
         raise ConfigError(f"critic.model.path: {e}") from None
     trust, overrides = kw.pop("trust_remote_code", False), kw.pop("override_config", None)
+    config = kw.pop("config_path", None)  # critic.model.hf_config_path: the model config, when not the folder's
+    config = local_model(config, "critic.model.hf_config_path") if config else None
     with remote_code_errors("critic.model.path", "critic.model.trust_remote_code=True", "critic.model.override_config"):
-        model = load_causal_lm(path, trust, overrides)
+        model = load_causal_lm(path, trust, overrides, config_path=config)
     if kw.pop("gradient_checkpointing"):
         from rlflow.models.checks import enable_activation_checkpointing
 

@@ -106,7 +106,7 @@ RANGES: dict[str, Range] = {
     f"{A}.data_loader_seed": count(0),
     f"{A}.optim.weight_decay": ge(0), f"{A}.optim.lr_warmup_steps_ratio": PROB,
     f"{A}.optim.lr_warmup_steps": Range(integer=True, note="< 0: use lr_warmup_steps_ratio"),
-    f"{A}.ulysses_sequence_parallel_size": count(),
+    f"{A}.ulysses_sequence_parallel_size": count(), f"{A}.fsdp_config.ulysses_sequence_parallel_size": count(),
     # reference and rollout
     f"{REF}.log_prob_micro_batch_size": count(), f"{REF}.log_prob_micro_batch_size_per_gpu": count(),
     f"{REF}.log_prob_max_token_len_per_gpu": count(), f"{C}.forward_max_token_len_per_gpu": count(),
@@ -125,7 +125,8 @@ RANGES: dict[str, Range] = {
     f"{C}.ppo_epochs": count(), f"{C}.cliprange_value": gt(0), f"{C}.forward_micro_batch_size": count(),
     f"{C}.forward_micro_batch_size_per_gpu": count(), f"{C}.ulysses_sequence_parallel_size": count(),
     f"{C}.grad_clip": gt(0), f"{C}.optim.clip_grad": gt(0), f"{C}.optim.num_cycles": ge(0),
-    f"{C}.data_loader_seed": count(0),
+    f"{C}.data_loader_seed": count(0), f"{C}.fsdp.ulysses_sequence_parallel_size": count(),
+    f"{C}.loss_scale_factor": gt(0),
     # algorithm
     "algorithm.gamma": PROB, "algorithm.lam": PROB, "algorithm.kl_ctrl.kl_coef": ge(0),
     "algorithm.kl_ctrl.horizon": gt(0), "algorithm.kl_ctrl.target_kl": gt(0),

@@ -12,7 +12,8 @@ OFFLOAD_KEYS = (
     "actor_rollout_ref.actor.fsdp_config.offload_policy", "actor_rollout_ref.ref.fsdp_config.param_offload",
 )
 CRITIC_OFFLOAD_KEYS = ("critic.model.fsdp_config.param_offload", "critic.model.fsdp_config.optimizer_offload",
-                       "critic.model.fsdp_config.offload_policy")
+                       "critic.model.fsdp_config.offload_policy",  # and verl 0.9's names of the same three:
+                       "critic.fsdp.param_offload", "critic.fsdp.optimizer_offload", "critic.fsdp.offload_policy")
 
 
 @dataclass(frozen=True)

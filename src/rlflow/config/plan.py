@@ -31,6 +31,7 @@ from rlflow.config.modeldata import chat_template_kwargs, engine_loading, model_
 from rlflow.config.optim import optim_kwargs
 from rlflow.config.resolve import class_kwargs
 from rlflow.config.rewards import RewardPlan, reward_plan
+from rlflow.config.role_keys import SP_ENGINE_KEYS, model_paths, sequence_parallel_keys
 from rlflow.config.rollout import rollout_plan
 from rlflow.config.trainer_extras import critic_warmup_steps, generation_callbacks, keep_checkpoints
 from rlflow.config.trainer_keys import checkpoint_callbacks, v1_mode
@@ -122,8 +123,9 @@ def reward_keys(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[
 
 def sequence_parallel(cfg: VerlConfig, notes: list[str], with_critic: bool, processes: int) -> int:
     """verl's ``ulysses_sequence_parallel_size`` (actor, ref, critic) -> the Trainer's one size for all roles."""
-    keys = [f"{A}.ulysses_sequence_parallel_size", "actor_rollout_ref.ref.ulysses_sequence_parallel_size"]
-    keys += [f"{C}.ulysses_sequence_parallel_size"] if with_critic else []
+    keys = sequence_parallel_keys(cfg.flat.get, cfg.is_provided, with_critic)  # verl 0.9: or the engine's key
+    for role_key, engine_key in list(SP_ENGINE_KEYS.items())[:2 if with_critic else 1]:
+        cfg[role_key], cfg[engine_key]  # read: both spellings decide the size
     size = cfg[keys[0]]
     others = {k: cfg[k] for k in keys[1:] if cfg[k] != size}
     if size > 1 and others:
@@ -221,7 +223,9 @@ def make_plan(cfg: VerlConfig) -> Plan:
                          "max_tokens_per_micro_batch": fwd_tokens,
                          "gradient_checkpointing": cfg[f"{C}.model.enable_gradient_checkpointing"],
                          "remove_padding": cfg[f"{C}.model.use_remove_padding"], **model_loading(cfg, C)}
-        value_loss_kwargs = {"clip_range": cfg[f"{C}.cliprange_value"], "agg": cfg[f"{C}.loss_agg_mode"]}
+        critic_kwargs |= model_paths(cfg, f"{C}.model")  # critic.model.hf_config_path
+        value_loss_kwargs = {"clip_range": cfg[f"{C}.cliprange_value"], "agg": cfg[f"{C}.loss_agg_mode"],
+                             "loss_scale_factor": cfg[f"{C}.loss_scale_factor"]}
 
     before, after, kl_controller = companions(cfg, estimator_cls)
     loss_cls = registry.POLICY_LOSSES.resolve(cfg[f"{A}.policy_loss.loss_mode"])
@@ -271,7 +275,9 @@ def make_plan(cfg: VerlConfig) -> Plan:
                        "gradient_checkpointing": cfg["actor_rollout_ref.model.enable_gradient_checkpointing"],
                        "remove_padding": cfg["actor_rollout_ref.model.use_remove_padding"],
                        **{k: cfg[f"data.{k}"] for k in ("min_pixels", "max_pixels") if cfg[f"data.{k}"]},
-                       **policy_loading},
+                       **policy_loading,
+                       **model_paths(cfg, "actor_rollout_ref.model"),  # model.tokenizer_path, model.hf_config_path
+                       **({"freeze_vision_tower": True} if cfg[f"{A}.freeze_vision_tower"] else {})},
         ref_micro_batch_size=ref_micro, ref_max_tokens=ref_tokens,
         rollout_cls=rollout_cls, rollout_kwargs=rollout_kwargs,
         val_sampling={"n": val["n"], "do_sample": val["do_sample"], "top_p": val["top_p"], "top_k": val["top_k"],

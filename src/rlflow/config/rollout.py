@@ -92,7 +92,12 @@ def vllm_kwargs(cfg: VerlConfig, devices: Devices, notes: list[str]) -> dict:
             "max_num_batched_tokens": cfg[f"{R}.max_num_batched_tokens"], "max_num_seqs": cfg[f"{R}.max_num_seqs"],
             "enable_chunked_prefill": cfg[f"{R}.enable_chunked_prefill"],
             "enable_prefix_caching": cfg[f"{R}.enable_prefix_caching"], "free_cache_engine": free,
-            "engine_seed": cfg["data.seed"], **({"engine_kwargs": extra} if extra else {})}
+            "engine_seed": engine_seed(cfg), **({"engine_kwargs": extra} if extra else {})}
+
+
+def engine_seed(cfg: VerlConfig) -> int:
+    """The vLLM engine's seed: verl's ``rollout.seed`` when set, else rlflow's one seed, ``data.seed``."""
+    return cfg[f"{R}.seed"] if cfg.is_provided(f"{R}.seed") else cfg["data.seed"]
 
 
 # engine settings that belong to the server's own command line when the rollout is a server's client

@@ -259,7 +259,5 @@ def inert_reason(key: str) -> str | None:
     """Why ``key`` changes nothing in rlflow, or ``None`` when it does (or may)."""
     if key in INERT:
         return INERT[key]
-    for pattern, reason in INERT.items():
-        if "*" in pattern and fnmatchcase(key, pattern):
-            return reason
-    return None
+    patterns = [p for p in INERT if "*" in p and fnmatchcase(key, p)]
+    return INERT[max(patterns, key=len)] if patterns else None  # the most specific pattern says why

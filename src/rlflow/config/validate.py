@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from rlflow.config import checks, tables
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig, raise_problems
+from rlflow.config.role_keys import sequence_parallel_keys
 
 A, R, C = checks.A, checks.R, checks.C
 DATA_SUFFIXES = (".parquet", ".json", ".jsonl")
@@ -305,8 +306,7 @@ def rollout_engine_available(ctx: Context) -> None:
 
 @cross_check
 def sequence_parallel(ctx: Context) -> None:
-    keys = [f"{A}.ulysses_sequence_parallel_size", "actor_rollout_ref.ref.ulysses_sequence_parallel_size"]
-    keys += [f"{C}.ulysses_sequence_parallel_size"] if ctx.with_critic else []
+    keys = sequence_parallel_keys(ctx.get, ctx.cfg.is_provided, ctx.with_critic)  # verl 0.9: or the engine's key
     sizes = {k: ctx.get(k) for k in keys}
     if not all(map(_positive_int, sizes.values())):
         return

@@ -25,9 +25,144 @@ def _not(*ok: Any) -> Callable[[Any], bool]:
 
 
 # ------------------------------------------------------------------ actor_rollout_ref.* and critic.*
+# Honoured where the plan is built, so not listed here: actor.freeze_vision_tower (Policy), rollout.seed (the vLLM
+# engine's seed), model.tokenizer_path / model.hf_config_path and critic.model.hf_config_path (what is loaded),
+# actor.fsdp_config.ulysses_sequence_parallel_size and critic.fsdp.ulysses_sequence_parallel_size (verl 0.9's
+# names of the sequence-parallel size), critic.fsdp.{param,optimizer}_offload / offload_policy (as
+# critic.model.fsdp_config's), critic.loss_scale_factor (ValueLoss).
+AR, ACT, ROLL, MOD = "actor_rollout_ref", "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.model"
+_ROLES = (ACT, "critic")
+_ENGINES = (f"{ACT}.fsdp_config", "critic.fsdp")  # verl 0.9's FSDP engine blocks of the actor and the critic
+_REF_ENGINE = f"{AR}.ref.fsdp_config"  # the reference's (tables.INERT notes its other keys: placed like the policy)
+_FSDP2 = "an FSDP tuning knob; rlflow's FSDP2 shards every decoder layer with torch's defaults"
+_PACKED_OWN = "rlflow computes log-probs and entropy on response tokens only, in its own chunks (rlflow.models.logprobs)"
+_SHAPES = "a kernel-shape setting (speed only): rlflow packs each micro-batch to its exact length"
+_MEGATRON_SCHEDULE = ("only used with optim.lr_decay_style other than constant (Megatron's schedule), which rlflow "
+                      "refuses; rlflow's schedule is optim.lr_scheduler_type with the warm-up keys")
+_PRECISION_AWARE = ("only used with optim.use_precision_aware_optimizer=True (Megatron's), which rlflow refuses; "
+                    "rlflow keeps float32 gradients and AdamW states")
+_QAT_ONLY = "only used with qat.enable=True (quantization-aware training), which rlflow refuses"
+_MTP_ONLY = "only used with mtp.enable=True (multi-token prediction), which rlflow refuses"
+_MLORA_ONLY = ("only used with model.lora.rank > 0 (verl's Megatron LoRA block), which rlflow refuses; rlflow's LoRA "
+               "keys are actor_rollout_ref.model.lora_rank / lora_alpha / target_modules")
+_TILED = ("a memory setting (TiledMLP computes the same MLP in slices); rlflow runs each MLP whole, and "
+          "enable_gradient_checkpointing is its memory knob")
+_ROLLOUT_PLACE = ("placement of a separate rollout pool: rlflow generates on the training processes "
+                  "(trainer.n_gpus_per_node x trainer.nnodes), or on a server (rollout.server.url)")
+
 ROLE_INERT: dict[str, str] = {
+    # the optimizer: Megatron's scheduler and optimizer knobs (verl's Megatron tree)
+    **{f"{r}.optim.{k}": _MEGATRON_SCHEDULE for r in _ROLES
+       for k in ("lr_decay_steps", "min_lr", "lr_wsd_decay_style", "lr_wsd_decay_steps")},
+    **{f"{r}.optim.use_checkpoint_opt_param_scheduler": "rlflow resumes the LR schedule at the checkpoint's step"
+       for r in _ROLES},
+    **{f"{r}.optim.{k}": _PRECISION_AWARE for r in _ROLES for k in ("main_grads_dtype", "exp_avg_dtype",
+                                                                     "exp_avg_sq_dtype")},
+    **{f"{r}.optim.use_layer_wise_distributed_optimizer": (
+        "a memory setting of Megatron's distributed optimizer; rlflow's Trainer keeps each rank's AdamW state "
+        "(see megatron.use_distributed_optimizer)") for r in _ROLES},
+    **{f"{r}.optim.muon_*": "only used with optim.optimizer=muon (Megatron's Muon), which rlflow does not have"
+       for r in _ROLES},
+    # the actor and the reference
+    f"{ACT}.rollout_n": "filled in from actor_rollout_ref.rollout.n",
+    f"{AR}.ref.rollout_n": "filled in from actor_rollout_ref.rollout.n",
+    f"{ACT}.policy_loss.dro_beta": "only used with policy_loss.loss_mode=dro, not supported yet",
+    f"{ACT}.calculate_entropy": "rlflow always computes the entropy in the update pass and logs actor/entropy",
+    f"{ACT}.calculate_sum_pi_squared": ("only used by the optimal-token-baseline estimators "
+                                        "(algorithm.adv_estimator=optimal_token_baseline), not supported yet"),
+    f"{ACT}.use_prefix_grouper": ("a speed setting (same results): rlflow's padded log-prob passes "
+                                  "(model.use_remove_padding=False) run each distinct prompt once "
+                                  "(rlflow.models.shared_prompt)"),
+    f"{ACT}.use_remove_padding": "filled in from actor_rollout_ref.model.use_remove_padding, which rlflow reads",
+    **{f"{r}.entropy_from_logits_chunk_size": _PACKED_OWN for r in (ACT, f"{AR}.ref")},
+    **{f"{r}.pad_to_length": _SHAPES for r in (ACT, f"{AR}.ref")},
+    # verl 0.9's FSDP engine blocks (actor.fsdp_config.*, critic.fsdp.*); the offload keys are read
+    **{f"{e}.{k}": v for e in _ENGINES + (_REF_ENGINE,) for k, v in {
+        "use_orig_params": "an FSDP1 setting; rlflow's FSDP2 (fully_shard) always keeps the original parameters",
+        "seed": "only used with full_determinism=True, which rlflow refuses; rlflow seeds every role from data.seed",
+        "entropy_from_logits_with_chunking": _PACKED_OWN, "entropy_from_logits_chunk_size": _PACKED_OWN,
+        "entropy_checkpointing": _PACKED_OWN,
+        "use_torch_compile": "rlflow's chunked log-prob kernel is not compiled",
+        "use_no_sync_for_gradient_accumulation": ("a gradient-sync timing setting (speed and memory only): rlflow's "
+                                                  "FSDP2 reduces the gradients of every micro-batch, as verl's "
+                                                  "default does"),
+        "pad_to_length": _SHAPES, "pad_to_length_bucket": _SHAPES,
+        "forward_only": "verl sets it for scoring-only engines; rlflow's reference is a frozen copy of the policy",
+        "strategy": "taken from the role's strategy key (verl overwrites it the same way)",
+        "dtype": "the compute precision is trainer.precision (bf16-mixed on GPU, 32-true on CPU)",
+        "qat.*": _QAT_ONLY,
+        "turbo_config.*": "only used by verl's fsdp_turbo engine, which rlflow refuses (strategy=fsdp_turbo)",
+    }.items()},
+    **{f"critic.fsdp.{k}": _FSDP2 for k in ("wrap_policy.*", "reshard_after_forward", "fsdp_size",
+                                             "forward_prefetch")},
+    "critic.fsdp.model_dtype": "parameters stay float32; trainer.precision sets compute",
+    f"{_REF_ENGINE}.model_dtype": "the reference is a frozen copy of the policy, in the policy's dtype",
+    f"{_REF_ENGINE}.optimizer_offload": "the frozen reference has no optimizer",
+    f"{ACT}.qat.*": _QAT_ONLY, f"{ROLL}.qat.*": _QAT_ONLY,
+    # the rollout
+    f"{ROLL}.seed": ("with name=vllm, the engine's seed; the HF rollout samples from the trainer's random stream, "
+                     "seeded by data.seed (rlflow's one seed)"),
+    f"{ROLL}.nnodes": _ROLLOUT_PLACE, f"{ROLL}.n_gpus_per_node": _ROLLOUT_PLACE,
+    f"{ROLL}.logprobs_mode": ("rlflow's engines always report the temperature-scaled, untruncated log-probs the "
+                              "Policy recomputes (rlflow.rollout.engines)"),
+    f"{ROLL}.scheduling_policy": ("vLLM's request order; rlflow submits each generation as one batch, so its "
+                                  "results do not depend on it"),
+    f"{ROLL}.router_config_path": ("verl's router across rollout server replicas; rlflow's server rollout talks to "
+                                   "one URL (rollout.server.url)"),
+    f"{ROLL}.checkpoint_engine.engine_kwargs": "only used with checkpoint_engine.backend other than naive, not supported yet",
+    f"{ROLL}.checkpoint_engine.custom_backend_module": ("only used with checkpoint_engine.backend other than naive, "
+                                                        "not supported yet"),
+    f"{ROLL}.trace.*": "rollout tracing is not supported yet",
+    f"{ROLL}.engine_kwargs.trtllm": "TensorRT-LLM's engine arguments; rlflow has no TensorRT-LLM rollout (name=trtllm)",
+    f"{ROLL}.multi_turn.num_repeat_rollouts": "verl 0.9.1 itself never reads it; samples per prompt are rollout.n",
+    **{f"{r}.profiler.*": "profiling is not supported yet" for r in (ACT, f"{AR}.ref", ROLL, "critic")},
+    f"{ROLL}.skip_tokenizer_init": "rlflow's vLLM engine always starts with skip_tokenizer_init=True (token ids in and out)",
+    f"{ROLL}.moe_load_balance_metrics_interval": "only used with enable_rollout_routing_replay, which rlflow refuses",
+    f"{ROLL}.prometheus.*": ("rlflow exports no Prometheus metrics of its rollout engine; its metrics go to "
+                             "trainer.logger"),
+    f"{ROLL}.quantization_config_file": "only used with rollout.quantization, which rlflow refuses",
+    f"{ROLL}.mtp.*": _MTP_ONLY,
+    f"{ROLL}.disaggregation.*": "only used with disaggregation.enabled=True, which rlflow refuses",
+    # the models
+    f"{MOD}.tiled_mlp.*": _TILED, "critic.model.tiled_mlp.*": _TILED,
+    f"{MOD}.mtp.*": _MTP_ONLY, "critic.model.mtp.*": _MTP_ONLY,
+    f"{MOD}.lora.*": _MLORA_ONLY, "critic.model.lora.*": "only used with critic.model.lora.rank > 0, which rlflow refuses",
+    "critic.model.custom_chat_template": ("the critic scores the policy's token ids; prompts are rendered once, with "
+                                          "actor_rollout_ref.model.custom_chat_template"),
+    "critic.model.exclude_modules": "only used with LoRA, not supported yet",
+    "critic.nccl_timeout": "process groups use rlflow's own time-out (rlflow.strategies.DEFAULT_TIMEOUT)",
 }
+
+_FULL_DETERMINISM = "bitwise-deterministic kernels (full_determinism)"
+_MEGATRON_LORA = ("verl's Megatron LoRA block (model.lora.*; rlflow's LoRA is actor_rollout_ref.model.lora_rank, "
+                  "lora_alpha and target_modules: PEFT adapters with fsdp or fsdp2)")
+
 ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    **{f"{r}.optim.lr_decay_style": ("Megatron's LR decay styles (optim.lr_decay_style; rlflow's schedule is "
+                                     "optim.lr_scheduler_type: constant or cosine)", _not("constant")) for r in _ROLES},
+    **{f"{r}.optim.lr_warmup_init": ("a warm-up that starts above 0 (optim.lr_warmup_init; rlflow's rises linearly to "
+                                     "the LR)", _not(0, 0.0, None)) for r in _ROLES},
+    **{f"{r}.optim.weight_decay_incr_style": ("a changing weight decay (optim.weight_decay_incr_style)",
+                                              _not("constant")) for r in _ROLES},
+    **{f"{r}.optim.use_precision_aware_optimizer": ("Megatron's precision-aware optimizer (low-precision gradients "
+                                                    "and Adam states)", _truthy) for r in _ROLES},
+    **{f"{r}.optim.optimizer_impl": ("optimizers from other modules (optim.optimizer_impl; rlflow's optim.optimizer "
+                                     "names a torch.optim class)", _not("torch.optim")) for r in _ROLES},
+    **{f"{e}.full_determinism": (_FULL_DETERMINISM, _truthy) for e in _ENGINES + (_REF_ENGINE, ROLL)},
+    f"{ROLL}.multi_turn.function_tool_path": ("Python function tools (multi_turn.function_tool_path; rlflow's tools "
+                                              "come from multi_turn.tool_config_path)", _truthy),
+    "*.qat.enable": ("quantization-aware training (qat.enable)", _truthy),
+    "*.mtp.enable": ("multi-token prediction (mtp.enable)", _truthy),
+    f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation)", _truthy),
+    f"{ROLL}.quantization": ("quantized rollouts (rollout.quantization)", _truthy),
+    f"{ROLL}.enable_rollout_routing_replay": ("MoE routing replay (enable_rollout_routing_replay)", _truthy),
+    f"{MOD}.lora.rank": (_MEGATRON_LORA, lambda v: v is not None and v > 0),
+    f"{MOD}.lora.adapter_path": ("Megatron LoRA adapters (model.lora.adapter_path; a PEFT adapter folder goes in "
+                                 "actor_rollout_ref.model.lora_adapter_path)", _truthy),
+    "critic.model.lora.rank": ("LoRA on the critic", lambda v: v is not None and v > 0),
+    "critic.model.lora.adapter_path": ("LoRA on the critic", _truthy),
+    "critic.model.lora_adapter_path": ("LoRA on the critic", _truthy),
+    "critic.model.use_liger": ("Liger kernels", _truthy),
 }
 
 # ------------------------------------------ data, reward_model, algorithm, trainer and the other sections

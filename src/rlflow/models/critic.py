@@ -97,11 +97,12 @@ class Critic(BatchModule):
 
 
 def load_causal_lm(path, trust_remote_code: bool = False, override_config: dict | None = None,
-                   where: str = "override_config") -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained(path)`` with its config overridden first (``rlflow.models.hf_config``)."""
+                   where: str = "override_config", config_path=None) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path)`` with its config (``config_path``'s, when given) overridden
+    first (``rlflow.models.hf_config``)."""
     from transformers import AutoModelForCausalLM
 
     from rlflow.models.hf_config import load_config, model_kwargs
 
-    config = load_config(path, override_config, trust_remote_code, where)
+    config = load_config(config_path or path, override_config, trust_remote_code, where)
     return AutoModelForCausalLM.from_pretrained(path, config=config, **model_kwargs(override_config, trust_remote_code))

@@ -46,6 +46,8 @@ class Policy(BatchModule):
             ``model`` is used as it is.
         share_prompts: rows with the same prompt (a prompt's ``n`` samples) run it through the model once
             (``rlflow.models.shared_prompt``; padded layout, where the model allows it). Same results.
+        freeze_vision_tower: a vision-language model's vision tower (with any LoRA adapters in it) is not trained
+            (``rlflow.models.vision.freeze_vision_tower``); a text model is an error.
     """
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS)
@@ -65,6 +67,7 @@ class Policy(BatchModule):
         remove_padding: bool = False,
         lora=None,
         share_prompts: bool = True,
+        freeze_vision_tower: bool = False,
     ):
         if tokenizer is None and processor is not None:
             tokenizer = processor.tokenizer
@@ -78,6 +81,10 @@ class Policy(BatchModule):
             from rlflow.models.lora import apply_lora
 
             model = apply_lora(model, lora)
+        if freeze_vision_tower:
+            from rlflow.models.vision import freeze_vision_tower as freeze
+
+            freeze(model)
         self.model = model
         self.processor = processor
         self.tokenizer = tokenizer
@@ -104,7 +111,9 @@ class Policy(BatchModule):
     @classmethod
     def from_pretrained(cls, path: str | Path, *, min_pixels: int | None = None, max_pixels: int | None = None,
                         trust_remote_code: bool = False, override_config: dict | None = None,
-                        tokenizer_trust_remote_code: bool | None = None, **kwargs) -> "Policy":
+                        tokenizer_trust_remote_code: bool | None = None,
+                        tokenizer_path: str | Path | None = None, config_path: str | Path | None = None,
+                        **kwargs) -> "Policy":
         """Load a model (weights, config, tokenizer): a local folder, or a Hugging Face hub id.
 
         A hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``) loads as in transformers: downloaded or revalidated
@@ -120,7 +129,10 @@ class Policy(BatchModule):
         ``trust_remote_code``: run the folder's own model code (transformers' switch, off by default);
         ``tokenizer_trust_remote_code`` (default: the same) for its tokenizer / processor. ``override_config``
         entries update the model's config before it is built (``rlflow.models.hf_config``: e.g.
-        ``{"attention_dropout": 0.1}``, ``{"attn_implementation": "eager"}``).
+        ``{"attention_dropout": 0.1}``, ``{"attn_implementation": "eager"}``). ``tokenizer_path`` (a folder or
+        hub id) is where the tokenizer and the processor are read from, and ``config_path`` the model config
+        (``config.json``), when they are not the model's own (verl's ``model.tokenizer_path`` /
+        ``model.hf_config_path``).
         """
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -129,24 +141,25 @@ class Policy(BatchModule):
         from rlflow.models.hub import locate_model
 
         located = locate_model(path)
-        path = check_model_folder(located.folder) if located.folder is not None else located.path  # clear errors now
+        path = (check_model_folder(located.folder, tokenizer=tokenizer_path is None) if located.folder is not None
+                else located.path)  # clear errors now
         folder = Path(path).expanduser()
         weights = folder.resolve() if folder.is_dir() else path  # absolute: a LoRA adapter records it as its base
         trust_tokenizer = trust_remote_code if tokenizer_trust_remote_code is None else tokenizer_trust_remote_code
-        config = load_config(path, override_config, trust_remote_code)
-        load = {"config": config, **model_kwargs(override_config, trust_remote_code)}
+        config = load_config(config_path or path, override_config, trust_remote_code)
+        load, tokens = {"config": config, **model_kwargs(override_config, trust_remote_code)}, tokenizer_path or path
         if getattr(config, "vision_config", None) is not None:
             from rlflow.models.vision import load_processor
 
-            processor = load_processor(path, min_pixels, max_pixels, trust_remote_code=trust_tokenizer)
+            processor = load_processor(tokens, min_pixels, max_pixels, trust_remote_code=trust_tokenizer)
             tokenizer = processor.tokenizer
             tokenizer.padding_side = "left"
             model = AutoModelForImageTextToText.from_pretrained(weights, **load)
         else:
             processor = None
-            tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=trust_tokenizer)
+            tokenizer = AutoTokenizer.from_pretrained(tokens, padding_side="left", trust_remote_code=trust_tokenizer)
             model = AutoModelForCausalLM.from_pretrained(weights, **load)
-        check_tokenizer(tokenizer, source=str(path))
+        check_tokenizer(tokenizer, source=str(tokens))
         return cls(model, tokenizer, processor=processor, **kwargs)
 
     def log_probs(self, batch: TensorDict) -> tuple[Tensor, Tensor]:

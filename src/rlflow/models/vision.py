@@ -34,6 +34,27 @@ def multimodal_base(lm: nn.Module) -> nn.Module:
     return (lm.get_base_model() if hasattr(lm, "get_base_model") else lm).model
 
 
+def vision_tower(lm: nn.Module) -> nn.Module | None:
+    """The vision encoder of an image-text-to-text model (Qwen-VL's ``visual``, LLaVA's ``vision_tower``, ...,
+    as transformers' ``get_encoder("image")`` finds it), also under a PEFT wrapper; ``None`` for a text model."""
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    if not is_multimodal(base) or not hasattr(base, "get_encoder"):
+        return None
+    tower = base.get_encoder(modality="image")
+    return None if tower is base or tower is getattr(base, "model", None) else tower
+
+
+def freeze_vision_tower(lm: nn.Module) -> int:
+    """Stop training the vision tower of ``lm`` (verl's ``actor.freeze_vision_tower``: ``requires_grad_(False)``
+    on it, LoRA adapters inside it included); returns how many parameters it froze."""
+    tower = vision_tower(lm)
+    if tower is None:
+        raise ValueError(f"freeze_vision_tower: {type(lm).__name__} has no vision tower (not an image-text-to-text "
+                         "model)")
+    tower.requires_grad_(False)
+    return sum(p.numel() for p in tower.parameters())
+
+
 # ---------------------------------------------------------------------------- processors
 def image_only_processor(cls: type) -> type:
     """``cls`` (a transformers processor class) usable without a video processor.
