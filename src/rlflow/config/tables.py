@@ -137,6 +137,9 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.nccl_timeout": "process groups use rlflow's own time-out (rlflow.strategies.DEFAULT_TIMEOUT)",
     "actor_rollout_ref.model.use_shm": _LOADER, 
     "actor_rollout_ref.model.use_fused_kernels": _FUSED, "actor_rollout_ref.model.fused_kernel_options.*": _FUSED,
+    "actor_rollout_ref.actor.use_fused_kernels": _FUSED,  # verl copies the model's value here
+    "critic.model.use_fused_kernels": "the critic's value head is one linear output per token: no log-prob to fuse",
+    "critic.model.fused_kernel_options.*": "the critic's value head is one linear output per token: no log-prob to fuse",
     **{f"actor_rollout_ref.model.{k}": _POLICY_LORA_ONLY for k in (
         "target_modules", "exclude_modules", "lora_alpha", "use_rslora", "use_dora")},
     **{f"actor_rollout_ref.actor.lora.{k}": _POLICY_LORA_ONLY for k in ("r", "alpha", "target_modules")},
