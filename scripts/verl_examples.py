@@ -404,6 +404,10 @@ def run_one(argv: list[str], cwd: Path) -> tuple[int, str, str]:
             except Exception as e:  # noqa: BLE001 - a crash is a finding too: the message says where
                 code = 3
                 print(f"rlflow crashed: {type(e).__name__}: {e}", file=sys.stderr)
+                if os.environ.get("VERL_EXAMPLES_TRACEBACK"):
+                    import traceback
+
+                    traceback.print_exc(file=sys.__stderr__)
     finally:
         os.chdir(here)
     return code, out.getvalue(), err.getvalue()

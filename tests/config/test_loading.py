@@ -56,11 +56,17 @@ def test_unknown_key_in_yaml_names_the_file(tmp_path):
     ("data.train_batch_size=eight", "expected an integer"),
     ("trainer.logger=a,b", "multirun sweep"),
     ("~trainer.logger", "deleting keys"),
-    ("actor_rollout_ref.model.override_config.x=1", "add it with \\+"),
 ])
 def test_bad_overrides(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config([override])
+
+
+def test_a_key_under_an_open_node_is_added_with_or_without_plus():
+    cfg = load_config(["actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=fa3",
+                       "+actor_rollout_ref.model.override_config.attention_dropout=0.1"])
+    assert cfg["actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend"] == "fa3"
+    assert cfg["actor_rollout_ref.model.override_config.attention_dropout"] == 0.1
 
 
 def test_plus_on_a_key_the_tree_has_sets_it():

@@ -43,17 +43,18 @@ def verl_overrides(tiny):
 
 @pytest.mark.parametrize("generated", [GENERATED, MEGATRON], ids=["fsdp", "megatron"])
 def test_verl_generated_yaml_unchanged_passes_validation(generated, tiny):
-    """verl 0.9.1's whole composed tree as the user's file: every key is provided, and none is a problem
-    or goes unexplained (each is read, or has a note that says why it changes nothing here)."""
+    """verl 0.9.1's whole composed tree as the user's file: every key is provided, and none is a problem."""
     pytest.importorskip("megatron.core") if generated is MEGATRON else None
     cfg = load_config(verl_overrides(tiny), config_file=generated)
     assert len(cfg.provided) > 800
     assert validate(cfg) == []
     from rlflow.config import make_plan
 
+    # keys at their default get no note: only those where rlflow's default differs from verl's, each with its
+    # reason or "not used by this configuration" (critic keys without a critic); every key has a meaning:
+    # tests/config/test_loading.py::test_every_verl_key_is_honoured_inert_or_not_supported
     notes = unused_notes(make_plan(cfg).cfg)
-    unexplained = [n for n in notes if "is not used by this configuration" in n]
-    assert not unexplained, unexplained[:10]
+    assert 0 < len(notes) < 40, notes
 
 
 def test_bundled_config_names_read_rlflow_copy_of_verl(tmp_path, tiny, monkeypatch):

@@ -189,6 +189,7 @@ def cost_section(plan: Plan, total: int, longest_prompt: int) -> list[str]:
     Rl = plan.rollout_kwargs["max_new_tokens"]
     traj = t["batch_size"] * plan.rollout_kwargs["n"]
     micro = t["micro_batch_size"] or t["mini_batch_size"] * plan.rollout_kwargs["n"]
+    config = getattr(config, "text_config", None) or config  # a vision-language model: its language model's shape
     layers, hidden = config.num_hidden_layers, config.hidden_size
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -189,8 +189,8 @@ def apply_override(cfg: DictConfig, defaults: dict, o, provided: set[str]) -> No
     in_cfg = OmegaConf.select(cfg, key, default="__missing__") != "__missing__"
     # '+key' on a key the tree has sets it: verl's tree differs between versions (a key one version lacks,
     # so that its scripts write '+', another has), and nothing is lost by taking the value the user wrote
-    if o.type == OverrideType.CHANGE and not in_cfg:
-        raise ConfigError(f"override '{key}=...': {key} is not set yet; add it with +{key}=...")
+    # 'key=value' under an open node where the key is not there yet adds it, as '+key' does: Hydra would ask for
+    # the '+', but verl's scripts leave it out where verl's dataclass configs take any key (engine_kwargs.sglang.*)
     if isinstance(value, dict):
         value = check_keys(value, defaults, key + ".", f"override {o.input_line}")
     OmegaConf.update(cfg, key, value, merge=isinstance(value, dict), force_add=True)

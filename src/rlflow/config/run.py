@@ -106,6 +106,8 @@ def unused_notes(cfg: VerlConfig) -> list[str]:
     for key in sorted(cfg.provided):
         if key in cfg.read or any(key.startswith(r + ".") for r in cfg.read):
             continue
+        if key in cfg.default_flat and cfg.flat.get(key) == cfg.default_flat[key]:
+            continue  # set to its default: the run is what it would be without it (verl's whole file, say)
         value = cfg.flat.get(key)
         reason = tables.inert_reason(key)
         notes.append(f"{key}={value!r} has no effect in rlflow: {reason}" if reason

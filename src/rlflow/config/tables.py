@@ -72,7 +72,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "data.datagen.path": ("dynamic data generation", _truthy),
     "data.reward_fn_key": ("reading data_source from another column", _not("data_source")),
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
-    "actor_rollout_ref.model.enable_activation_offload": ("activation offloading", _truthy),
     "actor_rollout_ref.model.use_liger": ("Liger kernels", _truthy),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.actor.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
@@ -86,7 +85,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.rollout.trace.backend": ("rollout tracing", _truthy),
     "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "critic.model.lora_rank": (LORA, lambda v: v > 0),
-    "critic.model.enable_activation_offload": ("activation offloading", _truthy),
     "critic.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
                                         "sources are scored without a server)", _truthy),
@@ -122,7 +120,11 @@ _PF_RC_ONLY = "only used with PF-PPO or with rollout-correction options that are
 _FILTER_ONLY = "only used with algorithm.filter_groups.enable=True (DynamicSampling)"
 _MEGATRON_ONLY = "only used with actor_rollout_ref.actor.strategy=megatron"
 
+_OFFLOAD = ("activation offloading is a memory saving rlflow does not have yet (gradient checkpointing is: "
+            "model.enable_gradient_checkpointing); what is trained is the same")
+
 INERT: dict[str, str] = {
+    "actor_rollout_ref.model.enable_activation_offload": _OFFLOAD, "critic.model.enable_activation_offload": _OFFLOAD,
     "data.tokenizer": "prompts are tokenized with the policy's tokenizer",
     "data.use_shm": _LOADER, "data.dataloader_num_workers": _LOADER, "data.filter_overlong_prompts_workers": _LOADER,
     "data.return_raw_input_ids": "rlflow batches carry prompt ids and text",
@@ -180,7 +182,7 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.rollout.server.*": "only used by a server rollout (rollout.server.url set)",
     **{f"actor_rollout_ref.rollout.{k}": _ENGINE for k in (
         "dtype", "gpu_memory_utilization", "enforce_eager", "cudagraph_capture_sizes", "free_cache_engine",
-        "tensor_model_parallel_size", "tensor_parallel_size", "data_parallel_size", "expert_parallel_size",
+        "tensor_model_parallel_size", "tensor_parallel_size", "moe_tensor_parallel_size", "data_parallel_size", "expert_parallel_size",
         "pipeline_model_parallel_size", "max_num_batched_tokens", "max_model_len", "max_num_seqs",
         "disable_log_stats", "multi_stage_wake_up", "enable_chunked_prefill", "load_format", "layered_summon",
         "update_weights_bucket_megabytes", "engine_kwargs.*")},
@@ -231,8 +233,8 @@ INERT: dict[str, str] = {
     "async_training.use_rollout_log_probs": "the sampler's log-probs are the behaviour policy of the IS correction",
     "trainer.ray_wait_register_center_timeout": _RAY,
     "trainer.use_legacy_worker_impl": "rlflow has one worker implementation",
-    "*.profiler": "profiling is not supported yet", "*.profiler.*": "profiling is not supported yet",
-    "global_profiler": "profiling is not supported yet", "global_profiler.*": "profiling is not supported yet",
+    "*.profiler": "profiling is not supported yet: the run goes on unprofiled", "*.profiler.*": "profiling is not supported yet: the run goes on unprofiled",
+    "global_profiler": "profiling is not supported yet: the run goes on unprofiled", "global_profiler.*": "profiling is not supported yet: the run goes on unprofiled",
     "ray_kwargs": _RAY, "ray_kwargs.*": _RAY,
     "data.custom_cls.name": "only used with data.custom_cls.path, not supported yet",
     "data.sampler.class_name": "only used with data.sampler.class_path, not supported yet",

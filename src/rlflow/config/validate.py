@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlflow.config import checks, tables
+from rlflow.config.verl_configs import FOREIGN_STRATEGIES
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig, raise_problems
 from rlflow.config.role_keys import sequence_parallel_keys
 
@@ -70,6 +71,7 @@ class Context:
 # ---------------------------------------------------------------------------------------------- tables
 
 def check_not_supported(ctx: Context) -> None:
+    hits: dict[str, list[tuple[str, Any]]] = {}  # feature -> the keys that ask for it (one message each)
     for key, feature, triggered in tables.not_supported(ctx.cfg.flat):
         value = ctx.get(key)
         try:
@@ -77,11 +79,17 @@ def check_not_supported(ctx: Context) -> None:
         except TypeError:
             continue
         if hit:
-            ctx.add(NotSupportedError(key, value, feature))
-    tree = ctx.cfg.tree
-    if (tree.get("global_profiler") or {}).get("tool") or any(
-            (ctx.cfg.flat.get(f"{role}.profiler.enable")) for role in (A, R, C)):
-        ctx.add(NotSupportedError("global_profiler.tool / *.profiler.enable", True, "profiling"))
+            if feature == tables.OTHER_BACKENDS and value in FOREIGN_STRATEGIES:  # name verl's engine
+                feature = f"verl's {FOREIGN_STRATEGIES[value]} engine, a backend rlflow does not have (fsdp, fsdp2, megatron)"
+            hits.setdefault(feature, []).append((key, value))
+    for feature, keys in hits.items():
+        if len(keys) == 1:
+            ctx.add(NotSupportedError(*keys[0], feature))
+        else:  # e.g. a script's ten settings of an engine rlflow does not have: one message names them all
+            error = NotSupportedError(*keys[0], feature)
+            error.args = (f"{', '.join(k for k, _ in keys)}: {feature} is not supported yet in rlflow.",)
+            ctx.add(error)
+    # profiling (global_profiler.tool, *.profiler.enable) changes no result: a note says it is not supported yet
 
 
 def check_ranges(ctx: Context) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from rlflow.config.verl_configs import FOREIGN_BLOCKS
+
 
 def _truthy(v: Any) -> bool:
     return bool(v)
@@ -205,5 +207,17 @@ RUN_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "skip.*.enable": ("replaying dumped rollouts (verl's skip.*)", _truthy),
 }
 
-INERT = ROLE_INERT | RUN_INERT
-NOT_SUPPORTED = ROLE_NOT_SUPPORTED | RUN_NOT_SUPPORTED
+# ------------------------------------------------------------------ verl's other engines and open blocks
+_PRECISION = "parameters stay float32; trainer.precision sets the compute precision (FSDP2's mixed precision follows it)"
+OTHER_INERT: dict[str, str] = {
+    "*.mixed_precision": _PRECISION, "*.mixed_precision.*": _PRECISION,
+    **{block: f"only used by verl's {name} engine, which rlflow does not have" for block, name in FOREIGN_BLOCKS.items()},
+    "distillation.teacher_models.*": "only used with distillation.enabled=True, not supported yet",
+}
+OTHER_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    f"{block}.*": (f"settings of verl's {name} engine, a backend rlflow does not have (rlflow trains with "
+                   "fsdp/fsdp2 or megatron)", lambda v: True) for block, name in FOREIGN_BLOCKS.items()
+}
+
+INERT = ROLE_INERT | RUN_INERT | OTHER_INERT
+NOT_SUPPORTED = ROLE_NOT_SUPPORTED | RUN_NOT_SUPPORTED | OTHER_NOT_SUPPORTED

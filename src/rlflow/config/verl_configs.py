@@ -30,7 +30,8 @@ BUNDLED = {"ppo_trainer": "_generated_ppo_trainer.yaml", "ppo_megatron_trainer":
 # verl's config groups that select a whole subtree (``model_engine=megatron`` picks ``megatron_actor`` ...)
 GROUP_KEYS = ("model_engine",)
 # verl's training engines rlflow does not have: strategy -> name
-FOREIGN_STRATEGIES = {"veomni": "VeOmni", "torchtitan": "TorchTitan", "automodel": "NeMo AutoModel"}
+FOREIGN_STRATEGIES = {"veomni": "VeOmni", "torchtitan": "TorchTitan", "automodel": "NeMo AutoModel",
+                      "fsdp_turbo": "FSDP Turbo"}
 # backends behind verl's search paths or groups that rlflow does not have: module -> what it is
 FOREIGN_PACKAGES = {"verl_mlite": "Megatron-lite (verl_mlite)", "veomni": "VeOmni", "torchtitan": "TorchTitan",
                     "mindspeed": "MindSpeed (Ascend NPU)"}
@@ -54,11 +55,27 @@ def verl_tree(name: str = "ppo_trainer") -> dict:
     return copy.deepcopy(_bundled(name))
 
 
+_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+# Config blocks of verl's other engines (not in its FSDP/Megatron trees), open so that a script's keys under them
+# reach one refusal naming the engine (rlflow.config.verl_0_9_keys) instead of an unknown-key error each
+FOREIGN_BLOCKS = {**{f"{r}.veomni": "VeOmni" for r in _ROLES},
+                  **{f"{r}.engine": "Megatron-lite (verl_mlite)" for r in _ROLES}}
+# Blocks of verl's tree whose scripts set keys the tree does not list: open as well (their reasons: tables.INERT)
+OPEN_BLOCKS = ("distillation.teacher_models", *(f"{r}.fsdp_config.turbo_config" for r in _ROLES[:2]),
+               "critic.fsdp.turbo_config", *(f"{r}.fsdp_config.mixed_precision" for r in _ROLES[:2]),
+               "critic.model.fsdp_config.mixed_precision", "critic.fsdp.mixed_precision")
+
+
 @lru_cache(maxsize=None)
 def default_container(rlflow_file: Path) -> dict:
     """The default tree as a plain nested dict, interpolations unresolved (shared: do not change it)."""
     layers = [_bundled("ppo_megatron_trainer"), _bundled("ppo_trainer"), OmegaConf.load(rlflow_file)]
-    return OmegaConf.to_container(OmegaConf.merge(*layers), resolve=False)
+    tree = OmegaConf.to_container(OmegaConf.merge(*layers), resolve=False)
+    for key in (*FOREIGN_BLOCKS, *OPEN_BLOCKS):
+        node = tree
+        for part in key.split("."):
+            node = node.setdefault(part, {})
+    return tree
 
 
 @lru_cache(maxsize=None)
@@ -66,7 +83,7 @@ def open_nodes(rlflow_file: Path) -> frozenset[str]:
     """The nodes rlflow's file leaves empty (``override_config``, ``ray_kwargs``, ...): any key may be
     added under them, even where verl's tree lists some."""
     tree = OmegaConf.to_container(OmegaConf.load(rlflow_file), resolve=False)
-    return frozenset(k for k, v in flatten(tree).items() if v == {})
+    return frozenset(k for k, v in flatten(tree).items() if v == {}) | set(FOREIGN_BLOCKS) | set(OPEN_BLOCKS)
 
 
 @lru_cache(maxsize=None)

@@ -172,7 +172,12 @@ def dry_run_section(plan, config, seq_len: int) -> list[str]:
     """The dry run's Megatron lines: the layout, the batch per data-parallel rank and memory per rank."""
     from rlflow.config.dryrun import gib, line
     from rlflow.strategies.megatron.memory import rank_memory
+    from rlflow.strategies.megatron.model import architecture
 
+    try:  # a model the conversion does not cover (a vision-language one, say) is refused here, not at build
+        architecture(config)
+    except ValueError as e:
+        raise NotSupportedError("actor_rollout_ref.actor.strategy", "megatron", f"this model ({e})") from None
     layout, world = plan.devices.strategy.layout, plan.devices.processes
     t, n = plan.trainer_kwargs, plan.rollout_kwargs["n"]
     dp = layout.data_parallel(world)
