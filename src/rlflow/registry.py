@@ -253,12 +253,14 @@ ESTIMATORS = Registry("advantage estimator", "algorithm.adv_estimator", "rlflow.
     "rloo_vectorized": "RLOO", "reinforce_plus_plus": "ReinforcePlusPlus",
     "reinforce_plus_plus_baseline": "ReinforcePlusPlusBaseline", "remax": "ReMax", "opo": "OPO", "gpg": "GPG",
     "optimal_token_baseline": "OptimalTokenBaseline", "tir_optimal_token_baseline": "TIROptimalTokenBaseline",
+    "gdpo": "GDPO",
 }, "rlflow.algorithms")
 
 # actor_rollout_ref.actor.policy_loss.loss_mode -> class name in rlflow.algorithms
 POLICY_LOSSES = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode", "rlflow.algorithms:PPOLoss", {
     "vanilla": "PPOLoss", "gspo": "GSPOLoss", "cispo": "CISPOLoss", "sapo": "SAPOLoss", "clip_cov": "ClipCovLoss",
     "kl_cov": "KLCovLoss", "geo_mean": "GMPOLoss", "gpg": "ReinforceLoss", "reinforce": "ReinforceLoss",
+    "dppo_tv": "DPPOTVLoss", "dppo_kl": "DPPOKLLoss",
 }, "rlflow.algorithms")
 
 

@@ -4,6 +4,7 @@ from rlflow.algorithms import advantages, functional
 from rlflow.algorithms.correction import TruncatedIS
 from rlflow.algorithms.estimators import (
     GAE,
+    GDPO,
     GPG,
     GRPO,
     OPO,
@@ -24,6 +25,8 @@ from rlflow.algorithms.policy_losses import (
     CISPOLoss,
     ClipCovLoss,
     CovSelection,
+    DPPOKLLoss,
+    DPPOTVLoss,
     GMPOLoss,
     GSPOLoss,
     KLCovLoss,
@@ -37,4 +40,4 @@ __all__ = ["functional", "AdvantageEstimator", "GRPO", "GAE", "PPOLoss", "ValueL
            "OPO", "GPG", "GRPOPassK", "KLInReward", "FixedKLController", "AdaptiveKLController", "TruncatedIS"]
 __all__ += ["policy_functional", "GSPOLoss", "CISPOLoss", "SAPOLoss", "ClipCovLoss", "KLCovLoss", "CovSelection",
             "GMPOLoss", "ReinforceLoss", "LOSS_MODES", "SPINLoss", "SPPOLoss", "NoAdvantage", "GroupWinRate",
-            "UpdateReference"]
+            "UpdateReference", "GDPO", "DPPOTVLoss", "DPPOKLLoss"]

@@ -26,6 +26,7 @@ from rlflow.data.keys import (
     RAW_PROMPT,
     RESPONSE_MASK,
     RETURNS,
+    REWARD_COLUMN,
     REWARD_BASELINE,
     SCORES,
     TOKEN_REWARDS,
@@ -202,6 +203,44 @@ class GreedyBaseline(BatchModule):
 
     def __repr__(self) -> str:
         return f"GreedyBaseline(rollout={self.rollout!r}, reward={self.reward!r})"
+
+
+class GDPO(AdvantageEstimator):
+    """Group reward-decoupled normalization (arXiv 2601.05242; verl ``gdpo``).
+
+    Each reward key ``k`` (a column the reward function returns beside ``score``, e.g. ``format_reward``)
+    is normalised within its group as GRPO does, ``A_k = (r_k - mean_g) / (std_g + eps)``; then
+    ``A = whiten(sum_k w_k A_k)`` over the batch's valid tokens (weights default 1), times the mask.
+    Reads ``reward_column/<k>`` ([B]), which a reward writes when its ``columns`` name ``k`` (the config
+    entry point sets them from ``algorithm.gdpo_reward_keys``). ``stats``: ``gdpo/<k>/{mean,std,max,min}``.
+    """
+
+    def __init__(self, reward_keys, reward_weights=None, norm_by_std: bool = True, eps: float = 1e-6):
+        keys = [reward_keys] if isinstance(reward_keys, str) else list(reward_keys or ())
+        if not keys:
+            raise ValueError("GDPO needs reward_keys (algorithm.gdpo_reward_keys): the per-key reward columns "
+                             "the reward function returns beside 'score', e.g. ['format_reward', 'accuracy_reward']")
+        if reward_weights is not None and len(list(reward_weights)) != len(keys):
+            raise ValueError(f"GDPO reward_weights (algorithm.gdpo_reward_weights) has {len(list(reward_weights))} "
+                             f"entries for {len(keys)} reward_keys {keys}")
+        self.reward_keys = tuple(keys)
+        self.reward_weights = None if reward_weights is None else tuple(float(w) for w in reward_weights)
+        self.norm_by_std, self.eps = norm_by_std, eps
+        self.in_keys = (RESPONSE_MASK, GROUP) + tuple(REWARD_COLUMN + k for k in keys)
+        self.stats: dict[str, float] = {}
+
+    def compute(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
+        mask, group = batch[RESPONSE_MASK], batch[GROUP]
+        weights = self.reward_weights or (1.0,) * len(self.reward_keys)
+        total, self.stats = None, {}
+        for key, weight in zip(self.reward_keys, weights):
+            scores = batch[REWARD_COLUMN + key].to(mask.device, torch.float32)
+            self.stats |= {f"gdpo/{key}/mean": float(scores.mean()), f"gdpo/{key}/std": float(scores.std(correction=0)),
+                           f"gdpo/{key}/max": float(scores.max()), f"gdpo/{key}/min": float(scores.min())}
+            part, _ = F.grpo_advantages(scores[:, None], mask, group, norm_by_std=self.norm_by_std, eps=self.eps)
+            total = weight * part if total is None else total + weight * part
+        advantages = F.masked_whiten(total, mask) * mask
+        return advantages, advantages.clone()
 
 
 class OPO(AdvantageEstimator):

@@ -355,3 +355,43 @@ def sppo_loss(
     per_token = seq_loss[:, None].expand_as(log_probs)
     return agg_loss(per_token, mask, agg, num_tokens, num_seqs, norm_length), {
         "sppo_log_ratio": masked_mean(delta.detach(), has_tokens)}
+
+
+def dppo_loss(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
+    divergence: str = "tv", clip_low: float = 0.15, clip_high: float = 0.15, clip_c: float | None = 3.0,
+    agg: str = "token-mean", num_tokens=None, num_seqs=None, weights: Tensor | None = None,
+    norm_length: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO, divergence-clipped policy optimization (arXiv 2602.04879; verl ``dppo_tv`` / ``dppo_kl``).
+
+    ``r = exp(clamp(logp - old, -20, 20))``, ``p = exp(logp)``, ``q = exp(old)``. A token keeps its
+    gradient unless it moved past a divergence threshold in its advantage's direction:
+    ``tv``: ``A > 0`` needs ``p - q <= clip_high``, else ``p - q >= -clip_low``;
+    ``kl``: with the binary KL ``q log(q/p) + (1-q) log((1-q+1e-8)/(1-p+1e-8))``, ``A > 0`` needs
+    ``kl <= clip_high or p <= q``, else ``kl <= clip_low or p >= q``.
+    Per token ``-A * sg(min(r, clip_c)) * logp * valid`` (truncated IS in place of the dual clip; ``clip_c``
+    None: no truncation). Stats: ``pg_clipfrac`` = frac(invalid), ``pg_clipfrac_lower`` = frac(valid and
+    ``r > clip_c``), ``ppo_kl`` = mean(old - logp). All inputs [B, R]; returns (scalar loss, stats).
+    """
+    if divergence not in ("tv", "kl"):
+        raise ValueError(f"DPPO divergence must be 'tv' or 'kl', got {divergence!r}")
+    neg_kl = (log_probs - old_log_probs).clamp(-20, 20)
+    ratio = torch.exp(neg_kl)
+    cap = float("inf") if clip_c is None else clip_c
+    truncated = ratio.clamp(max=cap).detach()
+    prob, old_prob = torch.exp(log_probs), torch.exp(old_log_probs)
+    if divergence == "tv":
+        up, down = (prob - old_prob) <= clip_high, (prob - old_prob) >= -clip_low
+    else:
+        binary_kl = old_prob * (old_log_probs - log_probs) + (1 - old_prob) * torch.log(
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        up, down = (binary_kl <= clip_high) | (prob <= old_prob), (binary_kl <= clip_low) | (prob >= old_prob)
+    valid = torch.where(advantages > 0, up, down).detach().to(log_probs.dtype)
+    per_token = _weighted(-advantages * truncated * log_probs * valid, weights)
+    stats = {
+        "pg_clipfrac": masked_mean(1.0 - valid, mask).detach(),
+        "pg_clipfrac_lower": masked_mean((ratio > cap).to(ratio.dtype) * valid, mask).detach(),
+        "ppo_kl": masked_mean(-neg_kl, mask).detach(),
+    }
+    return agg_loss(per_token, mask, agg, num_tokens, num_seqs, norm_length), stats

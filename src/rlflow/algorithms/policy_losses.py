@@ -96,6 +96,27 @@ class GMPOLoss(_Variant):
                             num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
 
 
+class DPPOTVLoss(_Variant):
+    """DPPO-Binary-TV (arXiv 2602.04879; verl ``dppo_tv``): PPO's ratio clip replaced by a clip on the
+    probability change ``p - p_old`` (``policy_functional.dppo_loss``). ``clip_ratio`` / ``_low`` / ``_high``
+    are the divergence thresholds (verl reuses the keys; its DPPO example: 0.15), ``clip_ratio_c`` truncates
+    the detached IS ratio (verl's default 3.0; the example 10000). Other options are PPOLoss's.
+    """
+
+    divergence = "tv"
+
+    def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
+        return PF.dppo_loss(*self._inputs(batch), self.divergence, self.clip_low, self.clip_high, self.clip_ratio_c,
+                            self.agg, num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
+
+
+class DPPOKLLoss(DPPOTVLoss):
+    """DPPO-Binary-KL (verl ``dppo_kl``): as :class:`DPPOTVLoss` with the binary KL of ``p_old`` and ``p`` as
+    the divergence (verl's example threshold 0.05)."""
+
+    divergence = "kl"
+
+
 class CovSelection(BatchModule):
     """Runs a covariance loss's ``select`` over the whole batch, before it is split into mini- and
     micro-batches, and writes ``cov_selected``: put ``loss.selection()`` after the advantage estimator,
@@ -196,5 +217,5 @@ class KLCovLoss(_CovVariant):
 # verl's actor.policy_loss.loss_mode -> class ("vanilla" is PPOLoss itself)
 LOSS_MODES: dict[str, type[PPOLoss]] = {
     "vanilla": PPOLoss, "gspo": GSPOLoss, "cispo": CISPOLoss, "sapo": SAPOLoss, "gpg": ReinforceLoss,
-    "clip_cov": ClipCovLoss, "kl_cov": KLCovLoss, "geo_mean": GMPOLoss,
+    "clip_cov": ClipCovLoss, "kl_cov": KLCovLoss, "geo_mean": GMPOLoss, "dppo_tv": DPPOTVLoss, "dppo_kl": DPPOKLLoss,
 }

@@ -38,11 +38,20 @@ def loss_pool(cfg: VerlConfig) -> dict[str, Candidate]:
 
 ESTIMATOR_POOL = {"gamma": key("algorithm.gamma"), "lam": key("algorithm.lam"),
                   "norm_by_std": key("algorithm.norm_adv_by_std_in_grpo"),
-                  "norm_adv_by_std_in_grpo": key("algorithm.norm_adv_by_std_in_grpo")}
+                  "norm_adv_by_std_in_grpo": key("algorithm.norm_adv_by_std_in_grpo"),
+                  "reward_keys": key("algorithm.gdpo_reward_keys"), "reward_weights": key("algorithm.gdpo_reward_weights")}
 KL_IN_REWARD_KEYS = ("algorithm.kl_penalty", "algorithm.kl_ctrl.type")  # read when use_kl_in_reward is on
 KL_CTRL_POOL = {name: key(f"algorithm.kl_ctrl.{k}") for name, k in (
     ("kl_coef", "kl_coef"), ("init_coef", "kl_coef"), ("coef", "kl_coef"), ("target_kl", "target_kl"),
     ("horizon", "horizon"))}
+
+
+def gdpo_keys(estimator_kwargs: dict) -> None:
+    """An estimator taking ``reward_keys`` (GDPO) needs ``algorithm.gdpo_reward_keys``: fail at planning."""
+    if "reward_keys" in estimator_kwargs and not estimator_kwargs["reward_keys"]:
+        raise ConfigError("algorithm.gdpo_reward_keys is not set: GDPO normalises each reward key the reward function "
+                          "returns beside 'score' on its own; list them, e.g. "
+                          "+algorithm.gdpo_reward_keys='[accuracy_reward, format_reward]'")
 
 
 def algorithm_class(name: str, key_: str, value: Any) -> type:

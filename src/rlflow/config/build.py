@@ -297,7 +297,9 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
         value_loss = instantiate(ValueLoss, plan.value_loss_kwargs, "critic.cliprange_value / critic.loss_agg_mode")
     run_dir = Path(plan.trainer_kwargs["run_dir"]).expanduser()
     loggers = make_loggers(plan.loggers, run_dir, project=plan.project, experiment=plan.experiment)
-    sampler, reward = build_sampler(plan, rollout, build_reward(plan))
+    train_reward = build_reward(plan)
+    train_reward.columns = tuple(plan.estimator_kwargs.get("reward_keys") or ())  # GDPO reads these per-key rewards
+    sampler, reward = build_sampler(plan, rollout, train_reward)
     trainer = Trainer(
         policy=policy, rollout=sampler, reward=reward, estimator=estimator, loss=loss, reference=reference,
         critic=critic, value_loss=value_loss, max_steps=total, epochs=plan.total_epochs,

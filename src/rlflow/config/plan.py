@@ -21,7 +21,7 @@ import rlflow.rollout
 from rlflow import registry
 from rlflow.config import tables
 from rlflow.config.agent import agent_plan
-from rlflow.config.algos import ESTIMATOR_POOL, companions, loss_pool
+from rlflow.config.algos import gdpo_keys, ESTIMATOR_POOL, companions, loss_pool
 from rlflow.config.asynchronous import async_plan
 from rlflow.config.data_keys import data_extras
 from rlflow.config.devices import Devices, resolve_devices
@@ -230,6 +230,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
     before, after, kl_controller = companions(cfg, estimator_cls)
     loss_cls = registry.POLICY_LOSSES.resolve(cfg[f"{A}.policy_loss.loss_mode"])
     estimator_kwargs = class_kwargs(estimator_cls, ESTIMATOR_POOL, cfg)
+    gdpo_keys(estimator_kwargs)
     cfg_reward = cfg["custom_reward_function"]
     manager, manager_kwargs = cfg["reward_model.reward_manager"], dict(cfg["reward_model.reward_kwargs"])
     overlong = overlong_penalty(manager, manager_kwargs, cfg[f"{R}.response_length"])

@@ -9,7 +9,8 @@ A file is imported once however many functions come from it (:func:`rlflow.regis
 A custom function may take any form :class:`~rlflow.rewards.FunctionReward` understands, including
 the batch form ``compute_reward(responses, ground_truths)``. With ``reward_model.reward_manager=batch``
 it is called as verl's batch manager calls it:
-``fn(data_sources=, solution_strs=, ground_truths=, extra_infos=, **reward_kwargs)``.
+``fn(data_sources=, solution_strs=, ground_truths=, extra_infos=, **reward_kwargs)``; with ``gdpo`` as verl's
+GDPO manager calls it: by keyword, ``extra_info`` carrying ``experiment_name`` (``trainer.experiment_name``).
 
 Nothing here imports torch at import time: :func:`reward_file_problem` checks the keys before anything
 heavy loads (``rlflow.config.validate``).
@@ -85,8 +86,22 @@ def verl_batch_adapter(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., A
     return batch_reward
 
 
-def reward_function(path: str | None, name: str, reward_kwargs: dict, manager: str) -> Callable[..., Any]:
-    """The function to wrap in ``FunctionReward`` for these config values."""
+def gdpo_adapter(fn: Callable[..., Any], experiment_name: str, **kwargs: Any) -> Callable[..., Any]:
+    """verl's GDPO reward manager's call: ``extra_info`` gains ``experiment_name`` (``trainer.experiment_name``;
+    verl's GDPO scorer ``rlla.compute_score`` picks the chat format by it), the rest by keyword as verl calls it."""
+
+    def gdpo_score(data_source, solution_str, ground_truth, extra_info=None):
+        info = {**(extra_info if isinstance(extra_info, dict) else {}), "experiment_name": experiment_name}
+        return fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=info,
+                  **kwargs)
+
+    gdpo_score.__name__ = getattr(fn, "__name__", "compute_score")
+    return gdpo_score
+
+
+def reward_function(path: str | None, name: str, reward_kwargs: dict, manager: str,
+                    experiment_name: str = "") -> Callable[..., Any]:
+    """The function to wrap in ``FunctionReward`` for these config values (``experiment_name``: gdpo's)."""
     from rlflow.rewards import default_compute_score
 
     if manager not in REWARD_MANAGERS:  # validation reports this first
@@ -103,6 +118,8 @@ def reward_function(path: str | None, name: str, reward_kwargs: dict, manager: s
             raise ConfigError("reward_model.reward_manager=batch needs custom_reward_function.path: "
                               "the built-in scorers score one sample at a time")
         return verl_batch_adapter(fn, **reward_kwargs)
+    if manager == "gdpo":
+        return gdpo_adapter(fn, experiment_name, **reward_kwargs)
     return functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
 
 

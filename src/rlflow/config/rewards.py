@@ -72,7 +72,7 @@ def reward_plan(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[
     if workers is not None and workers < 1:
         raise ConfigError(f"{RM}.num_workers={workers}: must be >= 1 (worker processes), or null for threads")
     crf = cfg[CRF]
-    functions = _functions(crf, reward_kwargs, manager)
+    functions = _functions(crf, reward_kwargs, manager, cfg["trainer.experiment_name"])
     custom = bool(crf["path"] or crf["functions"] or ":" in str(crf["name"]))
     plan = RewardPlan(functions=functions, timeout_s=timeout, processes=workers or 0, custom=custom)
     if not cfg[f"{RM}.enable"]:
@@ -139,13 +139,13 @@ def model_arguments(cfg: VerlConfig, notes: list[str]) -> dict:
             **({"trust_remote_code": True} if cfg[f"{RM}.model.trust_remote_code"] else {})}
 
 
-def _functions(crf: dict, reward_kwargs: dict, manager: str) -> list[tuple[str, Callable, float]]:
+def _functions(crf: dict, reward_kwargs: dict, manager: str, experiment: str = "") -> list[tuple[str, Callable, float]]:
     """The rule/custom functions with their weights: ``functions`` if given, else ``path``/``name``."""
     weight = crf["weight"]
     items = crf["functions"]
     if not items:
         name = str(crf["name"]).rsplit(":", 1)[-1] if crf["path"] or ":" in str(crf["name"]) else "reward"
-        return [(name, reward_function(crf["path"], crf["name"], reward_kwargs, manager),
+        return [(name, reward_function(crf["path"], crf["name"], reward_kwargs, manager, experiment),
                  _weight(weight, f"{CRF}.weight"))]
     out = []
     for i, item in enumerate(items):
@@ -162,7 +162,7 @@ def _functions(crf: dict, reward_kwargs: dict, manager: str) -> list[tuple[str, 
         if not path:
             raise ConfigError(f"{key}: no path (set it, or {CRF}.path for all functions)")
         kwargs = {**reward_kwargs, **(item.get("reward_kwargs") or {})}
-        out.append((item["name"], reward_function(path, item["name"], kwargs, manager),
+        out.append((item["name"], reward_function(path, item["name"], kwargs, manager, experiment),
                     _weight(item.get("weight", 1.0), f"{key}.weight")))
     return out
 

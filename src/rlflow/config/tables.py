@@ -18,7 +18,7 @@ from rlflow.config import verl_0_9_keys
 # Estimator and policy-loss names live in rlflow.registry (ESTIMATORS, POLICY_LOSSES), with users' own.
 
 # reward_model.reward_manager values (rlflow.config.reward_fn says how each calls the scorer)
-REWARD_MANAGERS = ("naive", "batch", "prime", "dapo")
+REWARD_MANAGERS = ("naive", "batch", "prime", "dapo", "gdpo")
 
 # algorithm.kl_ctrl.type -> class name; the in-reward KL estimator wrapper's class name
 KL_CONTROLLERS = {"fixed": "FixedKLController", "adaptive": "AdaptiveKLController"}

@@ -33,6 +33,7 @@ STEP_REWARDS = "step_rewards"  # B, float: the sum of the trajectory's tool rewa
 # written by the reward
 SCORES = "scores"  # B, float: one score per sample
 TOKEN_REWARDS = "token_rewards"  # B x R, float: the score on the last valid token
+REWARD_COLUMN = "reward_column/"  # + a key: B, float: a scorer's extra (e.g. format_reward), for Reward(columns=)
 RM_SCORES = "rm_scores"  # B, float: a reward model's scores, for a reward function that takes rm_score
 
 # written by the policy, the reference and the critic

@@ -33,6 +33,7 @@ from tensordict import TensorDict
 from rlflow.data.keys import (
     DATA_SOURCE,
     EXTRA_INFO,
+    REWARD_COLUMN,
     GROUND_TRUTH,
     RESPONSE_MASK,
     RESPONSE_TEXT,
@@ -74,7 +75,20 @@ class Reward(BatchModule):
     subclass put in ``self.extras``. ``self.extras`` maps a key to ``B`` per-row values
     (``None`` where a row has none), e.g. the ``acc``/``pred`` a scorer returned; it is
     refreshed on every call too, and non-numeric columns are kept there for inspection.
+
+    ``columns`` (names of ``self.extras``, default none) are also written to the batch, each as a [B]
+    float tensor ``reward_column/<name>`` (``rlflow.data.keys.REWARD_COLUMN``), for an estimator that reads
+    them (GDPO's per-key rewards); every row must have a number there, or the call fails naming the key.
     """
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return self.__dict__.get("_columns", ())
+
+    @columns.setter
+    def columns(self, names) -> None:  # its keys join out_keys, so the key-flow check sees them
+        self._columns = tuple(names)
+        self.out_keys = tuple(type(self).out_keys) + tuple(REWARD_COLUMN + n for n in self._columns)
 
     in_keys = (RESPONSE_TEXT, RESPONSE_MASK, DATA_SOURCE, GROUND_TRUTH, EXTRA_INFO)
     out_keys = (SCORES, TOKEN_REWARDS)
@@ -103,6 +117,8 @@ class Reward(BatchModule):
             self.stats["reward/non_finite"] += len(rows)
             scores = torch.where(bad, torch.zeros_like(scores), scores)
         self.stats.update(self._extra_means())
+        for name in self.columns:
+            batch.set(REWARD_COLUMN + name, self._column(name).to(mask.device))
         batch.set(SCORES, scores)
         batch.set(TOKEN_REWARDS, place_on_last_token(scores, mask))
         return batch
@@ -112,6 +128,16 @@ class Reward(BatchModule):
 
         The default does nothing itself; rewards holding models override it (``ModelReward``).
         """
+
+    def _column(self, name: str) -> torch.Tensor:
+        values = self.extras.get(name)
+        numbers_ = None if values is None else [None if v is None else _real(v) for v in values]
+        if numbers_ is None or None in numbers_:
+            have = "no such key" if values is None else "rows without a number there"
+            raise KeyError(f"{type(self).__name__}: reward column {name!r} wanted (algorithm.gdpo_reward_keys), but "
+                           f"the scorer's result has {have}; its extra keys: {sorted(self.extras)}. Make the "
+                           f"reward function return a dict with 'score' and {name!r} for every sample")
+        return torch.tensor(numbers_, dtype=torch.float32)
 
     def _extra_means(self) -> dict[str, float]:
         means = {}
