@@ -124,6 +124,8 @@ _OFFLOAD = ("activation offloading is a memory saving rlflow does not have yet (
             "model.enable_gradient_checkpointing); what is trained is the same")
 
 INERT: dict[str, str] = {
+    "actor_rollout_ref.actor.model_engine": ("verl's scripts after 0.9.1 set it beside actor.strategy; the engine comes "
+                                             "from actor.strategy (or the model_engine=... group) here"),
     "actor_rollout_ref.model.enable_activation_offload": _OFFLOAD, "critic.model.enable_activation_offload": _OFFLOAD,
     "data.tokenizer": "prompts are tokenized with the policy's tokenizer",
     "data.use_shm": _LOADER, "data.dataloader_num_workers": _LOADER, "data.filter_overlong_prompts_workers": _LOADER,
