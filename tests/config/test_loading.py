@@ -171,8 +171,18 @@ def test_chained_modules_kl_in_reward_remax_and_rollout_correction():
     assert [cls for cls, _ in p.before] == [A.KLInReward, A.GreedyBaseline] and p.estimator_cls is A.ReMax
     assert p.before[0][1]["kind"] == "low_var_kl"
     assert p.after == [(A.TruncatedIS, {"level": "token", "threshold": 2.0})] and p.loss_kwargs["is_weights"] is True
-    with pytest.raises(NotSupportedError, match="rollout_rs"):
-        plan("algorithm.rollout_correction.rollout_rs=token")
+    with pytest.raises(NotSupportedError, match="bypass_mode"):
+        plan("algorithm.rollout_correction.bypass_mode=true")
+    rc = "algorithm.rollout_correction"
+    p = plan(f"{rc}.rollout_rs='token_k1,seq_max_k2'", f"{rc}.rollout_rs_threshold='0.6_1.6,2.5'")
+    assert p.after == [(A.RejectionSampling, {"options": "token_k1,seq_max_k2", "threshold": "0.6_1.6,2.5"})]
+    assert "is_weights" not in p.loss_kwargs  # rejection alone: no IS weights for the loss
+    p = plan(f"{rc}.rollout_is=sequence", f"{rc}.rollout_rs=token_k1", f"{rc}.rollout_rs_threshold=2")
+    assert [c for c, _ in p.after] == [A.TruncatedIS, A.RejectionSampling] and p.loss_kwargs["is_weights"] is True
+    with pytest.raises(ConfigError, match="rollout_rs='token_k1', rollout_rs_threshold=None: .*must be set"):
+        plan(f"{rc}.rollout_rs=token_k1")
+    with pytest.raises(ConfigError, match="rollout_rs='seq_max_k1'.*unknown"):
+        plan(f"{rc}.rollout_rs=seq_max_k1", f"{rc}.rollout_rs_threshold=2")
 
 
 def test_every_verl_key_is_honoured_inert_or_not_supported(tmp_path):

@@ -2,6 +2,7 @@
 
 from rlflow.algorithms import advantages, functional
 from rlflow.algorithms.correction import TruncatedIS
+from rlflow.algorithms.rejection import RejectionSampling
 from rlflow.algorithms.estimators import (
     GAE,
     GDPO,
@@ -40,4 +41,4 @@ __all__ = ["functional", "AdvantageEstimator", "GRPO", "GAE", "PPOLoss", "ValueL
            "OPO", "GPG", "GRPOPassK", "KLInReward", "FixedKLController", "AdaptiveKLController", "TruncatedIS"]
 __all__ += ["policy_functional", "GSPOLoss", "CISPOLoss", "SAPOLoss", "ClipCovLoss", "KLCovLoss", "CovSelection",
             "GMPOLoss", "ReinforceLoss", "LOSS_MODES", "SPINLoss", "SPPOLoss", "NoAdvantage", "GroupWinRate",
-            "UpdateReference", "GDPO", "DPPOTVLoss", "DPPOKLLoss"]
+            "UpdateReference", "GDPO", "DPPOTVLoss", "DPPOKLLoss", "RejectionSampling"]

@@ -10,6 +10,7 @@ from typing import Any
 import rlflow.algorithms
 from rlflow.config import tables
 from rlflow.algorithms.correction import parse_is_threshold
+from rlflow.algorithms.rejection import parse_rs
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.optim import first_set
 from rlflow.config.resolve import Candidate, class_kwargs, fill, key, resolve_class
@@ -95,4 +96,13 @@ def companions(cfg: VerlConfig, estimator_cls: type) -> tuple[list, list, tuple 
                 "lower": Candidate((), lambda c: lower, always=lower is not None),
                 "batch_normalize": key(RC + "batch_normalize")}
         after.append((cls, class_kwargs(cls, pool, cfg)))
+    if options := cfg["algorithm.rollout_correction.rollout_rs"]:
+        cls = algorithm_class(tables.ROLLOUT_RS, "algorithm.rollout_correction.rollout_rs", options)
+        threshold = cfg["algorithm.rollout_correction.rollout_rs_threshold"]
+        try:
+            parse_rs(options, threshold)
+        except ValueError as e:
+            raise ConfigError(f"algorithm.rollout_correction.rollout_rs={options!r}, rollout_rs_threshold="
+                              f"{threshold!r}: {e}") from None
+        after.append((cls, {"options": options, "threshold": threshold}))
     return before, after, controller

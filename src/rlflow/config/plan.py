@@ -286,7 +286,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
         reward=reward_keys(cfg, manager, reward_kwargs, notes),
         estimator_cls=estimator_cls, estimator_kwargs=estimator_kwargs,
         loss_cls=loss_cls, loss_kwargs=class_kwargs(loss_cls, loss_pool(cfg), cfg,
-                                                    fixed={"is_weights": True} if after else None),
+                                                    fixed={"is_weights": True} if any(
+                                                        c.__name__ == tables.ROLLOUT_IS for c, _ in after) else None),
         before=before, after=after, kl_controller=kl_controller,
         critic_path=critic_path, critic_kwargs=critic_kwargs, value_loss_kwargs=value_loss_kwargs,
         data_kwargs={"train": cfg["data.train_files"], "val": cfg["data.val_files"],

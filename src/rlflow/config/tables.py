@@ -26,6 +26,7 @@ KL_IN_REWARD = "KLInReward"
 # modules an estimator needs before it (class name -> class name), and verl's rollout-correction weights
 ESTIMATOR_BEFORE = {"ReMax": "GreedyBaseline"}
 ROLLOUT_IS = "TruncatedIS"
+ROLLOUT_RS = "RejectionSampling"
 # algorithm.filter_groups.metric -> DynamicSampling(metric=...); another name is a column of the reward's extras.
 # verl's seq_final_reward is the KL-penalised sum, which equals seq_reward unless use_kl_in_reward is on.
 FILTER_METRICS = {"acc": "acc", "score": "score", "seq_reward": "seq_reward", "seq_final_reward": "seq_reward"}
@@ -89,7 +90,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
                                         "sources are scored without a server)", _truthy),
     "algorithm.use_pf_ppo": ("PF-PPO", _truthy),
-    "algorithm.rollout_correction.rollout_rs": ("rollout correction (rejection sampling)", _truthy),
     "algorithm.rollout_correction.bypass_mode": ("rollout correction (bypass mode)", _truthy),
     "reward.reward_manager.source": ("reward-manager classes loaded from a file (verl's source=importlib; "
                                      "rlflow's managers: naive, prime, dapo, batch)", _not("register")),
