@@ -44,6 +44,7 @@ class VerlConfig:
         self.bad_keys = set(bad_keys)  # keys whose value has the wrong type (already reported): not checked further
         self.validated = False
         self.notes: list[str] = []  # about keys loading took but that change nothing (hydra.*)
+        self.typed: set[str] = set()  # the provided keys that came from command-line overrides
         self.aliased: dict[str, str] = {}
 
     def __getitem__(self, key: str) -> Any:
@@ -304,11 +305,13 @@ def load_config(overrides: list[str] = (), config_file: str | Path | None = None
         cfg.merge_with(tree)
         if counts:
             provided |= set(flatten(tree))
+    typed: set[str] = set()  # the keys the command line sets (a note for each that changes nothing, default or not)
     for o in overrides:
         try:
-            apply_override(cfg, defaults, o, provided)
+            apply_override(cfg, defaults, o, typed)
         except ConfigError as e:
             collect.append(e)
+    provided |= typed
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         default_values = resolved_defaults(DEFAULTS_FILE)
@@ -327,5 +330,5 @@ def load_config(overrides: list[str] = (), config_file: str | Path | None = None
     bad = {e.key for e in type_errors}
     bad |= {k for k, refs in deps.items() if bad & set(refs)}
     cfg = VerlConfig(resolved, provided, default_values, deps, bad_keys=bad)
-    cfg.notes, cfg.aliased = notes, aliased
+    cfg.notes, cfg.aliased, cfg.typed = notes, aliased, typed
     return cfg

@@ -106,8 +106,8 @@ def unused_notes(cfg: VerlConfig) -> list[str]:
     for key in sorted(cfg.provided):
         if key in cfg.read or any(key.startswith(r + ".") for r in cfg.read):
             continue
-        if key in cfg.default_flat and cfg.flat.get(key) == cfg.default_flat[key]:
-            continue  # set to its default: the run is what it would be without it (verl's whole file, say)
+        if key not in cfg.typed and key in cfg.default_flat and cfg.flat.get(key) == cfg.default_flat[key]:
+            continue  # a file's key at its default (verl's whole ppo_trainer.yaml, say): the run is the same without it
         value = cfg.flat.get(key)
         reason = tables.inert_reason(key)
         notes.append(f"{key}={value!r} has no effect in rlflow: {reason}" if reason

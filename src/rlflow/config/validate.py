@@ -87,7 +87,7 @@ def check_not_supported(ctx: Context) -> None:
             ctx.add(NotSupportedError(*keys[0], feature))
         else:  # e.g. a script's ten settings of an engine rlflow does not have: one message names them all
             error = NotSupportedError(*keys[0], feature)
-            error.args = (f"{', '.join(k for k, _ in keys)}: {feature} is not supported yet in rlflow.",)
+            error.args = (f"{', '.join(f'{k}={v!r}' for k, v in keys)}: {feature} is not supported yet in rlflow.",)
             ctx.add(error)
     # profiling (global_profiler.tool, *.profiler.enable) changes no result: a note says it is not supported yet
 
