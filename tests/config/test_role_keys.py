@@ -84,9 +84,13 @@ def test_critic_loss_scale_factor_divides_the_seq_mean_token_sum_norm_value_loss
 
 # ------------------------------------------------------------------------ the rollout
 def test_rollout_seed_is_the_vllm_engines_seed(tiny):
+    pytest.importorskip("vllm")  # a plan with rollout.name=vllm needs vLLM installed (the README venv has none)
     vllm = tiny + [f"{R}.name=vllm"]
     assert make_plan(load_config(vllm + [f"{R}.seed=7"])).rollout_kwargs["engine_seed"] == 7
     assert make_plan(load_config(vllm + ["data.seed=3"])).rollout_kwargs["engine_seed"] == 3  # unset: data.seed
+
+
+def test_rollout_seed_under_the_hf_rollout_gets_a_note(tiny):
     p = make_plan(load_config(tiny + [f"{R}.seed=7"]))  # the HF rollout: the trainer's stream
     assert any(n.startswith(f"{R}.seed=7 has no effect in rlflow: with name=vllm, the engine's seed")
                for n in unused_notes(p.cfg))

@@ -149,15 +149,19 @@ def test_every_example_script_is_accepted_or_refused_only_for_a_backend(report):
     """Issue 23, item 2. Problems of the checking machine (harness.ENVIRONMENT: wandb not installed) do not
     count; a refusal for anything but a backend of BACKENDS fails, naming the script and the problem, unless
     it is a known gap (KNOWN_GAPS) with the reason listed there."""
-    failures, gaps = [], set()
+    failures, closed = [], []
     for script, runs in report["scripts"].items():
+        # a gap is closed when nothing but the machine stops the script; without vLLM the dry run stops before the
+        # checks some gaps are found by, so that is only judged where vLLM is installed (as in .ci/run)
+        only_environment = all(harness.environment(p) for run in runs for p in run["problems"])
+        if script in KNOWN_GAPS and only_environment and importlib.util.find_spec("vllm") is not None:
+            closed.append(script)
         for run in runs:
             other = [p for p in run["problems"] if not backend(p) and not harness.environment(p)]
-            if script in KNOWN_GAPS and other and all(re.search(KNOWN_GAPS[script], p) for p in other):
-                gaps.add(script)
+            if script in KNOWN_GAPS and all(re.search(KNOWN_GAPS[script], p) for p in other):
                 continue
             failures += [f"{script}: {p.splitlines()[0][:240]}" for p in other]
     refused = len({f.split(":")[0] for f in failures})
     assert not failures, (f"{refused} of {len(report['scripts'])} verl example scripts refused for something other "
                           f"than a backend rlflow lacks ({len(failures)} problems):\n" + "\n".join(failures))
-    assert gaps == set(KNOWN_GAPS), f"accepted now, take off KNOWN_GAPS: {sorted(set(KNOWN_GAPS) - gaps)}"
+    assert not closed, f"accepted now, take off KNOWN_GAPS: {closed}"
