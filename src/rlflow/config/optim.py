@@ -68,7 +68,8 @@ def optim_kwargs(cfg: VerlConfig, notes: list[str], with_critic: bool, same: Cal
                 else None, aliases=CLIP_KEYS[A][1:], critic_aliases=CLIP_KEYS[C][1:])
     # verl's Megatron configs name Megatron's optimizers: its "adam" is decoupled weight decay (megatron-core
     # falls back to torch.optim.AdamW for it), "sgd" is SGD
-    name = tables.MEGATRON_OPTIMIZERS.get(same("optim.optimizer"), same("optim.optimizer"))
+    name = same("optim.optimizer")  # read once: the one-value rule may add a note
+    name = tables.MEGATRON_OPTIMIZERS.get(name, name)
     if not hasattr(torch.optim, name):
         raise ConfigError(f"{A}.optim.optimizer={name!r}: torch.optim has no such optimizer")
     weight_decay, betas = same("optim.weight_decay"), same("optim.betas")
