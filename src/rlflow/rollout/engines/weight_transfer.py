@@ -47,7 +47,7 @@ import torch
 log = logging.getLogger("rlflow.rollout.weight_transfer")
 
 SHM = "rlflow_shm"
-MODULE = "rlflow.rollout.engines.weight_transfer"  # by name: run as ``python -m`` this file is ``__main__``
+MODULE = "rlflow.rollout.engines.weight_transfer"
 ALIGN = 64  # every tensor starts on a 64-byte boundary, so a uint8 view can be viewed as any dtype
 
 
@@ -355,15 +355,48 @@ class Sender:
         return metrics
 
 
-def main() -> None:
-    """``python -m rlflow.rollout.engines.weight_transfer ARGS``: vLLM's OpenAI server with ``rlflow_shm``
-    registered in its process (the factory's registry is per process), ARGS as for
-    ``python -m vllm.entrypoints.openai.api_server``."""
-    import runpy
+def server_sender(engine, requested: str | None) -> Sender | None:
+    """A :class:`Sender` to ``engine``'s server (a :class:`~rlflow.rollout.engines.server.ServerEngine`), or
+    None when the server does not take weights through the protocol: no RL endpoints (an older vLLM, no
+    ``VLLM_SERVER_DEV_MODE``, another server), started without ``--weight-transfer-config``, or unable to read
+    this machine's shared memory. Said once, as a warning; the caller then keeps its disk path. In a
+    multi-process trainer, rank 0 asks and every rank follows its answer (all ranks gather the buckets)."""
+    import torch.distributed as dist
 
-    register()
-    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+    from rlflow.rollout.engines.checkpoint import distributed
+    from rlflow.rollout.engines.server import ServerError
+
+    where = f"the server at {engine.url}"
+    backend = choose_backend(requested, on_gpu=torch.cuda.is_available(), server=True, where=where)
+    if backend is None:
+        return None
+    rank = dist.get_rank() if distributed() else 0
+    reason = [None]
+    if rank == 0:
+        try:  # one attempt each: a refusal here is an answer, not a fault to retry
+            client = HTTPClient(lambda path, payload: engine.request(path, payload, retries=0))
+            world = engine.request("/get_world_size", method="GET", retries=0)["world_size"] if backend == "nccl" else 1
+            sender = Sender(backend, client, server_world_size=world)
+        except (ServerError, ValueError, KeyError, TypeError) as e:
+            reason = [str(e)[:300]]
+    if distributed():
+        dist.broadcast_object_list(reason, src=0)
+    if reason[0] is not None:
+        log.warning("%s does not take weights through vLLM's weight-transfer protocol (%s); weights go through "
+                    "its reload from a checkpoint folder instead", where, reason[0])
+        return None
+    return sender if rank == 0 else Sender(backend, HTTPClient(engine.request), rank=rank)
 
 
-if __name__ == "__main__":
-    main()
+def server_arguments(weight_transfer: str | None) -> list[str]:
+    """vLLM server arguments for weights through ``weight_transfer`` (``"auto"``: ``rlflow_shm`` on CPU,
+    ``nccl`` on CUDA): ``--weight-transfer-config``, and for ``rlflow_shm`` the worker extension whose import
+    registers it in the server's engine process (:mod:`rlflow.rollout.engines.vllm_extension`). Nothing where
+    the protocol is off or missing."""
+    if weight_transfer in (None, "reload") or protocol_missing() is not None:
+        return []
+    import json
+
+    backend = ("nccl" if torch.cuda.is_available() else SHM) if weight_transfer == "auto" else weight_transfer
+    extension = ["--worker-extension-cls", "rlflow.rollout.engines.vllm_extension.WeightTransferExtension"]
+    return ["--weight-transfer-config", json.dumps({"backend": backend})] + (extension if backend == SHM else [])
