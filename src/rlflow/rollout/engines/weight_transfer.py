@@ -22,6 +22,10 @@ probe file the trainer wrote) so that a remote server falls back to the disk pat
 of failing at the first update. vLLM's base ``update_weights`` calls ``torch.accelerator.synchronize()``,
 which raises on a machine without an accelerator; this engine overrides it.
 
+A server creates its worker in a spawned engine process, where this process's registration does not exist:
+:func:`server_arguments` names :mod:`rlflow.rollout.engines.vllm_extension` as the worker extension, whose
+import registers ``rlflow_shm`` there.
+
 On CUDA ``backend="auto"`` picks vLLM's own engines through its trainer-side factory: ``ipc`` for the
 in-process engine (same GPU), ``nccl`` for a server. Those paths are wired but were not run here (no GPU);
 ``tests/rollout/test_vllm_gpu.py`` runs them where one is present.
