@@ -42,7 +42,7 @@ import os
 import socket
 import tempfile
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -306,9 +306,10 @@ class BucketSource:
         self.pairs: list[tuple[str, torch.Tensor]] = []
 
     def set(self, buckets) -> dict[str, float]:
+        buckets = list(buckets)
         self.pairs = [pair for bucket in buckets for pair in bucket]
         unique = {id(t): t for _, t in self.pairs}.values()
-        return {"weight_sync/buckets": float(len(self.pairs) > 0),
+        return {"weight_sync/buckets": float(len(buckets)),
                 "weight_sync/gb": sum(t.numel() * t.element_size() for t in unique) / 1e9}
 
     def metadata(self):
