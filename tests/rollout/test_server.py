@@ -21,8 +21,9 @@ from tests.rollout.test_vllm import largest_difference, prompts
 
 @requires_vllm
 def test_trains_through_the_server_and_its_log_probs_follow_each_update(vllm_server, vllm_model_dir, tmp_path):
-    """GRPO steps sampled by the server; every update is written to disk and reloaded by the server in place
-    (/collective_rpc reload_weights + /reset_prefix_cache), after which its log-probs equal the policy's."""
+    """GRPO steps sampled by the server; every update goes through vLLM's weight-transfer endpoints (the
+    rlflow_shm backend: buckets in shared memory, nothing on disk) + /reset_prefix_cache, after which its
+    log-probs equal the policy's; the server's own weight version counts the rounds."""
     policy = Policy.from_pretrained(vllm_model_dir)
     rollout = ServerRollout(vllm_server, n=4, max_new_tokens=4, checkpoint_dir=tmp_path / "weights")
     train, _, _ = AdditionTask().splits()
@@ -40,6 +41,44 @@ def test_trains_through_the_server_and_its_log_probs_follow_each_update(vllm_ser
     assert largest_difference(policy(rollout(probe))) > 1e-2
     rollout.sync_weights(policy.model)
     assert largest_difference(policy(rollout(probe))) < 1e-4
+    sender = rollout.engine.sender
+    assert sender.backend == "rlflow_shm" and sender.rounds == 4  # bind + 2 steps + this one
+    assert rollout.engine.request("/weight_info", method="GET") == {"weight_version": "4"}
+    assert not (tmp_path / "weights").exists()
+
+
+@requires_vllm
+def test_without_the_protocol_weights_go_through_the_disk_said_once(vllm_server, vllm_model_dir, tmp_path, caplog):
+    """A server without the weight-transfer endpoints (404, as an older vLLM's): one warning, then every update
+    is written to disk and reloaded (/collective_rpc reload_weights), log-probs equal after each. A refused
+    init (a probe the worker cannot read: another machine's shared memory) is a 500 the server survives."""
+    import logging
+
+    from rlflow.rollout.engines.weight_transfer import HTTPClient
+
+    caplog.set_level(logging.INFO, logger="rlflow.rollout.weight_transfer")
+    engine = ServerEngine(vllm_server)
+    with pytest.raises(ServerError, match="HTTP 500"):
+        HTTPClient(lambda path, body: engine.request(path, body, retries=0)).init_weight_transfer_engine(
+            {"probe": str(tmp_path / "elsewhere"), "token": "x"})
+    proxy = FaultProxy(vllm_server, lambda path, body, seen: 404 if path == "/init_weight_transfer_engine" else None)
+    policy = Policy.from_pretrained(vllm_model_dir)
+    try:
+        rollout = ServerRollout(proxy.url, n=2, max_new_tokens=4, checkpoint_dir=tmp_path / "weights")
+        rollout.bind(policy.model, policy.tokenizer)
+        probe = prompts(policy.tokenizer)
+        for _ in range(2):
+            with torch.no_grad():
+                for p in policy.model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            assert largest_difference(policy(rollout(probe))) > 1e-2
+            metrics = rollout.sync_weights(policy.model)
+            assert largest_difference(policy(rollout(probe))) < 1e-4 and "weight_sync/write_s" in metrics
+    finally:
+        proxy.close()
+    assert rollout.engine.sender is False and any((tmp_path / "weights").glob("*.safetensors"))
+    lines = [r.getMessage() for r in caplog.records if "weight-transfer protocol" in r.getMessage()]
+    assert len(lines) == 2 and "HTTP 404" in lines[1] and "reload from a checkpoint folder" in lines[1], lines
 
 
 @requires_vllm
@@ -80,7 +119,8 @@ def test_an_unreachable_server_is_named():
 
 @requires_vllm
 def test_a_server_without_weight_updates_is_refused_at_bind(vllm_server, vllm_model_dir):
-    proxy = FaultProxy(vllm_server, lambda path, body, seen: 404 if path == "/collective_rpc" else None)
+    refused = ("/collective_rpc", "/init_weight_transfer_engine")  # neither weight path
+    proxy = FaultProxy(vllm_server, lambda path, body, seen: 404 if path in refused else None)
     policy = Policy.from_pretrained(vllm_model_dir)
     try:
         with pytest.raises(ServerError, match="no weight-update endpoint.*VLLM_SERVER_DEV_MODE=1"):

@@ -86,24 +86,76 @@ def test_sampling_keeps_the_host_stream_and_its_own(vllm_engine, vllm_model_dir)
     assert torch.equal(seeded(batch)[K.RESPONSE_IDS], seeded(batch)[K.RESPONSE_IDS])
 
 
+def worker_transfer(engine) -> tuple[str, int, int] | None:
+    """The vLLM worker's own weight-transfer engine: (class name, rounds finished, bytes received), or None."""
+    def read(worker):
+        wt = worker.weight_transfer_engine
+        return None if wt is None else (type(wt).__name__, wt.rounds, wt.received_bytes)
+
+    with engine.lock, engine.isolation:
+        return engine.llm.collective_rpc(read)[0]
+
+
 @requires_vllm
-def test_every_update_reaches_the_engine(vllm_engine, vllm_model_dir):
+@pytest.mark.parametrize("path", ["protocol", "reload"])
+def test_every_update_reaches_the_engine(vllm_engine, vllm_model_dir, path):
     """Several real gradient steps: before each sync the engine is stale (so a stale engine cannot pass); after
-    it, with the prefix cache reset, its log-probs equal the updated policy's."""
+    it, with the prefix cache reset, its log-probs equal the updated policy's. "protocol": through vLLM's four
+    weight-transfer calls with the rlflow_shm backend, counted by the worker's engine itself; "reload": the
+    path kept for a vLLM without the protocol (the same engine with its sender set aside)."""
+    engine = vllm_engine[0]
+    assert engine.weight_transfer == "rlflow_shm" and worker_transfer(engine)[0] == "SharedMemoryWeightTransferEngine"
     policy, rollout = bound(vllm_model_dir, temperature=0.8, n=4, max_new_tokens=6, bucket_bytes=64 * 1024)
     opt = torch.optim.AdamW(policy.model.parameters(), lr=3e-2)
     batch_prompts = prompts(policy.tokenizer)
     nbytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())
-    for _ in range(3):
-        batch = rollout(batch_prompts)
-        log_probs, _ = policy.log_probs(batch)
-        (-(log_probs * batch[K.RESPONSE_MASK]).sum()).backward()  # make the sampled responses likelier
-        opt.step()
-        opt.zero_grad()
-        assert largest_difference(policy(rollout(batch_prompts))) > 1e-2  # not yet sent: stale
-        metrics = rollout.sync_weights(policy.model)
-        assert metrics["weight_sync/buckets"] > 1 and metrics["weight_sync/gb"] == pytest.approx(nbytes / 1e9)
-        assert largest_difference(policy(rollout(batch_prompts))) < 1e-4
+    sender = engine.sender
+    if path == "reload":
+        engine.sender = None
+    try:
+        for _ in range(3):
+            batch = rollout(batch_prompts)
+            log_probs, _ = policy.log_probs(batch)
+            (-(log_probs * batch[K.RESPONSE_MASK]).sum()).backward()  # make the sampled responses likelier
+            opt.step()
+            opt.zero_grad()
+            assert largest_difference(policy(rollout(batch_prompts))) > 1e-2  # not yet sent: stale
+            _, rounds, received = worker_transfer(engine)
+            metrics = rollout.sync_weights(policy.model)
+            assert metrics["weight_sync/buckets"] > 1 and metrics["weight_sync/gb"] == pytest.approx(nbytes / 1e9)
+            assert largest_difference(policy(rollout(batch_prompts))) < 1e-4
+            _, rounds_after, received_after = worker_transfer(engine)
+            if path == "protocol":  # one start/update.../finish round, every byte through shared memory
+                assert rounds_after == rounds + 1 and received_after - received >= nbytes
+                assert engine.llm.get_weight_version() == str(sender.rounds)
+            else:
+                assert (rounds_after, received_after) == (rounds, received)
+    finally:
+        engine.sender = sender
+
+
+def test_weight_transfer_choice_says_which_path_once(monkeypatch, caplog):
+    """The backend choice: rlflow_shm on CPU (ipc / nccl on CUDA), the reload path where vLLM has no protocol
+    (said once, as a warning), and a backend name vLLM does not know refused with the choices."""
+    import logging
+    import sys
+
+    from rlflow.rollout.engines.weight_transfer import choose_backend
+
+    caplog.set_level(logging.INFO, logger="rlflow.rollout.weight_transfer")
+    if importlib.util.find_spec("vllm") is not None:
+        assert choose_backend("auto", on_gpu=False, server=False, where="E") == "rlflow_shm"
+        assert choose_backend("auto", on_gpu=True, server=False, where="E") == "ipc"
+        assert choose_backend("auto", on_gpu=True, server=True, where="E") == "nccl"
+        with pytest.raises(ValueError, match=r"weight_transfer='gloo': not a vLLM weight-transfer backend.*'ipc'"):
+            choose_backend("gloo", on_gpu=False, server=False, where="E")
+    assert choose_backend("reload", on_gpu=False, server=False, where="E") is None
+    caplog.clear()
+    monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer", None)  # an older vLLM: no protocol
+    assert choose_backend("auto", on_gpu=False, server=False, where="VLLMEngine") is None
+    lines = [r for r in caplog.records if "reload_weights" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelname == "WARNING"
+    assert lines[0].getMessage().startswith("VLLMEngine: this vLLM has no weight-transfer protocol")
 
 
 @requires_vllm

@@ -78,21 +78,27 @@ class ServerProcess:
 def vllm_server_command(model_dir: str | Path, port: int, *, host: str = "127.0.0.1", dtype: str = "auto",
                         max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
                         enforce_eager: bool = False, logprobs_mode: str = "raw_logprobs", seed: int = 0,
-                        enable_prefix_caching: bool = True, extra: tuple[str, ...] = ()) -> list[str]:
+                        enable_prefix_caching: bool = True, extra: tuple[str, ...] = (),
+                        weight_transfer: str | None = "auto") -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server`` for ``model_dir`` (it needs the tokenizer files too).
 
     ``enable_prefix_caching``: ``--enable-prefix-caching`` or ``--no-enable-prefix-caching`` (verl's
     ``rollout.enable_prefix_caching``; rlflow resets the cache after every weight update either way).
+    ``weight_transfer``: the server takes weights through vLLM's weight-transfer protocol (``"auto"``:
+    rlflow's shared-memory backend on CPU, registered in the server's worker by a worker extension; NCCL on
+    CUDA); ``"reload"``: from disk only.
 
     Run it with ``VLLM_SERVER_DEV_MODE=1`` in the environment so rlflow can send weights
     (:data:`VLLM_SERVER_ENV` holds that and the in-process engine core setting)."""
+    from rlflow.rollout.engines.weight_transfer import server_arguments
+
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", host,
            "--port", str(port), "--dtype", dtype, "--logprobs-mode", logprobs_mode, "--seed", str(seed),
            "--disable-log-stats", "--uvicorn-log-level", "warning",
            "--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching"]
     cmd += ["--max-model-len", str(max_model_len)] if max_model_len else []
     cmd += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)] if kv_cache_memory_bytes else []
-    return cmd + (["--enforce-eager"] if enforce_eager else []) + list(extra)
+    return cmd + (["--enforce-eager"] if enforce_eager else []) + server_arguments(weight_transfer) + list(extra)
 
 
 # Weight updates need the dev endpoints; one engine-core process instead of two starts ~30 s sooner on CPU.
@@ -110,7 +116,7 @@ class ServerRollout(SingleTurnRollout):
         url: the server's base URL.
         n, temperature, top_p, top_k, max_new_tokens, do_sample, seed, stop_token_ids, bucket_bytes: as ``HFRollout``.
         launch: a command that starts the server (rlflow starts it, waits until it answers, stops it at exit).
-        model, max_concurrency, timeout, retries, backoff, checkpoint_dir, logprobs_mode: see
+        model, max_concurrency, timeout, retries, backoff, checkpoint_dir, logprobs_mode, weight_transfer: see
             :class:`~rlflow.rollout.engines.server.ServerEngine`.
     """
 
@@ -123,12 +129,14 @@ class ServerRollout(SingleTurnRollout):
                  stop_token_ids: tuple[int, ...] = (), bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  launch: str | list[str] | None = None, model: str | None = None, max_concurrency: int = 64,
                  timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
-                 checkpoint_dir: str | Path | None = None, logprobs_mode: str = "raw_logprobs"):
+                 checkpoint_dir: str | Path | None = None, logprobs_mode: str = "raw_logprobs",
+                 weight_transfer: str | None = "auto"):
         super().__init__(None, n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                          do_sample=do_sample, seed=seed, stop_token_ids=stop_token_ids, bucket_bytes=bucket_bytes)
         self.url, self.launch = url, launch
         self.engine_options = dict(model=model, max_concurrency=max_concurrency, timeout=timeout, retries=retries,
-                                   backoff=backoff, checkpoint_dir=checkpoint_dir, logprobs_mode=logprobs_mode)
+                                   backoff=backoff, checkpoint_dir=checkpoint_dir, logprobs_mode=logprobs_mode,
+                                   weight_transfer=weight_transfer)
         self.server: ServerProcess | None = None
 
     def make_engine(self, model, tokenizer) -> Engine:

@@ -28,6 +28,8 @@ class VLLMRollout(SingleTurnRollout):
         enable_prefix_caching, max_num_batched_tokens, max_num_seqs, enable_chunked_prefill: engine options.
         free_cache_engine: sleep between generations on GPU (all engine options: see ``VLLMEngine``).
         engine_seed: the engine's seed (its own random stream; the trainer's is untouched).
+        weight_transfer: how updates reach the engine: ``"auto"`` (vLLM's weight-transfer protocol), a backend
+            name, or ``"reload"`` (see ``VLLMEngine``).
         engine_kwargs: more ``vllm.LLM`` arguments.
 
     Raises:
@@ -44,7 +46,8 @@ class VLLMRollout(SingleTurnRollout):
                  gpu_memory_utilization: float | None = None, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, enable_chunked_prefill: bool | None = None,
-                 free_cache_engine: bool = True, engine_seed: int = 0, engine_kwargs: dict | None = None):
+                 free_cache_engine: bool = True, engine_seed: int = 0, engine_kwargs: dict | None = None,
+                 weight_transfer: str | None = "auto"):
         if engine is None and importlib.util.find_spec("vllm") is None:
             raise ImportError(f"VLLMRollout needs vLLM, which is not installed: {INSTALL_HINT}")
         super().__init__(engine, n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
@@ -55,7 +58,8 @@ class VLLMRollout(SingleTurnRollout):
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
-            free_cache_engine=free_cache_engine, seed=engine_seed, **(engine_kwargs or {}))
+            free_cache_engine=free_cache_engine, seed=engine_seed, weight_transfer=weight_transfer,
+            **(engine_kwargs or {}))
 
     def make_engine(self, model, tokenizer) -> Engine:
         if self.engine is not None:

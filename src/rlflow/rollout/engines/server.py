@@ -5,10 +5,14 @@ Each prompt is one ``POST /v1/completions`` request with the prompt as token ids
 gets a 5xx/429 answer is sent again after ``backoff * 2**attempt`` seconds, up to ``retries`` times; its
 result is stored under the prompt's index, so a retried request can neither lose nor duplicate samples.
 
-Weights reach the server through the disk: the buckets are written as a checkpoint folder
+Weights reach a vLLM server through its weight-transfer endpoints (``/init_weight_transfer_engine`` once, then
+``/start_weight_update``, ``/update_weights`` per bucket, ``/finish_weight_update``) when it was started with
+``--weight-transfer-config`` (:func:`~rlflow.rollout.server.vllm_server_command` does; on CPU the buckets
+travel through shared memory, :mod:`rlflow.rollout.engines.weight_transfer`), then ``POST /reset_prefix_cache``.
+Otherwise (said once) through the disk: the buckets are written as a checkpoint folder
 (``checkpoint_dir``, which the server must be able to read), then the server reloads it in place. vLLM does
 this with ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` and
-``POST /reset_prefix_cache`` (both only when the server runs with ``VLLM_SERVER_DEV_MODE=1``); SGLang with
+``POST /reset_prefix_cache`` (all of these only when the server runs with ``VLLM_SERVER_DEV_MODE=1``); SGLang with
 ``POST /update_weights_from_disk`` and ``POST /flush_cache`` (:class:`SGLangEngine`). A server without such an
 endpoint is refused with a message that says so.
 
@@ -55,15 +59,20 @@ class ServerEngine(Engine):
         eos_token_ids: stop tokens sent with every request besides the sampling parameters' own.
         logprobs_mode: the server's ``--logprobs-mode`` (vLLM): ``"raw_logprobs"`` (vLLM's default) or
             ``"processed_logprobs"``.
+        weight_transfer: ``"auto"`` (vLLM's weight-transfer protocol where the server takes it, else the disk),
+            a backend name, or ``"reload"`` (always the disk).
     """
 
     holds_own_weights = True
     generate_path = "/v1/completions"
+    speaks_vllm_protocol = True
 
     def __init__(self, url: str, *, model: str | None = None, max_concurrency: int = 64, timeout: float = 600.0,
                  retries: int = 3, backoff: float = 0.5, checkpoint_dir: str | Path | None = None,
-                 eos_token_ids: tuple[int, ...] = (), logprobs_mode: str = "raw_logprobs"):
+                 eos_token_ids: tuple[int, ...] = (), logprobs_mode: str = "raw_logprobs",
+                 weight_transfer: str | None = "auto"):
         self.url = url.rstrip("/")
+        self.weight_transfer, self.sender = weight_transfer if self.speaks_vllm_protocol else None, None
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.eos_token_ids, self.logprobs_mode = tuple(eos_token_ids), logprobs_mode
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -74,10 +83,13 @@ class ServerEngine(Engine):
         self.model = model or self.served_model()
 
     # ------------------------------------------------------------------ HTTP
-    def request(self, path: str, payload: dict | None = None, *, method: str = "POST", timeout: float | None = None):
-        """One JSON request with retries; returns the decoded answer (``None`` for an empty body)."""
+    def request(self, path: str, payload: dict | None = None, *, method: str = "POST", timeout: float | None = None,
+                retries: int | None = None):
+        """One JSON request with retries (``self.retries`` by default); returns the decoded answer (``None`` for
+        an empty body)."""
         url, data = f"{self.url}{path}", None if payload is None else json.dumps(payload).encode()
-        for attempt in range(self.retries + 1):
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
             req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=timeout or self.timeout) as answer:
@@ -85,13 +97,13 @@ class ServerEngine(Engine):
                 return json.loads(body) if body.strip() else None
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")[:500]
-                if e.code not in RETRY_STATUS or attempt == self.retries:
+                if e.code not in RETRY_STATUS or attempt == retries:
                     raise ServerError(f"{method} {url} failed: HTTP {e.code}: {detail}") from None
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-                if attempt == self.retries:
+                if attempt == retries:
                     reason = getattr(e, "reason", e)
                     raise ServerError(f"cannot reach the server at {self.url} ({method} {path}: {reason}) after "
-                                      f"{self.retries + 1} attempts: is it running, and is the URL right?") from None
+                                      f"{retries + 1} attempts: is it running, and is the URL right?") from None
             self.stats["server/retries"] += 1
             time.sleep(self.backoff * 2**attempt)
 
@@ -155,8 +167,19 @@ class ServerEngine(Engine):
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, buckets: WeightBuckets) -> dict[str, float]:
-        """Write the buckets as a checkpoint folder, then have the server reload it (one process asks)."""
+        """Send the buckets through vLLM's weight-transfer protocol, or write them as a checkpoint folder and
+        have the server reload it (one process asks)."""
         start = time.perf_counter()
+        if self.weight_transfer is not None and self.sender is None:  # decided once, at the first update
+            from rlflow.rollout.engines.weight_transfer import server_sender
+
+            self.sender = server_sender(self, self.weight_transfer) or False
+        if self.sender:
+            metrics = self.sender.send(buckets)
+            if writes_checkpoints():
+                self.request("/reset_prefix_cache", {})
+            barrier()  # no process samples before the server holds the new weights
+            return metrics | {"weight_sync/load_s": time.perf_counter() - start}
         if self.checkpoint_dir is None:  # created on first use, so a server that never trains writes nothing
             self.checkpoint_dir = shared_temp_dir("rlflow-server-weights-")
         metrics = write_checkpoint(buckets, self.checkpoint_dir)
@@ -191,6 +214,7 @@ class SGLangEngine(ServerEngine):
     in rlflow's tests (SGLang could not be installed on the CPU machines they run on)."""
 
     generate_path = "/generate"
+    speaks_vllm_protocol = False  # weights through /update_weights_from_disk
 
     def served_model(self) -> str:
         info = self.request("/get_model_info", method="GET", timeout=min(self.timeout, 30.0))

@@ -1,9 +1,12 @@
 """VLLMEngine: an in-process ``vllm.LLM`` (colocated with the trainer, as verl's hybrid engine).
 
 The engine runs in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): start-up takes seconds, and
-weights arrive as tensors, bucket by bucket, through the worker's ``reload_weights`` (no disk, no copy of the
-whole model), after which the prefix cache is reset (cached prompt blocks hold activations of the old
-weights: without the reset log-probs drift by up to ~100 nats after an update).
+weights arrive bucket by bucket through vLLM's weight-transfer protocol (``start_weight_update``,
+``update_weights`` per bucket, ``finish_weight_update``; on CPU rlflow's shared-memory backend, see
+:mod:`rlflow.rollout.engines.weight_transfer`), or, where vLLM lacks the protocol or ``weight_transfer="reload"``,
+as tensors through the worker's ``reload_weights`` (said once at start-up). Either way no disk is involved and
+the prefix cache is reset afterwards (cached prompt blocks hold activations of the old weights: without the
+reset log-probs drift by up to ~100 nats after an update).
 
 **Log-probs.** vLLM reports either the raw distribution (before temperature) or the processed one (after
 top-k/top-p truncation); rlflow needs the temperature-scaled, untruncated one the Policy recomputes. The
@@ -39,6 +42,7 @@ from torch import nn
 
 from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets, counted
 from rlflow.rollout.engines.checkpoint import model_folder, shared_temp_dir, write_checkpoint, writes_checkpoints
+from rlflow.rollout.engines.weight_transfer import LLMClient, Sender, choose_backend
 from rlflow.rollout.weight_sync import update_buckets
 
 CPU_KV_CACHE_BYTES = 256 * 2**20  # vLLM's CPU backend would otherwise reserve ~92 % of the machine's memory
@@ -142,6 +146,9 @@ class VLLMEngine(Engine):
         free_cache_engine: on GPU, :meth:`sleep` frees weights and KV cache between generations (level 1 sleep:
             weights are kept in CPU memory), :meth:`wake` restores them; no-ops on CPU.
         seed: vLLM's seed and the start of the engine's own random stream.
+        weight_transfer: how updates arrive: ``"auto"`` (vLLM's weight-transfer protocol with ``rlflow_shm``
+            on CPU, ``ipc`` on CUDA), a backend name, or ``"reload"`` (``reload_weights``, the path where vLLM
+            has no protocol).
         **engine_kwargs: passed to ``vllm.LLM`` as they are (verl's ``rollout.engine_kwargs.vllm``).
     """
 
@@ -152,7 +159,8 @@ class VLLMEngine(Engine):
                  gpu_memory_utilization: float | None = None, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, enable_chunked_prefill: bool | None = None,
-                 free_cache_engine: bool = False, seed: int = 0, **engine_kwargs):
+                 free_cache_engine: bool = False, seed: int = 0, weight_transfer: str | None = "auto",
+                 **engine_kwargs):
         from transformers import AutoConfig
 
         self.isolation = HostIsolation(seed)
@@ -192,9 +200,13 @@ class VLLMEngine(Engine):
         options = {k: v for k, v in options.items() if v is not None}
         with self.isolation:
             vllm = import_vllm()
+            self.weight_transfer = choose_backend(weight_transfer, on_gpu=self.on_gpu, server=False, where="VLLMEngine")
+            if self.weight_transfer is not None:
+                options["weight_transfer_config"] = {"backend": self.weight_transfer}
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process (restored on exit)
             self.llm = vllm.LLM(**options)
             self.heads = self._logits_processors()
+            self.sender = Sender(self.weight_transfer, LLMClient(self.llm)) if self.weight_transfer else None
         self.options = options
 
     def _logits_processors(self) -> list[tuple[nn.Module, float]]:
@@ -242,14 +254,18 @@ class VLLMEngine(Engine):
         return [samples[i : i + params.n] for i in range(0, len(samples), params.n)]
 
     def load_weights(self, buckets: WeightBuckets) -> dict[str, float]:
-        """One ``reload_weights`` call consuming the buckets as they are gathered, then a prefix-cache reset.
+        """One round of the weight-transfer protocol (one ``update_weights`` per bucket, as they are gathered)
+        or one ``reload_weights`` call consuming the buckets, then a prefix-cache reset.
 
         Send tied parameters under all their names (``hf_weight_buckets(model)``): vLLM's in-place reload keeps
         a stale LM head when only the input embedding arrives."""
         totals, start = {"weight_sync/buckets": 0.0, "weight_sync/gb": 0.0}, time.perf_counter()
         with self.lock, self.isolation:
             self._wake()
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(buckets, totals)})
+            if self.sender is not None:
+                totals = self.sender.send(buckets)
+            else:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(buckets, totals)})
             if not self.llm.reset_prefix_cache():
                 raise RuntimeError("vLLM could not reset its prefix cache after a weight update (requests running?)")
         return totals | {"weight_sync/load_s": time.perf_counter() - start}
