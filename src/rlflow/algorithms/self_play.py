@@ -101,10 +101,9 @@ class SPINLoss(PPOLoss):
         keys = dict.fromkeys(super().in_keys + (REF_LOG_PROBS, GROUP, IS_REFERENCE))
         return tuple(k for k in keys if k not in (ADVANTAGES, OLD_LOG_PROBS))  # SPIN reads neither
 
-    def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
-        return PF.spin_loss(batch[LOG_PROBS], batch[REF_LOG_PROBS], batch[RESPONSE_MASK], batch[GROUP],
-                            batch[IS_REFERENCE], self.beta, self.agg, num_tokens, num_seqs,
-                            norm_length=self.loss_scale_factor)
+    def objective(self, batch: TensorDict) -> tuple[Tensor, dict[str, Tensor]]:
+        return PF.spin_objective(batch[LOG_PROBS], batch[REF_LOG_PROBS], batch[RESPONSE_MASK], batch[GROUP],
+                                 batch[IS_REFERENCE], self.beta)
 
 
 class SPPOLoss(PPOLoss):
@@ -134,11 +133,10 @@ class SPPOLoss(PPOLoss):
     def in_keys(self) -> tuple[str, ...]:
         return tuple(k for k in dict.fromkeys(super().in_keys + (REF_LOG_PROBS,)) if k != OLD_LOG_PROBS)
 
-    def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
+    def objective(self, batch: TensorDict) -> tuple[Tensor, dict[str, Tensor]]:
         mask = batch[RESPONSE_MASK]
         target = masked_sum(batch[ADVANTAGES], mask, -1) / mask.sum(-1).clamp(min=1)  # the row's constant value
-        return PF.sppo_loss(batch[LOG_PROBS], batch[REF_LOG_PROBS], mask, target, self.eta, self.agg,
-                            num_tokens, num_seqs, norm_length=self.loss_scale_factor)
+        return PF.sppo_objective(batch[LOG_PROBS], batch[REF_LOG_PROBS], mask, target, self.eta)
 
 
 class UpdateReference:
