@@ -27,7 +27,7 @@ class _Variant(PPOLoss):
 
 class GSPOLoss(_Variant):
     """GSPO (arXiv 2507.18071; verl ``gspo``): PPO's clip on the sequence-level ratio
-    ``s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|)`` (``policy_functional.gspo_loss``).
+    ``s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|)`` (``policy_functional.gspo_objective``).
 
     Defaults are the paper's (and verl's GSPO example's) clip range 3e-4 / 4e-4 and verl's forced
     ``seq-mean-token-mean``; unlike verl, ``agg`` may be changed.
@@ -43,7 +43,7 @@ class GSPOLoss(_Variant):
 
 class CISPOLoss(_Variant):
     """CISPO (MiniMax-M1, arXiv 2506.13585; verl ``cispo``): ``-sg(clip(r)) * A * logp``
-    (``policy_functional.cispo_loss``). The clip range is PPOLoss's (verl's ``clip_ratio_low/high``,
+    (``policy_functional.cispo_objective``). The clip range is PPOLoss's (verl's ``clip_ratio_low/high``,
     0.2 / 0.2); the paper drops the lower bound: ``CISPOLoss(clip_ratio_low=1.0, clip_ratio_high=...)``.
     """
 
@@ -53,7 +53,7 @@ class CISPOLoss(_Variant):
 
 class SAPOLoss(_Variant):
     """SAPO (arXiv 2511.20347; verl ``sapo``): the hard clip replaced by the gate
-    ``sigmoid(tau (r - 1)) * 4 / tau`` (``policy_functional.sapo_loss``); ``tau_pos`` for ``A > 0``,
+    ``sigmoid(tau (r - 1)) * 4 / tau`` (``policy_functional.sapo_objective``); ``tau_pos`` for ``A > 0``,
     ``tau_neg`` otherwise. Default ``agg`` is verl's forced ``seq-mean-token-mean``.
     """
 
@@ -68,7 +68,7 @@ class SAPOLoss(_Variant):
 
 
 class ReinforceLoss(_Variant):
-    """Plain REINFORCE, ``-A * logp`` (verl ``gpg``; ``policy_functional.reinforce_loss``). No ratio, no clip."""
+    """Plain REINFORCE, ``-A * logp`` (verl ``gpg``; ``policy_functional.reinforce_objective``). No ratio, no clip."""
 
     def objective(self, batch: TensorDict) -> tuple[Tensor, dict[str, Tensor]]:
         return PF.reinforce_objective(batch[LOG_PROBS], batch[ADVANTAGES])
@@ -76,7 +76,7 @@ class ReinforceLoss(_Variant):
 
 class GMPOLoss(_Variant):
     """GMPO (arXiv 2507.20673; verl ``geo_mean``): the geometric mean of token ratios, clipped per token in
-    log space to ``[-clip_ratio_low, clip_ratio_high]`` (``policy_functional.gmpo_loss``).
+    log space to ``[-clip_ratio_low, clip_ratio_high]`` (``policy_functional.gmpo_objective``).
 
     Defaults: the paper's clip range ``(e^-0.4, e^0.4)`` and ``seq-mean-token-mean``, which is verl's mean
     over sequences (verl ignores ``loss_agg_mode``; here ``agg`` applies to the per-sequence loss).
@@ -96,7 +96,7 @@ class GMPOLoss(_Variant):
 
 class DPPOTVLoss(_Variant):
     """DPPO-Binary-TV (arXiv 2602.04879; verl ``dppo_tv``): PPO's ratio clip replaced by a clip on the
-    probability change ``p - p_old`` (``policy_functional.dppo_loss``). ``clip_ratio`` / ``_low`` / ``_high``
+    probability change ``p - p_old`` (``policy_functional.dppo_objective``). ``clip_ratio`` / ``_low`` / ``_high``
     are the divergence thresholds (verl reuses the keys; its DPPO example: 0.15), ``clip_ratio_c`` truncates
     the detached IS ratio (verl's default 3.0; the example 10000). Other options are PPOLoss's.
     """

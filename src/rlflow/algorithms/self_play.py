@@ -79,7 +79,7 @@ class GroupWinRate(AdvantageEstimator):
 
 class SPINLoss(PPOLoss):
     """SPIN (arXiv 2401.01335): ``-log sigmoid(beta [(log pi - log pi_ref)(y_real) - (log pi - log pi_ref)(y_gen)])``
-    per (real, generated) pair of a group, averaged (``policy_functional.spin_loss``).
+    per (real, generated) pair of a group, averaged (``policy_functional.spin_objective``).
 
     Needs the real response as a row of each group (``is_reference``; ``WithReferenceResponses``) and
     whole groups in every micro-batch: split by rows (no ``max_tokens_per_micro_batch``, whose packing
@@ -108,7 +108,7 @@ class SPINLoss(PPOLoss):
 
 class SPPOLoss(PPOLoss):
     """SPPO (arXiv 2405.00675): ``(log pi(y)/pi_ref(y) - eta (P_hat(y > pi) - 1/2))^2`` per sample
-    (``policy_functional.sppo_loss``), with ``P_hat - 1/2`` read from the advantages that
+    (``policy_functional.sppo_objective``), with ``P_hat - 1/2`` read from the advantages that
     :class:`GroupWinRate` writes. Per row, so any micro-batch split is exact.
 
     ``pi_ref`` should be the policy that sampled the batch (SPPO's ``pi_t``):
