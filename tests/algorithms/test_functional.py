@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rlflow.algorithms import functional as F
+from rlflow.algorithms.aggregate import Aggregation
 
 ALL_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
 
@@ -231,16 +232,51 @@ def test_agg_loss_micro_batches_sum_to_mini_batch(mode, split):
 
 
 def test_token_sum_on_two_processes_is_the_sum_over_both():
-    """Two ranks, each with half the rows and gradients averaged (as DDP/FSDP do), under
-    ``data_parallel(2)``: the averaged gradient is that of the sum over every token (verl's ``dp_size``)."""
+    """Two ranks, each with half the rows and gradients averaged (as DDP/FSDP do), with ``dp_size=2``
+    (an argument, or ``Aggregation(dp_size=2)``): the averaged gradient is that of the sum over every token
+    (verl's ``dp_size``)."""
     gen = torch.Generator().manual_seed(5)
     theta = torch.randn(6, 5, generator=gen, dtype=torch.float64, requires_grad=True)
     mask = random_mask(6, 5, gen, empty_rows=(4,))
     whole = torch.autograd.grad(F.agg_loss(theta ** 2, mask, "token-sum"), theta)[0]
-    ranks = []
-    for rows in (slice(0, 3), slice(3, 6)):
-        with F.data_parallel(2):
-            share = F.agg_loss(theta[rows] ** 2, mask[rows], "token-sum")
-        ranks.append(torch.autograd.grad(share, theta)[0])
-    torch.testing.assert_close((ranks[0] + ranks[1]) / 2, whole)
+    for reduce in (lambda x, m: F.agg_loss(x, m, "token-sum", dp_size=2), Aggregation("token-sum", dp_size=2)):
+        ranks = [torch.autograd.grad(reduce(theta[rows] ** 2, mask[rows]), theta)[0]
+                 for rows in (slice(0, 3), slice(3, 6))]
+        torch.testing.assert_close((ranks[0] + ranks[1]) / 2, whole)
     torch.testing.assert_close(whole, 2 * theta.detach() * mask)  # d/dθ Σ θ²·M, by hand
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_aggregation_is_agg_loss(mode):
+    """``Aggregation`` is ``agg_loss``'s arguments as one value; the loss's mode and norm_length fill it in."""
+    gen = torch.Generator().manual_seed(8)
+    loss, mask = torch.randn(5, 6, generator=gen), random_mask(5, 6, gen, empty_rows=(2,))
+    counts = dict(num_tokens=torch.tensor(40.0), num_seqs=torch.tensor(7.0))
+    expected = F.agg_loss(loss, mask, mode, **counts, norm_length=9)
+    assert Aggregation(**counts).using(mode, 9)(loss, mask).item() == expected.item()
+    assert Aggregation(mode, **counts, norm_length=9)(loss, mask).item() == expected.item()
+    assert Aggregation()(loss, mask).item() == F.agg_loss(loss, mask).item()  # no mode: token-mean
+
+
+def test_aggregation_refuses_bad_values():
+    with pytest.raises(ValueError, match="unknown loss aggregation mode 'mean'; valid modes"):
+        Aggregation("mean")
+    with pytest.raises(ValueError, match="dp_size must be an int >= 1, got 0"):
+        Aggregation(dp_size=0)
+    with pytest.raises(ValueError, match="mode='token-sum', but the loss aggregates with 'token-mean'"):
+        Aggregation("token-sum").using("token-mean")
+
+
+def test_whole_batch_sums_are_an_argument_not_ambient_state():
+    """``sum_fn`` reaches the statistics as an argument: with a sum over two processes that hold equal shares
+    (``2 x``), whitening one share gives the whitening of the whole (both shares) batch."""
+    gen = torch.Generator().manual_seed(9)
+    x, m = torch.randn(4, 5, generator=gen, dtype=torch.float64), random_mask(4, 5, gen)
+    whole = F.masked_whiten(torch.cat([x, x]), torch.cat([m, m]))[:4]
+    twice = lambda t: 2 * t  # noqa: E731 - what a sum over two processes with equal shares returns
+    torch.testing.assert_close(F.masked_whiten(x, m, sum_fn=twice), whole)
+    assert not torch.allclose(F.masked_whiten(x, m), whole)  # n / (n - 1) differs: the check is not vacuous
+    for removed in (lambda: F.batch_statistics(twice), lambda: F.data_parallel(2)):
+        with pytest.raises(RuntimeError, match="was removed: the functional core reads no ambient state"):
+            with removed():
+                pass

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlflow.algorithms import LOSS_MODES, LossOutput, PPOLoss, ValueLoss
+from rlflow.algorithms import LOSS_MODES, Aggregation, LossOutput, PPOLoss, ValueLoss
 from rlflow.algorithms import functional as F
 from rlflow.data import keys as K
 
@@ -207,25 +207,67 @@ def test_clip_ratios_and_validation():
         ValueLoss(agg="sum")
 
 
-def test_variant_overrides_pg_loss_only():
-    class CISPO(PPOLoss):
-        """-sg(clip(ratio)) * A * logp (MiniMax-M1)."""
+class HandCISPO(PPOLoss):
+    """-sg(clip(ratio)) * A * logp (MiniMax-M1): one per-token method; PPOLoss weighs, aggregates, adds KL."""
 
-        def pg_loss(self, batch, num_tokens=None, num_seqs=None):
-            logp, mask = batch[K.LOG_PROBS], batch[K.RESPONSE_MASK]
-            ratio = torch.exp(logp - batch[K.OLD_LOG_PROBS]).clamp(1 - self.clip_low, 1 + self.clip_high)
-            per_token = -ratio.detach() * batch[K.ADVANTAGES] * logp
-            loss = F.agg_loss(per_token, mask, self.agg, num_tokens, num_seqs)
-            return loss, {"is_weight_mean": F.masked_mean(ratio, mask).detach()}
+    def objective(self, batch):
+        logp, mask = batch[K.LOG_PROBS], batch[K.RESPONSE_MASK]
+        ratio = torch.exp(logp - batch[K.OLD_LOG_PROBS]).clamp(1 - self.clip_low, 1 + self.clip_high)
+        return -ratio.detach() * batch[K.ADVANTAGES] * logp, {"is_weight_mean": F.masked_mean(ratio, mask).detach()}
 
+
+class LegacyCISPO(PPOLoss):
+    """The same loss written for the earlier contract: pg_loss(batch, num_tokens, num_seqs) -> (loss, stats)."""
+
+    def pg_loss(self, batch, num_tokens=None, num_seqs=None):
+        per_token, stats = HandCISPO.objective(self, batch)
+        return F.agg_loss(per_token, batch[K.RESPONSE_MASK], self.agg, num_tokens, num_seqs), stats
+
+
+def test_variant_overrides_objective_only():
     batch = hand_batch()
-    out = CISPO(kl_coef=0.1, kl_type="k1")(batch)
+    out = HandCISPO(kl_coef=0.1, kl_type="k1")(batch)
     (grad,) = torch.autograd.grad(out.loss, batch[K.LOG_PROBS])
     # d/dlogp = -clip(r) * A / 4 + 0.1 / 4: clip(r) = [1.2, 0.8, 0.8, 1.2], A = [1, 1, -1, -1]
     expected = [(-c * a + 0.1) / 4 for c, a in zip((1.2, 0.8, 0.8, 1.2), (1, 1, -1, -1))] + [0.0]
     torch.testing.assert_close(grad, torch.tensor([expected]))
     assert out.stats["actor/is_weight_mean"] == pytest.approx(1.0)  # (1.2 + 0.8 + 0.8 + 1.2) / 4
     assert "actor/kl_loss" in out.stats and "actor/pg_clipfrac" not in out.stats
+    assert out.summed == {"actor/pg_loss", "actor/kl_loss", "actor/entropy"}  # shares; is_weight_mean: a mean
+    # the shell applies the IS weights: w = 2 on every token doubles the policy term, not the KL term
+    weighted = hand_batch()
+    weighted[K.IS_WEIGHTS] = torch.full_like(weighted[K.LOG_PROBS], 2.0).detach()
+    out2 = HandCISPO(kl_coef=0.1, kl_type="k1", is_weights=True)(weighted)
+    assert out2.stats["actor/pg_loss"] == pytest.approx(2 * out.stats["actor/pg_loss"], rel=1e-7)
+    assert out2.stats["actor/kl_loss"] == out.stats["actor/kl_loss"]
+
+
+def test_a_pg_loss_override_still_works_with_a_warning():
+    """A variant written for the earlier contract (pg_loss(batch, num_tokens, num_seqs)) gets the same counts."""
+    batch, counts = hand_batch(), Aggregation(num_tokens=torch.tensor(8.0), num_seqs=torch.tensor(2.0))
+    with pytest.warns(DeprecationWarning, match="override objective"):
+        old = LegacyCISPO(kl_coef=0.1, kl_type="k1")(batch, counts)
+    new = HandCISPO(kl_coef=0.1, kl_type="k1")(hand_batch(), counts)
+    assert old.loss.item() == new.loss.item() and old.stats == new.stats
+    assert old.stats["actor/pg_loss"] == pytest.approx(new.stats["actor/pg_loss"])
+    # the counts as loose keywords: the earlier call, deprecated
+    with pytest.warns(DeprecationWarning, match=r"pass Aggregation\(num_tokens"):
+        loose = HandCISPO(kl_coef=0.1, kl_type="k1")(hand_batch(), num_tokens=8.0, num_seqs=2.0)
+    assert loose.loss.item() == pytest.approx(new.loss.item(), rel=1e-7)
+    with pytest.raises(TypeError, match="aggregation must be an rlflow.algorithms.aggregate.Aggregation, got float"):
+        PPOLoss()(hand_batch(), 8.0)
+
+
+def test_loss_output_declares_what_sums_over_micro_batches():
+    out = LossOutput(torch.zeros(()), {"actor/pg_loss": 1.0, "actor/pg_clipfrac": 0.5})
+    assert out.summed == {"actor/pg_loss"}  # default: the loss terms verl logs
+    mine = LossOutput(torch.zeros(()), {"actor/my_term": 1.0, "actor/my_frac": 0.5}, summed={"actor/my_term"})
+    assert mine.summed == frozenset({"actor/my_term"})
+    with pytest.raises(ValueError, match=r"LossOutput.summed names \['actor/missing'\], which are not in its stats"):
+        LossOutput(torch.zeros(()), {"actor/pg_loss": 1.0}, summed={"actor/missing"})
+    values, old, returns, mask = value_example()
+    batch = TensorDict({K.VALUES: values, K.OLD_VALUES: old, K.RETURNS: returns, K.RESPONSE_MASK: mask}, [1])
+    assert ValueLoss()(batch).summed == {"critic/vf_loss"}
 
 
 def test_loss_scale_factor_is_the_sum_norm_constant_by_hand():
@@ -311,13 +353,13 @@ def test_micro_batches_reproduce_mini_batch(mode, split):
     batch = random_batch(gen)
     theta = torch.randn(6, dtype=torch.float64, requires_grad=True)
     mask = batch[K.RESPONSE_MASK]
-    counts = dict(num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum())
+    counts = Aggregation(num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum())
     for loss_fn in (PPOLoss(clip_ratio=0.1, kl_coef=0.3, entropy_coef=0.05, agg=mode), ValueLoss(0.2, agg=mode)):
         full = loss_fn(with_model_outputs(batch, theta))
         (g_full,) = torch.autograd.grad(full.loss, theta)
         total, g_sum, stat_sum = 0.0, torch.zeros_like(theta), 0.0
         for idx in torch.arange(8).split(split):
-            part = loss_fn(with_model_outputs(batch[idx], theta), **counts)
+            part = loss_fn(with_model_outputs(batch[idx], theta), counts)
             g_sum += torch.autograd.grad(part.loss, theta)[0]
             total += part.loss.item()
             stat_sum += part.stats.get("actor/pg_loss", part.stats.get("critic/vf_loss"))

@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from rlflow.algorithms import (
+    Aggregation,
     LOSS_MODES,
     CISPOLoss,
     ClipCovLoss,
@@ -379,7 +380,7 @@ def test_every_policy_loss_honours_is_weights(cls):
     def removed(keep):
         fewer = batch.clone(False)
         fewer[K.RESPONSE_MASK] = mask * keep
-        return cls(agg="token-mean").pg_loss(fewer, num_tokens=mask.sum())[0].item()
+        return cls(agg="token-mean").pg_loss(fewer, Aggregation(num_tokens=mask.sum()))[0].item()
 
     zero_rows = torch.ones_like(old)
     zero_rows[[0, 3]] = 0.0
@@ -467,13 +468,13 @@ def test_micro_batches_reproduce_mini_batch(name, mode):
         batch = loss_fn.selection()(with_policy(batch, theta.detach()))
         assert batch[K.COV_SELECTED].any()
     mask = batch[K.RESPONSE_MASK]
-    counts = dict(num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum())
+    counts = Aggregation(num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum())
     full = loss_fn(with_policy(batch, theta))
     (g_full,) = torch.autograd.grad(full.loss, theta)
     for split in ([3, 1, 4], [1] * 8):
         total, g_sum = 0.0, torch.zeros_like(theta)
         for idx in torch.arange(8).split(split):
-            part = loss_fn(with_policy(batch[idx], theta), **counts)
+            part = loss_fn(with_policy(batch[idx], theta), counts)
             g_sum += torch.autograd.grad(part.loss, theta)[0]
             total += part.loss.item()
         assert total == pytest.approx(full.loss.item(), rel=1e-9, abs=1e-12)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from rlflow.algorithms import GroupWinRate, NoAdvantage, SPINLoss, SPPOLoss, UpdateReference
+from rlflow.algorithms import Aggregation, GroupWinRate, NoAdvantage, SPINLoss, SPPOLoss, UpdateReference
 from rlflow.algorithms import policy_functional as PF
 from rlflow.data import keys as K
 from rlflow.module import BatchModule
@@ -173,20 +173,20 @@ def test_spin_micro_batches_of_whole_groups(mode):
     theta = torch.randn(5, dtype=torch.float64, requires_grad=True)
     loss_fn = SPINLoss(beta=0.2, agg=mode)
     mask = batch[K.RESPONSE_MASK]
-    counts = dict(num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum())
+    counts = Aggregation(num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum())
     full = loss_fn(with_policy(batch, theta))
     (g_full,) = torch.autograd.grad(full.loss, theta)
     for split in ([4, 8, 4], [4] * 4):  # whole groups of n + 1 = 4 rows
         total, g_sum = 0.0, torch.zeros_like(theta)
         for idx in torch.arange(16).split(split):
-            part = loss_fn(with_policy(batch[idx], theta), **counts)
+            part = loss_fn(with_policy(batch[idx], theta), counts)
             g_sum += torch.autograd.grad(part.loss, theta)[0]
             total += part.loss.item()
         assert total == pytest.approx(full.loss.item(), rel=1e-9)
         torch.testing.assert_close(g_sum, g_full)
     assert g_full.abs().sum() > 0
     with pytest.raises(ValueError, match="whole groups"):
-        loss_fn(with_policy(batch[:6], theta), **counts)
+        loss_fn(with_policy(batch[:6], theta), counts)
 
 
 def test_spin_loss_module():
@@ -305,13 +305,13 @@ def test_sppo_micro_batches_any_split(mode):
     theta = torch.randn(5, dtype=torch.float64, requires_grad=True)
     loss_fn = SPPOLoss(eta=2.0, agg=mode)
     mask = batch[K.RESPONSE_MASK]
-    counts = dict(num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum())
+    counts = Aggregation(num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum())
     full = loss_fn(with_policy(batch, theta))
     (g_full,) = torch.autograd.grad(full.loss, theta)
     for split in ([3, 1, 5, 7], [1] * 16):
         total, g_sum = 0.0, torch.zeros_like(theta)
         for idx in torch.arange(16).split(split):
-            part = loss_fn(with_policy(batch[idx], theta), **counts)
+            part = loss_fn(with_policy(batch[idx], theta), counts)
             g_sum += torch.autograd.grad(part.loss, theta)[0]
             total += part.loss.item()
         assert total == pytest.approx(full.loss.item(), rel=1e-9)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from rlflow.algorithms import GAE, GRPO, PPOLoss, TruncatedIS, ValueLoss
+from rlflow.algorithms import GAE, GRPO, Aggregation, PPOLoss, TruncatedIS, ValueLoss
 from rlflow.data import keys as K
 from rlflow.models.critic import Critic
 from rlflow.models.policy import Policy
@@ -93,7 +93,7 @@ def test_estimators_and_losses_ignore_tool_tokens_inside_responses(tok, agent_ba
     log_probs, entropy = policy.log_probs(batch)
     log_probs.retain_grad()
     batch[K.LOG_PROBS], batch[K.ENTROPY], batch[K.OLD_LOG_PROBS] = log_probs, entropy, log_probs.detach()
-    out = PPOLoss(clip_ratio=0.2)(batch, num_tokens=mask.sum(), num_seqs=torch.tensor(16))
+    out = PPOLoss(clip_ratio=0.2)(batch, Aggregation(num_tokens=mask.sum(), num_seqs=torch.tensor(16)))
     out.loss.backward()
     grad = log_probs.grad
     assert (grad[~mask] == 0).all()

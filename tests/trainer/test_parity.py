@@ -5,6 +5,7 @@ import copy
 import torch
 
 from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, keys as K
+from rlflow.algorithms import Aggregation
 
 from .helpers import make_trainer, params, starts_with_digit
 
@@ -19,11 +20,11 @@ def hand_written_loop(model, tokenizer, data, steps, batch_size, micro_batch_siz
     for _ in range(steps):
         batch = estimator(reward(rollout(next(loader))))
         mask = batch[K.RESPONSE_MASK]
-        num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+        agg = Aggregation(num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum())  # the mini-batch's counts
         for micro in batch.split(micro_batch_size):
             micro[K.LOG_PROBS], micro[K.ENTROPY] = policy.log_probs(micro)
             micro[K.OLD_LOG_PROBS] = micro[K.LOG_PROBS].detach()
-            loss(micro, num_tokens=num_tokens, num_seqs=num_seqs).loss.backward()
+            loss(micro, agg).loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()

@@ -113,9 +113,9 @@ class RowsLoss(PPOLoss):
         super().__init__()
         self.calls = []
 
-    def __call__(self, batch, num_tokens=None, num_seqs=None):
+    def __call__(self, batch, aggregation=None):
         self.calls.append(rows_of(batch))
-        return super().__call__(batch, num_tokens=num_tokens, num_seqs=num_seqs)
+        return super().__call__(batch, aggregation)
 
 
 def rows_of(batch):

@@ -1,6 +1,7 @@
 """Advantage estimators and losses: pure tensor math in ``functional``, key-mapping shells around it."""
 
 from rlflow.algorithms import advantages, functional
+from rlflow.algorithms.aggregate import Aggregation
 from rlflow.algorithms.correction import TruncatedIS
 from rlflow.algorithms.rejection import RejectionSampling
 from rlflow.algorithms.estimators import (
@@ -41,4 +42,4 @@ __all__ = ["functional", "AdvantageEstimator", "GRPO", "GAE", "PPOLoss", "ValueL
            "OPO", "GPG", "GRPOPassK", "KLInReward", "FixedKLController", "AdaptiveKLController", "TruncatedIS"]
 __all__ += ["policy_functional", "GSPOLoss", "CISPOLoss", "SAPOLoss", "ClipCovLoss", "KLCovLoss", "CovSelection",
             "GMPOLoss", "ReinforceLoss", "LOSS_MODES", "SPINLoss", "SPPOLoss", "NoAdvantage", "GroupWinRate",
-            "UpdateReference", "GDPO", "DPPOTVLoss", "DPPOKLLoss", "RejectionSampling"]
+            "UpdateReference", "GDPO", "DPPOTVLoss", "DPPOKLLoss", "RejectionSampling", "Aggregation"]

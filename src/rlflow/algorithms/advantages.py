@@ -40,11 +40,13 @@ def rloo_advantages(token_rewards: Tensor, response_mask: Tensor, group: Tensor)
     return _outcome(a, response_mask)
 
 
-def reinforce_pp_advantages(token_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0) -> tuple[Tensor, Tensor]:
+def reinforce_pp_advantages(token_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0,
+                            sum_fn=None) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025, arXiv 2501.03262; verl ``reinforce_plus_plus``).
 
     Discounted return over valid steps, backwards: ``G_t = r_t + gamma * G_next``; then the
-    advantage is ``masked_whiten(G, mask) * mask`` with whole-batch statistics.
+    advantage is ``masked_whiten(G, mask) * mask`` with whole-batch statistics (summed over processes by
+    ``sum_fn``, ``functional.batch_sum``).
     rlflow: masked (tool/observation) steps are skipped, so the return flows through them unchanged
     and earlier tokens still see the final reward; verl resets the running return at every masked
     step, which is the same for right padding but cuts multi-turn credit at the first tool call.
@@ -58,23 +60,23 @@ def reinforce_pp_advantages(token_rewards: Tensor, response_mask: Tensor, gamma:
         running = mask[:, t] * (token_rewards[:, t] + gamma * running) + (1 - mask[:, t]) * running
         returns[:, t] = running
     returns = returns * mask
-    return masked_whiten(returns, mask) * mask, returns
+    return masked_whiten(returns, mask, sum_fn=sum_fn) * mask, returns
 
 
 def reinforce_pp_baseline_advantages(
-    token_rewards: Tensor, response_mask: Tensor, group: Tensor
+    token_rewards: Tensor, response_mask: Tensor, group: Tensor, sum_fn=None
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++-baseline (arXiv 2501.03262; verl ``reinforce_plus_plus_baseline``).
 
     ``a_i = s_i - mean_g`` (a singleton group uses mean 0, as verl), written on every valid token,
-    then whitened over all valid tokens of the batch: ``masked_whiten(a * mask, mask) * mask``.
+    then whitened over all valid tokens of the batch: ``masked_whiten(a * mask, mask) * mask`` (``sum_fn``).
     Advantages = returns.
     """
     s = token_rewards.sum(-1)
     mean, _, n = group_stats(s, group)
     a = s - torch.where(n > 1, mean, torch.zeros_like(mean))
     mask = response_mask.to(token_rewards.dtype)
-    adv = masked_whiten(a[:, None] * mask, mask) * mask
+    adv = masked_whiten(a[:, None] * mask, mask, sum_fn=sum_fn) * mask
     return adv, adv.clone()
 
 
@@ -108,19 +110,19 @@ def opo_advantages(token_rewards: Tensor, response_mask: Tensor, group: Tensor) 
 
 
 def gpg_advantages(
-    token_rewards: Tensor, response_mask: Tensor, group: Tensor, f_norm: float = 1.0
+    token_rewards: Tensor, response_mask: Tensor, group: Tensor, f_norm: float = 1.0, sum_fn=None
 ) -> tuple[Tensor, Tensor]:
     """Group Policy Gradient (Chu et al. 2025, arXiv 2504.02546; verl ``gpg``).
 
     ``alpha = B / max(#{i : s_i != 0}, 1)``; ``a_i = alpha (s_i - mean_g) / f_norm`` (a singleton
     group uses mean 0, as verl). ``alpha`` counts non-zero *scores* over the whole batch, as verl
     does; GPG pairs it with the plain policy-gradient loss ``-A log pi`` (equal to the PPO loss
-    with one update per batch).
+    with one update per batch). ``sum_fn`` sums the counts over processes (``functional.batch_sum``).
     """
     s = token_rewards.sum(-1)
     mean, _, n = group_stats(s, group)
-    size = batch_sum(torch.tensor(float(s.shape[0]), dtype=s.dtype, device=s.device))
-    alpha = size / batch_sum(torch.count_nonzero(s).to(s.dtype)).clamp(min=1)
+    size = batch_sum(torch.tensor(float(s.shape[0]), dtype=s.dtype, device=s.device), sum_fn)
+    alpha = size / batch_sum(torch.count_nonzero(s).to(s.dtype), sum_fn).clamp(min=1)
     a = alpha * (s - torch.where(n > 1, mean, torch.zeros_like(mean))) / f_norm
     return _outcome(a, response_mask)
 

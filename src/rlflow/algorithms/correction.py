@@ -23,6 +23,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from rlflow.algorithms.aggregate import WholeBatch
 from rlflow.algorithms.functional import batch_sum, masked_mean, masked_sum
 from rlflow.data.keys import IS_WEIGHTS, OLD_LOG_PROBS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
 from rlflow.module import BatchModule
@@ -69,7 +70,7 @@ def parse_is_threshold(spec: float | str) -> tuple[float, float | None]:
 
 def truncated_is_weights(
     old_log_probs: Tensor, rollout_log_probs: Tensor, response_mask: Tensor, level: str = "token",
-    threshold: float = 2.0, lower: float | None = None, batch_normalize: bool = False,
+    threshold: float = 2.0, lower: float | None = None, batch_normalize: bool = False, sum_fn=None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Truncated importance weights (verl ``compute_rollout_correction_weights``).
 
@@ -78,7 +79,7 @@ def truncated_is_weights(
     Then ``w = min(w, threshold) * mask``, or with ``lower`` (IcePop) ``w`` where ``lower <= w <= threshold`` and
     0 elsewhere; detached (the weights change the measure, not the objective). ``batch_normalize`` divides them
     by their mean (over valid tokens at the token level, over sequences with a valid token at the sequence
-    level; summed over processes inside ``batch_statistics``) when it exceeds 1e-8.
+    level; summed over processes by ``sum_fn``, ``functional.batch_sum``) when it exceeds 1e-8.
 
     Stats (detached scalars, before truncation, as verl): ``rollout_is_mean`` (mean over valid
     tokens), ``rollout_is_max`` / ``rollout_is_min``, ``rollout_is_ratio_fraction_high`` (the
@@ -119,14 +120,14 @@ def truncated_is_weights(
         else:
             seq_mask = (mask.sum(-1) > 0).to(mask.dtype)
             total, count = (masked_mean(weights, mask, -1) * seq_mask).sum(), seq_mask.sum()
-        mean = batch_sum(total) / batch_sum(count).clamp_min(1e-8)
+        mean = batch_sum(total, sum_fn) / batch_sum(count, sum_fn).clamp_min(1e-8)
         factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))
         weights = weights / factor
         stats["rollout_is_batch_norm_factor"] = factor
     return weights.detach(), stats
 
 
-class TruncatedIS(BatchModule):
+class TruncatedIS(WholeBatch, BatchModule):
     """Writes ``is_weights`` ([B, R]): truncated ``pi_old / pi_rollout`` per token or per sequence.
 
     Reads ``old_log_probs`` (so the Trainer computes them, one extra forward pass) and the
@@ -162,7 +163,7 @@ class TruncatedIS(BatchModule):
     def forward(self, batch: TensorDict) -> TensorDict:
         weights, stats = truncated_is_weights(
             batch[OLD_LOG_PROBS], batch[ROLLOUT_LOG_PROBS], batch[RESPONSE_MASK], self.level, self.threshold,
-            self.lower, self.batch_normalize)
+            self.lower, self.batch_normalize, self.sum_fn)
         batch.set(IS_WEIGHTS, weights)
         values = torch.stack(list(stats.values())).tolist()  # one device sync for all stats
         self.stats = {f"rollout_corr/{k}": v for k, v in zip(stats, values)}

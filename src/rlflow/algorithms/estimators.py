@@ -32,6 +32,7 @@ from rlflow.data.keys import (
     TOKEN_REWARDS,
     VALUES,
 )
+from rlflow.algorithms.aggregate import WholeBatch
 from rlflow.module import BatchModule
 
 # The prompt-side columns a greedy re-generation carries along (the reward may read them; a
@@ -40,10 +41,11 @@ _PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RAW_PROMPT, GROUND_TRUTH, 
                 MULTI_MODAL_INPUTS, MULTI_MODAL_DATA)
 
 
-class AdvantageEstimator(BatchModule):
+class AdvantageEstimator(WholeBatch, BatchModule):
     """Base estimator: reads rewards, writes ``advantages`` and ``returns`` ([B, R] each).
 
-    ``needs_critic`` tells the Trainer whether to compute ``values`` before this runs.
+    ``needs_critic`` tells the Trainer whether to compute ``values`` before this runs. Statistics of the whole
+    batch (whitening, GPG's ``alpha``) pass ``sum_fn=self.sum_fn`` (``aggregate.WholeBatch``, set by the Trainer).
     """
 
     in_keys = (TOKEN_REWARDS, RESPONSE_MASK, GROUP)
@@ -101,7 +103,8 @@ class GAE(AdvantageEstimator):
 
     def compute(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
         return F.gae_advantages(
-            batch[TOKEN_REWARDS], batch[VALUES], batch[RESPONSE_MASK], gamma=self.gamma, lam=self.lam
+            batch[TOKEN_REWARDS], batch[VALUES], batch[RESPONSE_MASK], gamma=self.gamma, lam=self.lam,
+            sum_fn=self.sum_fn,
         )
 
 
@@ -141,14 +144,16 @@ class ReinforcePlusPlus(AdvantageEstimator):
         self.gamma = gamma
 
     def compute(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
-        return A.reinforce_pp_advantages(batch[TOKEN_REWARDS], batch[RESPONSE_MASK], gamma=self.gamma)
+        return A.reinforce_pp_advantages(batch[TOKEN_REWARDS], batch[RESPONSE_MASK], gamma=self.gamma,
+                                         sum_fn=self.sum_fn)
 
 
 class ReinforcePlusPlusBaseline(AdvantageEstimator):
     """REINFORCE++-baseline (verl ``reinforce_plus_plus_baseline``): ``s_i - mean_g``, then whitened over the batch."""
 
     def compute(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
-        return A.reinforce_pp_baseline_advantages(batch[TOKEN_REWARDS], batch[RESPONSE_MASK], batch[GROUP])
+        return A.reinforce_pp_baseline_advantages(batch[TOKEN_REWARDS], batch[RESPONSE_MASK], batch[GROUP],
+                                                  sum_fn=self.sum_fn)
 
 
 class ReMax(AdvantageEstimator):
@@ -239,7 +244,7 @@ class GDPO(AdvantageEstimator):
                            f"gdpo/{key}/max": float(scores.max()), f"gdpo/{key}/min": float(scores.min())}
             part, _ = F.grpo_advantages(scores[:, None], mask, group, norm_by_std=self.norm_by_std, eps=self.eps)
             total = weight * part if total is None else total + weight * part
-        advantages = F.masked_whiten(total, mask) * mask
+        advantages = F.masked_whiten(total, mask, sum_fn=self.sum_fn) * mask
         return advantages, advantages.clone()
 
 
@@ -257,7 +262,8 @@ class GPG(AdvantageEstimator):
         self.f_norm = f_norm
 
     def compute(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
-        return A.gpg_advantages(batch[TOKEN_REWARDS], batch[RESPONSE_MASK], batch[GROUP], f_norm=self.f_norm)
+        return A.gpg_advantages(batch[TOKEN_REWARDS], batch[RESPONSE_MASK], batch[GROUP], f_norm=self.f_norm,
+                                sum_fn=self.sum_fn)
 
 
 class GRPOPassK(AdvantageEstimator):

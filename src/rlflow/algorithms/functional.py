@@ -9,48 +9,41 @@ and are 0 on padding and on tool/observation tokens. Formulas follow verl
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 
-_BATCH_SUM: contextvars.ContextVar = contextvars.ContextVar("rlflow_batch_sum", default=None)
-_DP_SIZE: contextvars.ContextVar = contextvars.ContextVar("rlflow_dp_size", default=1)
+def batch_sum(x: Tensor, sum_fn: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """``x`` summed over the processes that each hold a share of the batch: ``sum_fn(x)`` in ``x``'s dtype
+    (``x`` itself for ``None``, when this process's batch is the whole batch). Whole-batch statistics (whitening,
+    GPG's ``alpha``, the adaptive KL's mean) take ``sum_fn`` as an argument; modules hold it
+    (``rlflow.algorithms.aggregate.WholeBatch``), set once by the Trainer.
+    """
+    return x if sum_fn is None else sum_fn(x).to(x.dtype)
+
+
+def _removed(name: str, instead: str):
+    raise RuntimeError(f"rlflow.algorithms.functional.{name} was removed: the functional core reads no ambient "
+                       f"state any more; {instead}")
 
 
 @contextlib.contextmanager
 def batch_statistics(sum_fn: Callable[[Tensor], Tensor] | None):
-    """Inside, whole-batch statistics (whitening, GPG's ``alpha``, the adaptive KL's mean) sum their
-    parts with ``sum_fn``: the Trainer passes a sum over the processes that each hold a share of the
-    batch, so a statistic of the whole batch is the same on 1 or N processes. ``None``: this process's
-    batch is the whole batch (the default, and what every function here does outside the block).
-    """
-    token = _BATCH_SUM.set(sum_fn)
-    try:
-        yield
-    finally:
-        _BATCH_SUM.reset(token)
-
-
-def batch_sum(x: Tensor) -> Tensor:
-    """``x`` summed over the processes of :func:`batch_statistics` (``x`` itself outside it)."""
-    fn = _BATCH_SUM.get()
-    return x if fn is None else fn(x).to(x.dtype)
+    """Removed (it set a ContextVar that whole-batch statistics read): pass ``sum_fn=`` to the pure functions,
+    or set it on the modules with ``rlflow.algorithms.aggregate.share_batch_sum(sum_fn, estimator)``."""
+    _removed("batch_statistics", "pass sum_fn= to the functions (masked_whiten, ...) or call "
+             "rlflow.algorithms.aggregate.share_batch_sum(sum_fn, estimator) once")
+    yield  # pragma: no cover
 
 
 @contextlib.contextmanager
 def data_parallel(world_size: int):
-    """Inside, losses are computed on one of ``world_size`` processes whose gradients are averaged:
-    ``token-sum`` multiplies by it (verl's ``dp_size``), so the loss is the sum over all processes' tokens.
-    The modes with a denominator need nothing here: their ``num_tokens``/``num_seqs`` already carry it.
-    """
-    token = _DP_SIZE.set(world_size)
-    try:
-        yield
-    finally:
-        _DP_SIZE.reset(token)
+    """Removed (it set a ContextVar for ``token-sum``'s factor): pass ``dp_size=`` to :func:`agg_loss`, or an
+    ``rlflow.algorithms.aggregate.Aggregation(dp_size=...)`` to the loss."""
+    _removed("data_parallel", "pass dp_size= to agg_loss, or Aggregation(dp_size=...) to the loss")
+    yield  # pragma: no cover
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -78,17 +71,18 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return var
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  sum_fn: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """verl: ``(x - mean) * rsqrt(var + eps)`` with whole-batch statistics over masked entries
-    (unbiased variance; summed over processes inside :func:`batch_statistics`).
+    (unbiased variance; the sums are over every process's share with ``sum_fn``, see :func:`batch_sum`).
 
     The result is not re-masked (as in verl). ``shift_mean=False`` adds the mean back.
     rlflow: with fewer than 2 valid entries the variance is undefined (verl raises);
     the values are then only centred, ``x - mean``, not scaled (a single valid entry becomes 0).
     """
-    n = batch_sum(mask.sum().to(x.dtype))
-    mean = batch_sum(masked_sum(x, mask)) / (n + 1e-8)
-    var = batch_sum(masked_sum((x - mean) ** 2, mask)) / (n + 1e-8) * n / (n - 1).clamp(min=1)
+    n = batch_sum(mask.sum().to(x.dtype), sum_fn)
+    mean = batch_sum(masked_sum(x, mask), sum_fn) / (n + 1e-8)
+    var = batch_sum(masked_sum((x - mean) ** 2, mask), sum_fn) / (n + 1e-8) * n / (n - 1).clamp(min=1)
     scale = torch.where(n >= 2, torch.rsqrt(var + eps), torch.ones_like(var))
     whitened = (x - mean) * scale
     return whitened if shift_mean else whitened + mean
@@ -139,6 +133,7 @@ def gae_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
     whiten: bool = True,
+    sum_fn: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Generalized advantage estimation (Schulman et al. 2016; verl ``compute_gae_advantage_return``).
 
@@ -146,7 +141,8 @@ def gae_advantages(
     Masked (tool/observation) steps are skipped: ``V_next`` and ``A_next`` carry over them
     unchanged, so valid steps never see values at masked positions.
     ``returns = A + V`` (before whitening, not masked, as verl); then
-    ``A = masked_whiten(A, mask) * mask`` (rlflow: re-masked; verl leaves padding unmasked).
+    ``A = masked_whiten(A, mask) * mask`` (rlflow: re-masked; verl leaves padding unmasked), with the
+    statistics summed over processes by ``sum_fn`` (:func:`batch_sum`).
     All tensors [B, R]. Returns (advantages, returns).
     """
     mask = response_mask.to(values.dtype)
@@ -161,7 +157,7 @@ def gae_advantages(
         advantages[:, t] = last_gae
     returns = advantages + values
     if whiten:
-        advantages = masked_whiten(advantages, mask)
+        advantages = masked_whiten(advantages, mask, sum_fn=sum_fn)
     return advantages * mask, returns
 
 
@@ -223,6 +219,7 @@ def agg_loss(
     num_tokens: float | Tensor | None = None,
     num_seqs: float | Tensor | None = None,
     norm_length: float | None = None,
+    dp_size: int = 1,
 ) -> Tensor:
     """Reduce a per-token loss [B, R] to a scalar (verl 0.9.1 ``core_algos.agg_loss``).
 
@@ -234,12 +231,13 @@ def agg_loss(
       ``sum_i l_i / (num_seqs * norm_length)``, as verl 0.9.1. ``norm_length`` is verl's
       ``actor.loss_scale_factor`` (``PPOLoss(loss_scale_factor=...)``); the other modes ignore it, as verl does.
     - ``token-sum``: ``sum(L*M) * dp_size`` (verl 0.9.1): the sum over every valid token of every process
-      (``dp_size`` from :func:`data_parallel`, 1 outside it); no count divides it.
+      (``dp_size``: the processes whose gradients are averaged); no count divides it.
 
     Pass ``num_tokens``/``num_seqs`` of the whole mini-batch so that the micro-batch losses sum
     exactly to the mini-batch loss (and so do their gradients). Under data parallelism with
     averaged gradients, pass the global count divided by the world size (verl's
-    ``batch_num_tokens / dp_size`` and ``global_batch_size / dp_size``).
+    ``batch_num_tokens / dp_size`` and ``global_batch_size / dp_size``). These arguments travel together as one
+    ``rlflow.algorithms.aggregate.Aggregation``, which the Trainer builds per mini-batch.
     rlflow: a zero denominator is replaced by 1, so an empty mask gives 0, not NaN (verl returns 0 too).
     """
     if mode == "token-mean":
@@ -251,35 +249,39 @@ def agg_loss(
     if mode == "seq-mean-token-sum-norm":
         return _seq_mean(masked_sum(loss_mat, mask, -1), mask, num_seqs) / (norm_length or mask.shape[-1])
     if mode == "token-sum":
-        return masked_sum(loss_mat, mask) * _DP_SIZE.get()
+        return masked_sum(loss_mat, mask) * dp_size
     raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {list(AGG_MODES)}")
 
 
-def ppo_clip_loss(
-    log_probs: Tensor,
-    old_log_probs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_c: float | None = 3.0,
-    agg: str = "token-mean",
-    num_tokens: float | Tensor | None = None,
-    num_seqs: float | Tensor | None = None,
-    weights: Tensor | None = None,
-    norm_length: float | None = None,
+def aggregated(
+    objective: tuple[Tensor, dict[str, Tensor]], mask: Tensor, agg: str = "token-mean",
+    num_tokens: float | Tensor | None = None, num_seqs: float | Tensor | None = None,
+    weights: Tensor | None = None, norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Dual-clip PPO policy loss (Schulman et al. 2017; Ye et al. 2020; verl "vanilla").
+    """``(per_token, stats)`` of an objective -> ``(scalar loss, stats)``: ``weights`` ([B, R], e.g. truncated IS
+    weights, verl ``rollout_is_weights``) multiply the per-token loss, then :func:`agg_loss` reduces it.
+
+    The ``*_loss`` functions are their ``*_objective`` through this (verl's ``compute_policy_loss_*`` form, which
+    the parity tests call); ``PPOLoss`` does the same once for every variant.
+    """
+    per_token, stats = objective
+    if weights is not None:
+        per_token = per_token * weights
+    return agg_loss(per_token, mask, agg, num_tokens, num_seqs, norm_length), stats
+
+
+def ppo_clip_objective(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
+    clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float | None = 3.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Dual-clip PPO per-token policy loss (Schulman et al. 2017; Ye et al. 2020; verl "vanilla").
 
     ``d = clamp(logp - old, -20, 20)``, ``ratio = exp(d)``;
     ``L1 = -A ratio``, ``L2 = -A clamp(ratio, 1 - clip_low, 1 + clip_high)``, ``c1 = max(L1, L2)``;
     for ``A < 0``: ``min(c1, -A clip_c)`` (dual clip; ``clip_c=None`` disables it).
     Stats (detached scalars, masked means over this call's tokens): ``pg_clipfrac`` = frac(L2 > L1),
     ``pg_clipfrac_lower`` = frac(c1 > -A clip_c and A < 0), ``ppo_kl`` = mean(-d).
-    ``weights`` ([B, R], optional, e.g. truncated IS weights) multiply the per-token loss after
-    clipping, before aggregation (verl ``rollout_is_weights``); the stats ignore them.
-    ``norm_length`` is ``agg_loss``'s (``seq-mean-token-sum-norm`` only).
-    All inputs [B, R]; returns (scalar loss, stats).
+    All inputs [B, R]; returns (per-token loss [B, R], stats).
     """
     neg_kl = (log_probs - old_log_probs).clamp(-20, 20)  # keeps exp() finite on stale samples
     ratio = torch.exp(neg_kl)
@@ -300,28 +302,29 @@ def ppo_clip_loss(
         lower = (clipped > loss3) & (advantages < 0)
         per_token = torch.where(advantages < 0, torch.minimum(clipped, loss3), clipped)
         stats["pg_clipfrac_lower"] = masked_mean(lower.to(ratio.dtype), mask).detach()
-    if weights is not None:
-        per_token = per_token * weights
-    return agg_loss(per_token, mask, agg, num_tokens, num_seqs, norm_length), stats
+    return per_token, stats
 
 
-def value_loss(
-    values: Tensor,
-    old_values: Tensor,
-    returns: Tensor,
-    mask: Tensor,
-    clip_range: float | None = 0.5,
-    agg: str = "token-mean",
-    num_tokens: float | Tensor | None = None,
-    num_seqs: float | Tensor | None = None,
-    norm_length: float | None = None,
+def ppo_clip_loss(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
+    clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float | None = 3.0, agg: str = "token-mean",
+    num_tokens: float | Tensor | None = None, num_seqs: float | Tensor | None = None,
+    weights: Tensor | None = None, norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped value loss (verl ``compute_value_loss``).
+    """:func:`ppo_clip_objective` weighted by ``weights`` (after clipping; the stats ignore them) and reduced
+    by :func:`agg_loss` (:func:`aggregated`). All inputs [B, R]; returns (scalar loss, stats)."""
+    return aggregated(ppo_clip_objective(log_probs, old_log_probs, advantages, mask, clip_low, clip_high, clip_c),
+                      mask, agg, num_tokens, num_seqs, weights, norm_length)
 
-    ``v_clip = clamp(v, V_old - c, V_old + c)``; ``0.5 * agg(max((v - R)^2, (v_clip - R)^2))``.
-    ``clip_range=None`` disables clipping. ``norm_length`` is ``agg_loss``'s (``seq-mean-token-sum-norm`` only;
-    verl's ``critic.loss_scale_factor``). Stats: ``vf_clipfrac`` = masked mean of
-    ``(v_clip - R)^2 > (v - R)^2`` (detached). All inputs [B, R]; returns (scalar loss, stats).
+
+def value_objective(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_range: float | None = 0.5,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss per token (verl ``compute_value_loss`` before its aggregation).
+
+    ``v_clip = clamp(v, V_old - c, V_old + c)``; ``0.5 * max((v - R)^2, (v_clip - R)^2)``.
+    ``clip_range=None`` disables clipping. Stats: ``vf_clipfrac`` = masked mean of
+    ``(v_clip - R)^2 > (v - R)^2`` (detached). All inputs [B, R]; returns (per-token loss [B, R], stats).
     """
     if clip_range is None:
         clipped_values = values
@@ -329,5 +332,17 @@ def value_loss(
         clipped_values = torch.clamp(values, old_values - clip_range, old_values + clip_range)
     loss1 = (values - returns) ** 2
     loss2 = (clipped_values - returns) ** 2
-    loss = 0.5 * agg_loss(torch.maximum(loss1, loss2), mask, agg, num_tokens, num_seqs, norm_length)
-    return loss, {"vf_clipfrac": masked_mean((loss2 > loss1).to(values.dtype), mask).detach()}
+    # 0.5 on each token, not on the aggregate: the same number, and the objective is the whole per-token loss
+    clipfrac = masked_mean((loss2 > loss1).to(values.dtype), mask).detach()
+    return 0.5 * torch.maximum(loss1, loss2), {"vf_clipfrac": clipfrac}
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_range: float | None = 0.5,
+    agg: str = "token-mean", num_tokens: float | Tensor | None = None, num_seqs: float | Tensor | None = None,
+    norm_length: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`value_objective` reduced by :func:`agg_loss` (``norm_length``: verl's ``critic.loss_scale_factor``,
+    ``seq-mean-token-sum-norm`` only). All inputs [B, R]; returns (scalar loss, stats)."""
+    return aggregated(value_objective(values, old_values, returns, mask, clip_range), mask, agg, num_tokens,
+                      num_seqs, None, norm_length)

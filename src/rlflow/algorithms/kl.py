@@ -18,6 +18,7 @@ from torch import Tensor
 
 from rlflow.algorithms import functional as F
 from rlflow.data.keys import OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, TOKEN_REWARDS
+from rlflow.algorithms.aggregate import WholeBatch
 from rlflow.module import BatchModule
 
 
@@ -34,15 +35,16 @@ def kl_in_reward(
     return token_rewards - beta * kld, kld
 
 
-def mean_sequence_kl(kld: Tensor, response_mask: Tensor) -> Tensor:
-    """Batch mean of each sequence's token-mean KL (scalar): what the controller sees.
+def mean_sequence_kl(kld: Tensor, response_mask: Tensor, sum_fn=None) -> Tensor:
+    """Batch mean of each sequence's token-mean KL (scalar): what the controller sees (over every process's
+    share with ``sum_fn``, ``functional.batch_sum``).
 
     rlflow: sequences without a valid token are left out of the mean (verl counts them as 0,
     which pulls the measured KL down); identical when every sequence has a token.
     """
     per_seq = F.masked_mean(kld, response_mask, -1)
     has_tokens = (response_mask.sum(-1) > 0).to(per_seq.dtype)
-    return F.batch_sum(F.masked_sum(per_seq, has_tokens)) / F.batch_sum(has_tokens.sum()).clamp(min=1)
+    return F.batch_sum(F.masked_sum(per_seq, has_tokens), sum_fn) / F.batch_sum(has_tokens.sum(), sum_fn).clamp(min=1)
 
 
 class FixedKLController:
@@ -95,7 +97,7 @@ class AdaptiveKLController:
         return f"AdaptiveKLController(value={self.value!r}, target_kl={self.target_kl!r}, horizon={self.horizon!r})"
 
 
-class KLInReward(BatchModule):
+class KLInReward(WholeBatch, BatchModule):
     """Subtracts ``beta * KL(pi_old || pi_ref)`` from every token's reward (verl ``use_kl_in_reward``).
 
     ``beta`` is ``controller.value`` at the start of the step; afterwards the controller is
@@ -124,8 +126,9 @@ class KLInReward(BatchModule):
         rewards, kld = kl_in_reward(
             batch[TOKEN_REWARDS], batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], mask, beta, self.kind
         )
-        current = float(mean_sequence_kl(kld, mask))
-        rows = F.batch_sum(torch.tensor(float(batch.batch_size[0]), device=mask.device))  # the whole batch's, as verl
+        current = float(mean_sequence_kl(kld, mask, self.sum_fn))
+        rows = torch.tensor(float(batch.batch_size[0]), device=mask.device)
+        rows = F.batch_sum(rows, self.sum_fn)  # the whole batch's, as verl
         self.controller.update(current, n_steps=int(rows))
         batch.set(TOKEN_REWARDS, rewards)
         self.stats = {"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta}

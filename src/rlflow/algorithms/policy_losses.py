@@ -1,8 +1,9 @@
-"""Policy-loss variants: each a :class:`PPOLoss` that overrides ``pg_loss`` only (math in ``policy_functional``).
+"""Policy-loss variants: each a :class:`PPOLoss` that overrides ``objective`` only, the per-token loss (math in
+``policy_functional``).
 
-The KL and entropy terms, key checks and statistics are PPOLoss's. The other constructor
-arguments (``kl_coef``, ``entropy_coef``, ``agg``, ``is_weights``, ``loss_scale_factor``, ``clip_ratio*``)
-are PPOLoss's, passed through ``**ppo_kwargs``. verl's ``actor.policy_loss.loss_mode`` names map to classes in
+The IS weights, the aggregation, the KL and entropy terms, key checks and statistics are PPOLoss's, applied
+once for all of them. The other constructor arguments (``kl_coef``, ``entropy_coef``, ``agg``, ``is_weights``,
+``loss_scale_factor``, ``clip_ratio*``) are PPOLoss's, passed through ``**ppo_kwargs``. verl's ``actor.policy_loss.loss_mode`` names map to classes in
 :data:`LOSS_MODES` (resolved once, at the edge).
 """
 
@@ -13,8 +14,9 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from rlflow.algorithms import policy_functional as PF
+from rlflow.algorithms.aggregate import WholeBatch
 from rlflow.algorithms.losses import PPOLoss
-from rlflow.data.keys import ADVANTAGES, COV_SELECTED, IS_WEIGHTS, LOG_PROBS, OLD_LOG_PROBS, RESPONSE_MASK
+from rlflow.data.keys import ADVANTAGES, COV_SELECTED, LOG_PROBS, OLD_LOG_PROBS, RESPONSE_MASK
 from rlflow.module import BatchModule
 
 
@@ -22,13 +24,10 @@ class _Variant(PPOLoss):
     def _inputs(self, batch: TensorDict) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         return batch[LOG_PROBS], batch[OLD_LOG_PROBS], batch[ADVANTAGES], batch[RESPONSE_MASK]
 
-    def _weights(self, batch: TensorDict) -> Tensor | None:
-        return batch[IS_WEIGHTS] if self.is_weights else None
-
 
 class GSPOLoss(_Variant):
     """GSPO (arXiv 2507.18071; verl ``gspo``): PPO's clip on the sequence-level ratio
-    ``s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|)`` (``policy_functional.gspo_loss``).
+    ``s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|)`` (``policy_functional.gspo_objective``).
 
     Defaults are the paper's (and verl's GSPO example's) clip range 3e-4 / 4e-4 and verl's forced
     ``seq-mean-token-mean``; unlike verl, ``agg`` may be changed.
@@ -38,25 +37,23 @@ class GSPOLoss(_Variant):
                  agg: str = "seq-mean-token-mean", **ppo_kwargs):
         super().__init__(clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, agg=agg, **ppo_kwargs)
 
-    def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
-        return PF.gspo_loss(*self._inputs(batch), self.clip_low, self.clip_high, self.agg,
-                            num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
+    def objective(self, batch: TensorDict) -> tuple[Tensor, dict[str, Tensor]]:
+        return PF.gspo_objective(*self._inputs(batch), self.clip_low, self.clip_high)
 
 
 class CISPOLoss(_Variant):
     """CISPO (MiniMax-M1, arXiv 2506.13585; verl ``cispo``): ``-sg(clip(r)) * A * logp``
-    (``policy_functional.cispo_loss``). The clip range is PPOLoss's (verl's ``clip_ratio_low/high``,
+    (``policy_functional.cispo_objective``). The clip range is PPOLoss's (verl's ``clip_ratio_low/high``,
     0.2 / 0.2); the paper drops the lower bound: ``CISPOLoss(clip_ratio_low=1.0, clip_ratio_high=...)``.
     """
 
-    def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
-        return PF.cispo_loss(*self._inputs(batch), self.clip_low, self.clip_high, self.agg,
-                             num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
+    def objective(self, batch: TensorDict) -> tuple[Tensor, dict[str, Tensor]]:
+        return PF.cispo_objective(*self._inputs(batch), self.clip_low, self.clip_high)
 
 
 class SAPOLoss(_Variant):
     """SAPO (arXiv 2511.20347; verl ``sapo``): the hard clip replaced by the gate
-    ``sigmoid(tau (r - 1)) * 4 / tau`` (``policy_functional.sapo_loss``); ``tau_pos`` for ``A > 0``,
+    ``sigmoid(tau (r - 1)) * 4 / tau`` (``policy_functional.sapo_objective``); ``tau_pos`` for ``A > 0``,
     ``tau_neg`` otherwise. Default ``agg`` is verl's forced ``seq-mean-token-mean``.
     """
 
@@ -66,22 +63,20 @@ class SAPOLoss(_Variant):
         super().__init__(agg=agg, **ppo_kwargs)
         self.tau_pos, self.tau_neg = tau_pos, tau_neg
 
-    def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
-        return PF.sapo_loss(*self._inputs(batch), self.tau_pos, self.tau_neg, self.agg,
-                            num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
+    def objective(self, batch: TensorDict) -> tuple[Tensor, dict[str, Tensor]]:
+        return PF.sapo_objective(*self._inputs(batch), self.tau_pos, self.tau_neg)
 
 
 class ReinforceLoss(_Variant):
-    """Plain REINFORCE, ``-A * logp`` (verl ``gpg``; ``policy_functional.reinforce_loss``). No ratio, no clip."""
+    """Plain REINFORCE, ``-A * logp`` (verl ``gpg``; ``policy_functional.reinforce_objective``). No ratio, no clip."""
 
-    def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
-        return PF.reinforce_loss(batch[LOG_PROBS], batch[ADVANTAGES], batch[RESPONSE_MASK], self.agg,
-                                 num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
+    def objective(self, batch: TensorDict) -> tuple[Tensor, dict[str, Tensor]]:
+        return PF.reinforce_objective(batch[LOG_PROBS], batch[ADVANTAGES])
 
 
 class GMPOLoss(_Variant):
     """GMPO (arXiv 2507.20673; verl ``geo_mean``): the geometric mean of token ratios, clipped per token in
-    log space to ``[-clip_ratio_low, clip_ratio_high]`` (``policy_functional.gmpo_loss``).
+    log space to ``[-clip_ratio_low, clip_ratio_high]`` (``policy_functional.gmpo_objective``).
 
     Defaults: the paper's clip range ``(e^-0.4, e^0.4)`` and ``seq-mean-token-mean``, which is verl's mean
     over sequences (verl ignores ``loss_agg_mode``; here ``agg`` applies to the per-sequence loss).
@@ -91,23 +86,26 @@ class GMPOLoss(_Variant):
                  agg: str = "seq-mean-token-mean", **ppo_kwargs):
         super().__init__(clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, agg=agg, **ppo_kwargs)
 
-    def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
-        return PF.gmpo_loss(*self._inputs(batch), self.clip_low, self.clip_high, self.agg,
-                            num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
+    def objective(self, batch: TensorDict) -> tuple[Tensor, dict[str, Tensor]]:
+        return PF.gmpo_objective(*self._inputs(batch), self.clip_low, self.clip_high)
+
+    def weigh(self, per_token: Tensor, weights: Tensor, mask: Tensor) -> Tensor:
+        """A sequence-level loss takes each row's geometric mean of its token weights (verl ``geo_mean``)."""
+        return per_token * PF.row_geometric_mean(weights, mask)
 
 
 class DPPOTVLoss(_Variant):
     """DPPO-Binary-TV (arXiv 2602.04879; verl ``dppo_tv``): PPO's ratio clip replaced by a clip on the
-    probability change ``p - p_old`` (``policy_functional.dppo_loss``). ``clip_ratio`` / ``_low`` / ``_high``
+    probability change ``p - p_old`` (``policy_functional.dppo_objective``). ``clip_ratio`` / ``_low`` / ``_high``
     are the divergence thresholds (verl reuses the keys; its DPPO example: 0.15), ``clip_ratio_c`` truncates
     the detached IS ratio (verl's default 3.0; the example 10000). Other options are PPOLoss's.
     """
 
     divergence = "tv"
 
-    def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
-        return PF.dppo_loss(*self._inputs(batch), self.divergence, self.clip_low, self.clip_high, self.clip_ratio_c,
-                            self.agg, num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
+    def objective(self, batch: TensorDict) -> tuple[Tensor, dict[str, Tensor]]:
+        return PF.dppo_objective(*self._inputs(batch), self.divergence, self.clip_low, self.clip_high,
+                                 self.clip_ratio_c)
 
 
 class DPPOKLLoss(DPPOTVLoss):
@@ -117,13 +115,14 @@ class DPPOKLLoss(DPPOTVLoss):
     divergence = "kl"
 
 
-class CovSelection(BatchModule):
+class CovSelection(WholeBatch, BatchModule):
     """Runs a covariance loss's ``select`` over the whole batch, before it is split into mini- and
     micro-batches, and writes ``cov_selected``: put ``loss.selection()`` after the advantage estimator,
     e.g. ``estimator=Chain(GRPO(), loss.selection())``.
 
     Reads ``old_log_probs`` (the policy at the start of the step, which is the current one when the
-    selection runs), so the Trainer computes them.
+    selection runs), so the Trainer computes them. The covariance's means are over the whole batch on every
+    process (``sum_fn``, set by the Trainer; see ``rlflow.algorithms.aggregate.WholeBatch``).
     """
 
     in_keys = (ADVANTAGES, OLD_LOG_PROBS, RESPONSE_MASK)
@@ -134,7 +133,7 @@ class CovSelection(BatchModule):
 
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:
-        batch.set(COV_SELECTED, self.loss.select(batch))
+        batch.set(COV_SELECTED, self.loss.select(batch, self.sum_fn))
         return batch
 
     def state_dict(self) -> dict:
@@ -154,8 +153,9 @@ class _CovVariant(_Variant):
     def in_keys(self) -> tuple[str, ...]:
         return super().in_keys + (COV_SELECTED,)
 
-    def select(self, batch: TensorDict) -> Tensor:  # pragma: no cover - interface
-        """The bool [B, R] tokens to treat; called on the whole batch by :class:`CovSelection`."""
+    def select(self, batch: TensorDict, sum_fn=None) -> Tensor:  # pragma: no cover - interface
+        """The bool [B, R] tokens to treat; called on the whole batch by :class:`CovSelection` (``sum_fn``: its
+        whole-batch sum over processes)."""
         raise NotImplementedError
 
     def selection(self) -> CovSelection:
@@ -182,13 +182,12 @@ class ClipCovLoss(_CovVariant):
         self.clip_cov_ratio, self.clip_cov_lb, self.clip_cov_ub = clip_cov_ratio, clip_cov_lb, clip_cov_ub
         self.generator = generator
 
-    def select(self, batch: TensorDict) -> Tensor:
-        return PF.clip_cov_select(batch[ADVANTAGES], batch[OLD_LOG_PROBS], batch[RESPONSE_MASK],
-                                  self.clip_cov_ratio, self.clip_cov_lb, self.clip_cov_ub, generator=self.generator)
+    def select(self, batch: TensorDict, sum_fn=None) -> Tensor:
+        return PF.clip_cov_select(batch[ADVANTAGES], batch[OLD_LOG_PROBS], batch[RESPONSE_MASK], self.clip_cov_ratio,
+                                  self.clip_cov_lb, self.clip_cov_ub, generator=self.generator, sum_fn=sum_fn)
 
-    def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
-        return PF.clip_cov_loss(*self._inputs(batch), batch[COV_SELECTED], self.clip_low, self.clip_high,
-                                self.agg, num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
+    def objective(self, batch: TensorDict) -> tuple[Tensor, dict[str, Tensor]]:
+        return PF.clip_cov_objective(*self._inputs(batch), batch[COV_SELECTED], self.clip_low, self.clip_high)
 
 
 class KLCovLoss(_CovVariant):
@@ -206,12 +205,12 @@ class KLCovLoss(_CovVariant):
         super().__init__(**ppo_kwargs)
         self.kl_cov_ratio, self.ppo_kl_coef = kl_cov_ratio, ppo_kl_coef
 
-    def select(self, batch: TensorDict) -> Tensor:
-        return PF.kl_cov_select(batch[ADVANTAGES], batch[OLD_LOG_PROBS], batch[RESPONSE_MASK], self.kl_cov_ratio)
+    def select(self, batch: TensorDict, sum_fn=None) -> Tensor:
+        return PF.kl_cov_select(batch[ADVANTAGES], batch[OLD_LOG_PROBS], batch[RESPONSE_MASK], self.kl_cov_ratio,
+                                sum_fn)
 
-    def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
-        return PF.kl_cov_loss(*self._inputs(batch), batch[COV_SELECTED], self.ppo_kl_coef, self.agg,
-                              num_tokens, num_seqs, self._weights(batch), self.loss_scale_factor)
+    def objective(self, batch: TensorDict) -> tuple[Tensor, dict[str, Tensor]]:
+        return PF.kl_cov_objective(*self._inputs(batch), batch[COV_SELECTED], self.ppo_kl_coef)
 
 
 # verl's actor.policy_loss.loss_mode -> class ("vanilla" is PPOLoss itself)

@@ -79,7 +79,7 @@ class GroupWinRate(AdvantageEstimator):
 
 class SPINLoss(PPOLoss):
     """SPIN (arXiv 2401.01335): ``-log sigmoid(beta [(log pi - log pi_ref)(y_real) - (log pi - log pi_ref)(y_gen)])``
-    per (real, generated) pair of a group, averaged (``policy_functional.spin_loss``).
+    per (real, generated) pair of a group, averaged (``policy_functional.spin_objective``).
 
     Needs the real response as a row of each group (``is_reference``; ``WithReferenceResponses``) and
     whole groups in every micro-batch: split by rows (no ``max_tokens_per_micro_batch``, whose packing
@@ -101,15 +101,14 @@ class SPINLoss(PPOLoss):
         keys = dict.fromkeys(super().in_keys + (REF_LOG_PROBS, GROUP, IS_REFERENCE))
         return tuple(k for k in keys if k not in (ADVANTAGES, OLD_LOG_PROBS))  # SPIN reads neither
 
-    def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
-        return PF.spin_loss(batch[LOG_PROBS], batch[REF_LOG_PROBS], batch[RESPONSE_MASK], batch[GROUP],
-                            batch[IS_REFERENCE], self.beta, self.agg, num_tokens, num_seqs,
-                            norm_length=self.loss_scale_factor)
+    def objective(self, batch: TensorDict) -> tuple[Tensor, dict[str, Tensor]]:
+        return PF.spin_objective(batch[LOG_PROBS], batch[REF_LOG_PROBS], batch[RESPONSE_MASK], batch[GROUP],
+                                 batch[IS_REFERENCE], self.beta)
 
 
 class SPPOLoss(PPOLoss):
     """SPPO (arXiv 2405.00675): ``(log pi(y)/pi_ref(y) - eta (P_hat(y > pi) - 1/2))^2`` per sample
-    (``policy_functional.sppo_loss``), with ``P_hat - 1/2`` read from the advantages that
+    (``policy_functional.sppo_objective``), with ``P_hat - 1/2`` read from the advantages that
     :class:`GroupWinRate` writes. Per row, so any micro-batch split is exact.
 
     ``pi_ref`` should be the policy that sampled the batch (SPPO's ``pi_t``):
@@ -134,11 +133,10 @@ class SPPOLoss(PPOLoss):
     def in_keys(self) -> tuple[str, ...]:
         return tuple(k for k in dict.fromkeys(super().in_keys + (REF_LOG_PROBS,)) if k != OLD_LOG_PROBS)
 
-    def pg_loss(self, batch: TensorDict, num_tokens=None, num_seqs=None) -> tuple[Tensor, dict[str, Tensor]]:
+    def objective(self, batch: TensorDict) -> tuple[Tensor, dict[str, Tensor]]:
         mask = batch[RESPONSE_MASK]
         target = masked_sum(batch[ADVANTAGES], mask, -1) / mask.sum(-1).clamp(min=1)  # the row's constant value
-        return PF.sppo_loss(batch[LOG_PROBS], batch[REF_LOG_PROBS], mask, target, self.eta, self.agg,
-                            num_tokens, num_seqs, norm_length=self.loss_scale_factor)
+        return PF.sppo_objective(batch[LOG_PROBS], batch[REF_LOG_PROBS], mask, target, self.eta)
 
 
 class UpdateReference:

@@ -19,7 +19,7 @@ from tensordict import TensorDict
 from tqdm.auto import tqdm
 
 from rlflow.data import keys as K
-from rlflow.algorithms.functional import batch_statistics, data_parallel
+from rlflow.algorithms.aggregate import Aggregation, call_loss, share_batch_sum
 from rlflow.data.nontensor import to_device
 from rlflow.data.prompts import PromptData
 from rlflow.module import check_chain
@@ -36,8 +36,6 @@ from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.metrics import MeanAccumulator, Timer, batch_metrics, sum_micro_batches
 from rlflow.trainer.schedule import Schedule, lr_lambda, step_schedulers
 
-# Loss statistics that are each micro-batch's share of its mini-batch's loss (see rlflow.algorithms.losses).
-ADDITIVE_STATS = frozenset({"actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss"})
 DATA_KEYS = (K.PROMPT_IDS, K.PROMPT_MASK, K.PROMPT_TEXT, K.RAW_PROMPT, K.GROUND_TRUTH, K.DATA_SOURCE, K.EXTRA_INFO)
 
 
@@ -172,6 +170,7 @@ class Trainer:
             else:
                 self.fabric.to_device(self.reference.model)
         setup_rewards(self.fabric, reward, rollout, estimator)  # reward models: placed like the policy
+        share_batch_sum(self._batch_sum, estimator)  # whole-batch statistics (whitening, ...) span the processes
         if critic is not None:
             critic.module = self.fabric.setup_module(critic.module)
             self.critic_optimizer = self.fabric.setup_optimizers(
@@ -214,7 +213,7 @@ class Trainer:
         if self.critic is not None:
             with timer("values"):
                 batch = self.critic(batch)
-        with timer("adv"), batch_statistics(self._batch_sum):  # whole-batch statistics span the processes
+        with timer("adv"):
             batch = self.estimator(batch)
         stats, update_batch = {}, batch
         if self.balance_batch and self.dp_size > 1:
@@ -263,10 +262,11 @@ class Trainer:
         return global_sum(self.fabric, value) / self.sp_size
 
     def _minibatches(self, batch: TensorDict):
-        """(mini-batch, token count, sequence count) for every optimizer step of this RL step.
+        """(mini-batch, its :class:`Aggregation`) for every optimizer step of this RL step.
 
         The counts are global (all ranks) divided by the number of ranks: gradients are
-        averaged over ranks, so this makes the update equal to one process on the whole batch.
+        averaged over ranks, so this makes the update equal to one process on the whole batch
+        (``token-sum``, which no count divides, multiplies by ``dp_size`` for the same reason).
         With sequence parallelism each sample is counted on all ``sp`` ranks of its group, and each
         of them holds a share of its gradient (summed, not averaged, is right): dividing once more by
         ``sp`` does both.
@@ -280,7 +280,7 @@ class Trainer:
                 mask = mb[K.RESPONSE_MASK]
                 n_tok = global_sum(self.fabric, mask.sum()) / world
                 n_seq = global_sum(self.fabric, (mask.sum(-1) > 0).sum()) / world
-                yield mb, n_tok, n_seq
+                yield mb, Aggregation(num_tokens=n_tok, num_seqs=n_seq, dp_size=self.fabric.world_size)
 
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
         """Mini-batch updates with gradient accumulation over micro-batches.
@@ -288,40 +288,40 @@ class Trainer:
         The loss of each micro-batch is normalised by its mini-batch's token and
         sequence counts, so the accumulated gradient does not depend on the micro-batch size.
         """
-        def micro_loss(micro: TensorDict, n_tok, n_seq):
+        def micro_loss(micro: TensorDict, agg: Aggregation):
             log_probs, entropy = self.policy.log_probs(micro)
             micro[K.LOG_PROBS], micro[K.ENTROPY] = log_probs, entropy
             if K.OLD_LOG_PROBS not in micro.keys():
                 micro[K.OLD_LOG_PROBS] = log_probs.detach()
-            return self.loss(micro, num_tokens=n_tok, num_seqs=n_seq)
+            return call_loss(self.loss, micro, agg)
 
         return self._update(batch, self.policy.module, self.optimizer, "actor", micro_loss)
 
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
-        def micro_loss(micro: TensorDict, n_tok, n_seq):
+        def micro_loss(micro: TensorDict, agg: Aggregation):
             micro[K.OLD_VALUES] = micro[K.VALUES]
             micro[K.VALUES] = self.critic.values(micro)
-            return self.value_loss(micro, num_tokens=n_tok, num_seqs=n_seq)
+            return call_loss(self.value_loss, micro, agg)
 
         return self._update(batch, self.critic.module, self.critic_optimizer, "critic", micro_loss)
 
     def _update(self, batch: TensorDict, module, opt, role: str, micro_loss: Callable) -> dict[str, float]:
-        """The mini-batch / micro-batch loop both updates share; ``micro_loss(micro, n_tok, n_seq)`` -> LossOutput."""
+        """The mini-batch / micro-batch loop both updates share; ``micro_loss(micro, aggregation)`` -> LossOutput."""
         acc = MeanAccumulator()
         module.train()
-        for mb, n_tok, n_seq in self._minibatches(batch):
-            if not n_tok:  # no valid token on any process: nothing to learn (and AdamW would still decay weights)
+        for mb, agg in self._minibatches(batch):
+            if not agg.num_tokens:  # no valid token on any process: nothing to learn (AdamW would still decay weights)
                 acc.add({f"{role}/skipped_frac": 1.0})
                 continue
-            micro_stats = []
+            micro_stats, summed = [], frozenset()
             for micro in micro_batches(mb, self.micro_batch_size, self.max_tokens_per_micro_batch, self.fabric):
-                with data_parallel(self.fabric.world_size):  # token-sum's factor; see _minibatches for the counts
-                    out = micro_loss(micro, n_tok, n_seq)
+                out = micro_loss(micro, agg)
                 self.fabric.backward(out.loss)
                 micro_stats.append(out.stats)
-            stats = sum_micro_batches(micro_stats, ADDITIVE_STATS)
+                summed |= out.summed  # the loss says which stats are shares (summed) and which are means
+            stats = sum_micro_batches(micro_stats, summed)
             # with sequence parallelism each rank's loss is sp x its share (see _minibatches): log one copy
-            acc.add({k: v / self.sp_size if k in ADDITIVE_STATS else v for k, v in stats.items()})
+            acc.add({k: v / self.sp_size if k in summed else v for k, v in stats.items()})
             acc.add(self._optimizer_step(module, opt, role))
         return acc.means() | {f"{role}/lr": opt.param_groups[0]["lr"]}
 
