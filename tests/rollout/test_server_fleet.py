@@ -49,7 +49,7 @@ def test_a_hung_server_s_requests_go_to_the_others_once_each_and_in_order(vllm_s
 
     good, bad = FaultProxy(vllm_server, lambda *a: None), FaultProxy(vllm_server, hangs_after_one)
     try:
-        members = [ServerEngine(p.url, eos_token_ids=eos, retries=1, backoff=0.05) for p in (good, bad)]
+        members = [ServerEngine(p.url, eos_token_ids=eos, timeout=30, retries=1, backoff=0.05) for p in (good, bad)]
         fleet = FleetEngine(members, max_concurrency=2, health_interval=0.2, health_timeout=3.0)
         with pytest.warns(UserWarning, match=f"{bad.url} taken out of the fleet: no answer to GET /health"):
             assert sampled(fleet.generate(ids, params)) == sampled(direct)
