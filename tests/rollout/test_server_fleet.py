@@ -48,9 +48,9 @@ def test_a_hung_server_s_requests_go_to_the_others_once_each_and_in_order(vllm_s
         return ("hang", 120.0) if state["hung"] else None
 
     good, bad = FaultProxy(vllm_server, lambda *a: None), FaultProxy(vllm_server, hangs_after_one)
+    members = [ServerEngine(p.url, eos_token_ids=eos, timeout=30, retries=1, backoff=0.05) for p in (good, bad)]
+    fleet = FleetEngine(members, max_concurrency=2, health_interval=0.2, health_timeout=3.0)
     try:
-        members = [ServerEngine(p.url, eos_token_ids=eos, timeout=30, retries=1, backoff=0.05) for p in (good, bad)]
-        fleet = FleetEngine(members, max_concurrency=2, health_interval=0.2, health_timeout=3.0)
         with pytest.warns(UserWarning, match=f"{bad.url} taken out of the fleet: no answer to GET /health"):
             assert sampled(fleet.generate(ids, params)) == sampled(direct)
         stats = fleet.stats
@@ -67,6 +67,22 @@ def test_a_hung_server_s_requests_go_to_the_others_once_each_and_in_order(vllm_s
     finally:
         good.close()
         bad.close()
+        fleet.close()
+
+
+@requires_vllm
+def test_a_request_the_servers_refuse_raises_and_takes_no_server_out(vllm_server, vllm_model_dir):
+    """A prompt longer than the servers' context is the request's fault (HTTP 400): it raises as with one
+    server, instead of taking out every server it is sent to."""
+    tok = Policy.from_pretrained(vllm_model_dir).tokenizer
+    fleet = FleetEngine([ServerEngine(vllm_server, eos_token_ids=(tok.eos_token_id,)) for _ in range(2)])
+    too_long = tok("1+" * 40 + "1=")["input_ids"]  # 82 tokens; the servers' max_model_len is 64
+    try:
+        with pytest.raises(ServerError, match="HTTP 400"):
+            fleet.generate([too_long], SamplingParams(max_new_tokens=4))
+        assert fleet.out_reason == ["", ""]
+    finally:
+        fleet.close()
 
 
 @requires_vllm
@@ -83,9 +99,9 @@ def test_a_server_that_misses_an_update_samples_nothing_until_it_has_it(vllm_ser
         return 503 if state["refuse"] else None
 
     good, bad = FaultProxy(vllm_server, lambda *a: None), FaultProxy(vllm_server, refuses_reloads)
+    rollout = ServerRollout([good.url, bad.url], n=2, max_new_tokens=4, retries=1, backoff=0.05,
+                            checkpoint_dir=tmp_path / "weights")
     try:
-        rollout = ServerRollout([good.url, bad.url], n=2, max_new_tokens=4, retries=1, backoff=0.05,
-                                checkpoint_dir=tmp_path / "weights")
         rollout.bind(policy.model, policy.tokenizer)
         assert isinstance(rollout.engine, FleetEngine) and state["reloads"] == 1
         probe = prompts(policy.tokenizer)

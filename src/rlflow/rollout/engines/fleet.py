@@ -4,7 +4,8 @@ Each member is a :class:`~rlflow.rollout.engines.server.ServerEngine` (one URL).
 dispatched one request each to the usable server with the fewest requests in flight (its queue depth), at
 most ``max_concurrency`` per server, so a slower server gets fewer. While requests are in flight, every
 server holding some is probed (``GET /health``, answered within ``health_timeout``) every
-``health_interval`` seconds. A server that fails a probe, or whose request failed after its own retries, is
+``health_interval`` seconds. A server that fails a probe, or whose request failed after its own retries
+(a refused request, HTTP 4xx, is the request's fault and raises as it would with one server), is
 **taken out**: its in-flight requests are sent again to the others, and whatever it answers later is
 ignored. Results are kept by prompt index and only the answer of a prompt's current request is accepted,
 so every prompt's ``n`` samples come back exactly once, in order, whichever server sampled them.
@@ -39,7 +40,7 @@ import torch.distributed as dist
 
 from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets
 from rlflow.rollout.engines.checkpoint import distributed, shared_temp_dir, write_checkpoint, writes_checkpoints
-from rlflow.rollout.engines.server import ServerEngine, ServerError
+from rlflow.rollout.engines.server import RETRY_STATUS, ServerEngine, ServerError
 
 
 class FleetEngine(Engine):
@@ -154,6 +155,8 @@ class FleetEngine(Engine):
                 try:
                     per_prompt = self.servers[i].completions(future.result(), params)
                 except ServerError as e:
+                    if e.status is not None and 400 <= e.status < 500 and e.status not in RETRY_STATUS:
+                        raise  # the request's fault (too long, bad options): another server would refuse it too
                     todo.appendleft(p)
                     failovers += 1
                     fail_over(i, f"a request failed: {e}")
