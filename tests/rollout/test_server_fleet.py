@@ -5,8 +5,12 @@ fleet members, one real engine); the kill test adds the one extra server start o
 mid-run.
 """
 
+import json
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +193,34 @@ def test_server_url_takes_a_list_of_servers():
     with pytest.raises(ConfigError, match=r"server.url lists 2 servers, so actor_rollout_ref.rollout.server.launch "
                                           r"must be a list of 2 commands"):
         make_plan(load_config(base + ["actor_rollout_ref.rollout.server.launch='python -m x'"]))
+
+
+@requires_vllm
+def test_every_process_takes_out_the_server_rank_0_could_not_update(vllm_server, vllm_model_dir, tmp_path):
+    """Two gloo processes, one fleet each over the same two servers: only rank 0 asks the servers to reload,
+    and the second update fails on member 1. Rank 1 never saw that failure, yet takes member 1 out too and
+    sends it nothing."""
+    reloads = []
+
+    def refuses_the_second_reload(path, body, seen):
+        if path != "/collective_rpc":
+            return None
+        reloads.append(path)
+        return 503 if len(reloads) >= 2 else None
+
+    good, bad = FaultProxy(vllm_server, lambda *a: None), FaultProxy(vllm_server, refuses_the_second_reload)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(Path(__file__).with_name("fleet_worker.py")), str(vllm_model_dir), str(tmp_path), good.url, bad.url]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        good.close()
+        bad.close()
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert len(reloads) == 2  # rank 0's two reloads of member 1; rank 1 asked nothing
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["out"][0] == "" and result["out"][1].startswith("missed weight update 2: POST")
+        assert result["synced"] == 1 and result["stats"]["rollout/server1/requests"] == 0
+        assert result["stats"]["rollout/server0/requests"] == 4
