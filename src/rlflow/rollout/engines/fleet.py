@@ -18,7 +18,9 @@ single-process run, at the start of the next call once it answers its health che
 first; a restarted server would otherwise sample with the weights it started from). In a multi-process run
 every process keeps its own view of which servers answer, but which servers hold the newest weights is
 decided by global rank 0 at each update and shared, so no process samples from a stale server; a returning
-server is reloaded only at an update there (all processes must agree on it).
+server is reloaded only at an update there (all processes must agree on it). A server out that still does
+not answer is probed again at the start of every call (all such probes at once): a hung one costs up to
+``health_timeout`` per call, a dead one (refused connection) nothing.
 
 Metrics of each call (``stats``): ``rollout/servers_healthy`` (servers usable at the end of the call),
 ``rollout/failovers`` (requests sent again to another server), ``rollout/server{i}/requests`` (requests
