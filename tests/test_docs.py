@@ -131,6 +131,11 @@ NOT_RUN |= {
                                 "rollout.server_url=http://127.0.0.1:8000"):
         "trains 200 steps through the server; tests/rollout/test_server.py::"
         "test_trains_through_the_server_and_its_log_probs_follow_each_update trains through one",
+    ("docs/rollout-engines.md", 'python -m rlflow.trainer.main_ppo actor_rollout_ref.rollout.name=vllm '
+                                '"actor_rollout_ref.rollout.server.url=[http://10.0.0.1:8000,http://10.0.0.2:8000]" '
+                                "actor_rollout_ref.rollout.server.checkpoint_dir=/shared/rlflow-weights ..."):
+        "a template ('...', two servers); tests/rollout/test_server_fleet.py::test_server_url_takes_a_list_of_servers "
+        "plans the key, test_a_run_survives_a_server_killed_mid_generation trains through two servers",
 }
 MEGATRON_RUNS = ("trains 100 steps on 2 processes (minutes); tests/megatron/test_megatron.py::"
                  "test_verl_entry_point_trains_with_megatron_in_both_spellings trains with both spellings of these keys")
@@ -298,6 +303,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/algorithms/sppo.md", "from rlflow import FunctionReward, HFRollout, Trainer"): [],
     ("docs/concepts.md", "from rlflow import AdvantageEstimator, keys"): [],
     ("docs/metrics.md", "from rlflow import GRPO, PPOLoss"): ELIDED_TRAINER,
+    ("docs/rollout-engines.md", "from rlflow.rollout import ServerRollout"): [],  # connects only at bind
     ("docs/performance.md", "policy = Policy(model, tokenizer, remove_padding=True)"): [],
     ("docs/rewards.md", "from rlflow import FunctionReward"): [],
     ("docs/rewards.md", "from rlflow.rewards import CombinedReward"): [],

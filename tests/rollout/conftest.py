@@ -1,5 +1,5 @@
 """Shared, expensive fixtures of the engine tests: one tiny model folder, one in-process vLLM engine, one vLLM
-server and one 2-process FSDP2 run per session.
+server and one 2-process FSDP2 run per session; a second server only for the fleet test that kills it.
 
 The server (~60-80 s to answer on a 2-core machine) and the FSDP2 run (two processes, each with its own
 engine) are started in the background as soon as collection shows a selected test needs them, and the tests
@@ -76,7 +76,7 @@ def _start_fsdp2(out: Path):
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
 
 
-WAITS_ON_BACKGROUND = ("vllm_server", "fsdp2_vllm_run")
+WAITS_ON_BACKGROUND = ("vllm_server", "fsdp2_vllm_run", "doomed_vllm_server")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -93,15 +93,18 @@ def pytest_collection_finish(session):
     _BACKGROUND["scratch"] = scratch
     if "vllm_server" in wanted:
         _BACKGROUND["server"] = _start_server(scratch / "server.log")
+    if "doomed_vllm_server" in wanted:
+        _BACKGROUND["doomed"] = _start_server(scratch / "doomed.log")
     if "fsdp2_vllm_run" in wanted:
         (scratch / "fsdp2").mkdir()
         _BACKGROUND["fsdp2"] = _start_fsdp2(scratch / "fsdp2")
 
 
 def pytest_sessionfinish(session):
-    server = _BACKGROUND.pop("server", None)
-    if server is not None:
-        server.stop()
+    for key in ("server", "doomed"):
+        server = _BACKGROUND.pop(key, None)
+        if server is not None:
+            server.stop()
     fsdp2 = _BACKGROUND.pop("fsdp2", None)
     if fsdp2 is not None and fsdp2[0].poll() is None:
         os.killpg(fsdp2[0].pid, 9)
@@ -133,18 +136,28 @@ def vllm_engine(vllm_model_dir):
     return rollout.engine, before, host_state()
 
 
-@pytest.fixture(scope="session")
-def vllm_server(vllm_model_dir):
-    """The session's vLLM OpenAI server (started in the background at collection): its URL."""
-    server = _BACKGROUND.get("server")
+def _wait_for(key: str, log: str):
+    server = _BACKGROUND.get(key)
     if server is None:
         pytest.skip("the vLLM server was not started (collection-only run?)")
     try:
-        server.wait(timeout=600)
+        return server.wait(timeout=600)
     except Exception as e:  # noqa: BLE001 - show the server's own output
-        log = (_BACKGROUND["scratch"] / "server.log").read_text(errors="replace")[-4000:]
-        raise RuntimeError(f"{e}\n--- server log ---\n{log}") from None
-    return server.url
+        text = (_BACKGROUND["scratch"] / log).read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"{e}\n--- server log ---\n{text}") from None
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_model_dir):
+    """The session's vLLM OpenAI server (started in the background at collection): its URL."""
+    return _wait_for("server", "server.log").url
+
+
+@pytest.fixture
+def doomed_vllm_server(vllm_model_dir):
+    """A second vLLM server, for the one test that kills it (started in the background at collection, only
+    when that test is selected): its ``ServerProcess``."""
+    return _wait_for("doomed", "doomed.log")
 
 
 @pytest.fixture(scope="session")

@@ -14,12 +14,14 @@ from collections import Counter
 class FaultProxy:
     """Forwards every request to ``upstream``. ``faults(path, body, seen)`` decides, per request, what goes
     wrong (``seen``: how often this exact request arrived before): ``None`` (forward), an HTTP status to answer
-    instead, or ``("slow", seconds)``: forward it, but answer only after ``seconds`` (longer than the client
-    waits, so the client retries while the server has done the work)."""
+    instead, ``("slow", seconds)``: forward it, but answer only after ``seconds`` (longer than the client
+    waits, so the client retries while the server has done the work), ``("hang", seconds)``: forward nothing
+    and answer nothing for ``seconds`` (a hung server), or ``"drop"``: close the connection unanswered (a
+    server that died with the request)."""
 
     def __init__(self, upstream: str, faults):
         self.upstream, self.faults, self.seen, self.lock = upstream.rstrip("/"), faults, Counter(), threading.Lock()
-        self.injected = 0
+        self.injected, self.closed = 0, threading.Event()
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -41,6 +43,12 @@ class FaultProxy:
                 if isinstance(fault, int):
                     proxy.injected += 1
                     return self.answer(fault, b'{"error": "injected"}')
+                if fault == "drop" or (fault is not None and fault[0] == "hang"):
+                    proxy.injected += 1
+                    if fault != "drop":
+                        proxy.closed.wait(fault[1])  # a hang ends when the proxy closes
+                    self.close_connection = True
+                    return None
                 req = urllib.request.Request(f"{proxy.upstream}{self.path}", data=body, method=self.command,
                                              headers={"Content-Type": "application/json"})
                 try:
@@ -48,6 +56,9 @@ class FaultProxy:
                         status, data = up.status, up.read()
                 except urllib.error.HTTPError as e:
                     status, data = e.code, e.read()
+                except OSError:  # the upstream is gone (killed): its answer too
+                    self.close_connection = True
+                    return None
                 if fault is not None:  # ("slow", seconds): the work is done, the answer comes too late
                     proxy.injected += 1
                     time.sleep(fault[1])
@@ -68,5 +79,6 @@ class FaultProxy:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self):
+        self.closed.set()
         self.server.shutdown()
         self.server.server_close()

@@ -114,7 +114,12 @@ def server_kwargs(cfg: VerlConfig, devices: Devices, notes: list[str]) -> dict:
         _note_if_set(cfg, notes, f"{R}.{key}", lambda v: True,
                      "a setting of the server: give it to the server's own command line (rollout.server.launch)")
     s = f"{R}.server"
-    return {"url": cfg[f"{s}.url"], "launch": cfg[f"{s}.launch"], "max_concurrency": cfg[f"{s}.max_concurrency"],
+    urls, launch = cfg[f"{s}.url"], cfg[f"{s}.launch"]
+    count = len(urls.split(",")) if isinstance(urls, str) else len(urls)
+    if count > 1 and launch is not None and (isinstance(launch, str) or len(launch) != count):
+        raise ConfigError(f"{s}.url lists {count} servers, so {s}.launch must be a list of {count} commands (null for "
+                          f"a server already running), got {launch!r}")
+    return {"url": urls, "launch": launch, "max_concurrency": cfg[f"{s}.max_concurrency"],
             "timeout": cfg[f"{s}.timeout"], "retries": cfg[f"{s}.retries"], "checkpoint_dir": cfg[f"{s}.checkpoint_dir"]}
 
 

@@ -109,8 +109,8 @@ ROLE_INERT: dict[str, str] = {
                               "Policy recomputes (rlflow.rollout.engines)"),
     f"{ROLL}.scheduling_policy": ("vLLM's request order; rlflow submits each generation as one batch, so its "
                                   "results do not depend on it"),
-    f"{ROLL}.router_config_path": ("verl's router across rollout server replicas; rlflow's server rollout talks to "
-                                   "one URL (rollout.server.url)"),
+    f"{ROLL}.router_config_path": ("verl's router across rollout server replicas; rlflow's server rollout balances "
+                                   "the servers listed in rollout.server.url itself"),
     f"{ROLL}.checkpoint_engine.engine_kwargs": "only used with checkpoint_engine.backend other than naive, not supported yet",
     f"{ROLL}.checkpoint_engine.custom_backend_module": ("only used with checkpoint_engine.backend other than naive, "
                                                         "not supported yet"),

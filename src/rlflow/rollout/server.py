@@ -2,7 +2,8 @@
 
 ``ServerRollout(url)`` talks to a server that is already running (vLLM's OpenAI server, SGLang, ...);
 ``ServerRollout(url, launch="command ...")`` starts it first, waits until it answers, and stops it when the
-process exits. :class:`ServerProcess` does the starting and stopping, and :func:`vllm_server_command` writes
+process exits. Several URLs (a list, or one string with commas) make a fleet
+(:class:`~rlflow.rollout.engines.fleet.FleetEngine`: balanced, health-checked, failing over). :class:`ServerProcess` does the starting and stopping, and :func:`vllm_server_command` writes
 the command line for vLLM's server with what rlflow needs (weight updates, log-probs, a bounded KV cache).
 """
 
@@ -18,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from rlflow.rollout.engines.base import Engine
+from rlflow.rollout.engines.fleet import FleetEngine
 from rlflow.rollout.engines.server import SGLangEngine, ServerEngine, ServerError
 from rlflow.rollout.single_turn import SingleTurnRollout
 from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES
@@ -113,9 +115,12 @@ class ServerRollout(SingleTurnRollout):
     (vLLM with ``VLLM_SERVER_DEV_MODE=1``; a server without an update endpoint is refused at ``bind``).
 
     Args:
-        url: the server's base URL.
+        url: the server's base URL; several (a list, or one string with commas) sample as one fleet
+            (:class:`~rlflow.rollout.engines.fleet.FleetEngine`).
         n, temperature, top_p, top_k, max_new_tokens, do_sample, seed, stop_token_ids, bucket_bytes: as ``HFRollout``.
-        launch: a command that starts the server (rlflow starts it, waits until it answers, stops it at exit).
+        launch: a command that starts the server (rlflow starts it, waits until it answers, stops it at exit);
+            for a fleet, a list with one command (or ``None``: already running) per URL.
+        health_interval, health_timeout: a fleet's health checks (see ``FleetEngine``).
         model, max_concurrency, timeout, retries, backoff, checkpoint_dir, logprobs_mode, weight_transfer: see
             :class:`~rlflow.rollout.engines.server.ServerEngine`.
     """
@@ -124,35 +129,55 @@ class ServerRollout(SingleTurnRollout):
     remote_engine = True  # the engine runs in the server: AsyncRollout drives it from a thread, not a process
     engine_class: type[ServerEngine] = ServerEngine
 
-    def __init__(self, url: str, n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+    def __init__(self, url: str | list[str], n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  max_new_tokens: int = 512, do_sample: bool = True, seed: int | None = None,
                  stop_token_ids: tuple[int, ...] = (), bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  launch: str | list[str] | None = None, model: str | None = None, max_concurrency: int = 64,
                  timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
                  checkpoint_dir: str | Path | None = None, logprobs_mode: str = "raw_logprobs",
-                 weight_transfer: str | None = "auto"):
+                 weight_transfer: str | None = "auto", health_interval: float = 1.0, health_timeout: float = 10.0):
         super().__init__(None, n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                          do_sample=do_sample, seed=seed, stop_token_ids=stop_token_ids, bucket_bytes=bucket_bytes)
         self.url, self.launch = url, launch
+        self.urls = [u.strip() for u in url.split(",")] if isinstance(url, str) else [str(u) for u in url]
+        if len(self.urls) > 1 and launch is not None and (isinstance(launch, str) or len(launch) != len(self.urls)):
+            raise ValueError(f"ServerRollout: {len(self.urls)} URLs need launch=None or a list of as many commands "
+                             f"(None for a server already running), got {launch!r}")
         self.engine_options = dict(model=model, max_concurrency=max_concurrency, timeout=timeout, retries=retries,
                                    backoff=backoff, checkpoint_dir=checkpoint_dir, logprobs_mode=logprobs_mode,
                                    weight_transfer=weight_transfer)
+        self.fleet_options = dict(max_concurrency=max_concurrency, health_interval=health_interval,
+                                  health_timeout=health_timeout, checkpoint_dir=checkpoint_dir)
         self.server: ServerProcess | None = None
+        self.fleet_servers: list[ServerProcess] = []
 
     def make_engine(self, model, tokenizer) -> Engine:
         if self.engine is not None:
             return self.engine
-        if self.launch and self.server is None:
-            self.server = ServerProcess(self.launch, self.url, env=VLLM_SERVER_ENV).wait()
         eos = tokenizer.eos_token_id
-        return self.engine_class(self.url, eos_token_ids=() if eos is None else (eos,), **self.engine_options)
+        eos = () if eos is None else (eos,)
+        if len(self.urls) > 1:
+            return self.make_fleet(eos)
+        if self.launch and self.server is None:
+            self.server = ServerProcess(self.launch, self.urls[0], env=VLLM_SERVER_ENV).wait()
+        return self.engine_class(self.urls[0], eos_token_ids=eos, **self.engine_options)
+
+    def make_fleet(self, eos: tuple[int, ...]) -> FleetEngine:
+        if self.launch and not self.fleet_servers:  # all start at once, then each is waited for
+            self.fleet_servers = [ServerProcess(cmd, url, env=VLLM_SERVER_ENV)
+                                  for cmd, url in zip(self.launch, self.urls) if cmd]
+            for server in self.fleet_servers:
+                server.wait()
+        members = [self.engine_class(url, eos_token_ids=eos, **self.engine_options) for url in self.urls]
+        return FleetEngine(members, **self.fleet_options)
 
     def close(self) -> None:
         """Close the connection pool and stop a server this rollout started."""
         if self.engine is not None:
             self.engine.close()
-        if self.server is not None:
-            self.server.stop()
+        for server in [self.server, *self.fleet_servers]:
+            if server is not None:
+                server.stop()
 
 
 class SGLangRollout(ServerRollout):

@@ -41,7 +41,12 @@ RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
 class ServerError(RuntimeError):
-    """A server answered with an error, or could not be reached after every retry; the message names the URL."""
+    """A server answered with an error, or could not be reached after every retry; the message names the URL.
+    ``status``: the HTTP status of an answer refusing the request (``None``: no answer)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class ServerEngine(Engine):
@@ -98,7 +103,7 @@ class ServerEngine(Engine):
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")[:500]
                 if e.code not in RETRY_STATUS or attempt == retries:
-                    raise ServerError(f"{method} {url} failed: HTTP {e.code}: {detail}") from None
+                    raise ServerError(f"{method} {url} failed: HTTP {e.code}: {detail}", e.code) from None
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 if attempt == retries:
                     reason = getattr(e, "reason", e)
