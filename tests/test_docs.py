@@ -297,6 +297,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/algorithms/spin.md", "from rlflow import FunctionReward, HFRollout, Trainer"): [],
     ("docs/algorithms/sppo.md", "from rlflow import FunctionReward, HFRollout, Trainer"): [],
     ("docs/concepts.md", "from rlflow import AdvantageEstimator, keys"): [],
+    ("docs/experience.md", "from rlflow import GRPO, FunctionReward, HFRollout, PPOLoss, Trainer"): [],
     ("docs/metrics.md", "from rlflow import GRPO, PPOLoss"): ELIDED_TRAINER,
     ("docs/performance.md", "policy = Policy(model, tokenizer, remove_padding=True)"): [],
     ("docs/rewards.md", "from rlflow import FunctionReward"): [],
