@@ -34,6 +34,7 @@ from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_
                                         sequence_parallel_group)
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.metrics import MeanAccumulator, Timer, batch_metrics, sum_micro_batches
+from rlflow.trainer.options import Batching, RunDir, grouped
 from rlflow.trainer.schedule import Schedule, lr_lambda, step_schedulers
 
 # Loss statistics that are each micro-batch's share of its mini-batch's loss (see rlflow.algorithms.losses).
@@ -50,14 +51,8 @@ class Trainer:
             ``GreedyBaseline``, ``ReferenceResponses``), or ``experience=Experience(rollout, reward, stages)``.
         reference: a frozen policy for the KL term; ``"auto"`` makes one when the loss reads ``ref_log_probs``.
         critic, value_loss: the value model and its loss (needed when ``estimator.needs_critic``).
-        batch_size: prompts per RL step (each gives ``rollout.n`` samples).
-        mini_batch_size: prompts per optimizer step (default: ``batch_size``, one update per step).
-        micro_batch_size: samples per forward/backward (gradient accumulation; default: the mini-batch).
-        max_tokens_per_micro_batch: token budget per forward/backward (verl's ``use_dynamic_bsz`` +
-            ``ppo_max_token_len_per_gpu``; see ``rlflow.trainer.batching``); ``None``: split by rows only.
-        ppo_epochs: passes over the batch per step.
-        shuffle_seed: ``None`` splits each rank's rows into mini-batches in order; a seed deals them at random anew
-            each epoch, as verl's ``actor.shuffle`` (:func:`~rlflow.trainer.batching.shuffled_mini_batches`).
+        batching: a :class:`~rlflow.trainer.options.Batching` (``batch_size``, ``mini_batch_size``, ``micro_batch_size``,
+            ``max_tokens_per_micro_batch``, ``ppo_epochs``, ``shuffle_seed``, ``balance_batch``), or those as keywords.
         lr, critic_lr, weight_decay, warmup_steps, lr_schedule: AdamW and its schedule (``"constant"``, ``"cosine"``
             or a :class:`~rlflow.trainer.schedule.Schedule`: verl's cosine with ``min_lr_ratio`` and ``num_cycles``).
         optimizer: ``params -> torch.optim.Optimizer`` to replace AdamW for the policy.
@@ -66,17 +61,11 @@ class Trainer:
         val_every, val_n, val_sampling: validate every ``val_every`` steps (0: only when asked) with ``val_n`` samples
             per prompt (1: greedy, else at the rollout's temperature), or with the rollout's options ``val_sampling``
             (with ``n``; verl's ``rollout.val_kwargs``).
-        run_dir: the run's one folder (verl's ``trainer.default_local_dir``): the loggers' files, and the
-            checkpoints as ``run_dir/global_step_N`` with ``run_dir/latest_checkpointed_iteration.txt``
-            (``rlflow.trainer.checkpoint``). Checked to be writable before the first step.
-        save_every, resume: a checkpoint every N steps and at the last (0: none); ``resume`` is ``None``,
-            ``"auto"`` (the latest checkpoint in ``run_dir``, if any) or a ``global_step_N`` folder of any run,
-            written by any number of processes.
-        keep_checkpoints: keep only the newest N ``global_step_*`` folders (``None`` or <= 0: all; verl's
-            ``max_actor_ckpt_to_keep``); older ones are deleted after each save (``rlflow.trainer.checkpoint.rotate``).
+        run: a :class:`~rlflow.trainer.options.RunDir` (the run's folder ``path``, ``save_every``, ``resume``,
+            ``keep_checkpoints``, ``loggers``), or those as keywords (``run_dir`` for ``path``).
         critic_warmup_steps: the first N steps update only the critic (the policy and its schedule stay as they are).
-        loggers: names from ``jsonl``, ``csv``, ``tensorboard``, ``wandb``; callbacks: objects with ``on_*`` hooks (a
-            :class:`~rlflow.trainer.callbacks.NoLearningSignal` is added unless one is given).
+        callbacks: objects with ``on_*`` hooks (a :class:`~rlflow.trainer.callbacks.NoLearningSignal` is added
+            unless one is given).
         epochs: passes over the prompts when ``max_steps`` is not given; progress: show a progress bar.
         seed: seeds every RNG at the start of ``fit`` (a resumed run restores the saved RNG state instead).
         accelerator, devices, num_nodes, precision: passed to ``lightning.Fabric``.
@@ -85,12 +74,11 @@ class Trainer:
         sequence_parallel_size: ranks that split each sequence (Ulysses, ``rlflow.models.ulysses``; needs
             ``remove_padding`` on the policy, reference and critic). Consecutive ranks form a group; each
             rank generates and scores its own share of the prompts, and the group trains on their union.
-        balance_batch: before the updates, re-deal each mini-batch's rows over the data-parallel ranks
-            for equal token counts (verl ``trainer.balance_batch``; ``rlflow.trainer.distributed.balance_tokens``).
     """
 
     def __init__(
         self, policy, rollout=None, reward=None, estimator=None, loss=None, *, stages=(), experience=None,
+        batching: Batching | None = None, run: RunDir | None = None,
         val_sampling: dict | None = None, reference="auto", critic=None, value_loss=None,
         batch_size: int = 32, mini_batch_size: int | None = None, micro_batch_size: int | None = None,
         max_tokens_per_micro_batch: int | None = None, ppo_epochs: int = 1, shuffle_seed: int | None = None,
@@ -103,6 +91,10 @@ class Trainer:
         accelerator: str = "cpu", devices: int = 1, num_nodes: int = 1, strategy="auto", precision: str = "32-true",
         sequence_parallel_size: int = 1, balance_batch: bool = True,
     ):
+        given = dict(locals())  # the keyword arguments, for the groups (rlflow.trainer.options)
+        (batch_size, mini_batch_size, micro_batch_size, max_tokens_per_micro_batch, ppo_epochs, shuffle_seed,
+         balance_batch) = grouped(batching, Batching, given)
+        run_dir, save_every, resume, keep_checkpoints, loggers = grouped(run, RunDir, given)
         self.experience = Experience.of(rollout, reward, stages, experience)
         rollout, reward = self.experience.rollout, self.experience.reward  # with Prefetch: the AsyncRollout
         self.policy, self.estimator, self.loss = policy, estimator, loss
