@@ -6,8 +6,8 @@
 All four parts of DAPO:
 
 1. clip-higher: ``PPOLoss(clip_ratio_low=0.2, clip_ratio_high=0.28)``;
-2. dynamic sampling: ``DynamicSampling`` drops prompts whose samples are all right or all wrong and
-   generates more until the batch is full (it scores the samples itself: ``reward=None``);
+2. dynamic sampling: the experience stream's ``FilterGroups`` stage drops prompts whose samples are all right
+   or all wrong and pulls more prompt batches from the stream until the batch is full;
 3. token-level loss: ``agg="token-mean"``;
 4. overlong reward shaping: ``OverlongPenalty`` (here the answer needs at most 4 tokens; responses may run
    to 6, and the last 2 of them cost up to 1.0).
@@ -19,7 +19,7 @@ import argparse
 
 from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, Trainer
 from rlflow.rewards import OverlongPenalty
-from rlflow.rollout import DynamicSampling
+from rlflow.rollout.stream import FilterGroups
 from rlflow.tasks.addition import AdditionTask, exact_match, greedy_accuracy, warm_started_model
 
 MAX_RESPONSE_LENGTH, OVERLONG_BUFFER = 6, 2
@@ -32,15 +32,12 @@ def build(seed: int = 0, steps: int = 40, batch_size: int = 16, n: int = 8, lr: 
     model, tokenizer = warm_started_model(task, seed)
     reward = OverlongPenalty(FunctionReward(exact_match), max_response_length=MAX_RESPONSE_LENGTH,
                              buffer_len=OVERLONG_BUFFER, penalty_factor=1.0)
-    sampler = DynamicSampling(
-        HFRollout(n=n, temperature=1.0, max_new_tokens=MAX_RESPONSE_LENGTH), reward,
-        metric="acc",  # verl's usual filter_groups.metric: the unshaped score
-        max_gen_batches=max_gen_batches,
-    )
     trainer = Trainer(
         policy=Policy(model, tokenizer),
-        rollout=sampler,
-        reward=None,  # the sampler scores
+        rollout=HFRollout(n=n, temperature=1.0, max_new_tokens=MAX_RESPONSE_LENGTH),
+        reward=reward,
+        # verl's usual filter_groups.metric: "acc", the unshaped score
+        stages=[FilterGroups(metric="acc", max_gen_batches=max_gen_batches)],
         estimator=GRPO(),
         loss=PPOLoss(clip_ratio_low=0.2, clip_ratio_high=0.28, agg="token-mean", kl_coef=0.0),
         batch_size=batch_size, lr=lr, weight_decay=0.0, max_steps=steps, run_dir=run_dir, seed=seed,

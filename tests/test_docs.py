@@ -175,6 +175,8 @@ NOT_RUN |= {
 NOT_RUN[("docs/testing.md", "python scripts/learning_spread.py --jitters 0 1 2 3")] = (
     "runs every learning test four times (about 25 minutes on 2 cores); tests/tasks/test_warm_start.py::"
     "test_the_jitter_moves_weights_by_about_1e_4 tests the perturbation it applies")
+NOT_RUN[("docs/write-the-loop.md", "python recipes/grpo_loop.py --steps 40")] = (
+    "trains 40 steps (minutes); tests/trainer/test_parity.py runs its loop against Trainer.fit")
 NOT_RUN[("docs/rewards.md", "python recipes/reward_model.py")] = (
     "trains a reward model, then GRPO on it (minutes); tests/rewards/test_reward_model_recipe.py::"
     "test_recipe_trains_the_reward_model_then_runs_grpo_on_it runs it, shortened")
@@ -302,6 +304,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/algorithms/spin.md", "from rlflow import FunctionReward, HFRollout, Trainer"): [],
     ("docs/algorithms/sppo.md", "from rlflow import FunctionReward, HFRollout, Trainer"): [],
     ("docs/concepts.md", "from rlflow import AdvantageEstimator, keys"): [],
+    ("docs/experience.md", "from rlflow import GRPO, FunctionReward, HFRollout, PPOLoss, Trainer"): [],
     ("docs/metrics.md", "from rlflow import GRPO, PPOLoss"): ELIDED_TRAINER,
     ("docs/rollout-engines.md", "from rlflow.rollout import ServerRollout"): [],  # connects only at bind
     ("docs/performance.md", "policy = Policy(model, tokenizer, remove_padding=True)"): [],

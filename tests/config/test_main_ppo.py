@@ -300,12 +300,14 @@ def test_chained_algorithms_train(tiny):
         "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.adv_estimator=remax",
         "algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov"]))
     trainer, data = build_trainer(plan)
-    assert repr(trainer.estimator) == "Chain(KLInReward, GreedyBaseline, ReMax, TruncatedIS, CovSelection)"
+    assert repr(trainer.estimator) == "Chain(KLInReward, ReMax, TruncatedIS, CovSelection)"
+    assert [s.name for s in trainer.experience.stages] == ["greedy_baseline"]  # a stage of the stream, timed alone
     history = trainer.fit(data)
     assert len(history) == 2 and "actor/pg_loss" in history[-1]
-    kl, greedy, _, is_weights, _ = trainer.estimator.modules
+    kl, _, is_weights, _ = trainer.estimator.modules
     assert {"actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"} <= set(kl.stats)
-    assert "remax/greedy_score/mean" in greedy.stats and "rollout_corr/rollout_is_mean" in is_weights.stats
+    assert "rollout_corr/rollout_is_mean" in is_weights.stats
+    assert "remax/greedy_score/mean" in history[-1] and "timing_s/greedy_baseline" in history[-1]
 
 
 def launch_two_processes(tiny, *extra):

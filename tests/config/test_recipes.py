@@ -14,7 +14,7 @@ from rlflow.config.native import load_native
 from rlflow.config.run import train
 from rlflow.data.prompts import render_prompt
 from rlflow.rewards import OverlongPenalty, default_compute_score
-from rlflow.rollout import DynamicSampling
+from rlflow.rollout.stream import FilterGroups
 from rlflow.tasks import export
 from rlflow.tasks.addition import DATA_SOURCE, AdditionTask
 
@@ -27,7 +27,7 @@ EXPECTED = {
     "rloo": ("RLOO", "PPOLoss", "Chain(KLInReward, RLOO)"),
     "reinforce_plus_plus": ("ReinforcePlusPlus", "PPOLoss", "ReinforcePlusPlus"),
     "reinforce_plus_plus_baseline": ("ReinforcePlusPlusBaseline", "PPOLoss", "ReinforcePlusPlusBaseline"),
-    "remax": ("ReMax", "PPOLoss", "Chain(GreedyBaseline, ReMax)"),
+    "remax": ("ReMax", "PPOLoss", "ReMax"),  # and the stage GreedyBaseline (test_filter_groups_builds_...)
     "opo": ("OPO", "PPOLoss", "OPO"),
     "gpg": ("GPG", "ReinforceLoss", "GPG"),
     "grpo_passk": ("GRPOPassK", "PPOLoss", "GRPOPassK"),
@@ -90,9 +90,9 @@ def test_recipe_dry_runs_builds_and_trains(name, task_dir, tmp_path):
     assert (plan.estimator_cls.__name__, plan.loss_cls.__name__) == (estimator, loss)
     report, problems = dry_run(plan)
     assert not problems and "Dry run: config and data are valid" in report
-    if name == "dapo":  # the objects section shows the wrappers the Trainer gets
-        assert "rollout   = DynamicSampling(HFRollout(" in report and "OverlongPenalty(FunctionReward(" in report
-        assert "reward    = None (DynamicSampling scores its samples)" in report
+    if name == "dapo":  # the objects section shows the stages of the experience stream
+        assert "rollout   = HFRollout(" in report and "reward    = OverlongPenalty(FunctionReward(" in report
+        assert "stages    = [FilterGroups(metric='acc', max_gen_batches=10)]" in report
     trainer, data = build_trainer(plan)
     modules = getattr(trainer.estimator, "modules", None)
     assert (repr(trainer.estimator) if modules else type(trainer.estimator).__name__) == chain
@@ -143,9 +143,13 @@ def test_filter_groups_builds_dynamic_sampling(task_dir, tmp_path):
     assert plan.overlong == {"max_response_length": 4, "buffer_len": 2, "penalty_factor": 1.0}
     assert plan.cfg["algorithm.filter_groups.enable"] and plan.cfg["reward_model.reward_manager"] == "dapo"
     trainer, _ = build_trainer(plan)
-    assert isinstance(trainer.rollout, DynamicSampling) and trainer.reward is None
-    assert (trainer.rollout.metric, trainer.rollout.max_gen_batches) == ("acc", 10)
-    assert isinstance(trainer.rollout.reward, OverlongPenalty) and trainer.rollout.reward.buffer_len == 2
+    (stage,) = trainer.experience.stages
+    assert isinstance(stage, FilterGroups) and (stage.metric, stage.max_gen_batches) == ("acc", 10)
+    assert isinstance(trainer.reward, OverlongPenalty) and trainer.reward.buffer_len == 2
+    remax, _ = build_trainer(make_plan(load_native(RECIPES / "remax.yaml", tiny(task_dir, tmp_path))))
+    (stage,) = remax.experience.stages  # ReMax's greedy pass: a stage on the run's rollout, with a reward of its own
+    assert isinstance(stage.module, A.GreedyBaseline) and stage.module.rollout is remax.rollout
+    assert stage.module.reward is not remax.reward
     assert (trainer.loss.clip_low, trainer.loss.clip_high, trainer.loss.agg) == (0.2, 0.28, "token-mean")
 
 

@@ -102,7 +102,7 @@ def test_remax_regenerates_greedily_with_the_pictures(vlm_files, tmp_path, monke
     engine, seen = trainer.rollout.engine, []
     generate = engine.generate
     monkeypatch.setattr(engine, "generate", lambda p, params, mm=None: seen.append(mm) or generate(p, params, mm))
-    out = trainer.estimator.modules[0](sampled)  # Chain(GreedyBaseline, ReMax)
+    out = trainer.experience.stages[0](sampled)  # the GreedyBaseline stage
     assert [[m.inputs["image_grid_thw"].tolist() for m in mm] for mm in seen] == [[[[1, 4, 4]]] * 2]
     greedy = trainer.rollout.with_options(n=1, do_sample=False)(batch)  # the same prompts with their pictures
     assert out["reward_baseline"].tolist() == trainer.reward(greedy)["scores"].repeat_interleave(2).tolist()

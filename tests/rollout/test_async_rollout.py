@@ -1,6 +1,6 @@
 """AsyncRollout with the transformers engine in a forked child process: which weights sampled what, the
-synchronous run reproduced at max_staleness=0, batches over the bound and mispredicted prefetches generated
-again, resume, and a run that fails (never hangs) when the generation process dies."""
+synchronous run reproduced at max_staleness=0, batches over the bound generated again, the batches ahead read
+from the prompt stream, resume, and a run that fails (never hangs) when the generation process dies."""
 
 import copy
 import os
@@ -104,36 +104,46 @@ def test_max_staleness_zero_reproduces_the_synchronous_run(model, tokenizer, add
     assert async_val == sync_val
 
 
-def test_batches_over_the_bound_and_mispredicted_prefetches_are_generated_again(model, tokenizer, addition_rows):
-    """Weights pushed twice for one batch leave the prefetched batch two versions behind (> 1): it is generated
-    again with the newest weights and counted. A loader moved behind the rollout's back makes the prefetched
-    batch the wrong one: dropped, counted, and the right one generated."""
+def test_batches_over_the_bound_are_generated_again_and_the_batches_ahead_are_read_from_the_stream(
+        model, tokenizer, addition_rows):
+    """The engine reads the batches it generates ahead from the prompt iterator itself: a plain generator (which
+    cannot be copied, so nothing can be guessed) works, one batch is drawn ahead, and every batch of samples is
+    of the prompts drawn in that order. Weights pushed twice for one batch leave the batch generated ahead two
+    versions behind (> 1): it is generated again with the newest weights and counted."""
     rollout = AsyncRollout(HFRollout(n=2, max_new_tokens=4), max_staleness=1)
     rollout.bind(model, tokenizer)
-    loader = PromptData(addition_rows[0], seed=0).loader(4, tokenizer)
-    rollout.bind_prompts(loader)
-    policy = Policy(model, tokenizer)
+    loader, drawn = PromptData(addition_rows[0], seed=0).loader(4, tokenizer), []
+
+    def prompts():
+        while True:
+            drawn.append(next(loader))
+            yield drawn[-1]
+
+    policy, stream = Policy(model, tokenizer), rollout.stream(prompts())
     try:
-        first = rollout(next(loader))
+        first = next(stream)
+        assert len(drawn) == 2 and len(rollout.in_flight) == 1  # batch 0 sampled, batch 1 in flight
         assert first[K.POLICY_VERSION].tolist() == [0] * 8 and rollout.stats["async/over_bound_frac"] == 0
         for _ in range(2):
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.2)
             rollout.sync_weights(model)
-        again = rollout(next(loader))
+        again = next(stream)
         assert rollout.stats["async/over_bound_frac"] == 1 and rollout.stats["async/regenerated_samples"] == 8
         assert again[K.POLICY_VERSION].tolist() == [2] * 8 and rollout.stats["async/staleness_max"] == 0
         mask = again[K.RESPONSE_MASK].bool()
         assert (policy(again.clone())[K.OLD_LOG_PROBS] - again[K.ROLLOUT_LOG_PROBS])[mask].abs().max() < 1e-5
-        next(loader)  # someone else takes the batch that was generated ahead
-        moved = rollout(next(loader))
-        assert rollout.stats["async/mispredicted_batches"] == 1 and rollout.stats["async/over_bound_frac"] == 0
-        assert moved[K.POLICY_VERSION].tolist() == [2] * 8
+        third = next(stream)  # submitted after both pushes: sampled with version 2
+        assert third[K.POLICY_VERSION].tolist() == [2] * 8 and rollout.stats["async/mispredicted_batches"] == 0
+        for samples, batch in zip((first, again, third), drawn):
+            assert torch.equal(samples[K.PROMPT_IDS][::2], batch[K.PROMPT_IDS])
         greedy = rollout.with_options(n=1, do_sample=False)(next(loader))  # validation: through the same engine
         expected = HFEngine(model, tokenizer).generate_padded(greedy[K.PROMPT_IDS], greedy[K.PROMPT_MASK],
                                                               GREEDY)[0]
         assert torch.equal(greedy[K.RESPONSE_IDS][:, :expected.shape[1]], expected)
+        stream.close()
+        assert not rollout.in_flight  # closing the stream cancels the batch generated ahead
     finally:
         rollout.close()
 

@@ -180,17 +180,26 @@ class GreedyBaseline(BatchModule):
     Pass a reward instance of its own (e.g. a second ``FunctionReward`` of the same function):
     a Reward keeps per-call ``stats``/``extras``, and the Trainer logs the training reward's.
     ``stats["remax/greedy_score/mean"]`` is the mean greedy score over the prompts.
+
+    Best as a stage of the experience stream, ``Trainer(..., stages=[GreedyBaseline(reward=...)],
+    estimator=ReMax())``: it then runs on the scored batches, is timed as ``timing_s/greedy_baseline``
+    (in the estimator slot, ``Chain(GreedyBaseline(rollout, reward), ReMax())``, it is timed as ``adv``), and
+    a ``rollout`` or ``reward`` left ``None`` is the run's own.
     """
 
     out_keys = (REWARD_BASELINE,)
+    stage_name = "greedy_baseline"  # its timer as a stage: timing_s/greedy_baseline
 
-    def __init__(self, rollout, reward):
+    def __init__(self, rollout=None, reward=None):
         self.rollout = rollout
         self.reward = reward
-        produced = set(getattr(rollout, "out_keys", ()))
-        extra = tuple(k for k in getattr(reward, "in_keys", ()) if k not in produced)
-        self.in_keys = tuple(dict.fromkeys((PROMPT_IDS, PROMPT_MASK, GROUP) + extra))
         self.stats: dict[str, float] = {}
+
+    @property
+    def in_keys(self) -> tuple[str, ...]:
+        produced = set(getattr(self.rollout, "out_keys", ()))
+        extra = tuple(k for k in getattr(self.reward, "in_keys", ()) if k not in produced)
+        return tuple(dict.fromkeys((PROMPT_IDS, PROMPT_MASK, GROUP) + extra))
 
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:

@@ -21,7 +21,8 @@ from rlflow.data.prompts import DataError, PromptData
 from rlflow.models.critic import Critic
 from rlflow.models.policy import Policy
 from rlflow.rewards import OverlongPenalty
-from rlflow.rollout import AsyncRollout, DynamicSampling
+from rlflow.rollout import AsyncRollout
+from rlflow.rollout.stream import Experience, FilterGroups
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.trainer import Trainer
 
@@ -235,16 +236,11 @@ def build_reward(plan: Plan):
     return reward
 
 
-def build_sampler(plan: Plan, rollout, reward) -> tuple:
-    """The Trainer's (rollout, reward): ``(DynamicSampling(rollout, reward, ...), None)`` with filter_groups."""
-    if not plan.dynamic_sampling:
-        return rollout, reward
-    return instantiate(DynamicSampling, {"rollout": rollout, "reward": reward, **plan.dynamic_sampling},
-                       "algorithm.filter_groups.*"), None
-
-
-def build_estimator(plan: Plan, rollout, loss):
-    """The estimator, chained with the modules around it: ``Chain(KLInReward(...), GRPO(), loss.selection())``."""
+def build_estimator(plan: Plan, rollout, loss) -> tuple:
+    """The estimator, chained with the modules around it: ``Chain(KLInReward(...), GRPO(), loss.selection())``,
+    and the stages of the experience stream among them (ReMax's ``GreedyBaseline`` generates: a stage of its own,
+    after DAPO's ``FilterGroups`` when ``algorithm.filter_groups`` is on)."""
+    from rlflow.algorithms import GreedyBaseline
     from rlflow.module import Chain
 
     estimator = instantiate(plan.estimator_cls, plan.estimator_kwargs, "algorithm.*")
@@ -256,10 +252,14 @@ def build_estimator(plan: Plan, rollout, loss):
         return instantiate(cls, {k: made[v.name] if isinstance(v, Fill) else v for k, v in kwargs.items()},
                            f"{cls.__name__} from algorithm.*")
 
-    modules = [make(*m) for m in plan.before] + [estimator] + [make(*m) for m in plan.after]
+    before = [make(*m) for m in plan.before]
+    stages = [m for m in before if isinstance(m, GreedyBaseline)]
+    if plan.dynamic_sampling:
+        stages.insert(0, instantiate(FilterGroups, plan.dynamic_sampling, "algorithm.filter_groups.*"))
+    modules = [m for m in before if m not in stages] + [estimator] + [make(*m) for m in plan.after]
     if hasattr(loss, "selection"):  # covariance losses choose their tokens once per step, over the whole batch
         modules.append(loss.selection())
-    return Chain(*modules) if len(modules) > 1 else estimator
+    return (Chain(*modules) if len(modules) > 1 else estimator), stages
 
 
 def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, PromptData]:
@@ -281,7 +281,7 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
         rollout = instantiate(AgentLoop, {"rollout": rollout, **plan.agent}, "actor_rollout_ref.rollout.multi_turn.*")
     if plan.async_rollout is not None:  # generation beside training (trainer.async_weight_update)
         rollout = instantiate(AsyncRollout, {"rollout": rollout, **plan.async_rollout}, "async_training.*")
-    estimator = build_estimator(plan, rollout, loss)
+    estimator, stages = build_estimator(plan, rollout, loss)
     reference = "auto"
     wants_ref = K.REF_LOG_PROBS in set(loss.in_keys) | set(estimator.in_keys)
     if wants_ref:  # its own scoring split (verl's ref.log_prob_*): a token budget only with its dynamic bsz on,
@@ -299,12 +299,10 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
     loggers = make_loggers(plan.loggers, run_dir, project=plan.project, experiment=plan.experiment)
     train_reward = build_reward(plan)
     train_reward.columns = tuple(plan.estimator_kwargs.get("reward_keys") or ())  # GDPO reads these per-key rewards
-    sampler, reward = build_sampler(plan, rollout, train_reward)
     trainer = Trainer(
-        policy=policy, rollout=sampler, reward=reward, estimator=estimator, loss=loss, reference=reference,
-        critic=critic, value_loss=value_loss, max_steps=total, epochs=plan.total_epochs,
-        warmup_steps=warmup_steps(plan, total), loggers=loggers,
+        policy=policy, experience=Experience(rollout, train_reward, stages), estimator=estimator, loss=loss,
+        reference=reference, critic=critic, value_loss=value_loss, max_steps=total, epochs=plan.total_epochs,
+        warmup_steps=warmup_steps(plan, total), loggers=loggers, val_sampling=plan.val_sampling,
         **(plan.trainer_kwargs | {"run_dir": run_dir}),
     )
-    trainer.val_sampling = plan.val_sampling  # read by Trainer.validate (verl's rollout.val_kwargs)
     return trainer, data

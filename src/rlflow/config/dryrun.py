@@ -59,11 +59,22 @@ def line(label: str, formula: str, value: str) -> str:
     return f"  {label:<29}{formula:<61} = {value}"
 
 
+STAGES = ("GreedyBaseline",)  # modules before the estimator that config/build.py makes stages of the stream
+
+
+def stages_text(plan: Plan) -> str | None:
+    """The experience stream's stages (config/build.py): DAPO's FilterGroups, then ReMax's GreedyBaseline."""
+    stages = [f"FilterGroups({format_kwargs(plan.dynamic_sampling)})"] if plan.dynamic_sampling else []
+    stages += [f"{cls.__name__}({format_kwargs(kw)})" for cls, kw in plan.before if cls.__name__ in STAGES]
+    return f"[{', '.join(stages)}]" if stages else None
+
+
 def estimator_text(plan: Plan) -> str:
     def call(cls, kwargs):
         return f"{cls.__name__}({format_kwargs(kwargs)})"
 
-    parts = [call(*m) for m in plan.before] + [call(plan.estimator_cls, plan.estimator_kwargs)]
+    before = [m for m in plan.before if m[0].__name__ not in STAGES]  # a stage of the experience stream instead
+    parts = [call(*m) for m in before] + [call(plan.estimator_cls, plan.estimator_kwargs)]
     parts += [call(*m) for m in plan.after] + (["loss.selection()"] if hasattr(plan.loss_cls, "selection") else [])
     text = f"Chain({', '.join(parts)})" if len(parts) > 1 else parts[0]
     if plan.kl_controller:
@@ -89,14 +100,12 @@ def objects_section(plan: Plan) -> list[str]:
         reward = f"OverlongPenalty({reward}, {format_kwargs(plan.overlong)})"
     if plan.async_rollout is not None:
         rollout = f"AsyncRollout({rollout}, {format_kwargs(plan.async_rollout)})"
-    if plan.dynamic_sampling:  # the sampler scores its own samples; the Trainer gets reward=None
-        rollout = f"DynamicSampling({rollout}, {reward}, {format_kwargs(plan.dynamic_sampling)})"
-        reward = "None (DynamicSampling scores its samples)"
     out = ["Objects (the same Python API calls a script would make)",
            f"  policy    = Policy.from_pretrained({plan.model_path!r}, {format_kwargs(plan.policy_kwargs)}"
            f"{lora_text(plan.lora)})",
            f"  rollout   = {rollout}",
            f"  reward    = {reward}",
+           *([f"  stages    = {stages_text(plan)}"] if stages_text(plan) else []),
            f"  estimator = {estimator_text(plan)}",
            f"  loss      = {plan.loss_cls.__name__}({format_kwargs(plan.loss_kwargs)})"]
     if plan.critic_path:

@@ -78,7 +78,7 @@ class Plan:
     val_before_train: bool
     val_only: bool
     overlong: dict | None = None           # OverlongPenalty's kwargs around the reward (DAPO reward manager)
-    dynamic_sampling: dict | None = None   # DynamicSampling's kwargs: it takes rollout and reward (filter_groups)
+    dynamic_sampling: dict | None = None   # the FilterGroups stage's kwargs (filter_groups)
     lora: dict | str | None = None         # peft.LoraConfig's kwargs, or an adapter folder (rlflow.config.lora)
     agent: dict | None = None              # AgentLoop's kwargs: it wraps the rollout (multi_turn.enable)
     async_rollout: dict | None = None      # AsyncRollout's kwargs around the rollout (trainer.async_weight_update)
@@ -335,7 +335,7 @@ def overlong_penalty(manager: str, manager_kwargs: dict, response_length: int) -
 
 
 def dynamic_sampling(cfg: VerlConfig, notes: list[str]) -> dict | None:
-    """verl's ``algorithm.filter_groups`` -> DynamicSampling's kwargs, or None when off."""
+    """verl's ``algorithm.filter_groups`` -> the FilterGroups stage's kwargs, or None when off."""
     if not cfg[f"{FG}.enable"]:
         return None
     metric, cap = cfg[f"{FG}.metric"], cfg[f"{FG}.max_num_gen_batches"]  # metric: checked by validation
@@ -343,8 +343,9 @@ def dynamic_sampling(cfg: VerlConfig, notes: list[str]) -> dict | None:
         notes.append(f"{FG}.max_num_gen_batches={cap}: no cap, as in verl (a step generates until "
                      "data.train_batch_size prompts have informative groups)")
     kwargs = {"metric": tables.FILTER_METRICS.get(metric, metric), "max_gen_batches": cap if cap > 0 else sys.maxsize}
-    notes.append(f"{FG}: the Trainer gets rollout=DynamicSampling(rollout, reward, "
-                 f"metric={kwargs['metric']!r}, max_gen_batches={cap if cap > 0 else 'unlimited'}) and reward=None")
+    notes.append(f"{FG}: the experience stream gets the stage FilterGroups("
+                 f"metric={kwargs['metric']!r}, max_gen_batches={cap if cap > 0 else 'unlimited'}) (DAPO's dynamic "
+                 "sampling)")
     return kwargs
 
 

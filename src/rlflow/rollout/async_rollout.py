@@ -14,17 +14,19 @@ corrects for it with the sampler's log-probs as the behaviour policy: ``rollout_
 weights that sampled, and ``TruncatedIS`` (``rlflow.algorithms.correction``) reweights each token by
 ``min(pi_old / pi_rollout, C)`` (the verl entry point turns it on in this mode).
 
-The Trainer needs nothing new: the rollout reads upcoming prompt batches from the loader it is given
-(``bind_prompts``, without consuming them), ``sync_weights`` pushes weights without waiting for the
-engine, and each batch carries ``policy_version`` (the version that sampled it) and metrics
-(``stats``): staleness, batches over the bound, and each side's waiting time.
+The Trainer needs nothing new: :meth:`AsyncRollout.stream` reads the upcoming prompt batches from the
+experience stream's own iterator (``rlflow.rollout.stream``; ``Prefetch`` is the same as a stage), so the
+batches generated ahead are the ones the trainer takes next. ``sync_weights`` pushes weights without
+waiting for the engine, and each batch carries ``policy_version`` (the version that sampled it) and
+metrics (``stats``): staleness, batches over the bound, and each side's waiting time. Called on one batch
+(``rollout(batch)``) it cannot know the next one: it generates that batch and nothing ahead.
 """
 
 from __future__ import annotations
 
-import copy
 import random
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
 
@@ -46,13 +48,7 @@ class _Job:
     """A batch of prompts handed to the engine, and the ticket its samples come back under."""
 
     ticket: int
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-
-    def matches(self, batch: TensorDict) -> bool:
-        ids, mask = batch[K.PROMPT_IDS].cpu(), batch[K.PROMPT_MASK].cpu()
-        return (ids.shape == self.prompt_ids.shape and torch.equal(ids, self.prompt_ids)
-                and torch.equal(mask, self.prompt_mask))
+    prompts: TensorDict
 
 
 class AsyncRollout(RolloutWrapper):
@@ -75,8 +71,8 @@ class AsyncRollout(RolloutWrapper):
     ``async/staleness_mean`` and ``async/staleness_max`` (versions behind, over the step's samples),
     ``async/over_bound_frac`` (fraction of the batch that arrived staler than ``max_staleness`` and was
     generated again with the newest weights; by construction 0 when ``sync_weights`` follows every step),
-    ``async/regenerated_samples``, ``async/mispredicted_batches`` (prefetched batches that were not the
-    trainer's next ones, e.g. after the loader was moved: dropped and generated again),
+    ``async/regenerated_samples``, ``async/mispredicted_batches`` (always 0 now that the engine reads the
+    prompt stream; kept for dashboards that plot it),
     ``async/policy_version``, ``timing_s/gen_wait`` (the trainer waiting for samples) and
     ``timing_s/train_wait`` (the engine waiting for work: its idle time before the batches of this step).
 
@@ -102,7 +98,7 @@ class AsyncRollout(RolloutWrapper):
         self.process_options = {"start_method": start_method, "threads": threads}
         self.given_engine = rollout.engine  # what make_engine returns in the child when the user passed one
         self.engine: ProcessEngine | ThreadedEngine | None = None
-        self.loader, self.version = None, 0
+        self.version = 0
         self.in_flight: deque[_Job] = deque()
         self.reseed, self.restored = False, False
         self.stats: dict[str, float] = {}
@@ -144,11 +140,10 @@ class AsyncRollout(RolloutWrapper):
         self.in_flight.clear()
 
     def bind_prompts(self, loader) -> None:
-        """The loader the trainer draws from; upcoming batches are read from a copy (the loader is not moved).
-
-        The engine's random state is set from the trainer's before its next batch, so a run with
-        ``max_staleness=0`` samples what the synchronous run samples."""
-        self.loader, self.reseed = loader, True
+        """Deprecated, and does nothing: the engine reads the batches ahead from the prompt stream itself
+        (:meth:`stream`; ``Trainer.fit`` gives it one)."""
+        warnings.warn("AsyncRollout.bind_prompts is deprecated and does nothing: iterate rollout.stream(prompts) "
+                      "(or use rlflow.rollout.stream.Experience) to generate ahead", DeprecationWarning, stacklevel=2)
 
     def close(self) -> None:
         """Stop the engine (its process or thread), and a server the wrapped rollout started."""
@@ -188,26 +183,52 @@ class AsyncRollout(RolloutWrapper):
 
     # ------------------------------------------------------------------ sampling
     def forward(self, batch: TensorDict) -> TensorDict:
+        """One batch, generated now (nothing ahead: the next batch is not known here)."""
+        self._start()
+        return self._collect(self._submit(batch))
+
+    def stream(self, prompts, pairs: bool = False):
+        """Samples for every batch of the iterator ``prompts``, keeping the next ``max_staleness`` batches in
+        flight on the engine (read from ``prompts`` as they are needed); ``pairs``: yield (prompts, samples).
+
+        The engine's random state is set from the trainer's before its first batch, so a stream with
+        ``max_staleness=0`` samples what the synchronous run samples. Batches still in flight when the
+        stream is closed are cancelled."""
+        self._start(reseed=True)
+        prompts, ended = iter(prompts), False
+        try:
+            while True:
+                while not ended and len(self.in_flight) <= self.max_staleness:
+                    upcoming = next(prompts, None)
+                    ended = upcoming is None
+                    if not ended:
+                        self.in_flight.append(self._submit(upcoming))
+                if not self.in_flight:
+                    return
+                job = self.in_flight.popleft()
+                samples = self._collect(job)
+                yield (job.prompts, samples) if pairs else samples
+        finally:
+            self._drop_in_flight()
+
+    def _start(self, reseed: bool = False) -> None:
         if self.engine is None:
             raise RuntimeError("AsyncRollout has no engine: call rollout.bind(model, tokenizer) (the Trainer does)")
-        if self.reseed:
+        if self.reseed or reseed:
             import numpy as np
 
             self.engine.seed(torch.get_rng_state(), random.getstate(), np.random.get_state())
             self.reseed = False
-        mispredicted = 0
-        if not self.in_flight or not self.in_flight[0].matches(batch):
-            mispredicted = len(self.in_flight)
-            self._drop_in_flight()
-            self.in_flight.append(self._submit(batch))
-        self._prefetch()
+
+    def _collect(self, job: _Job) -> TensorDict:
+        """Wait for ``job``'s samples; a batch staler than the bound is generated again with the newest weights."""
         start = time.perf_counter()
-        job = self.in_flight.popleft()
         generated = [self.engine.result(job.ticket)]
         stale = self.version - generated[0].version
         if stale > self.max_staleness:  # weights were pushed more often than batches were taken
-            generated.append(self.engine.result(self._submit(batch).ticket))
+            generated.append(self.engine.result(self._submit(job.prompts).ticket))
         wait = time.perf_counter() - start
+        batch = job.prompts
         completions = generated[-1].completions
         self._check(completions, batch.batch_size[0])
         samples = self.rollout.samples(batch, completions)
@@ -219,7 +240,7 @@ class AsyncRollout(RolloutWrapper):
         self.stats = dict(getattr(self.engine, "stats", {})) | {
             "async/staleness_mean": float(staleness.mean()), "async/staleness_max": float(staleness.max()),
             "async/over_bound_frac": over, "async/regenerated_samples": over * len(versions),
-            "async/mispredicted_batches": float(mispredicted), "async/policy_version": float(self.version),
+            "async/mispredicted_batches": 0.0, "async/policy_version": float(self.version),
             "async/engine_gen_s": sum(g.gen_s for g in generated),
             "timing_s/gen_wait": wait, "timing_s/train_wait": sum(g.idle_s for g in generated),
         }
@@ -227,17 +248,7 @@ class AsyncRollout(RolloutWrapper):
 
     def _submit(self, batch: TensorDict) -> _Job:
         ids, mask = batch[K.PROMPT_IDS].cpu(), batch[K.PROMPT_MASK].cpu()
-        return _Job(self.engine.submit(unpadded(ids, mask), self.rollout.params), ids, mask)
-
-    def _prefetch(self) -> None:
-        """Keep the batches of the next ``max_staleness`` steps in flight (read from a copy of the loader)."""
-        if not self.max_staleness or self.loader is None:
-            return
-        ahead = copy.copy(self.loader)  # PromptLoader: position (epoch, index) only; the copy moves, not the loader
-        for step in range(1, self.max_staleness + 1):
-            upcoming = next(ahead)
-            if step >= len(self.in_flight):
-                self.in_flight.append(self._submit(upcoming))
+        return _Job(self.engine.submit(unpadded(ids, mask), self.rollout.params), batch)
 
     def _drop_in_flight(self) -> None:
         while self.in_flight:

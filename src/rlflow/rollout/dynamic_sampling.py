@@ -1,8 +1,11 @@
 """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476; verl ``algorithm.filter_groups``).
 
 Groups whose samples all get the same metric (all right or all wrong) have zero group-relative
-advantage and only dilute the batch. :class:`DynamicSampling` generates and scores, drops those
-groups, and pulls further prompt batches until ``batch_size`` prompts' groups remain.
+advantage and only dilute the batch. The filtering is the experience stream's ``FilterGroups`` stage
+(``rlflow.rollout.stream``): ``Trainer(rollout=..., reward=..., stages=[FilterGroups(metric, max_gen_batches)])``,
+which draws further prompt batches from the stream itself. :class:`DynamicSampling` is the older form, a
+rollout that scores its samples (kept for code that calls it by hand; the Trainer takes it apart into
+rollout, reward and the stage, with a ``DeprecationWarning``). This module keeps the shared helpers.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ _COUNTS = ("reward/errors", "reward/timeouts", "reward/non_finite")
 
 
 class DynamicSampling(RolloutWrapper):
-    """Rollout + reward with group filtering; use it in the Trainer's rollout slot with ``reward=None``.
+    """Rollout + reward with group filtering, one call per step (deprecated in the Trainer: use the
+    ``FilterGroups`` stage; ``Trainer(rollout=DynamicSampling(...), reward=None)`` still runs, as that stage).
 
     On a batch of ``P`` prompts: roll out (``n`` samples each) and score; keep the groups whose
     ``metric`` is not identical across their samples (a single-sample group is kept, as in verl);
     while fewer than ``P`` groups are kept, take the next prompt batch from the loader given to
-    :meth:`bind_prompts` (the Trainer does it in ``fit``) and repeat. The first ``P`` kept groups are
+    :meth:`bind_prompts` and repeat. The first ``P`` kept groups are
     returned, in order, with ``group`` renumbered ``0..P-1``; the rows stay contiguous per group.
 
     Args:
@@ -58,16 +62,7 @@ class DynamicSampling(RolloutWrapper):
 
     def group_metric(self, batch: TensorDict) -> torch.Tensor:
         """The [B] per-sample values that must differ within a group for it to be kept."""
-        if self.metric == "score":
-            return batch[K.SCORES]
-        if self.metric == "seq_reward":
-            return batch[K.TOKEN_REWARDS].sum(-1)
-        column = getattr(self.reward, "extras", {}).get(self.metric)
-        if column is None or any(v is None for v in column):
-            raise KeyError(f"DynamicSampling metric {self.metric!r}: not 'score' or 'seq_reward', and "
-                           f"{type(self.reward).__name__}.extras has no complete column of that name "
-                           f"(columns: {sorted(getattr(self.reward, 'extras', {}))})")
-        return torch.tensor([float(v) for v in column], device=batch[K.SCORES].device)
+        return group_metric(batch, self.metric, self.reward)
 
     def _next_prompts(self, like: TensorDict) -> TensorDict:
         if self.loader is None:
@@ -81,32 +76,17 @@ class DynamicSampling(RolloutWrapper):
         return batch.to(like[K.PROMPT_IDS].device)
 
     def forward(self, prompts: TensorDict) -> TensorDict:
-        target = prompts.batch_size[0]
-        kept, n_kept, n_groups, offset, scores, reward_stats = [], 0, 0, 0, [], []
-        for round_ in range(1, self.max_gen_batches + 1):
-            if round_ > 1:
-                prompts = self._next_prompts(prompts)
-            samples = self.reward(self.rollout(prompts))
-            reward_stats.append(dict(getattr(self.reward, "stats", {})))
-            scores.append(samples[K.SCORES])
-            samples.set(K.GROUP, samples[K.GROUP] + offset)  # ids unique across rounds
-            offset = int(samples[K.GROUP].max()) + 1
-            rows, kept_groups, groups = informative_rows(self.group_metric(samples), samples[K.GROUP])
-            kept.append(samples[rows])
-            n_kept, n_groups = n_kept + kept_groups, n_groups + groups
-            if n_kept >= target:
-                break
-        else:
-            raise RuntimeError(
-                f"DynamicSampling: {self.max_gen_batches} generation batches (max_gen_batches) gave only {n_kept} "
-                f"prompt groups with a non-constant {self.metric!r} out of {n_groups} generated; {target} are needed. "
-                "Most prompts are solved by every sample or by none: raise max_gen_batches, change n, or the data")
-        batch = first_groups(cat_batches(kept, self.tokenizer.pad_token_id), target)
-        self.stats = _merge(reward_stats) | dict(getattr(self.rollout, "stats", {})) | {  # an AgentLoop's: last round
-            "dapo/num_gen_batches": float(round_),
-            "dapo/kept_group_frac": n_kept / n_groups,
-            "dapo/gen_score_mean": float(torch.cat(scores).float().mean()),
-        }
+        """The stream's ``FilterGroups`` stage over this batch, then the loader's (see the class docstring)."""
+        import contextlib
+        import itertools
+
+        from rlflow.rollout.stream import Experience, FilterGroups
+
+        experience = Experience(self.rollout, self.reward, [FilterGroups(self.metric, self.max_gen_batches)])
+        more = (self._next_prompts(prompts) for _ in itertools.count())
+        with contextlib.closing(experience(itertools.chain([prompts], more))) as stream:
+            batch = next(stream)
+        self.stats = {k: v for k, v in experience.metrics.items() if not k.startswith("timing_s/")}
         return batch
 
     def __repr__(self) -> str:
@@ -141,7 +121,22 @@ def first_groups(batch: TensorDict, count: int) -> TensorDict:
     return out
 
 
-def _merge(stats: list[dict[str, float]]) -> dict[str, float]:
+def group_metric(batch: TensorDict, metric: str, reward) -> torch.Tensor:
+    """The [B] per-sample values of ``metric`` that must differ within a group for it to be kept: ``"score"``,
+    ``"seq_reward"`` or a complete column of ``reward.extras`` (of the call that scored ``batch``)."""
+    if metric == "score":
+        return batch[K.SCORES]
+    if metric == "seq_reward":
+        return batch[K.TOKEN_REWARDS].sum(-1)
+    column = getattr(reward, "extras", {}).get(metric)
+    if column is None or any(v is None for v in column):
+        raise KeyError(f"DynamicSampling metric {metric!r}: not 'score' or 'seq_reward', and "
+                       f"{type(reward).__name__}.extras has no complete column of that name "
+                       f"(columns: {sorted(getattr(reward, 'extras', {}))})")
+    return torch.tensor([float(v) for v in column], device=batch[K.SCORES].device)
+
+
+def merge_stats(stats: list[dict[str, float]]) -> dict[str, float]:
     """The reward's stats over the rounds: error counts add up, everything else is averaged."""
     out = {}
     for key in dict.fromkeys(k for s in stats for k in s):

@@ -1,8 +1,7 @@
-"""The Trainer: one RL step is rollout -> reward -> log-probs/values -> advantages -> updates -> weight sync.
+"""The Trainer: *collect* (the experience stream: rollout -> stages -> reward), then *learn* (log-probs/values ->
+advantages -> updates -> weight sync); ``fit`` owns the iteration: ``for batch in experience(prompts): learn(batch)``.
 
-Built on Lightning Fabric (devices, precision, strategy, loggers, checkpoint IO).
-Every role is a module passed in; the Trainer only moves TensorDicts between
-them, in the order of the data-flow drawing in the docs.
+Built on Lightning Fabric (devices, precision, strategy, loggers, checkpoint IO); every role is a module passed in.
 """
 
 from __future__ import annotations
@@ -10,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from itertools import islice
 from pathlib import Path
 from typing import Callable
 
@@ -20,20 +20,21 @@ from tqdm.auto import tqdm
 
 from rlflow.data import keys as K
 from rlflow.algorithms.aggregate import Aggregation, call_loss, share_batch_sum
-from rlflow.data.nontensor import to_device
 from rlflow.data.prompts import PromptData
 from rlflow.module import check_chain
 from rlflow.rewards.base import setup_rewards
+from rlflow.rollout.stream import Experience, PromptStream
 from rlflow.strategies import resolve_strategy, shards_parameters
 from rlflow.logs import quiet_other_ranks
 from rlflow.threads import choose_threads
 from rlflow.trainer import checkpoint as ckpt, numerics, validation
 from rlflow.trainer.batching import micro_batches, shuffled_mini_batches, split_rows
 from rlflow.trainer.callbacks import with_defaults
-from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_sum, rank_shard,
-                                        reduce_metrics, sequence_parallel_group)
+from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_sum, reduce_metrics,
+                                        sequence_parallel_group)
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.metrics import MeanAccumulator, Timer, batch_metrics, sum_micro_batches
+from rlflow.trainer.options import Batching, RunDir, grouped
 from rlflow.trainer.schedule import Schedule, lr_lambda, step_schedulers
 
 DATA_KEYS = (K.PROMPT_IDS, K.PROMPT_MASK, K.PROMPT_TEXT, K.RAW_PROMPT, K.GROUND_TRUTH, K.DATA_SOURCE, K.EXTRA_INFO)
@@ -43,66 +44,59 @@ class Trainer:
     """Runs RL steps over prompt batches.
 
     Args:
-        policy, rollout, reward, estimator, loss: the roles (see the concepts page).
+        policy, rollout, reward, estimator, loss: the roles (concepts page); trainer.rollout/reward: the stream's.
+        stages, experience: the experience stream's stages (``rlflow.rollout.stream``: ``FilterGroups``, ``Prefetch``,
+            ``GreedyBaseline``, ``ReferenceResponses``), or ``experience=Experience(rollout, reward, stages)``.
         reference: a frozen policy for the KL term; ``"auto"`` makes one when the loss reads ``ref_log_probs``.
         critic, value_loss: the value model and its loss (needed when ``estimator.needs_critic``).
-        batch_size: prompts per RL step (each gives ``rollout.n`` samples).
-        mini_batch_size: prompts per optimizer step (default: ``batch_size``, one update per step).
-        micro_batch_size: samples per forward/backward (gradient accumulation; default: the mini-batch).
-        max_tokens_per_micro_batch: token budget per forward/backward (verl's ``use_dynamic_bsz`` +
-            ``ppo_max_token_len_per_gpu``; see ``rlflow.trainer.batching``); ``None``: split by rows only.
-        ppo_epochs: passes over the batch per step.
-        shuffle_seed: ``None`` splits each rank's rows into mini-batches in order; a seed deals them at random anew
-            each epoch, as verl's ``actor.shuffle`` (:func:`~rlflow.trainer.batching.shuffled_mini_batches`).
+        batching: a :class:`~rlflow.trainer.options.Batching` (``batch_size``, ``mini_batch_size``, ``micro_batch_size``,
+            ``max_tokens_per_micro_batch``, ``ppo_epochs``, ``shuffle_seed``, ``balance_batch``), or those as keywords.
         lr, critic_lr, weight_decay, warmup_steps, lr_schedule: AdamW and its schedule (``"constant"``, ``"cosine"``
             or a :class:`~rlflow.trainer.schedule.Schedule`: verl's cosine with ``min_lr_ratio`` and ``num_cycles``).
         optimizer: ``params -> torch.optim.Optimizer`` to replace AdamW for the policy.
         max_grad_norm: gradient clipping (``None`` only measures the norm).
         max_steps: RL steps to run; default ``epochs x steps per epoch``.
-        val_every, val_n: validate every ``val_every`` steps (0: only when asked) with ``val_n`` samples per
-            prompt: one greedy sample when ``val_n == 1``, else ``val_n`` samples at the rollout's temperature.
-        run_dir: the run's one folder (verl's ``trainer.default_local_dir``): the loggers' files, and the
-            checkpoints as ``run_dir/global_step_N`` with ``run_dir/latest_checkpointed_iteration.txt``
-            (``rlflow.trainer.checkpoint``). Checked to be writable before the first step.
-        save_every, resume: a checkpoint every N steps and at the last (0: none); ``resume`` is ``None``,
-            ``"auto"`` (the latest checkpoint in ``run_dir``, if any) or a ``global_step_N`` folder of any run,
-            written by any number of processes.
-        keep_checkpoints: keep only the newest N ``global_step_*`` folders (``None`` or <= 0: all; verl's
-            ``max_actor_ckpt_to_keep``); older ones are deleted after each save (``rlflow.trainer.checkpoint.rotate``).
+        val_every, val_n, val_sampling: validate every ``val_every`` steps (0: only when asked) with ``val_n`` samples
+            per prompt (1: greedy, else at the rollout's temperature), or with the rollout's options ``val_sampling``
+            (with ``n``; verl's ``rollout.val_kwargs``).
+        run: a :class:`~rlflow.trainer.options.RunDir` (the run's folder ``path``, ``save_every``, ``resume``,
+            ``keep_checkpoints``, ``loggers``), or those as keywords (``run_dir`` for ``path``).
         critic_warmup_steps: the first N steps update only the critic (the policy and its schedule stay as they are).
-        loggers: names from ``jsonl``, ``csv``, ``tensorboard``, ``wandb``; callbacks: objects with ``on_*`` hooks
-            (a :class:`~rlflow.trainer.callbacks.NoLearningSignal` is added unless one is given).
-        epochs: passes over the prompts when ``max_steps`` is not given.
+        callbacks: objects with ``on_*`` hooks (a :class:`~rlflow.trainer.callbacks.NoLearningSignal` is added
+            unless one is given).
+        epochs: passes over the prompts when ``max_steps`` is not given; progress: show a progress bar.
         seed: seeds every RNG at the start of ``fit`` (a resumed run restores the saved RNG state instead).
-        progress: show a progress bar.
         accelerator, devices, num_nodes, precision: passed to ``lightning.Fabric``.
-        strategy: ``"auto"``, ``"ddp"``, ``"fsdp2"`` (``"fsdp"`` too) or a Fabric strategy object
-            (see ``rlflow.strategies``). With several processes each one rolls out its share of
-            the prompts; losses are normalised by global token/sequence counts.
+        strategy: ``"auto"``, ``"ddp"``, ``"fsdp2"`` (``"fsdp"`` too) or a Fabric strategy object (rlflow.strategies).
+            With several processes each one rolls out its share of the prompts; losses use global token/sequence counts.
         sequence_parallel_size: ranks that split each sequence (Ulysses, ``rlflow.models.ulysses``; needs
             ``remove_padding`` on the policy, reference and critic). Consecutive ranks form a group; each
             rank generates and scores its own share of the prompts, and the group trains on their union.
-        balance_batch: before the updates, re-deal each mini-batch's rows over the data-parallel ranks
-            for equal token counts (verl ``trainer.balance_batch``; ``rlflow.trainer.distributed.balance_tokens``).
     """
 
     def __init__(
-        self, policy, rollout, reward, estimator, loss, *,
-        reference="auto", critic=None, value_loss=None,
+        self, policy, rollout=None, reward=None, estimator=None, loss=None, *, stages=(), experience=None,
+        batching: Batching | None = None, run: RunDir | None = None,
+        val_sampling: dict | None = None, reference="auto", critic=None, value_loss=None,
         batch_size: int = 32, mini_batch_size: int | None = None, micro_batch_size: int | None = None,
-        max_tokens_per_micro_batch: int | None = None,
-        ppo_epochs: int = 1, shuffle_seed: int | None = None,
+        max_tokens_per_micro_batch: int | None = None, ppo_epochs: int = 1, shuffle_seed: int | None = None,
         lr: float = 1e-6, critic_lr: float = 1e-5, weight_decay: float = 0.01,
         warmup_steps: int = 0, lr_schedule: str | Schedule = "constant", optimizer: Callable | None = None,
         max_grad_norm: float | None = 1.0, max_steps: int | None = None, epochs: int = 1,
         val_every: int = 0, val_n: int = 1, save_every: int = 0, run_dir: str | Path = "runs/rlflow",
         resume: str | Path | None = None, keep_checkpoints: int | None = None, critic_warmup_steps: int = 0,
-        loggers=("jsonl", "csv", "tensorboard"), callbacks=(),
-        seed: int = 0, progress: bool = True,
+        loggers=("jsonl", "csv", "tensorboard"), callbacks=(), seed: int = 0, progress: bool = True,
         accelerator: str = "cpu", devices: int = 1, num_nodes: int = 1, strategy="auto", precision: str = "32-true",
         sequence_parallel_size: int = 1, balance_batch: bool = True,
     ):
-        self.policy, self.rollout, self.reward, self.estimator, self.loss = policy, rollout, reward, estimator, loss
+        given = dict(locals())  # the keyword arguments, for the groups (rlflow.trainer.options)
+        (batch_size, mini_batch_size, micro_batch_size, max_tokens_per_micro_batch, ppo_epochs, shuffle_seed,
+         balance_batch) = grouped(batching, Batching, given)
+        run_dir, save_every, resume, keep_checkpoints, loggers = grouped(run, RunDir, given)
+        self.experience = Experience.of(rollout, reward, stages, experience)
+        rollout, reward = self.experience.rollout, self.experience.reward  # with Prefetch: the AsyncRollout
+        self.policy, self.estimator, self.loss = policy, estimator, loss
+        self.val_sampling = val_sampling
         self.critic, self.value_loss = critic, value_loss
         if reference == "auto":
             wants_ref = K.REF_LOG_PROBS in set(loss.in_keys) | set(estimator.in_keys)
@@ -163,13 +157,14 @@ class Trainer:
         trainable = [p for p in self.policy.module.parameters() if p.requires_grad]  # with LoRA: the adapter only
         self.optimizer = self.fabric.setup_optimizers(make_opt(trainable))
         self.rollout.bind(self.fabric.to_device(engine_model), policy.tokenizer)
+        self.experience.precision = self.generation_precision
         # A LoRA reference is the policy's own module with the adapter off: set up once, with the policy.
         if self.reference is not None and self.reference.model is not policy.model:
             if sharded:
                 self.reference.module = self.fabric.setup_module(self.reference.module)
             else:
                 self.fabric.to_device(self.reference.model)
-        setup_rewards(self.fabric, reward, rollout, estimator)  # reward models: placed like the policy
+        setup_rewards(self.fabric, *self.experience.modules(), estimator)  # reward models: placed like the policy
         share_batch_sum(self._batch_sum, estimator)  # whole-batch statistics (whitening, ...) span the processes
         if critic is not None:
             critic.module = self.fabric.setup_module(critic.module)
@@ -177,15 +172,16 @@ class Trainer:
                 torch.optim.AdamW(critic.module.parameters(), lr=critic_lr, weight_decay=weight_decay))
         self.global_step, self.loader, self.schedulers = 0, None, []
 
+    rollout = property(lambda self: self.experience.rollout, lambda self, r: setattr(self.experience, "rollout", r))
+    reward = property(lambda self: self.experience.reward, lambda self, r: setattr(self.experience, "reward", r))
+
     # ------------------------------------------------------------------ checks
     def check_chain(self) -> None:
         """Fail now, naming key and module, if some role reads a key nothing writes."""
         provided_by_update = {K.LOG_PROBS, K.ENTROPY} | ({K.OLD_LOG_PROBS} if not self.needs_old_log_probs else set())
-        chain = [
-            ("rollout", self.rollout), ("reward", self.reward), ("reference", self.reference),
-            ("policy", self.policy if self.needs_old_log_probs else None), ("critic", self.critic),
-            ("estimator", self.estimator),
-        ]
+        old = ("policy", self.policy if self.needs_old_log_probs else None)
+        chain = self.experience.keyed() + [("reference", self.reference), old, ("critic", self.critic),
+                                           ("estimator", self.estimator)]
         available = check_chain(DATA_KEYS, chain)
         check_chain(available | provided_by_update, [("loss", self.loss)])
         if self.value_loss is not None:
@@ -193,14 +189,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def step(self, batch: TensorDict) -> dict[str, float]:
-        """One RL step on a batch of prompts; returns its metrics."""
+        """One RL step on a batch of prompts (scored by the experience stream); returns its metrics."""
+        return self.learn(self.experience.collect(batch))
+
+    def learn(self, batch: TensorDict) -> dict[str, float]:
+        """One RL step on a scored batch of the experience stream; returns its metrics (the stream's too)."""
         timer, start = Timer(), time.perf_counter()
-        with timer("gen"), self.generation_precision():
-            batch = self.rollout(batch)
         self.fabric.call("on_rollout_end", trainer=self, batch=batch)
-        if self.reward is not None:  # None when the rollout scores its samples itself (e.g. dynamic sampling)
-            with timer("reward"):
-                batch = self.reward(batch)
         health = numerics.guard_rewards(batch)  # a NaN reward must not reach whole-batch statistics
         if self.sp_group is not None:  # a sequence-parallel group trains on the union of its ranks' samples
             batch = gather_in_group(batch, self.sp_group)
@@ -233,14 +228,13 @@ class Trainer:
         self.global_step += 1
         self.fabric.call("on_batch_end", trainer=self, batch=batch)
 
-        step_time = time.perf_counter() - start
+        step_time = time.perf_counter() - start + self.experience.elapsed  # collecting the batch is part of it
         tokens = batch[K.PROMPT_MASK].sum() + batch[K.RESPONSE_MASK].sum()
         total_tokens = int(global_sum(self.fabric, tokens)) // self.sp_size
         metrics = batch_metrics(batch, getattr(self.rollout, "max_new_tokens", None)) | stats
         metrics |= health | numerics.batch_health(batch)
         metrics |= {"actor/critic_warmup": float(warmup)} if self.critic_warmup_steps else {}
-        for role in (self.rollout, self.reward, self.estimator):
-            metrics |= getattr(role, "stats", {})  # e.g. reward/errors, actor/reward_kl_penalty
+        metrics |= self.experience.metrics | getattr(self.estimator, "stats", {})  # timing_s/gen, actor/reward_kl...
         metrics |= timer.metrics() | {
             "timing_s/step": step_time,
             "perf/total_num_tokens": total_tokens,
@@ -252,9 +246,8 @@ class Trainer:
         return reduce_metrics(self.fabric, metrics)
 
     def generation_precision(self):
-        """The training precision (Fabric's autocast) around sampling with the trained module itself (HF), so that
-        ``precision="bf16-mixed"`` generates in bf16 like the update computes; engines with weights of their own
-        (vLLM, servers) keep their dtype."""
+        """The training precision (Fabric's autocast) around sampling with the trained module itself (HF): bf16-mixed
+        generates in bf16 like the update computes; engines with weights of their own (vLLM, servers) keep theirs."""
         return contextlib.nullcontext() if getattr(self.rollout, "holds_own_weights", False) else self.fabric.autocast()
 
     def _batch_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -347,9 +340,8 @@ class Trainer:
         # an unwritable or full disk fails now (on every rank), not at the first save
         ckpt.check_run_dir(self.run_dir, self.save_every and ckpt.checkpoint_bytes(
             self.policy.model, self.critic.module if self.critic is not None else None))
-        self.loader = data.loader(self.batch_size, self.policy.tokenizer)
-        if hasattr(self.rollout, "bind_prompts"):  # e.g. DAPO's dynamic sampling pulls more prompt batches
-            self.rollout.bind_prompts(self.loader)
+        self.loader = PromptStream(data.loader(self.batch_size, self.policy.tokenizer), self.fabric.global_rank,
+                                   self.fabric.world_size, self.fabric.device)  # tensors only: columns stay as they are
         total = self.max_steps or self.epochs * self.loader.steps_per_epoch
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(self.lr_schedule, self.warmup_steps, total))
                            for o in self._optimizers()]
@@ -357,21 +349,21 @@ class Trainer:
         history = []
         self.fabric.call("on_fit_start", trainer=self)
         bar = tqdm(total=total, initial=self.global_step, desc="rl", disable=not self.progress or self.fabric.global_rank)
-        while self.global_step < total:
-            prompts = rank_shard(next(self.loader), self.fabric.global_rank, self.fabric.world_size)
-            metrics = self.step(to_device(prompts, self.fabric.device))  # tensors only: columns stay as they are
-            if self.val_every and data.val and (self.global_step % self.val_every == 0 or self.global_step == total):
-                t0 = time.perf_counter()
-                metrics |= self.validate(data)
-                metrics["timing_s/testing"] = time.perf_counter() - t0
-            self.fabric.log_dict(metrics, step=self.global_step)  # before the checkpoint: a resume drops extra rows
-            if self.save_every and (self.global_step % self.save_every == 0 or self.global_step == total):
-                self.save()
-            self.fabric.call("on_step_end", trainer=self, step=self.global_step, metrics=metrics)
-            history.append(metrics)
-            bar.update(1)
-            bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}", len=f"{metrics['response_length/mean']:.1f}",
-                            pg=f"{metrics.get('actor/pg_loss', 0.0):.3f}")
+        with contextlib.closing(self.experience(self.loader)) as experience:  # closing: cancels batches in flight
+            for batch in islice(experience, max(total - self.global_step, 0)):  # islice: no batch past the last
+                metrics = self.learn(batch)
+                if self.val_every and data.val and (self.global_step % self.val_every == 0 or self.global_step == total):
+                    t0 = time.perf_counter()
+                    metrics |= self.validate(data)
+                    metrics["timing_s/testing"] = time.perf_counter() - t0
+                self.fabric.log_dict(metrics, step=self.global_step)  # before the checkpoint: a resume drops extra rows
+                if self.save_every and (self.global_step % self.save_every == 0 or self.global_step == total):
+                    self.save()
+                self.fabric.call("on_step_end", trainer=self, step=self.global_step, metrics=metrics)
+                history.append(metrics)
+                bar.update(1)
+                bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}", len=f"{metrics['response_length/mean']:.1f}",
+                                pg=f"{metrics.get('actor/pg_loss', 0.0):.3f}")
         bar.close()
         self.fabric.call("on_fit_end", trainer=self)
         for logger in self.fabric.loggers:

@@ -21,9 +21,11 @@ from rlflow.trainer.generations import batch_columns, concat, wants
 def validate(trainer, data: PromptData) -> dict[str, float]:
     """Validation metrics per data source, under verl's names.
 
-    Sampling: ``trainer.val_sampling`` when set (HFRollout options with ``n``; the verl entry point sets it
-    from ``rollout.val_kwargs``), else one greedy sample per prompt when ``val_n == 1`` and ``val_n``
+    Sampling: ``trainer.val_sampling`` when set (``Trainer(val_sampling=...)``: the rollout's options with ``n``;
+    the verl entry point passes ``rollout.val_kwargs``), else one greedy sample per prompt when ``val_n == 1`` and ``val_n``
     samples at the rollout's temperature otherwise.
+
+    Scoring: the run's reward (``trainer.reward``, the experience's).
 
     Variables: ``reward`` (the score) and ``acc`` (the scorer's ``acc`` extra, when it returns one). The
     core variable is ``acc`` when present, else ``reward``; for it ``val-core/<source>/<var>/mean@N`` and,
@@ -37,14 +39,14 @@ def validate(trainer, data: PromptData) -> dict[str, float]:
     every sample's text columns (input, output, gts, score, ``reward`` and the scorer's extras), gathered
     from all ranks, before ``on_validation_end``.
     """
-    opts = getattr(trainer, "val_sampling", None) or {
+    opts = trainer.val_sampling or {
         "n": trainer.val_n, "do_sample": trainer.val_n > 1,
         "temperature": trainer.rollout.temperature if trainer.val_n > 1 else 1.0}
     n = opts["n"]
     rollout = trainer.rollout.with_options(**opts)
     values: dict[str, dict[str, list]] = {}   # source -> variable -> one list of n values per prompt
     votes: dict[str, list] = {}               # source -> one list of n predictions (or None) per prompt
-    reward = trainer.reward or trainer.rollout.reward  # reward=None: the rollout scores (dynamic sampling)
+    reward = trainer.reward
     rank, world = trainer.fabric.global_rank, trainer.fabric.world_size
     samples = [] if wants(trainer, "on_validation_generations") else None  # per batch: verl's dump columns
     for prompts in data.val_batches(trainer.policy.tokenizer):

@@ -1,0 +1,387 @@
+"""The experience stream: prompt batches in, scored batches out, with stages composed over the stream.
+
+``Trainer.fit`` owns the iteration: it hands :class:`Experience` the prompt batches (a
+:class:`PromptStream` over the loader) and learns from what comes out::
+
+    for batch in experience(prompts):       # generate -> sample stages -> reward -> scored stages
+        trainer.learn(batch)                # reference / old log-probs / values -> estimator -> updates
+
+A stage is one of three kinds, by where it runs (``where``):
+
+- ``"engine"``: :class:`Prefetch` runs the rollout's engine beside the trainer (``AsyncRollout``). It reads
+  the upcoming batches from the prompt stream itself, so it knows them: nothing is guessed or copied.
+- ``"samples"``: ``stage(prompts, samples) -> samples`` on every generated batch, before the reward
+  (:class:`ReferenceResponses`: SPIN's real responses, scored like the samples).
+- ``"scored"``: ``stage.stream(batches, experience)`` transforms the stream of scored batches: it may pull
+  more of them (:class:`FilterGroups`: DAPO's dynamic sampling draws further prompt batches from the same
+  stream) or map each one (any ``BatchModule``, e.g. ReMax's ``GreedyBaseline``).
+
+Each part is timed under its own name for the batch it produced: ``timing_s/gen`` (the rollout; with
+prefetch, the wait for it), ``timing_s/reward``, and ``timing_s/<stage.name>`` for every stage (its own
+time, without the generation and scoring it pulled), e.g. ``timing_s/dynamic_sampling``,
+``timing_s/greedy_baseline``, ``timing_s/reference_responses``. ``metrics`` holds them with the rollout's,
+the reward's (summed or averaged over the scoring rounds of the batch) and the stages' ``stats``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections import defaultdict, deque
+from collections.abc import Iterable, Iterator
+
+import torch
+from tensordict import TensorDict
+
+from rlflow.data import keys as K
+from rlflow.data.nontensor import to_device
+from rlflow.rollout.dynamic_sampling import DynamicSampling, first_groups, group_metric, informative_rows, merge_stats
+from rlflow.rollout.reference_responses import WithReferenceResponses, add_reference_rows
+from rlflow.rollout.wrapper import cat_batches
+
+WHERE = ("engine", "samples", "scored")
+
+
+class Stage:
+    """Base of the stages: ``name`` (its timer, ``timing_s/<name>``), ``where`` (see the module docstring),
+    ``stats`` (merged into the batch's metrics), ``in_keys``/``out_keys`` (the Trainer's key check)."""
+
+    name, where = "stage", "scored"
+    in_keys: tuple[str, ...] = ()
+    out_keys: tuple[str, ...] = ()
+
+    def __init__(self):
+        self.stats: dict[str, float] = {}
+
+    def bind(self, experience: "Experience") -> None:
+        """Called once when the experience is made: a stage may take the run's rollout, reward or tokenizer."""
+
+    def stream(self, batches: Iterator[TensorDict], experience: "Experience") -> Iterator[TensorDict]:
+        for batch in batches:
+            yield self(batch)
+
+
+class _Map(Stage):
+    """A ``BatchModule`` (e.g. ``GreedyBaseline``) as a scored stage: applied to every batch."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.name = module, getattr(module, "stage_name", type(module).__name__.lower())
+
+    @property
+    def in_keys(self):
+        return tuple(self.module.in_keys)
+
+    @property
+    def out_keys(self):
+        return tuple(self.module.out_keys)
+
+    def bind(self, experience):
+        if getattr(self.module, "rollout", False) is None:  # GreedyBaseline(): the run's rollout and reward
+            self.module.rollout = experience.rollout
+        if getattr(self.module, "reward", False) is None:
+            self.module.reward = experience.reward
+
+    def __call__(self, batch):
+        out = self.module(batch)
+        self.stats = dict(getattr(self.module, "stats", {}))
+        return out
+
+    def __repr__(self):
+        return repr(self.module)
+
+
+class FilterGroups(Stage):
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476; verl ``algorithm.filter_groups``).
+
+    Keeps the groups whose ``metric`` differs across their samples (a one-sample group is kept, as in verl);
+    while fewer groups than the first batch's prompts are kept, it pulls the next scored batch from the
+    stream (which draws the next prompt batch from the stream's own iterator). The first ``P`` kept groups
+    go on, in order, with ``group`` renumbered ``0..P-1``.
+
+    Args:
+        metric: ``"score"``, ``"seq_reward"`` (``token_rewards`` summed) or a column of ``reward.extras``
+            (e.g. ``"acc"``).
+        max_gen_batches: generation rounds allowed per step (verl ``max_num_gen_batches``); reaching it
+            without enough groups raises ``RuntimeError``.
+
+    ``stats``: ``dapo/num_gen_batches``, ``dapo/kept_group_frac`` (kept / generated, before the cut) and
+    ``dapo/gen_score_mean`` (over every generated sample). Timed as ``timing_s/dynamic_sampling``.
+    """
+
+    name = "dynamic_sampling"
+
+    def __init__(self, metric: str = "score", max_gen_batches: int = 10):
+        if max_gen_batches < 1:
+            raise ValueError(f"max_gen_batches must be >= 1, got {max_gen_batches}")
+        super().__init__()
+        self.metric, self.max_gen_batches = metric, max_gen_batches
+
+    def stream(self, batches, experience):
+        pad = experience.tokenizer.pad_token_id
+        for samples in batches:
+            target = int(torch.unique(samples[K.GROUP]).numel())
+            kept, n_kept, n_groups, offset, scores = [], 0, 0, 0, []
+            for round_ in range(1, self.max_gen_batches + 1):
+                if round_ > 1:
+                    samples = next(batches, None)
+                    if samples is None:
+                        raise RuntimeError("FilterGroups (dynamic sampling) needs more prompt batches than the stream "
+                                           f"has: {n_kept} of {target} groups kept after {round_ - 1} batch(es)")
+                scores.append(samples[K.SCORES])
+                samples.set(K.GROUP, samples[K.GROUP] + offset)  # ids unique across rounds
+                offset = int(samples[K.GROUP].max()) + 1
+                metric = group_metric(samples, self.metric, experience.reward)
+                rows, kept_groups, groups = informative_rows(metric, samples[K.GROUP])
+                kept.append(samples[rows])
+                n_kept, n_groups = n_kept + kept_groups, n_groups + groups
+                if n_kept >= target:
+                    break
+            else:
+                raise RuntimeError(
+                    f"DynamicSampling: {self.max_gen_batches} generation batches (max_gen_batches) gave only {n_kept} "
+                    f"prompt groups with a non-constant {self.metric!r} out of {n_groups} generated; {target} are "
+                    "needed. Most prompts are solved by every sample or by none: raise max_gen_batches, change n, or "
+                    "the data")
+            self.stats = {"dapo/num_gen_batches": float(round_), "dapo/kept_group_frac": n_kept / n_groups,
+                          "dapo/gen_score_mean": float(torch.cat(scores).float().mean())}
+            yield first_groups(cat_batches(kept, pad), target)
+
+    def __repr__(self):
+        return f"FilterGroups(metric={self.metric!r}, max_gen_batches={self.max_gen_batches})"
+
+
+class ReferenceResponses(Stage):
+    """SPIN's real data: after generation, each prompt's reference response joins its group as one more row
+    (``is_reference``), and is scored with the samples. ``text(ground_truth, extra_info) -> str`` picks the
+    reference (default: the ground truth). See :class:`~rlflow.rollout.reference_responses.WithReferenceResponses`
+    for the layout. Timed as ``timing_s/reference_responses``."""
+
+    name, where = "reference_responses", "samples"
+    in_keys, out_keys = (K.GROUND_TRUTH, K.EXTRA_INFO), (K.IS_REFERENCE,)
+
+    def __init__(self, text=None):
+        super().__init__()
+        self.text = text or (lambda ground_truth, extra_info: str(ground_truth))
+
+    def bind(self, experience):
+        self.tokenizer = experience.tokenizer
+
+    def __call__(self, prompts, samples):
+        return add_reference_rows(prompts, samples, self.tokenizer, self.text)
+
+
+class Prefetch(Stage):
+    """Generation beside training, up to ``max_staleness`` batches ahead (``AsyncRollout``: its arguments).
+
+    The experience wraps its rollout in ``AsyncRollout(rollout, max_staleness, **options)``; the engine reads
+    the next ``max_staleness`` prompt batches from the stream as it goes, so what it generates ahead is what
+    the trainer takes next (``0``: synchronous, ``1``: one-step-off)."""
+
+    name, where = "prefetch", "engine"
+
+    def __init__(self, max_staleness: int = 1, **options):
+        super().__init__()
+        self.max_staleness, self.options = max_staleness, options
+
+    def wrap(self, rollout):
+        from rlflow.rollout.async_rollout import AsyncRollout
+
+        return AsyncRollout(rollout, self.max_staleness, **self.options)
+
+
+class Experience:
+    """Scored batches from prompt batches: ``Experience(rollout, reward, stages=[...])``.
+
+    ``experience(prompts)`` is an iterator over scored batches (``prompts``: an iterator of prompt batches);
+    ``experience.collect(prompts)`` scores one batch (a stage that needs more, such as ``FilterGroups``,
+    raises when one batch is not enough). ``metrics`` holds the last batch's timings and stats, ``elapsed``
+    the seconds it took to produce. ``rollout`` is the rollout that generates (with :class:`Prefetch`, the
+    ``AsyncRollout`` around the one given): the Trainer binds it and pushes weights to it.
+    """
+
+    def __init__(self, rollout, reward, stages: Iterable = ()):
+        if reward is None:
+            raise ValueError("Experience needs a reward: it scores every generated batch (DynamicSampling's "
+                             "filtering is the FilterGroups stage now, over the scored stream)")
+        self.stages = [s if isinstance(s, Stage) else _Map(s) for s in stages]
+        bad = [s for s in self.stages if s.where not in WHERE]
+        if bad:
+            raise ValueError(f"stage {bad[0]!r}: where={bad[0].where!r}, expected one of {WHERE}")
+        engine = [s for s in self.stages if s.where == "engine"]
+        if len(engine) > 1:
+            raise ValueError(f"one engine stage at most (Prefetch), got {engine}")
+        self.rollout = engine[0].wrap(rollout) if engine else rollout
+        self.reward = reward
+        self.precision = contextlib.nullcontext  # the Trainer's autocast for sampling with the trained module
+        self.metrics: dict[str, float] = {}
+        self.elapsed = 0.0
+        for stage in self.stages:
+            stage.bind(self)
+
+    @classmethod
+    def of(cls, rollout, reward, stages: Iterable = (), experience: "Experience | None" = None) -> "Experience":
+        """The Trainer's experience: ``experience``, or one made of ``rollout``, ``reward`` and ``stages``. The
+        older form ``rollout=DynamicSampling(rollout, reward, ...)``, ``reward=None`` is taken apart into its
+        rollout, its reward and a ``FilterGroups`` stage (with a ``DeprecationWarning``)."""
+        stages = list(stages)
+        if experience is not None:
+            if rollout is not None or reward is not None or stages:
+                raise ValueError("pass experience=Experience(rollout, reward, stages) or rollout, reward and stages, "
+                                 "not both")
+            return experience
+        if isinstance(rollout, DynamicSampling):
+            if reward is not None:
+                raise ValueError("rollout=DynamicSampling(rollout, reward) scores its samples itself: pass "
+                                 "reward=None, or better rollout, reward and stages=[FilterGroups(...)]")
+            warnings.warn("Trainer(rollout=DynamicSampling(rollout, reward), reward=None) is deprecated: pass "
+                          "rollout=..., reward=..., stages=[FilterGroups(metric, max_gen_batches)]",
+                          DeprecationWarning, stacklevel=3)
+            stages.insert(0, FilterGroups(rollout.metric, rollout.max_gen_batches))
+            rollout, reward = rollout.rollout, rollout.reward
+        if reward is None:
+            raise ValueError("reward is None: the Trainer needs the reward that scores the samples")
+        return cls(rollout, reward, stages)
+
+    @property
+    def tokenizer(self):
+        return self.rollout.tokenizer
+
+    def keyed(self) -> list[tuple[str, object]]:
+        """(name, module) in the order they write keys, for ``rlflow.module.check_chain``."""
+        at = {w: [(s.name, s) for s in self.stages if s.where == w] for w in WHERE}
+        return [("rollout", self.rollout)] + at["samples"] + [("reward", self.reward)] + at["scored"]
+
+    def modules(self) -> list:
+        """Everything that may hold a reward model or state: the rollout, the reward and the stages' modules."""
+        return [self.rollout, self.reward] + [getattr(s, "module", s) for s in self.stages]
+
+    # ------------------------------------------------------------------ the stream
+    def __call__(self, prompts: Iterable[TensorDict]) -> Iterator[TensorDict]:
+        prompts = iter(prompts)
+        self._times, self._stack, self._reward_stats = defaultdict(float), [], []
+        batches = self._timed("reward", self._scored(self._timed("gen", self._generated(prompts))))
+        for stage in self.stages:
+            if stage.where == "scored":
+                batches = self._timed(stage.name, stage.stream(batches, self))
+        start = time.perf_counter()
+        try:
+            for batch in batches:
+                self.elapsed = time.perf_counter() - start
+                self._publish(prompts)
+                yield batch
+                start = time.perf_counter()
+        finally:
+            batches.close()
+
+    def collect(self, prompts: TensorDict) -> TensorDict:
+        """One prompt batch, scored (``Trainer.step``)."""
+        stream = self(iter([prompts]))
+        try:
+            return next(stream)
+        finally:
+            stream.close()
+
+    def _generated(self, prompts: Iterator[TensorDict]) -> Iterator[tuple[TensorDict, TensorDict]]:
+        """(prompts, samples) per batch; a streaming rollout (``AsyncRollout``) reads the prompts itself."""
+        if hasattr(self.rollout, "stream"):  # its engine holds its own weights: no autocast to enter
+            yield from self.rollout.stream(prompts, pairs=True)
+            return
+        for batch in prompts:
+            with self.precision():  # entered per batch: the autocast must not stay on across the yield
+                samples = self.rollout(batch)
+            yield batch, samples
+
+    def _scored(self, generated) -> Iterator[TensorDict]:
+        for prompts, samples in generated:
+            for stage in self.stages:
+                if stage.where == "samples":  # its own time, not the reward's
+                    start = time.perf_counter()
+                    samples = stage(prompts, samples)
+                    self._times[stage.name] += time.perf_counter() - start
+                    self._stack[-1] += time.perf_counter() - start
+            samples = self.reward(samples)
+            self._reward_stats.append(dict(getattr(self.reward, "stats", {})))
+            yield samples
+
+    def _timed(self, name: str, items: Iterator) -> Iterator:
+        """Times every ``next`` of ``items`` as ``name``, less the time spent in the parts it pulled from."""
+        try:
+            while True:
+                self._stack.append(0.0)
+                start = time.perf_counter()
+                try:
+                    item = next(items)
+                except StopIteration:
+                    return
+                finally:
+                    elapsed, inner = time.perf_counter() - start, self._stack.pop()
+                    self._times[name] += elapsed - inner
+                    if self._stack:
+                        self._stack[-1] += elapsed
+                yield item
+        finally:
+            items.close()
+
+    def _publish(self, prompts) -> None:
+        """The metrics of the batch about to be yielded; the prompt stream learns how many batches are ahead."""
+        metrics = dict(getattr(self.rollout, "stats", {})) | merge_stats(self._reward_stats)
+        for stage in self.stages:
+            metrics |= stage.stats
+        self.metrics = metrics | {f"timing_s/{k}": v for k, v in self._times.items()}
+        self._times, self._reward_stats = defaultdict(float), []
+        if isinstance(prompts, PromptStream):
+            prompts.ahead = len(getattr(self.rollout, "in_flight", ()))
+
+    def close(self) -> None:
+        if hasattr(self.rollout, "close"):
+            self.rollout.close()
+
+    def __repr__(self) -> str:
+        return f"Experience({self.rollout!r}, {self.reward!r}, stages={self.stages!r})"
+
+
+class PromptStream:
+    """A loader's prompt batches for this process (its contiguous share, tensors on ``device``).
+
+    ``state_dict`` is the loader's position after the last batch handed on, less the ``ahead`` batches a
+    prefetching engine holds in flight: a checkpoint resumes at the first batch not yet trained on."""
+
+    def __init__(self, loader, rank: int = 0, world_size: int = 1, device=None):
+        self.loader, self.rank, self.world_size, self.device = loader, rank, world_size, device
+        self.ahead, self._before = 0, deque(maxlen=64)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> TensorDict:
+        self._before.append(self.loader.state_dict())
+        batch = next(self.loader)
+        if self.world_size > 1:  # every rank draws the same global batch and takes its contiguous share
+            size = batch.batch_size[0]
+            if size % self.world_size:
+                raise ValueError(f"{size} prompts per step do not split evenly over {self.world_size} processes")
+            per = size // self.world_size
+            batch = batch[self.rank * per : (self.rank + 1) * per]
+        return to_device(batch, self.device) if self.device is not None else batch
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.loader.steps_per_epoch
+
+    @property
+    def epoch(self) -> int:
+        return int(self.state_dict()["epoch"])
+
+    def state_dict(self) -> dict:
+        return dict(self._before[-self.ahead]) if self.ahead else self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+        self.ahead = 0
+        self._before.clear()
+
+
+__all__ = ["Experience", "FilterGroups", "Prefetch", "PromptStream", "ReferenceResponses", "Stage",
+           "WithReferenceResponses"]
