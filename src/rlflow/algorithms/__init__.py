@@ -3,6 +3,8 @@
 from rlflow.algorithms import advantages, functional
 from rlflow.algorithms.correction import TruncatedIS
 from rlflow.algorithms.rejection import RejectionSampling
+from rlflow.algorithms.bypass import BypassLoss, RolloutAsOld
+from rlflow.algorithms.mismatch import MismatchMetrics
 from rlflow.algorithms.estimators import (
     GAE,
     GDPO,
@@ -41,4 +43,5 @@ __all__ = ["functional", "AdvantageEstimator", "GRPO", "GAE", "PPOLoss", "ValueL
            "OPO", "GPG", "GRPOPassK", "KLInReward", "FixedKLController", "AdaptiveKLController", "TruncatedIS"]
 __all__ += ["policy_functional", "GSPOLoss", "CISPOLoss", "SAPOLoss", "ClipCovLoss", "KLCovLoss", "CovSelection",
             "GMPOLoss", "ReinforceLoss", "LOSS_MODES", "SPINLoss", "SPPOLoss", "NoAdvantage", "GroupWinRate",
-            "UpdateReference", "GDPO", "DPPOTVLoss", "DPPOKLLoss", "RejectionSampling"]
+            "UpdateReference", "GDPO", "DPPOTVLoss", "DPPOKLLoss", "RejectionSampling",
+            "BypassLoss", "RolloutAsOld", "MismatchMetrics"]
