@@ -10,7 +10,13 @@ import torch
 from tensordict import TensorDict
 
 from rlflow import GRPO, FunctionReward, HFRollout, Policy, PromptData, Trainer
-from rlflow.algorithms import BypassLoss, PPOLoss, RejectionSampling, RolloutAsOld, TruncatedIS
+from rlflow.algorithms import (
+    BypassLoss,
+    PPOLoss,
+    RejectionSampling,
+    RolloutAsOld,
+    TruncatedIS,
+)
 from rlflow.data import keys as K
 from rlflow.module import Chain
 from tests.trainer.helpers import starts_with_digit
@@ -40,7 +46,7 @@ def ppo_token(a, r, clip=0.2, clip_c=3.0):
 
 
 def test_ppo_clip_is_ppo_against_the_sampler_with_the_rejection_mask():
-    lp, b = batch()
+    _, b = batch()
     rs = RejectionSampling("token_k1", "0.6_1.6")
     out = BypassLoss("ppo_clip", weights=TruncatedIS("token", 2.0), rejection=rs)(b, N_TOK, N_SEQ)
     # token_k1 = -(lp - rollout) kept in [log 0.6, log 1.6]: the -1 and -0.8 log-ratios are rejected
@@ -77,7 +83,7 @@ def test_reinforce_weights_log_prob_by_truncated_is(level):
 
 
 def test_reinforce_without_weights_is_plain_reinforce_on_the_kept_tokens():
-    lp, b = batch()
+    _, b = batch()
     out = BypassLoss("reinforce", rejection=RejectionSampling("token_k1", "0.6_1.6"))(b, N_TOK, N_SEQ)
     kept = [(0, 0), (0, 1), (1, 0)]
     assert out.loss.item() == pytest.approx(sum(-ADV[i][j] * LP[i][j] for i, j in kept) / N_TOK)

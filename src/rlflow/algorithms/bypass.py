@@ -35,9 +35,15 @@ from rlflow.algorithms import functional as F
 from rlflow.algorithms import policy_functional as PF
 from rlflow.algorithms.correction import TruncatedIS, truncated_is_weights
 from rlflow.algorithms.losses import LossOutput, PPOLoss
-from rlflow.algorithms.mismatch import to_floats, offpolicy_metrics
+from rlflow.algorithms.mismatch import offpolicy_metrics, to_floats
 from rlflow.algorithms.rejection import RejectionSampling, rejection_mask
-from rlflow.data.keys import ADVANTAGES, LOG_PROBS, OLD_LOG_PROBS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
+from rlflow.data.keys import (
+    ADVANTAGES,
+    LOG_PROBS,
+    OLD_LOG_PROBS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+)
 from rlflow.module import BatchModule
 
 LOSS_TYPES = ("ppo_clip", "reinforce")  # verl rollout_correction.loss_type
