@@ -18,6 +18,7 @@ from tests.trainer.helpers import starts_with_digit
 OLD = [[-0.5, -1.0, -2.0, -7.0], [-0.1, -3.0, -9.0, -9.0], [-4.0, -4.0, -4.0, -4.0]]
 ROLLOUT = [[-0.7, -0.9, -2.5, -1.0], [-0.3, -2.0, -1.0, -1.0], [-1.0, -1.0, -1.0, -1.0]]
 MASK = [[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]]  # padding, and a row without a valid token (left out)
+ROLLOUT[1][3] = -math.inf  # what padding holds must not matter
 
 
 def by_hand():

@@ -42,8 +42,10 @@ from rlflow.data.keys import OLD_LOG_PROBS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
 def _rows(old: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """What the metrics need of a [B, R] batch, flat: valid tokens' log-probs, per-sequence means and sums."""
     dtype = torch.promote_types(old.dtype, torch.float32)  # bf16 log-probs: the metrics in float32 at least
-    old, rollout = old.detach().to(dtype), rollout.detach().to(dtype)
     valid, m = mask.bool(), mask.to(dtype)
+    zero = torch.zeros((), dtype=dtype, device=old.device)  # padding may hold anything (-inf): never multiplied
+    old = torch.where(valid, old.detach().to(dtype), zero)
+    rollout = torch.where(valid, rollout.detach().to(dtype), zero)
     count = m.sum(-1)
     seq = count > 0
     return {"old": old[valid], "rollout": rollout[valid], "seq_old": ((old * m).sum(-1) / count.clamp_min(1))[seq],
