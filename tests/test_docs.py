@@ -291,6 +291,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/algorithms/gspo.md", "from rlflow import GRPO, Trainer"): [],
     ("docs/algorithms/kl.md", "from rlflow.algorithms import RLOO, AdaptiveKLController, KLInReward"): [],
     ("docs/algorithms/off_policy.md", "from rlflow.algorithms import GRPO, PPOLoss, TruncatedIS"): ELIDED_TRAINER,
+    ("docs/algorithms/off_policy.md", "from rlflow.algorithms import GRPO, BypassLoss, RejectionSampling, RolloutAsOld, TruncatedIS"): [],
     ("docs/algorithms/opo.md", "from rlflow.algorithms import OPO, PPOLoss"): ELIDED_TRAINER,
     # a local model folder instead of the 0.5B one (same code path: from_pretrained of a folder)
     ("docs/algorithms/ppo.md", "from rlflow import Critic, GAE, Policy, PPOLoss, Trainer, ValueLoss"):

@@ -260,7 +260,7 @@ ESTIMATORS = Registry("advantage estimator", "algorithm.adv_estimator", "rlflow.
 POLICY_LOSSES = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode", "rlflow.algorithms:PPOLoss", {
     "vanilla": "PPOLoss", "gspo": "GSPOLoss", "cispo": "CISPOLoss", "sapo": "SAPOLoss", "clip_cov": "ClipCovLoss",
     "kl_cov": "KLCovLoss", "geo_mean": "GMPOLoss", "gpg": "ReinforceLoss", "reinforce": "ReinforceLoss",
-    "dppo_tv": "DPPOTVLoss", "dppo_kl": "DPPOKLLoss",
+    "dppo_tv": "DPPOTVLoss", "dppo_kl": "DPPOKLLoss", "bypass_mode": "BypassLoss",
 }, "rlflow.algorithms")
 
 

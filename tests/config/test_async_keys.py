@@ -37,6 +37,9 @@ def test_staleness_threshold_sets_the_bound_and_turns_the_mode_on():
     assert [(c.__name__, k["level"]) for c, k in kept.after] == [("TruncatedIS", "sequence")]  # the user's, once
     off = plan("trainer.async_weight_update=true", "algorithm.rollout_correction.rollout_is=null")
     assert not off.after and any("without importance-sampling correction" in n for n in off.notes)
+    bypass = plan("trainer.async_weight_update=true", "algorithm.rollout_correction.bypass_mode=true")
+    assert not bypass.after and bypass.loss_cls.__name__ == "BypassLoss"  # the loss corrects against the sampler
+    assert any("taken against the sampler's log-probs" in n for n in bypass.notes)
 
 
 @pytest.mark.parametrize("overrides, error, message", [

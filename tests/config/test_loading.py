@@ -171,8 +171,6 @@ def test_chained_modules_kl_in_reward_remax_and_rollout_correction():
     assert [cls for cls, _ in p.before] == [A.KLInReward, A.GreedyBaseline] and p.estimator_cls is A.ReMax
     assert p.before[0][1]["kind"] == "low_var_kl"
     assert p.after == [(A.TruncatedIS, {"level": "token", "threshold": 2.0})] and p.loss_kwargs["is_weights"] is True
-    with pytest.raises(NotSupportedError, match="bypass_mode"):
-        plan("algorithm.rollout_correction.bypass_mode=true")
     rc = "algorithm.rollout_correction"
     p = plan(f"{rc}.rollout_rs='token_k1,seq_max_k2'", f"{rc}.rollout_rs_threshold='0.6_1.6,2.5'")
     assert p.after == [(A.RejectionSampling, {"options": "token_k1,seq_max_k2", "threshold": "0.6_1.6,2.5"})]
@@ -183,6 +181,31 @@ def test_chained_modules_kl_in_reward_remax_and_rollout_correction():
         plan(f"{rc}.rollout_rs=token_k1")
     with pytest.raises(ConfigError, match="rollout_rs='seq_max_k1'.*unknown"):
         plan(f"{rc}.rollout_rs=seq_max_k1", f"{rc}.rollout_rs_threshold=2")
+
+
+def test_bypass_mode_replaces_the_loss_and_moves_the_correction_into_it():
+    """verl's apply_bypass_mode: old log-probs = the sampler's (RolloutAsOld first in the chain), the loss
+    is verl's bypass loss (loss_type), the IS / RS settings go to it instead of the chain."""
+    A, rc = rlflow.algorithms, "algorithm.rollout_correction"
+    p = plan(f"{rc}.bypass_mode=true", f"{rc}.loss_type=reinforce", f"{rc}.rollout_is=sequence",
+             f"{rc}.rollout_rs='token_k1,seq_max_k2'", f"{rc}.rollout_rs_threshold='0.6_1.6,2.5'",
+             "actor_rollout_ref.actor.policy_loss.loss_mode=gspo")
+    assert p.loss_cls is A.BypassLoss and [c for c, _ in p.before] == [A.RolloutAsOld] and p.after == []
+    kw = p.loss_kwargs
+    assert kw["loss_type"] == "reinforce" and "is_weights" not in kw
+    assert (kw["weights"].level, kw["weights"].threshold) == ("sequence", 2.0)
+    assert kw["rejection"].thresholds == {"token_k1": (0.6, 1.6), "seq_max_k2": (None, 2.5)}
+    assert any("loss_mode='gspo' is replaced by verl's bypass loss" in n for n in p.notes)
+    p = plan(f"{rc}.bypass_mode=true", "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode")
+    assert p.loss_cls is A.BypassLoss and p.loss_kwargs["loss_type"] == "ppo_clip"  # verl's default
+    assert p.loss_kwargs["weights"] is None and p.loss_kwargs["rejection"] is None
+    assert not [n for n in p.notes if "bypass" in n]
+    with pytest.raises(ConfigError, match=f"{rc}.loss_type='ppo': unknown; valid: ppo_clip, reinforce"):
+        plan(f"{rc}.bypass_mode=true", f"{rc}.loss_type=ppo")
+    with pytest.raises(ConfigError, match=f"loss_mode=bypass_mode needs {rc}.bypass_mode=True"):
+        plan("actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode")
+    notes = unused_notes(plan(f"{rc}.loss_type=reinforce").cfg)
+    assert f"{rc}.loss_type='reinforce' has no effect in rlflow: only used with {rc}.bypass_mode=True" in notes
 
 
 def test_every_verl_key_is_honoured_inert_or_not_supported(tmp_path):

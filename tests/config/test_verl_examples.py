@@ -134,8 +134,6 @@ KNOWN_GAPS = {
     "examples/grpo_trainer/run_deepseek_v4_veomni.sh": "MoE routing replay",
     "examples/router_replay/run_qwen3_30b_a3b_megatron.sh": "MoE routing replay",
     "examples/grpo_trainer/run_minicpm_o_2_6_fsdp.sh": "custom dataset classes",
-    "examples/rollout_correction/run_qwen2_5_7b_fsdp.sh": "bypass mode",
-    "examples/rollout_correction/run_qwen2_5_7b_fsdp_multi_rs.sh": "bypass mode",
     "examples/mtp_trainer/run_mimo_7b_mtp_megatron.sh": "multi-token prediction",
     "examples/mtp_trainer/run_mimo_7b_mtp_rl_vllm_sgl_megatron.sh": "multi-token prediction",
     "examples/tuning/lora/run_qwen3_30b_a3b_megatron.sh": "Megatron LoRA block",

@@ -4,6 +4,8 @@ from rlflow.algorithms import advantages, functional
 from rlflow.algorithms.aggregate import Aggregation
 from rlflow.algorithms.correction import TruncatedIS
 from rlflow.algorithms.rejection import RejectionSampling
+from rlflow.algorithms.bypass import BypassLoss, RolloutAsOld
+from rlflow.algorithms.mismatch import MismatchMetrics
 from rlflow.algorithms.estimators import (
     GAE,
     GDPO,
@@ -42,4 +44,5 @@ __all__ = ["functional", "AdvantageEstimator", "GRPO", "GAE", "PPOLoss", "ValueL
            "OPO", "GPG", "GRPOPassK", "KLInReward", "FixedKLController", "AdaptiveKLController", "TruncatedIS"]
 __all__ += ["policy_functional", "GSPOLoss", "CISPOLoss", "SAPOLoss", "ClipCovLoss", "KLCovLoss", "CovSelection",
             "GMPOLoss", "ReinforceLoss", "LOSS_MODES", "SPINLoss", "SPPOLoss", "NoAdvantage", "GroupWinRate",
-            "UpdateReference", "GDPO", "DPPOTVLoss", "DPPOKLLoss", "RejectionSampling", "Aggregation"]
+            "UpdateReference", "GDPO", "DPPOTVLoss", "DPPOKLLoss", "RejectionSampling", "Aggregation",
+            "BypassLoss", "RolloutAsOld", "MismatchMetrics"]

@@ -15,6 +15,7 @@ follow the same rule, and :class:`LossOutput` says which is which: loss terms ("
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass, field
 
@@ -189,7 +190,7 @@ class PPOLoss:
                  num_tokens=None, num_seqs=None) -> LossOutput:
         _require(self, batch)
         agg = _aggregation(self, aggregation, num_tokens, num_seqs, "__call__")
-        if type(self).pg_loss is PPOLoss.pg_loss:
+        if "aggregation" in inspect.signature(self.pg_loss).parameters:  # pg_loss(batch, aggregation)
             pg, pg_stats = self.pg_loss(batch, agg)
         else:  # a subclass written for the earlier contract: pg_loss(batch, num_tokens, num_seqs) -> (loss, stats)
             warnings.warn(f"{type(self).__name__} overrides pg_loss(batch, num_tokens, num_seqs), which is deprecated: "

@@ -9,16 +9,18 @@ from typing import Any
 
 import rlflow.algorithms
 from rlflow.config import tables
+from rlflow.algorithms.bypass import LOSS_TYPES
 from rlflow.algorithms.correction import parse_is_threshold
 from rlflow.algorithms.rejection import parse_rs
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.optim import first_set
-from rlflow.config.resolve import Candidate, class_kwargs, fill, key, resolve_class
+from rlflow.config.resolve import Candidate, class_kwargs, fill, instantiate, key, resolve_class
 
 A = "actor_rollout_ref.actor"
 RC = "algorithm.rollout_correction.rollout_is_"
+BYPASS, LOSS_TYPE = "algorithm.rollout_correction.bypass_mode", "algorithm.rollout_correction.loss_type"
 
-__all__ = ["ESTIMATOR_POOL", "KL_CTRL_POOL", "KL_IN_REWARD_KEYS", "companions", "loss_pool"]
+__all__ = ["ESTIMATOR_POOL", "KL_CTRL_POOL", "KL_IN_REWARD_KEYS", "bypass_loss", "companions", "loss_pool"]
 
 
 def loss_pool(cfg: VerlConfig) -> dict[str, Candidate]:
@@ -87,6 +89,17 @@ def companions(cfg: VerlConfig, estimator_cls: type) -> tuple[list, list, tuple 
         cls = algorithm_class(tables.ESTIMATOR_BEFORE[estimator_cls.__name__], "algorithm.adv_estimator",
                               cfg["algorithm.adv_estimator"])
         before.append((cls, class_kwargs(cls, {"rollout": fill("rollout"), "reward": fill("reward")}, cfg)))
+    corrections = rollout_correction(cfg)
+    if cfg[BYPASS]:  # the sampler's log-probs are the old ones; the loss corrects (bypass_loss), not the chain
+        before.insert(0, (algorithm_class(tables.BYPASS, BYPASS, True), {}))
+    else:
+        after += corrections
+    return before, after, controller
+
+
+def rollout_correction(cfg: VerlConfig) -> list[tuple[type, dict]]:
+    """``rollout_is`` / ``rollout_rs`` -> ``[(TruncatedIS, kwargs), (RejectionSampling, kwargs)]`` (those set)."""
+    out = []
     level = cfg["algorithm.rollout_correction.rollout_is"]
     if level:
         cls = algorithm_class(tables.ROLLOUT_IS, "algorithm.rollout_correction.rollout_is", level)
@@ -95,7 +108,7 @@ def companions(cfg: VerlConfig, estimator_cls: type) -> tuple[list, list, tuple 
                 "threshold": Candidate((RC + "threshold",), lambda c: upper, always=True),
                 "lower": Candidate((), lambda c: lower, always=lower is not None),
                 "batch_normalize": key(RC + "batch_normalize")}
-        after.append((cls, class_kwargs(cls, pool, cfg)))
+        out.append((cls, class_kwargs(cls, pool, cfg)))
     if options := cfg["algorithm.rollout_correction.rollout_rs"]:
         cls = algorithm_class(tables.ROLLOUT_RS, "algorithm.rollout_correction.rollout_rs", options)
         threshold = cfg["algorithm.rollout_correction.rollout_rs_threshold"]
@@ -104,5 +117,28 @@ def companions(cfg: VerlConfig, estimator_cls: type) -> tuple[list, list, tuple 
         except ValueError as e:
             raise ConfigError(f"algorithm.rollout_correction.rollout_rs={options!r}, rollout_rs_threshold="
                               f"{threshold!r}: {e}") from None
-        after.append((cls, {"options": options, "threshold": threshold}))
-    return before, after, controller
+        out.append((cls, {"options": options, "threshold": threshold}))
+    return out
+
+
+def bypass_loss(cfg: VerlConfig, loss_cls: type, notes: list[str]) -> tuple[type, dict | None]:
+    """verl's bypass mode replaces the policy loss with its own (``loss_mode=bypass_mode``, as verl's
+    ``apply_bypass_mode`` does): ``(BypassLoss, its fixed kwargs)``; without bypass mode ``(loss_cls, None)``."""
+    mode = cfg[f"{A}.policy_loss.loss_mode"]
+    if not cfg[BYPASS]:
+        if loss_cls.__name__ == tables.BYPASS_LOSS:
+            raise ConfigError(f"{A}.policy_loss.loss_mode=bypass_mode needs {BYPASS}=True (verl's loss reads the "
+                              "sampler's log-probs as the old ones, which only bypass mode provides)")
+        return loss_cls, None
+    loss_type = cfg[LOSS_TYPE]
+    cls = algorithm_class(tables.BYPASS_LOSS, BYPASS, True)
+    if loss_type not in LOSS_TYPES:
+        raise ConfigError(f"{LOSS_TYPE}={loss_type!r}: unknown; valid: {', '.join(LOSS_TYPES)}")
+    if mode not in ("vanilla", "bypass_mode"):
+        notes.append(f"{BYPASS}=True: {A}.policy_loss.loss_mode={mode!r} is replaced by verl's bypass loss "
+                     f"(loss_type={loss_type}: {'PPO-clip' if loss_type == 'ppo_clip' else 'REINFORCE'} against "
+                     "the sampler's log-probs), as verl's apply_bypass_mode does")
+    made = {c.__name__: instantiate(c, kwargs, "algorithm.rollout_correction.*") for c, kwargs in rollout_correction(cfg)}
+    return cls, {"loss_type": loss_type, "weights": made.get(tables.ROLLOUT_IS),
+                 "rejection": made.get(tables.ROLLOUT_RS)}
+

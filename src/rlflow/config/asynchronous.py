@@ -20,6 +20,7 @@ from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 STALENESS = "async_training.staleness_threshold"
 SWITCH = "trainer.async_weight_update"
 IS_LEVEL, IS_THRESHOLD = "algorithm.rollout_correction.rollout_is", "algorithm.rollout_correction.rollout_is_threshold"
+BYPASS = "algorithm.rollout_correction.bypass_mode"
 
 
 def async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: list, dynamic_sampling: dict | None
@@ -40,7 +41,10 @@ def async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: list,
     if dynamic_sampling:
         raise NotSupportedError(key, cfg[key], "asynchronous generation with dynamic sampling "
                                 "(algorithm.filter_groups)", "Turn one of them off.")
-    if not cfg.is_provided(IS_LEVEL) and not any(cls.__name__ == tables.ROLLOUT_IS for cls, _ in after):
+    if cfg[BYPASS]:  # the loss corrects against the sampler (rlflow.algorithms.bypass); nothing to add here
+        notes.append(f"{key} with {BYPASS}=True: the loss's ratio (or its IS weights) is taken against the "
+                     "sampler's log-probs, which correct for the stale weights")
+    elif not cfg.is_provided(IS_LEVEL) and not any(cls.__name__ == tables.ROLLOUT_IS for cls, _ in after):
         import rlflow.algorithms
 
         after.append((getattr(rlflow.algorithms, tables.ROLLOUT_IS), {"level": "token",

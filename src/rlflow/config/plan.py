@@ -21,7 +21,7 @@ import rlflow.rollout
 from rlflow import registry
 from rlflow.config import tables
 from rlflow.config.agent import agent_plan
-from rlflow.config.algos import gdpo_keys, ESTIMATOR_POOL, companions, loss_pool
+from rlflow.config.algos import bypass_loss, gdpo_keys, ESTIMATOR_POOL, companions, loss_pool
 from rlflow.config.asynchronous import async_plan
 from rlflow.config.data_keys import data_extras
 from rlflow.config.devices import Devices, resolve_devices
@@ -228,7 +228,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
                              "loss_scale_factor": cfg[f"{C}.loss_scale_factor"]}
 
     before, after, kl_controller = companions(cfg, estimator_cls)
-    loss_cls = registry.POLICY_LOSSES.resolve(cfg[f"{A}.policy_loss.loss_mode"])
+    loss_cls, bypass = bypass_loss(cfg, registry.POLICY_LOSSES.resolve(cfg[f"{A}.policy_loss.loss_mode"]), notes)
     estimator_kwargs = class_kwargs(estimator_cls, ESTIMATOR_POOL, cfg)
     gdpo_keys(estimator_kwargs)
     cfg_reward = cfg["custom_reward_function"]
@@ -286,8 +286,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
         reward=reward_keys(cfg, manager, reward_kwargs, notes),
         estimator_cls=estimator_cls, estimator_kwargs=estimator_kwargs,
         loss_cls=loss_cls, loss_kwargs=class_kwargs(loss_cls, loss_pool(cfg), cfg,
-                                                    fixed={"is_weights": True} if any(
-                                                        c.__name__ == tables.ROLLOUT_IS for c, _ in after) else None),
+                                                    fixed=bypass or ({"is_weights": True} if any(
+                                                        c.__name__ == tables.ROLLOUT_IS for c, _ in after) else None)),
         before=before, after=after, kl_controller=kl_controller,
         critic_path=critic_path, critic_kwargs=critic_kwargs, value_loss_kwargs=value_loss_kwargs,
         data_kwargs={"train": cfg["data.train_files"], "val": cfg["data.val_files"],

@@ -27,6 +27,7 @@ KL_IN_REWARD = "KLInReward"
 ESTIMATOR_BEFORE = {"ReMax": "GreedyBaseline"}
 ROLLOUT_IS = "TruncatedIS"
 ROLLOUT_RS = "RejectionSampling"
+BYPASS, BYPASS_LOSS = "RolloutAsOld", "BypassLoss"  # algorithm.rollout_correction.bypass_mode
 # algorithm.filter_groups.metric -> DynamicSampling(metric=...); another name is a column of the reward's extras.
 # verl's seq_final_reward is the KL-penalised sum, which equals seq_reward unless use_kl_in_reward is on.
 FILTER_METRICS = {"acc": "acc", "score": "score", "seq_reward": "seq_reward", "seq_final_reward": "seq_reward"}
@@ -90,7 +91,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
                                         "sources are scored without a server)", _truthy),
     "algorithm.use_pf_ppo": ("PF-PPO", _truthy),
-    "algorithm.rollout_correction.bypass_mode": ("rollout correction (bypass mode)", _truthy),
     "reward.reward_manager.source": ("reward-manager classes loaded from a file (verl's source=importlib; "
                                      "rlflow's managers: naive, prime, dapo, batch)", _not("register")),
     "trainer.default_hdfs_dir": ("HDFS checkpoints", _truthy),
@@ -230,6 +230,8 @@ INERT: dict[str, str] = {
     "algorithm.filter_groups.max_num_gen_batches": _FILTER_ONLY,
     "algorithm.rollout_correction.rollout_is_threshold": "only used with algorithm.rollout_correction.rollout_is",
     "algorithm.rollout_correction.rollout_is_batch_normalize": "only used with algorithm.rollout_correction.rollout_is",
+    "algorithm.rollout_correction.rollout_rs_threshold": "only used with algorithm.rollout_correction.rollout_rs",
+    "algorithm.rollout_correction.loss_type": "only used with algorithm.rollout_correction.bypass_mode=True",
     "algorithm.rollout_correction.*": _PF_RC_ONLY,
     "trainer.esi_redundant_time": "rlflow saves on save_freq and at the last step",
     "async_training.use_rollout_log_probs": "the sampler's log-probs are the behaviour policy of the IS correction",

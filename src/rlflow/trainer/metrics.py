@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 from tensordict import TensorDict
 
+from rlflow.algorithms.mismatch import MismatchMetrics  # noqa: F401 - the Trainer's, beside its other metrics
 from rlflow.data import keys as K
 
 

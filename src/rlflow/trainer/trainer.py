@@ -33,7 +33,7 @@ from rlflow.trainer.callbacks import with_defaults
 from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_sum, reduce_metrics,
                                         sequence_parallel_group)
 from rlflow.trainer.loggers import make_loggers
-from rlflow.trainer.metrics import MeanAccumulator, Timer, batch_metrics, sum_micro_batches
+from rlflow.trainer.metrics import MeanAccumulator, MismatchMetrics, Timer, batch_metrics, sum_micro_batches
 from rlflow.trainer.options import Batching, RunDir, grouped
 from rlflow.trainer.schedule import Schedule, lr_lambda, step_schedulers
 
@@ -119,10 +119,10 @@ class Trainer:
         self.run_dir, self.resume, self.seed, self.progress = Path(run_dir), resume, seed, progress
         self.keep_checkpoints, self.critic_warmup_steps = keep_checkpoints, critic_warmup_steps
         self.lr_schedule, self.warmup_steps = lr_schedule, warmup_steps
-        # With one update per batch the "old" policy is the current one: skip its forward pass,
-        # unless something before the update (e.g. a KL-in-reward estimator) reads it.
-        self.needs_old_log_probs = (ppo_epochs > 1 or self.mini_batch_size < batch_size
-                                    or K.OLD_LOG_PROBS in estimator.in_keys)
+        # One update per batch: the "old" policy is the current one, no pass, unless read before it (KL in the reward);
+        # never when the estimator writes it (bypass mode: the sampler's log-probs are the old ones).
+        self.needs_old_log_probs = (ppo_epochs > 1 or self.mini_batch_size < batch_size or K.OLD_LOG_PROBS in
+                                    estimator.in_keys) and K.OLD_LOG_PROBS not in estimator.out_keys
         self.check_chain()
         if accelerator == "cpu":  # one thread per core is wrong on a busy machine or for a tiny model
             choose_threads(sum(p.numel() for p in policy.model.parameters()))
@@ -170,7 +170,7 @@ class Trainer:
             critic.module = self.fabric.setup_module(critic.module)
             self.critic_optimizer = self.fabric.setup_optimizers(
                 torch.optim.AdamW(critic.module.parameters(), lr=critic_lr, weight_decay=weight_decay))
-        self.global_step, self.loader, self.schedulers = 0, None, []
+        self.global_step, self.loader, self.schedulers, self.mismatch = 0, None, [], MismatchMetrics()
 
     rollout = property(lambda self: self.experience.rollout, lambda self, r: setattr(self.experience, "rollout", r))
     reward = property(lambda self: self.experience.reward, lambda self, r: setattr(self.experience, "reward", r))
@@ -204,7 +204,7 @@ class Trainer:
                 batch = self.reference(batch)
         if self.needs_old_log_probs:
             with timer("old_log_prob"):
-                batch = self.policy(batch)
+                batch = self.mismatch.observe(self.policy(batch))
         if self.critic is not None:
             with timer("values"):
                 batch = self.critic(batch)
@@ -221,7 +221,7 @@ class Trainer:
         warmup = self.global_step < self.critic_warmup_steps  # verl's critic_warmup: the policy waits
         if not warmup:
             with timer("update_actor"):
-                stats |= self.update_actor(update_batch)
+                stats |= self.update_actor(update_batch) | self.mismatch.pop()
         with timer("update_weights"):  # also in warm-up, as verl's (an asynchronous rollout counts versions)
             stats |= self.rollout.sync_weights(self.policy.model) or {}
         step_schedulers(self.schedulers[1:] if warmup else self.schedulers)  # [policy, critic]
@@ -284,8 +284,8 @@ class Trainer:
         def micro_loss(micro: TensorDict, agg: Aggregation):
             log_probs, entropy = self.policy.log_probs(micro)
             micro[K.LOG_PROBS], micro[K.ENTROPY] = log_probs, entropy
-            if K.OLD_LOG_PROBS not in micro.keys():
-                micro[K.OLD_LOG_PROBS] = log_probs.detach()
+            if K.OLD_LOG_PROBS not in micro.keys():  # one update per batch: the policy before it is the old one
+                self.mismatch.add(micro.set(K.OLD_LOG_PROBS, log_probs.detach()))
             return call_loss(self.loss, micro, agg)
 
         return self._update(batch, self.policy.module, self.optimizer, "actor", micro_loss)
