@@ -23,6 +23,7 @@ import lightning as L
 import torch
 
 from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss
+from rlflow.algorithms import Aggregation
 from rlflow.data import keys as K
 from rlflow.rollout.stream import Experience, PromptStream
 from rlflow.trainer.batching import micro_batches
@@ -45,14 +46,14 @@ def learn(batch, policy: Policy, optimizer, fabric: L.Fabric, estimator, loss, m
     mask = batch[K.RESPONSE_MASK]
     # the loss of every micro-batch is normalised by the whole batch's counts: the accumulated gradient
     # does not depend on the micro-batch size
-    num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+    aggregation = Aggregation(num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum(), dp_size=fabric.world_size)
     policy.module.train()
     stats = {}
     for micro in micro_batches(batch, micro_batch_size, None, fabric):
         log_probs, entropy = policy.log_probs(micro)  # under autograd
         micro[K.LOG_PROBS], micro[K.ENTROPY] = log_probs, entropy
         micro[K.OLD_LOG_PROBS] = log_probs.detach()  # one update per batch: the old policy is this one
-        out = loss(micro, num_tokens=num_tokens, num_seqs=num_seqs)
+        out = loss(micro, aggregation)
         fabric.backward(out.loss)
         stats = {k: stats.get(k, 0.0) + float(v) for k, v in out.stats.items()}  # loss terms: shares, summed
     norm = float(fabric.clip_gradients(policy.module, optimizer, max_norm=max_grad_norm, error_if_nonfinite=False))

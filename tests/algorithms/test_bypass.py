@@ -11,6 +11,7 @@ from tensordict import TensorDict
 
 from rlflow import GRPO, FunctionReward, HFRollout, Policy, PromptData, Trainer
 from rlflow.algorithms import (
+    Aggregation,
     BypassLoss,
     PPOLoss,
     RejectionSampling,
@@ -26,6 +27,7 @@ ROLLOUT = [[-1.2, -0.5, -1.0], [-0.3, -0.4, -3.0]]  # the sampler: log-ratios 0.
 MASK = [[1, 1, 1], [1, 1, 0]]
 ADV = [[1.0] * 3, [-1.0] * 3]
 N_TOK, N_SEQ = 5, 2  # the mini-batch's counts, before rejection (verl's global batch info)
+AGG = Aggregation(num_tokens=N_TOK, num_seqs=N_SEQ)
 
 
 def batch():
@@ -48,7 +50,7 @@ def ppo_token(a, r, clip=0.2, clip_c=3.0):
 def test_ppo_clip_is_ppo_against_the_sampler_with_the_rejection_mask():
     _, b = batch()
     rs = RejectionSampling("token_k1", "0.6_1.6")
-    out = BypassLoss("ppo_clip", weights=TruncatedIS("token", 2.0), rejection=rs)(b, N_TOK, N_SEQ)
+    out = BypassLoss("ppo_clip", weights=TruncatedIS("token", 2.0), rejection=rs)(b, AGG)
     # token_k1 = -(lp - rollout) kept in [log 0.6, log 1.6]: the -1 and -0.8 log-ratios are rejected
     kept = [(0, 0), (0, 1), (1, 0)]
     want = sum(ppo_token(ADV[i][0], LP[i][j] - ROLLOUT[i][j]) for i, j in kept) / N_TOK
@@ -56,7 +58,7 @@ def test_ppo_clip_is_ppo_against_the_sampler_with_the_rejection_mask():
     assert out.stats["actor/ppo_kl"] == pytest.approx(sum(ROLLOUT[i][j] - LP[i][j] for i, j in kept) / 3)
     # the weights are for their metrics only: the ratio is the correction (verl: no double counting)
     _, plain = batch()
-    assert BypassLoss("ppo_clip", rejection=rs)(plain, N_TOK, N_SEQ).loss.item() == pytest.approx(want)
+    assert BypassLoss("ppo_clip", rejection=rs)(plain, AGG).loss.item() == pytest.approx(want)
     assert out.stats["rollout_corr/rollout_is_max"] == pytest.approx(math.exp(0.2))  # pi / pi_rollout, current
     assert out.stats["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 5)
     # off-policy metrics between the current policy and the sampler, over the unrejected mask
@@ -68,7 +70,7 @@ def test_ppo_clip_is_ppo_against_the_sampler_with_the_rejection_mask():
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_reinforce_weights_log_prob_by_truncated_is(level):
     lp, b = batch()
-    out = BypassLoss("reinforce", weights=TruncatedIS(level, 2.0))(b, N_TOK, N_SEQ)
+    out = BypassLoss("reinforce", weights=TruncatedIS(level, 2.0))(b, AGG)
     r = [[LP[i][j] - ROLLOUT[i][j] for j in range(3)] for i in range(2)]
     if level == "token":
         w = [[min(math.exp(x), 2.0) for x in row] for row in r]
@@ -84,7 +86,7 @@ def test_reinforce_weights_log_prob_by_truncated_is(level):
 
 def test_reinforce_without_weights_is_plain_reinforce_on_the_kept_tokens():
     _, b = batch()
-    out = BypassLoss("reinforce", rejection=RejectionSampling("token_k1", "0.6_1.6"))(b, N_TOK, N_SEQ)
+    out = BypassLoss("reinforce", rejection=RejectionSampling("token_k1", "0.6_1.6"))(b, AGG)
     kept = [(0, 0), (0, 1), (1, 0)]
     assert out.loss.item() == pytest.approx(sum(-ADV[i][j] * LP[i][j] for i, j in kept) / N_TOK)
 
