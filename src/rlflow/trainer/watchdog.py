@@ -185,6 +185,8 @@ class Watchdog:
     def on_fit_start(self, trainer) -> None:
         import torch.distributed as dist
 
+        del _failed[:]  # a failure an earlier fit in this process caught is not this fit's
+        _stack[:] = ["fit"]
         if trainer.fabric.world_size == 1 or not dist.is_initialized() or "MASTER_PORT" not in os.environ:
             return
         from datetime import timedelta
@@ -194,8 +196,6 @@ class Watchdog:
         store = dist.PrefixStore(f"rlflow/{attempt}/", dist.TCPStore(
             os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), is_master=False,
             timeout=timedelta(seconds=30)))
-        del _failed[:]
-        _stack[:] = ["fit"]
         self.heartbeat = Heartbeat(store, trainer.fabric.global_rank, trainer.fabric.world_size, trainer)
         self.heartbeat.start()
         self._hook = sys.excepthook
