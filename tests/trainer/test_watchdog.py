@@ -70,3 +70,13 @@ def test_a_peer_that_finished_is_not_dead(store):
     me.beat(), me.observe()
     me.peers[1]["moved"] -= 10
     assert me.silent(0.5) == []
+
+
+def test_a_bad_timeout_names_the_variable(monkeypatch):
+    from rlflow.trainer.watchdog import heartbeat_timeout
+
+    monkeypatch.setenv("RLFLOW_HEARTBEAT_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="RLFLOW_HEARTBEAT_TIMEOUT='soon'"):
+        heartbeat_timeout()
+    monkeypatch.setenv("RLFLOW_HEARTBEAT_TIMEOUT", "2.5")
+    assert heartbeat_timeout() == 2.5

@@ -40,6 +40,17 @@ _stack = ["setup"]          # the main thread's phases, innermost last
 _failed: list[str] = []     # the innermost phase an exception left (the first one recorded)
 
 
+def heartbeat_timeout() -> float:
+    value = os.environ.get(TIMEOUT_ENV, "10")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r}: seconds without a heartbeat before a rank counts as dead, > 0")
+    return seconds
+
+
 def current_phase() -> str:
     return f"failed in {_failed[0]}" if _failed else _stack[-1]
 
@@ -75,7 +86,7 @@ class Heartbeat:
 
     def __init__(self, store, rank: int, world: int, trainer=None, timeout: float | None = None):
         self.store, self.rank, self.world, self.trainer = store, rank, world, trainer
-        self.timeout = float(os.environ.get(TIMEOUT_ENV, "10")) if timeout is None else timeout
+        self.timeout = heartbeat_timeout() if timeout is None else timeout
         self.interval = INTERVAL * max(1, world // 64)
         self.count, self.done = 0, False
         self.started = time.monotonic()
@@ -147,17 +158,21 @@ class Heartbeat:
         return "\n".join(lines)
 
     def explain(self, wait: float) -> str:
-        """After an exception: wait up to ``wait`` s (less on SIGTERM) for silent peers, then the report."""
-        stopped = threading.Event()
-        previous = signal.signal(signal.SIGTERM, lambda *_: stopped.set())  # torchrun stops workers with SIGTERM
+        """After an exception: wait up to ``wait`` s for peers to fall silent, then the report.
+
+        torchrun's agent may send SIGTERM meanwhile (its peer node ended); it waits 30 s before SIGKILL,
+        so the wait goes on: a few seconds to name the dead rank."""
+        main = threading.current_thread() is threading.main_thread()  # signal handlers are the main thread's
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
         try:
             suspect = max(4 * self.interval, 1.0)
             deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and not stopped.is_set() and not self.silent(suspect):
-                stopped.wait(self.interval / 2)
-            dead = self.silent(min(suspect, 2 * self.interval) if stopped.is_set() else suspect)
+            while time.monotonic() < deadline and not self.silent(suspect):
+                time.sleep(self.interval / 2)
+            dead = self.silent(suspect)
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            if main:
+                signal.signal(signal.SIGTERM, previous)
         return self.report(dead, "its heartbeat stopped (the process died or froze)")
 
     def start(self) -> None:
@@ -191,12 +206,14 @@ class Watchdog:
             return
         from datetime import timedelta
 
-        # a client of its own (the default group's store is torch's private object): used by this thread only
+        # a client of its own (the default group's store is torch's private object): used by this thread only;
+        # a store call that blocks gives up within the heartbeat timeout, so a lost store host is reported too
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        timeout = heartbeat_timeout()
         store = dist.PrefixStore(f"rlflow/{attempt}/", dist.TCPStore(
             os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), is_master=False,
-            timeout=timedelta(seconds=30)))
-        self.heartbeat = Heartbeat(store, trainer.fabric.global_rank, trainer.fabric.world_size, trainer)
+            timeout=timedelta(seconds=max(timeout / 2, 1.0))))
+        self.heartbeat = Heartbeat(store, trainer.fabric.global_rank, trainer.fabric.world_size, trainer, timeout)
         self.heartbeat.start()
         self._hook = sys.excepthook
         sys.excepthook = self._excepthook
