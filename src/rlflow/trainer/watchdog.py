@@ -34,7 +34,7 @@ INTERVAL = 0.5  # seconds between beats for up to 64 ranks
 WHAT = {"gen": "generation", "reward": "reward", "ref": "reference log-probs", "old_log_prob": "old log-probs",
         "values": "critic values", "adv": "advantages", "balance": "batch balancing", "update_critic": "critic update",
         "update_actor": "policy update", "update_weights": "weight sync to the rollout engine", "save": "checkpoint save",
-        "fit": "between phases of a step (data loading, logging, callbacks)", "setup": "setup"}
+        "fit": "between phases: data loading, validation, logging, callbacks", "setup": "setup"}
 
 _stack = ["setup"]          # the main thread's phases, innermost last
 _failed: list[str] = []     # the innermost phase an exception left (the first one recorded)
@@ -186,7 +186,14 @@ class Heartbeat:
             self.beat()
         except Exception:
             pass
+        self.join()
+
+    def join(self) -> None:
+        """End the thread before the interpreter does: a daemon thread still inside a store call at exit
+        aborts the process ("terminate called without an active exception")."""
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.timeout)
 
 
 class Watchdog:
@@ -222,6 +229,7 @@ class Watchdog:
         (self._hook or sys.__excepthook__)(kind, value, tb)
         if self.heartbeat is not None and not issubclass(kind, KeyboardInterrupt):
             print(self.heartbeat.explain(wait=max(3.0, 8 * self.heartbeat.interval)), file=sys.stderr, flush=True)
+            self.heartbeat.join()
 
     def on_fit_end(self, trainer) -> None:
         if self.heartbeat is not None:
