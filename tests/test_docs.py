@@ -277,6 +277,23 @@ for _block in BLOCKS:  # the page's two training commands (vLLM, HF): the recipe
         NOT_RUN[_block.key] = WORKFLOW1_RUN + (" (the vLLM one with rollout.name=hf; tests/rollout/test_vllm_config.py "
                                                "runs the seed's YAML with vLLM)" if "rollout.name=hf" not in _block.text else "")
 
+MULTINODE_TEST = "tests/distributed/test_multinode.py"
+RAY_WORKFLOW = "verl's Ray workflow (a Ray cluster), which rlflow does not support yet; the page says so"
+NOT_RUN.update({
+    ("docs/multi-node.md", "ray start --head --port=6379"): RAY_WORKFLOW,
+    ("docs/multi-node.md", "ray start --address='head_ip:6379'"): RAY_WORKFLOW,
+    ("docs/multi-node.md", "python3 -m verl.trainer.main_ppo trainer.nnodes=4 trainer.n_gpus_per_node=8"):
+        RAY_WORKFLOW + " (verl's own command); " + MULTINODE_TEST + "::test_several_nodes_without_torchrun_fail_at_once_"
+        "saying_how_to_start runs rlflow's with trainer.nnodes=2",
+    ("docs/multi-node.md", "torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 "
+                           "--rdzv-id myjob -m rlflow.trainer.main_ppo trainer.nnodes=2 trainer.n_gpus_per_node=8 ..."):
+        "needs 2 nodes of 8 GPUs; " + MULTINODE_TEST + " runs it with 2 agents of 1 CPU process on 127.0.0.1",
+})
+for _block in BLOCKS:  # the two agents on one machine: a template ('...') the multi-node test runs with its tiny job
+    if _block.file == "docs/multi-node.md" and _block.text.startswith("torchrun --nnodes=2 --nproc_per_node=1"):
+        NOT_RUN[_block.key] = ("a template ('...': the job's keys); " + MULTINODE_TEST +
+                               "::test_two_nodes_train_resume_and_equal_one_node runs these two agents on a tiny job")
+
 # Python blocks that run: (file, first line) -> replacements that fill in what the block elides
 ELIDED_TRAINER = [("Trainer(...,", "Trainer(**roles,")]
 RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
@@ -331,6 +348,10 @@ RUN_COMMANDS = {
     ("docs/lora.md", "rlflow prepare-task addition runs/task"): "recipe",
     ("docs/lora.md", "rlflow train --config recipes/yaml/lora.yaml --dry-run"): "recipe",
     ("docs/async.md", "rlflow prepare-task addition runs/task"): "recipe",
+    ("docs/multi-node.md", 'rlflow launch --slurm --nodes 2 --gpus-per-node 8 --rollout-nodes 1 --rollout-args '
+                           '"--tensor-parallel-size 8" --out grpo.sbatch --dry-run '
+                           "actor_rollout_ref.model.path=/models/Qwen2.5-7B-Instruct "
+                           "data.train_files=/data/gsm8k/train.parquet algorithm.adv_estimator=grpo"): "launch",
 }
 RUN_YAML = {("docs/verl-compat.md", "policy: {path: models/qwen-0.5b}    # LoRA: {path: ..., lora: {r: 32, alpha: 64, "
                                     "target_modules: all-linear}}"): "native",  # a recipe
@@ -469,3 +490,19 @@ def test_recipe_commands_run_from_a_copy_of_the_repository(no_gpu, monkeypatch, 
     for key in sorted(k for k, v in RUN_COMMANDS.items() if v == "recipe"):
         assert main(argv_of(key[1])) == 0, key
     assert "Dry run: config and data are valid" in capsys.readouterr().out
+
+
+def test_the_slurm_command_writes_a_valid_script(monkeypatch, tmp_path, capsys):
+    """The Multi-node page's ``rlflow launch --slurm ... --dry-run``, as written: a script bash accepts, with
+    the srun lines the page describes."""
+    import shlex
+    import subprocess
+
+    from rlflow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (command,) = [k[1] for k, v in RUN_COMMANDS.items() if v == "launch"]
+    assert main(shlex.split(command)[1:]) == 0
+    script = (tmp_path / "grpo.sbatch").read_text()
+    assert subprocess.run(["bash", "-n", "grpo.sbatch"]).returncode == 0
+    assert "--tensor-parallel-size 8" in script and "srun --nodes=2 --ntasks=2" in script and "# FILL IN" in script

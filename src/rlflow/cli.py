@@ -79,9 +79,21 @@ def main(argv: list[str] | None = None) -> int:
                                            "Policy.from_pretrained and actor_rollout_ref.model.path take.")
     get_model.add_argument("model", help="smollm2, or the path of a .gguf file")
     get_model.add_argument("--out", default=None, help="the folder to write (default: in the rlflow cache)")
+    launch = sub.add_parser("launch", help="write (and submit) a multi-node job's launch script: --slurm",
+                            description="--slurm: an sbatch script for --nodes trainer nodes (srun torchrun, c10d "
+                                        "rendezvous on the first) plus --rollout-nodes vLLM server nodes; "
+                                        "--dry-run writes and prints it without submitting (docs/multi-node.md).")
+    from rlflow.slurm import add_arguments as slurm_arguments  # argparse only: no torch
+
+    slurm_arguments(launch)
     args, extra = parser.parse_known_args(argv)  # overrides may come before and after the flags
-    if (extra and args.command != "train") or any(x.startswith("-") for x in extra):
+    if (extra and args.command not in ("train", "launch")) or any(x.startswith("-") for x in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "launch":
+        from rlflow.slurm import main as launch_slurm
+
+        args.overrides += extra
+        return launch_slurm(args)
     if args.command == "export":
         from rlflow.trainer.export import ExportError, export_hf
 

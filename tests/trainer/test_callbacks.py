@@ -49,7 +49,7 @@ def test_patience_and_turning_it_off(model, tokenizer, addition_rows, tmp_path):
     zero = FunctionReward(lambda solution_str, ground_truth: 0.0)
     trainer, data = make_trainer(model, tokenizer, addition_rows, tmp_path, max_steps=3,
                                  callbacks=[NoLearningSignal(patience=0)])
-    assert [type(c).__name__ for c in trainer.fabric._callbacks] == ["NoLearningSignal"]  # not a second one
+    assert [type(c).__name__ for c in trainer.fabric._callbacks] == ["NoLearningSignal", "Watchdog"]  # not a second one
     trainer.reward = zero
     assert fit(trainer, data) == []
 

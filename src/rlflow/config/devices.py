@@ -93,3 +93,31 @@ def resolve_devices(cfg: VerlConfig, notes: list[str], with_critic: bool, record
     if precision == "auto":
         precision = "bf16-mixed" if accelerator == "cuda" else "32-true"
     return Devices(accelerator, precision, strategy, processes, per_node, nnodes, offload)
+
+
+def under_torchrun(env=os.environ) -> bool:
+    """A torchrun (torch.distributed.run) worker: it sets LOCAL_RANK, WORLD_SIZE and the rendezvous."""
+    return "LOCAL_RANK" in env and "WORLD_SIZE" in env
+
+
+def check_launcher(per_node: int, nnodes: int, env=os.environ) -> None:
+    """Before anything loads: several nodes need a launcher on each node, and a torchrun job must be the size
+    the config says (else every rank would train a different job, or wait forever for ranks that never come)."""
+    if under_torchrun(env):
+        world, local = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+        if world != per_node * nnodes or local != per_node:
+            raise ConfigError(
+                f"torchrun started {world} process(es), {local} on this node, but trainer.nnodes x "
+                f"trainer.n_gpus_per_node = {nnodes} x {per_node} = {nnodes * per_node}: set "
+                f"trainer.nnodes={world // max(local, 1)} trainer.n_gpus_per_node={local} (or start torchrun with "
+                f"--nnodes {nnodes} --nproc_per_node {per_node})")
+        return
+    if nnodes > 1:
+        raise ConfigError(
+            f"trainer.nnodes={nnodes}: rlflow starts the processes of one node itself; for {nnodes} nodes start "
+            f"torchrun on every node (the same command on each, HEAD = the first node's address):\n"
+            f"  torchrun --nnodes {nnodes} --nproc_per_node {per_node} --rdzv-backend c10d --rdzv-endpoint HEAD:29500 "
+            f"--rdzv-id JOB -m rlflow.trainer.main_ppo trainer.nnodes={nnodes} trainer.n_gpus_per_node={per_node} ...\n"
+            "or on SLURM: `rlflow launch --slurm --nodes N ... --dry-run` writes the sbatch script (docs/multi-node.md). "
+            "verl's other way, a Ray cluster (`ray start --head --port=6379` on the head node, `ray start "
+            "--address=HEAD:6379` on the others), is not supported by rlflow yet: use torchrun")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlflow.config import tables
+from rlflow.config.devices import check_launcher
 from rlflow.config.loading import ConfigError, VerlConfig, load_config, raise_problems
 from rlflow.config.validate import validate
 from rlflow.config.verl_configs import bundled_name
@@ -174,14 +175,11 @@ def launch(plan: Plan, argv: list[str]) -> int:
     """Re-run this command under torchrun with one process per device (CPU processes use gloo).
 
     One node is launched from here; for several nodes, start ``torchrun`` on each node yourself
-    (see docs/distributed.md) and this command runs as one of its workers.
+    (:func:`rlflow.config.devices.check_launcher` says so; docs/multi-node.md) and this command runs as one of
+    its workers.
     """
     from torch.distributed.run import main as torchrun
 
-    if plan.devices.nnodes > 1:
-        raise ConfigError(f"trainer.nnodes={plan.devices.nnodes}: start `torchrun --nnodes {plan.devices.nnodes} --nproc_per_node "
-                          f"{plan.devices.per_node} --rdzv_endpoint HOST:PORT -m rlflow.trainer.main_ppo ...` "
-                          "on every node (docs/distributed.md)")
     print(f"[rlflow] launching {plan.devices.processes} processes with torchrun", flush=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (torchrun's choice, without its banner)
     try:
@@ -199,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_other_ranks()  # under torchrun: each warning and bar once (rank 0), not once per process
     try:
         cfg = load_and_check(args)  # before anything heavy: a config error comes back in about a second
+        if not args.dry_run:  # several nodes need torchrun on each; a torchrun job must match the config's size
+            check_launcher(cfg.flat.get("trainer.n_gpus_per_node"), cfg.flat.get("trainer.nnodes"))
         from rlflow.config.plan import make_plan
 
         plan = make_plan(cfg)

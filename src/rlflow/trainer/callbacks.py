@@ -140,6 +140,10 @@ def identical_group_frac(response_ids: torch.Tensor, mask: torch.Tensor, group: 
 
 
 def with_defaults(callbacks) -> list:
-    """The user's callbacks, plus a :class:`NoLearningSignal` unless they hold one."""
+    """The user's callbacks, plus a :class:`NoLearningSignal` unless they hold one, and the fault
+    :class:`~rlflow.trainer.watchdog.Watchdog` (idle on one process)."""
+    from rlflow.trainer.watchdog import Watchdog
+
     callbacks = list(callbacks)
-    return callbacks if any(isinstance(c, NoLearningSignal) for c in callbacks) else [*callbacks, NoLearningSignal()]
+    callbacks = callbacks if any(isinstance(c, NoLearningSignal) for c in callbacks) else [*callbacks, NoLearningSignal()]
+    return callbacks if any(isinstance(c, Watchdog) for c in callbacks) else [*callbacks, Watchdog()]

@@ -254,6 +254,13 @@ def remove_hidden(root: str | Path) -> None:
 
 def save(trainer) -> Path:
     """Write ``<run_dir>/global_step_N`` atomically (see the module docstring) and mark it latest."""
+    from rlflow.trainer.watchdog import phase  # a rank that dies or fails while saving is reported so
+
+    with phase("save"):
+        return _save(trainer)
+
+
+def _save(trainer) -> Path:
     fabric, root, step = trainer.fabric, trainer.checkpoint_dir, trainer.global_step
     partial, final = partial_dir(root, step), step_dir(root, step)
     if fabric.global_rank == 0:

@@ -62,9 +62,12 @@ class Timer:
 
     @contextmanager
     def __call__(self, name: str):
+        from rlflow.trainer.watchdog import phase  # the phase a fault report names
+
         start = time.perf_counter()
         try:
-            yield
+            with phase(name):
+                yield
         finally:
             self.times[name] += time.perf_counter() - start
 

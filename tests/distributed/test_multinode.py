@@ -1,0 +1,160 @@
+"""Several nodes without a cluster: two torchrun agents on 127.0.0.1 meet through a c10d rendezvous
+(``--nnodes=2``, one gloo process each) and run the verl entry point as two "nodes".
+
+They train and resume from their checkpoint with the metrics of the single-node 2-process run; a
+SIGKILLed rank makes the other stop within seconds naming it and the phase; ``trainer.nnodes=2``
+without torchrun fails at once saying how to start it.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from rlflow.config.run import main as main_ppo
+from rlflow.models.tiny import char_tokenizer, tiny_qwen2
+
+from ..config.conftest import CHAT_TEMPLATE, verl_rows
+from .launch import free_port
+
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Differs between responses and prompts, so that every step's update is non-zero."""
+    return (len(set(solution_str)) + sum(c.isdigit() for c in solution_str) + int(ground_truth[-1]) / 3) / 8 - 0.3
+'''
+PHASES = ("gen", "reward", "old_log_prob", "adv", "balance", "update_actor", "update_weights", "save", "fit")
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """verl overrides for a tiny job on local files (as tests/config/conftest.py's ``tiny``), without run dir."""
+    root = tmp_path_factory.mktemp("multinode")
+    tok = char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tiny_qwen2(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
+               seed=0).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    pd.DataFrame(verl_rows(16, "train", 0)).to_parquet(root / "train.parquet")
+    (root / "reward.py").write_text(REWARD)
+    return [f"data.train_files={root}/train.parquet", f"actor_rollout_ref.model.path={root}/model",
+            "trainer.device=cpu", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.rollout.n=2", "data.max_prompt_length=8", "data.max_response_length=4",
+            "trainer.logger=[console]", "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.optim.lr=1e-2",
+            f"custom_reward_function.path={root}/reward.py", "trainer.save_freq=1"]
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def start_two_nodes(args, run_dir, log_dir):
+    """Two torchrun agents, each one "node" of one process, meeting at a c10d rendezvous on 127.0.0.1."""
+    port, agents = free_port(), []
+    for node in (0, 1):
+        log = open(log_dir / f"node{node}.log", "w")
+        agents.append((subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "rlflow.trainer.main_ppo", *args, "trainer.nnodes=2",
+             "trainer.n_gpus_per_node=1", f"trainer.default_local_dir={run_dir}"],
+            env=env(), stdout=log, stderr=subprocess.STDOUT), log))
+    return agents
+
+
+def wait_all(agents, log_dir, timeout=240):
+    codes = [proc.wait(timeout) for proc, _ in agents]
+    for _, log in agents:
+        log.close()
+    return codes, [(log_dir / f"node{n}.log").read_text() for n in (0, 1)]
+
+
+def metrics(run_dir):
+    """Each step's metrics but wall times (``timing_s/*``, ``perf/throughput``, ``weight_sync/seconds``...)."""
+    clock = ("timing_s/", "perf/throughput", "perf/time_per_step", "weight_sync/seconds", "weight_sync/load_s")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(clock)} for r in rows}
+
+
+def test_two_nodes_train_resume_and_equal_one_node(job, tmp_path):
+    one = subprocess.run([sys.executable, "-m", "rlflow.trainer.main_ppo", *job, "trainer.n_gpus_per_node=2",
+                          "trainer.total_training_steps=2", f"trainer.default_local_dir={tmp_path}/one"],
+                         env=env(), capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, (one.stdout + one.stderr)[-4000:]
+    reference = metrics(tmp_path / "one")
+    assert sorted(reference) == [1, 2] and min(r["actor/grad_norm"] for r in reference.values()) > 0.1  # real updates
+
+    run = tmp_path / "two"
+    codes, logs = wait_all(start_two_nodes([*job, "trainer.total_training_steps=1"], run, tmp_path), tmp_path)
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    assert (run / "global_step_1" / "state.ckpt").is_dir()
+    codes, logs = wait_all(start_two_nodes([*job, "trainer.total_training_steps=2"], run, tmp_path), tmp_path)
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    assert "resumed from" in "".join(logs) and (run / "global_step_2").is_dir()
+    two = metrics(run)
+    assert sorted(two) == [1, 2]
+    for step in (1, 2):  # the same 2 ranks, on one node or two: the same numbers
+        assert two[step].keys() == reference[step].keys()
+        for key, value in reference[step].items():
+            assert two[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+
+
+def worker_of_rank(agents, rank):
+    """The pid of the training process torchrun started with RANK=rank (under either agent)."""
+    parents = {proc.pid for proc, _ in agents}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            ppid = int(next(line for line in status.read_text().splitlines() if line.startswith("PPid:")).split()[1])
+            if ppid in parents and f"RANK={rank}".encode() in (status.parent / "environ").read_bytes().split(b"\0"):
+                return int(status.parent.name)
+        except (OSError, StopIteration):
+            continue  # a process that ended meanwhile
+    return None
+
+
+def test_a_killed_rank_stops_the_other_naming_it_and_the_run_resumes(job, tmp_path):
+    run = tmp_path / "run"
+    agents = start_two_nodes([*job, "trainer.total_training_steps=500"], run, tmp_path)
+    tracker = run / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 240
+    while not (tracker.exists() and int(tracker.read_text() or 0) >= 2):  # mid-run: 2 steps saved
+        assert time.monotonic() < deadline and all(p.poll() is None for p, _ in agents), "the run did not get going"
+        time.sleep(0.2)
+    pid = worker_of_rank(agents, 1)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    codes, logs = wait_all(agents, tmp_path, timeout=60)  # generous: a report within seconds, not a hang
+    assert time.monotonic() - killed < 60 and all(codes)
+    report = [line for line in "".join(logs).splitlines() if line.startswith("[rlflow] rank 1 stopped")]
+    assert report, "".join(logs)[-4000:]
+    assert any(f"in phase '{p}'" in report[0] for p in PHASES) and f"(pid {pid})" in report[0], report
+    assert any(line.startswith("[rlflow] this rank (0) was in phase") for line in "".join(logs).splitlines())
+
+    last = int(tracker.read_text())
+    codes, logs = wait_all(start_two_nodes([*job, f"trainer.total_training_steps={last + 1}"], run, tmp_path),
+                           tmp_path)
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    assert f"global_step_{last}" in "".join(logs) and int(tracker.read_text()) == last + 1  # resumed, one more step
+
+
+def test_several_nodes_without_torchrun_fail_at_once_saying_how_to_start(job, tmp_path, capsys, monkeypatch):
+    for var in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    start = time.perf_counter()
+    assert main_ppo([*job, "trainer.nnodes=2", "trainer.n_gpus_per_node=2",
+                     f"trainer.default_local_dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert time.perf_counter() - start < 30 and not (tmp_path / "run").exists()  # nothing built
+    assert "torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint HEAD:29500" in err
+    assert "ray start --head" in err and "rlflow launch --slurm" in err
+
+    monkeypatch.setenv("LOCAL_RANK", "0")  # a torchrun worker of a 2-process job, for a 1-process config
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert main_ppo([*job, "trainer.n_gpus_per_node=1", f"trainer.default_local_dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert "torchrun started 2 process(es), 1 on this node" in err and "trainer.nnodes=2 trainer.n_gpus_per_node=1" in err
