@@ -17,7 +17,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from rlflow.config import tables
+from rlflow.config.key_notes import unused_notes  # also importable from here, as before
 from rlflow.config.loading import ConfigError, VerlConfig, load_config, raise_problems
 from rlflow.config.validate import validate
 from rlflow.config.verl_configs import bundled_name
@@ -98,21 +98,6 @@ def recipe_names(problems: list[ConfigError]) -> list[ConfigError]:
         if native and native != key.group(0):
             problem.args = (f"{native}: {text}",)
     return problems
-
-
-def unused_notes(cfg: VerlConfig) -> list[str]:
-    """A note for every key the user set that changes nothing here: nothing is silently ignored."""
-    notes = list(cfg.notes)
-    for key in sorted(cfg.provided):
-        if key in cfg.read or any(key.startswith(r + ".") for r in cfg.read):
-            continue
-        if key not in cfg.typed and key in cfg.default_flat and cfg.flat.get(key) == cfg.default_flat[key]:
-            continue  # a file's key at its default (verl's whole ppo_trainer.yaml, say): the run is the same without it
-        value = cfg.flat.get(key)
-        reason = tables.inert_reason(key)
-        notes.append(f"{key}={value!r} has no effect in rlflow: {reason}" if reason
-                     else f"{key}={value!r} is not used by this configuration")
-    return notes
 
 
 def print_notes(plan: Plan) -> None:
