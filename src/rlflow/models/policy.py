@@ -11,7 +11,7 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from rlflow.data import keys as K
-from rlflow.data.multimodal import per_row
+from rlflow.data.nontensor import per_row
 from rlflow.models.logprobs import TokenLogProbs
 from rlflow.module import BatchModule
 from rlflow.trainer.batching import scoring_pieces
