@@ -2,7 +2,7 @@
 
 Every ``import`` / ``from ... import`` in ``src/rlflow`` counts, at the top of a module or inside a function (an
 import inside a function still ties the two modules together; it only hides the circle from Python). Imports under
-``if TYPE_CHECKING:`` do not count: they never run. ``from pkg import name`` points at ``pkg.name`` when that is a
+``if TYPE_CHECKING:`` or ``if __name__ == "__main__":`` do not count: they never run on import. ``from pkg import name`` points at ``pkg.name`` when that is a
 module, else at ``pkg`` (its ``__init__``); importing ``a.b.c`` is not counted as importing ``a`` and ``a.b`` too,
 or every package ``__init__`` would join every circle.
 
@@ -32,8 +32,11 @@ def modules(src: Path = SRC) -> dict[str, Path]:
     return found
 
 
-def _type_checking(node: ast.If) -> bool:
+def _never_imported(node: ast.If) -> bool:
+    """``if TYPE_CHECKING:`` and ``if __name__ == "__main__":`` blocks: they never run when the module is imported."""
     test = node.test
+    if isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__":
+        return any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
@@ -52,7 +55,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, in
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking(child):
+            if isinstance(child, ast.If) and _never_imported(child):
                 for other in child.orelse:
                     visit_one(other, in_function)
                 continue

@@ -16,6 +16,7 @@ import torch
 from rlflow.data.prompts import PromptData
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from rlflow.threads import choose_threads
+from rlflow.tasks.warm_start import load_or_make
 
 DATA_SOURCE = "rlflow/addition"
 
@@ -57,7 +58,6 @@ class AdditionTask:
     The split is fixed (seed 1234) whatever the run's seed, so held-out
     accuracy is comparable across runs.
     """
-
     max_operand: int = 99
     held_out: int = 256
     warm_val: int = 128
@@ -157,8 +157,6 @@ def warm_started_model(task: AdditionTask, seed: int, target: float = 0.15, log=
 
     ``log`` gets one line before a warm start is computed and one after; ``progress`` shows a bar meanwhile.
     """
-    from rlflow.tasks.warm_start import load_or_make
-
     model, tok = task.model(seed), task.tokenizer()
     choose_threads(sum(p.numel() for p in model.parameters()), log=log)
 
