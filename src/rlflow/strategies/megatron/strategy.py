@@ -10,11 +10,11 @@ calls, so ``Trainer``, ``Policy``, ``Critic``, the estimators and the losses do 
   :class:`~.heads.MegatronValueModel`, same ``forward``), copying the weights from the Hugging Face
   model. The Hugging Face model object stays as the policy's ``model`` with its tensors freed (on the
   ``meta`` device): it keeps the config and names, and its ``weight_buckets`` gather the trained
-  weights for the engines (:mod:`.export`);
+  weights for the engines (:mod:`.weight_buckets`);
 - ``clip_gradients`` / the optimizer step reduce the gradients over the data-parallel replicas and
   measure and clip them over all shards (:mod:`.grads`); the optimizer is the Trainer's own (AdamW over
   this rank's shards);
-- ``save`` / ``load`` write and read checkpoints in transformers' naming (:mod:`.checkpoint`).
+- ``save`` / ``load`` write and read checkpoints in transformers' naming (:mod:`.sharded_checkpoint`).
 
 It derives from Fabric's ``ModelParallelStrategy`` for process launching and collectives (and so the
 Trainer gives the rollout a full copy of the policy, as for FSDP2).
@@ -124,7 +124,7 @@ class MegatronStrategy(ModelParallelStrategy):
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(torch.initial_seed() % 2**31)
-        from rlflow.strategies.megatron.checkpoint import ShardedCheckpoint
+        from rlflow.strategies.megatron.sharded_checkpoint import ShardedCheckpoint
 
         self._checkpoint = ShardedCheckpoint(self.root_device.type)
 
@@ -145,7 +145,7 @@ class MegatronStrategy(ModelParallelStrategy):
         module (a reward model) is placed whole on this rank's device."""
         from rlflow.models.critic import ValueHeadModel
         from rlflow.models.logprobs import TokenLogProbs
-        from rlflow.strategies.megatron.export import WeightExporter
+        from rlflow.strategies.megatron.weight_buckets import WeightExporter
         from rlflow.strategies.megatron.heads import MegatronLogProbs, MegatronValueModel
         from rlflow.strategies.megatron.model import MegatronLM
         from rlflow.strategies.megatron.slots import check_coverage, lm_slots, load_from_hf, mark_split_parameters
