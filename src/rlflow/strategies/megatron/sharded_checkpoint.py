@@ -24,6 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from rlflow.strategies.megatron.distopt import DistributedOptimizer
+from rlflow.strategies.megatron.heads import MegatronLogProbs, MegatronValueModel
 from rlflow.strategies.megatron.slots import EXPERT, TENSOR, Slot, group_ranks, module_slots
 
 META_FILE = "meta.pt"  # Fabric's name for the non-tensor part of a sharded checkpoint
@@ -68,10 +70,6 @@ class ShardedCheckpoint:
     # ------------------------------------------------------------------ building the state dicts
     def _parts(self, state: dict) -> tuple[dict, dict, dict]:
         """(modules, optimizers, rest) of a Fabric state dict; modules are those with Megatron slots."""
-        from rlflow.strategies.megatron.heads import MegatronLogProbs, MegatronValueModel
-
-        from rlflow.strategies.megatron.distopt import DistributedOptimizer
-
         for value in state.values():
             if isinstance(value, DistributedOptimizer):
                 value.state_dict()  # refuses, with the reason

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlflow.strategies.megatron.slots import Slot, group_ranks
+from rlflow.strategies.megatron.slots import EXPERT, TENSOR, Slot, group_ranks
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 # torch >= 2.13 renames all_gather_into_tensor (and warns on the old name)
@@ -25,7 +25,6 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 def _group(slot: Slot):
     from megatron.core import parallel_state as ps
-    from rlflow.strategies.megatron.slots import EXPERT, TENSOR
 
     return {TENSOR: ps.get_tensor_model_parallel_group, EXPERT: ps.get_expert_model_parallel_group}[slot.group]()
 
