@@ -83,6 +83,28 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, in
     return [(mod, line, inside) for mod, line, inside in found if mod != name]
 
 
+def third_party(path: Path) -> set[str]:
+    """The other packages a module imports when it is imported (top level, not in functions), by top-level name."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _never_imported(child):
+                for other in child.orelse:
+                    visit(other)
+            elif isinstance(child, ast.Import):
+                found.update(a.name.split(".")[0] for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and not child.level and child.module:
+                found.add(child.module.split(".")[0])
+            elif not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                visit(child)
+            elif isinstance(child, ast.ClassDef):  # a class body runs on import; its methods do not
+                visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return found - {"rlflow", "__future__"}
+
+
 def _nearest(dotted: str, known: dict[str, Path]) -> str:
     while dotted not in known and "." in dotted:
         dotted = dotted.rsplit(".", 1)[0]
