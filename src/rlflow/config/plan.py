@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import rlflow
 import rlflow.algorithms
+from rlflow.config.reward_section import user_names
 import rlflow.rollout
 from rlflow import registry
 from rlflow.config import tables
@@ -113,8 +114,6 @@ def scoring_split(cfg: VerlConfig, dynamic: str, tokens: str, per_gpu: str, glob
 
 def reward_keys(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[str]) -> RewardPlan:
     """:func:`rlflow.config.rewards.reward_plan`; a problem of a key set as verl 0.9's ``reward.*`` names it."""
-    from rlflow.config.reward_section import user_names
-
     try:
         return reward_plan(cfg, manager, reward_kwargs, notes)
     except ConfigError as e:

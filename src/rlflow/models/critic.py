@@ -7,6 +7,8 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from rlflow.data import keys as K
+from rlflow.models.hf_config import load_config, model_kwargs
+from rlflow.models.hub import locate_model
 from rlflow.models.logprobs import enable_sequence_parallel, response_hidden_states
 from rlflow.models.packing import pack, packed_hidden_states, unpack
 from rlflow.models.ulysses import sequence_parallel_outputs
@@ -74,8 +76,6 @@ class Critic(BatchModule):
                         **kwargs) -> "Critic":
         """A critic from a model folder or hub id (resolved as ``Policy.from_pretrained`` does;
         ``trust_remote_code`` and ``override_config`` as there)."""
-        from rlflow.models.hub import locate_model
-
         return cls(load_causal_lm(locate_model(path).path, trust_remote_code, override_config), **kwargs)
 
     def values(self, batch: TensorDict) -> Tensor:
@@ -98,7 +98,6 @@ def load_causal_lm(path, trust_remote_code: bool = False, override_config: dict 
     first (``rlflow.models.hf_config``)."""
     from transformers import AutoModelForCausalLM
 
-    from rlflow.models.hf_config import load_config, model_kwargs
 
     config = load_config(config_path or path, override_config, trust_remote_code, where)
     return AutoModelForCausalLM.from_pretrained(path, config=config, **model_kwargs(override_config, trust_remote_code))

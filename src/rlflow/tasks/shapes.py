@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from rlflow.data import keys as K
 from rlflow.data.prompts import PromptData
 from rlflow.tasks.warm_start import load_or_make
 
@@ -122,8 +123,6 @@ def format_warm_start(policy, data: PromptData, *, lr: float = 3e-3, batch_size:
     Raises:
         RuntimeError: if the criterion is not met within ``max_steps``.
     """
-    from rlflow.data import keys as K
-
     tok = policy.tokenizer
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=0.0)
