@@ -13,21 +13,18 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from rlflow.data.prompts import PromptData
+from rlflow.data.prompts import PromptData, collate, load_rows
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
-from rlflow.threads import choose_threads
+from rlflow.rewards.dispatch import exact_match  # the task's reward; defined with verl's dispatch, which scores it
+from rlflow.rollout.hf import HFRollout
 from rlflow.tasks.warm_start import load_or_make
+from rlflow.threads import choose_threads
 
 DATA_SOURCE = "rlflow/addition"
 
 
 def answer(a: int, b: int) -> str:
     return str(a + b)[::-1]
-
-
-def exact_match(solution_str: str, ground_truth: str) -> float:
-    """1.0 when the response is exactly the answer (surrounding spaces ignored), else 0.0."""
-    return float(solution_str.strip() == ground_truth)
 
 
 def digit_match(solution_str: str, ground_truth: str) -> float:
@@ -87,9 +84,6 @@ class AdditionTask:
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, rows_: list[dict], max_new_tokens: int = 4) -> float:
     """Exact-match accuracy of greedy decoding on ``rows_``."""
-    from rlflow.data.prompts import collate, load_rows
-    from rlflow.rollout.hf import HFRollout
-
     rollout = HFRollout(n=1, do_sample=False, max_new_tokens=max_new_tokens)
     rollout.bind(model, tokenizer)
     out = rollout(collate(load_rows(rows_)[0], tokenizer))
