@@ -28,8 +28,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from rlflow.config.loading import ConfigError, VerlConfig, flatten, load_config, unknown_key_error
-from rlflow.config.loading import DEFAULTS_FILE, _node, close_matches, parse_override
+from rlflow.config.loading import (DEFAULTS_FILE, ConfigError, VerlConfig, _node, close_matches, flatten, load_config,
+                                   parse_override, unknown_key_error)
 from rlflow.config.verl_configs import default_container
 from rlflow.models.hub import looks_like_hub_id
 from rlflow.registry import is_file_location, split_spec
@@ -194,7 +194,6 @@ def split_overrides(overrides: list[str], problems: list[ConfigError] | None) ->
     A key that is neither native nor verl gets an error suggesting the native keys near it first.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
-
 
     parser, defaults = OverridesParser.create(), default_container(DEFAULTS_FILE)
     native_flat, verl_overrides = {}, []

@@ -17,7 +17,6 @@ from typing import Any, Callable
 
 import rlflow
 import rlflow.algorithms
-from rlflow.config.reward_section import user_names
 import rlflow.rollout
 from rlflow import registry
 from rlflow.config import tables
@@ -31,6 +30,7 @@ from rlflow.config.lora import lora_argument
 from rlflow.config.modeldata import chat_template_kwargs, engine_loading, model_loading, patch_size
 from rlflow.config.optim import optim_kwargs
 from rlflow.config.resolve import class_kwargs
+from rlflow.config.reward_section import user_names
 from rlflow.config.rewards import RewardPlan, reward_plan
 from rlflow.config.role_keys import SP_ENGINE_KEYS, model_paths, sequence_parallel_keys
 from rlflow.config.rollout import rollout_plan

@@ -23,8 +23,7 @@ import functools
 from pathlib import Path
 from typing import Any, Callable
 
-from rlflow.config.loading import ConfigError
-from rlflow.config.loading import NotSupportedError
+from rlflow.config.loading import ConfigError, NotSupportedError
 from rlflow.config.tables import REWARD_MANAGERS
 from rlflow.registry import defined_names, is_file_location, load_object, object_problem, top_level_names
 
