@@ -195,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {a.removeprefix('rlflow.')} <-> {b.removeprefix('rlflow.')}")
     files = {m for m, _, _ in inside}
     statements = {(m, line) for m, _, line in inside}
-    print(f"rlflow imports inside functions: {len(statements)} statements ({len(inside)} module edges) "
-          f"in {len(files)} files")
+    print(f"rlflow imports inside functions: {len(statements)} statements in {len(files)} files")
     if args.list:
         by_file = defaultdict(list)
         for module, target, line in inside:

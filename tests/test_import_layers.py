@@ -11,9 +11,12 @@ import-linter contract in ``pyproject.toml`` (``lint-imports``, run by ``.ci/run
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
@@ -141,3 +144,14 @@ def test_a_deferral_defers_what_it_says():
                 shown = sorted(deferred - set(sys.stdlib_module_names))
                 wrong.append(f"{importer} -> {imported}: says {sorted(named)}, defers {shown}")
     assert not wrong, wrong
+
+
+@pytest.mark.parametrize("old, new, name", [
+    ("rlflow.tasks.export", "rlflow.tasks.prepare", "export_task"),
+    ("rlflow.strategies.megatron.export", "rlflow.strategies.megatron.weight_buckets", "WeightExporter"),
+    ("rlflow.strategies.megatron.checkpoint", "rlflow.strategies.megatron.sharded_checkpoint", "ShardedCheckpoint"),
+])
+def test_a_renamed_module_keeps_its_old_path_with_a_warning(old, new, name):
+    with pytest.warns(DeprecationWarning, match=new):
+        module = importlib.reload(importlib.import_module(old))  # reload: the warning again if already imported
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
