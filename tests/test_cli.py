@@ -22,7 +22,7 @@ def test_unknown_subcommand_is_an_error(capsys):
 
 
 def test_prepare_task_writes_the_model_and_parquet_files(tmp_path, monkeypatch, capsys):
-    from rlflow.tasks import export
+    from rlflow.tasks import prepare as export
 
     monkeypatch.setattr(export, "warm_started_model", lambda task, seed, **_: (task.model(seed), task.tokenizer()))
     assert main(["prepare-task", "addition", str(tmp_path)]) == 0

@@ -482,7 +482,7 @@ def test_recipe_commands_run_from_a_copy_of_the_repository(no_gpu, monkeypatch, 
     """``rlflow prepare-task addition runs/task`` then the recipe's ``--dry-run``, as the pages show them
     (with an untrained model instead of the warm start, which the default-job test covers)."""
     from rlflow.cli import main
-    from rlflow.tasks import export
+    from rlflow.tasks import prepare as export
 
     shutil.copytree(ROOT / "recipes" / "yaml", tmp_path / "recipes" / "yaml")
     monkeypatch.chdir(tmp_path)

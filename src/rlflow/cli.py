@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         print(folder)
         return 0
     if args.command == "prepare-task":
-        from rlflow.tasks.export import main as prepare_task
+        from rlflow.tasks.prepare import main as prepare_task
 
         return prepare_task([args.out_dir])
     if args.command == "train":

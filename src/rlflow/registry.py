@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from rlflow.config.loading import ConfigError, NotSupportedError
+
 __all__ = ["Registry", "ESTIMATORS", "POLICY_LOSSES", "register_estimator", "register_policy_loss",
            "load_object", "object_problem", "split_spec", "module_defines"]
 
@@ -220,8 +222,6 @@ class Registry:
 
     def resolve(self, value: Any, key: str | None = None, base_dir: str | Path | None = None) -> type:
         """The class for ``value``: registered names first, then ``file.py:Class`` / ``module:Class``."""
-        from rlflow.config.loading import ConfigError, NotSupportedError
-
         key = key or self.key
         if value in self.user:
             cls = self.user[value]

@@ -15,7 +15,7 @@ from rlflow.config.run import train
 from rlflow.data.prompts import render_prompt
 from rlflow.rewards import OverlongPenalty, default_compute_score
 from rlflow.rollout.stream import FilterGroups
-from rlflow.tasks import export
+from rlflow.tasks import prepare as export
 from rlflow.tasks.addition import DATA_SOURCE, AdditionTask
 
 RECIPES = Path(__file__).parents[2] / "recipes" / "yaml"

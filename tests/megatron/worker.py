@@ -188,7 +188,7 @@ def convert_pp(out: Path) -> dict:
 def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights) -> dict:
     from megatron.core import parallel_state as ps
 
-    from rlflow.strategies.megatron.export import gather_full
+    from rlflow.strategies.megatron.weight_buckets import gather_full
     from rlflow.strategies.megatron.grads import reduce_gradients
     from rlflow.strategies.megatron.heads import _tokens
     from rlflow.strategies.megatron.slots import lm_slots

@@ -138,7 +138,7 @@ def test_grpo_vllm_recipe_trains(vllm_engine, tmp_path, monkeypatch):
     """recipes/yaml/grpo_vllm.yaml on a small prepared task (an untrained model of the default job's shape)."""
     from rlflow.config.build import build_trainer
     from rlflow.config.native import load_native
-    from rlflow.tasks import export
+    from rlflow.tasks import prepare as export
     from rlflow.tasks.addition import AdditionTask
 
     monkeypatch.setattr(export, "warm_started_model", lambda task, seed, **_: (task.model(seed), task.tokenizer()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from rlflow.config import verl_megatron as megatron_keys
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 
 OFFLOAD_KEYS = (
@@ -64,8 +65,6 @@ def resolve_devices(cfg: VerlConfig, notes: list[str], with_critic: bool, record
     processes = per_node * nnodes
     strategy = "auto"
     if record:  # the plan; validation (record=False) stays torch-free: rlflow.strategies imports Lightning
-        from rlflow.strategies.megatron import verl as megatron_keys  # megatron-core itself is imported only to train
-
         if megatron_keys.wants_megatron(cfg):
             strategy = megatron_keys.megatron_strategy(cfg, notes, processes, accelerator, with_critic)
         else:

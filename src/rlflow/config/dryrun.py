@@ -13,21 +13,16 @@ from pathlib import Path
 
 from rlflow.config.build import (build_data, critic_config, load_tokenizer, load_vision_processor, policy_config,
                                  total_steps, warmup_steps)
+from rlflow.config.key_notes import unused_notes
 from rlflow.config.plan import Plan
+from rlflow.config.report import gib, line
 from rlflow.config.resolve import format_kwargs, format_value
+from rlflow.config.verl_megatron import dry_run_section
 from rlflow.data.prompts import render_prompt
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 MAX_LENGTH_ROWS = 50_000  # prompts tokenized to measure lengths
 H100_BF16 = 989e12
-
-
-def gib(n_bytes: float) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n_bytes >= size:
-            return f"{n_bytes / size:.2f} {unit}"
-    return f"{n_bytes:.0f} B"
 
 
 def count_parameters(config, lora: dict | str | None = None) -> tuple[int, object, int]:
@@ -53,10 +48,6 @@ def count_parameters(config, lora: dict | str | None = None) -> tuple[int, objec
 def prompt_lengths(data, tokenizer) -> list[int]:
     rows = data.train[:MAX_LENGTH_ROWS]
     return [data.prompt_length(r, tokenizer) for r in rows]  # image tokens included for vision-language rows
-
-
-def line(label: str, formula: str, value: str) -> str:
-    return f"  {label:<29}{formula:<61} = {value}"
 
 
 STAGES = ("GreedyBaseline",)  # modules before the estimator that config/build.py makes stages of the stream
@@ -238,8 +229,6 @@ def dry_run(plan: Plan, show_config: bool = False) -> tuple[str, list[str]]:
 
     The summary comes first; the full resolved config (~300 lines of verl keys) only with ``show_config``.
     """
-    from rlflow.config.run import unused_notes
-
     tokenizer = load_tokenizer(plan)
     data = build_data(plan, tokenizer, load_vision_processor(plan))
     total = total_steps(plan, data)
@@ -248,8 +237,6 @@ def dry_run(plan: Plan, show_config: bool = False) -> tuple[str, list[str]]:
     sections = [objects_section(plan), data_section(plan, data, lengths, problems), batch_section(plan),
                 schedule_section(plan, data, total), cost_section(plan, total, max(lengths))]
     if hasattr(plan.devices.strategy, "layout"):  # Megatron: layout and memory per rank
-        from rlflow.strategies.megatron.verl import dry_run_section
-
         config = policy_config(plan)
         prompt = min(plan.data_kwargs["max_prompt_length"] or max(lengths), max(lengths))
         sections.append(dry_run_section(plan, config, prompt + plan.rollout_kwargs["max_new_tokens"]))

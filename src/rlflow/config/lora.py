@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.verl_megatron import wants_megatron
 
 M, SEED = "actor_rollout_ref.model", "actor_rollout_ref.actor.lora"
 # the seed's key -> verl's key for the same setting
@@ -28,8 +29,6 @@ def lora_argument(cfg: VerlConfig, notes: list[str]) -> dict | str | None:
     seed_on, rank, adapter = cfg[f"{SEED}.enabled"], cfg[f"{M}.lora_rank"], cfg[f"{M}.lora_adapter_path"]
     if not (seed_on or rank > 0 or adapter):
         return None
-    from rlflow.strategies.megatron.verl import wants_megatron  # megatron-core is not imported
-
     if wants_megatron(cfg):
         on = f"{M}.lora_adapter_path" if adapter else f"{SEED}.enabled" if seed_on else f"{M}.lora_rank"
         raise NotSupportedError(on, cfg[on], "LoRA with the Megatron strategy",

@@ -8,6 +8,7 @@ loads (``rlflow.models.hf_config``), in the dry run too.
 from __future__ import annotations
 
 from rlflow.config.loading import ConfigError, VerlConfig
+from rlflow.models.hf_config import ATTN, effective_overrides
 
 RESERVED_TEMPLATE_ARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
                           "return_tensors", "tools")
@@ -53,8 +54,6 @@ def model_loading(cfg: VerlConfig, role: str) -> dict:
 def engine_loading(rollout_kwargs: dict, loading: dict) -> None:
     """A vLLM engine loads the policy's folder itself: it gets ``trust_remote_code`` and the config overrides
     (vLLM's ``hf_overrides``; ``attn_implementation`` is transformers', not vLLM's)."""
-    from rlflow.models.hf_config import ATTN, effective_overrides
-
     extra = dict(rollout_kwargs.get("engine_kwargs") or {})
     if loading.get("trust_remote_code"):
         extra["trust_remote_code"] = True

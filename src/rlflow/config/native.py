@@ -28,7 +28,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from rlflow.config.loading import ConfigError, VerlConfig, flatten, load_config, unknown_key_error
+from rlflow.config.loading import (DEFAULTS_FILE, ConfigError, VerlConfig, _node, close_matches, flatten, load_config,
+                                   parse_override, unknown_key_error)
+from rlflow.config.verl_configs import default_container
+from rlflow.models.hub import looks_like_hub_id
+from rlflow.registry import is_file_location, split_spec
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 FG, OB = "algorithm.filter_groups", "reward_model.reward_kwargs.overlong_buffer_cfg"
@@ -163,9 +167,6 @@ def anchor_paths(tree: dict, folder: Path) -> dict:
     A model path that is a hub id (``Qwen/Qwen2.5-0.5B``) stays one unless the folder holds it; run
     outputs (``trainer.run_dir``) stay relative to the current folder.
     """
-    from rlflow.models.hub import looks_like_hub_id
-    from rlflow.registry import is_file_location, split_spec
-
     def anchored(value: Any, kind: str) -> Any:
         if isinstance(value, list):
             return [anchored(v, kind) for v in value]
@@ -193,9 +194,6 @@ def split_overrides(overrides: list[str], problems: list[ConfigError] | None) ->
     A key that is neither native nor verl gets an error suggesting the native keys near it first.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from rlflow.config.loading import DEFAULTS_FILE, _node, close_matches, parse_override
-    from rlflow.config.verl_configs import default_container
 
     parser, defaults = OverridesParser.create(), default_container(DEFAULTS_FILE)
     native_flat, verl_overrides = {}, []

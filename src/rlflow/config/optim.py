@@ -11,7 +11,7 @@ both set and different is an error). The learning rates stay separate.
   them; two set to different values is an error naming both (validation, ``aliases_agree``).
 - ``shuffle`` with ``data_loader_seed`` -> ``Trainer(shuffle_seed=...)``.
 - ``optim.override_optimizer_config``: with the Megatron strategy, fields of megatron-core's ``OptimizerConfig``
-  (:mod:`rlflow.strategies.megatron.verl`); otherwise, as verl's FSDP engine does, extra keyword arguments of the
+  (:mod:`rlflow.config.verl_megatron`); otherwise, as verl's FSDP engine does, extra keyword arguments of the
   ``torch.optim`` class (``eps``, ``foreach``, ...). verl's Megatron scripts' ``optimizer_cpu_offload`` there means
   the optimizer offload rlflow has (``fsdp_config.optimizer_offload``: nothing to move on CPU); the other Megatron
   optimizer fields get a note.

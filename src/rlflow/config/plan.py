@@ -30,6 +30,7 @@ from rlflow.config.lora import lora_argument
 from rlflow.config.modeldata import chat_template_kwargs, engine_loading, model_loading, patch_size
 from rlflow.config.optim import optim_kwargs
 from rlflow.config.resolve import class_kwargs
+from rlflow.config.reward_section import user_names
 from rlflow.config.rewards import RewardPlan, reward_plan
 from rlflow.config.role_keys import SP_ENGINE_KEYS, model_paths, sequence_parallel_keys
 from rlflow.config.rollout import rollout_plan
@@ -113,8 +114,6 @@ def scoring_split(cfg: VerlConfig, dynamic: str, tokens: str, per_gpu: str, glob
 
 def reward_keys(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[str]) -> RewardPlan:
     """:func:`rlflow.config.rewards.reward_plan`; a problem of a key set as verl 0.9's ``reward.*`` names it."""
-    from rlflow.config.reward_section import user_names
-
     try:
         return reward_plan(cfg, manager, reward_kwargs, notes)
     except ConfigError as e:

@@ -23,7 +23,7 @@ import functools
 from pathlib import Path
 from typing import Any, Callable
 
-from rlflow.config.loading import ConfigError
+from rlflow.config.loading import ConfigError, NotSupportedError
 from rlflow.config.tables import REWARD_MANAGERS
 from rlflow.registry import defined_names, is_file_location, load_object, object_problem, top_level_names
 
@@ -107,8 +107,6 @@ def reward_function(path: str | None, name: str, reward_kwargs: dict, manager: s
     if manager not in REWARD_MANAGERS:  # validation reports this first
         raise ConfigError(f"reward_model.reward_manager={manager!r}: unknown; choose from {REWARD_MANAGERS}")
     if manager == "dapo" and (reward_kwargs.get("overlong_buffer_cfg") or {}).get("enable"):
-        from rlflow.config.loading import NotSupportedError
-
         raise NotSupportedError("reward_model.reward_kwargs.overlong_buffer_cfg.enable", True,
                                 "DAPO overlong reward shaping")
     path, name = split_reward_spec(path, name)

@@ -17,12 +17,14 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from rlflow.config import tables
 from rlflow.config.devices import check_launcher
+from rlflow.config.key_notes import unused_notes  # also importable from here, as before
 from rlflow.config.loading import ConfigError, VerlConfig, load_config, raise_problems
+from rlflow.config.native import NATIVE, load_native
 from rlflow.config.validate import validate
 from rlflow.config.verl_configs import bundled_name
 from rlflow.logs import quiet_other_ranks
+from rlflow.trainer import checkpoint as ckpt
 from rlflow.trainer.checkpoint import CheckpointError  # light: the checkpoint module imports torch where used
 
 if TYPE_CHECKING:
@@ -65,8 +67,6 @@ def config_file(config_path: str | None, config_name: str) -> Path:
 def load(args: argparse.Namespace, problems: list[ConfigError] | None = None) -> VerlConfig:
     """The config of the command line; with ``problems``, its key and type problems are collected there."""
     if args.config:
-        from rlflow.config.native import load_native
-
         return load_native(args.config, args.overrides, problems)
     bundled = bundled_name(args.config_name) if args.config_name else None
     if bundled and not (Path(args.config_path or ".").expanduser() / f"{bundled}.yaml").is_file():
@@ -89,8 +89,6 @@ def load_and_check(args: argparse.Namespace) -> VerlConfig:
 def recipe_names(problems: list[ConfigError]) -> list[ConfigError]:
     """A recipe's values are checked under the verl keys they stand for; a message about one also starts
     with the key the recipe wrote (``rollout.n: actor_rollout_ref.rollout.n=0: must be >= 1``)."""
-    from rlflow.config.native import NATIVE
-
     verl_to_native = {verl: native for native, verl in NATIVE.items()}
     for problem in problems:
         text = str(problem)
@@ -99,21 +97,6 @@ def recipe_names(problems: list[ConfigError]) -> list[ConfigError]:
         if native and native != key.group(0):
             problem.args = (f"{native}: {text}",)
     return problems
-
-
-def unused_notes(cfg: VerlConfig) -> list[str]:
-    """A note for every key the user set that changes nothing here: nothing is silently ignored."""
-    notes = list(cfg.notes)
-    for key in sorted(cfg.provided):
-        if key in cfg.read or any(key.startswith(r + ".") for r in cfg.read):
-            continue
-        if key not in cfg.typed and key in cfg.default_flat and cfg.flat.get(key) == cfg.default_flat[key]:
-            continue  # a file's key at its default (verl's whole ppo_trainer.yaml, say): the run is the same without it
-        value = cfg.flat.get(key)
-        reason = tables.inert_reason(key)
-        notes.append(f"{key}={value!r} has no effect in rlflow: {reason}" if reason
-                     else f"{key}={value!r} is not used by this configuration")
-    return notes
 
 
 def print_notes(plan: Plan) -> None:
@@ -126,7 +109,6 @@ def train(plan: Plan, started: float | None = None) -> list[dict]:
     time counts from ``started`` (a ``time.perf_counter()``; default: now)."""
     started = time.perf_counter() if started is None else started
     from rlflow.config.build import build_trainer
-    from rlflow.trainer import checkpoint as ckpt
 
     run_dir = Path(plan.trainer_kwargs["run_dir"]).expanduser()
     try:  # before the model loads

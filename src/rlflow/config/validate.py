@@ -27,9 +27,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlflow.config import checks, tables
+from rlflow.config.devices import resolve_devices
+from rlflow.config.reward_fn import reward_file_problem, split_reward_spec
+from rlflow.config.reward_section import user_names
 from rlflow.config.verl_configs import FOREIGN_STRATEGIES
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig, raise_problems
 from rlflow.config.role_keys import sequence_parallel_keys
+from rlflow.models.checks import ModelFolderError, check_model_folder
+from rlflow.models.hub import ModelNotFoundError, locate_model
+from rlflow.registry import module_defines
 
 A, R, C = checks.A, checks.R, checks.C
 DATA_SUFFIXES = (".parquet", ".json", ".jsonl")
@@ -286,8 +292,6 @@ def rollout_engine_available(ctx: Context) -> None:
     """The engine ``rollout.name`` asks for can run here (the rules of ``rlflow.config.rollout.rollout_class``,
     read without importing the engines): a server rollout has its URL, an in-process engine its package, and
     rlflow has the class (read from ``rlflow.rollout``'s source)."""
-    from rlflow.registry import module_defines
-
     name, server = ctx.get(f"{R}.name"), ctx.get(f"{R}.server.url")
     if name not in tables.ROLLOUT_ENGINES:
         return  # a choice problem
@@ -362,8 +366,6 @@ def external_lib(ctx: Context) -> None:
 # ---------------------------------------------------------------------------------------------- devices
 
 def check_devices(ctx: Context) -> None:
-    from rlflow.config.devices import resolve_devices
-
     if not all(_positive_int(ctx.get(k)) for k in ("trainer.n_gpus_per_node", "trainer.nnodes")):
         return  # a type or range problem, reported by its own check
     try:
@@ -419,9 +421,6 @@ def parquet_rows(ctx: Context, key: str, path: Path, prompt_key: str) -> int:
 def check_model(ctx: Context, key: str, tokenizer: bool = True) -> None:
     """A local folder or a hub id (:func:`rlflow.models.hub.locate_model`); a local folder must hold a model
     (:func:`rlflow.models.checks.check_model_folder`); its ``config.json`` is kept for the cross-checks."""
-    from rlflow.models.checks import ModelFolderError, check_model_folder
-    from rlflow.models.hub import ModelNotFoundError, locate_model
-
     value = ctx.get(key)
     if not value or not ctx.ok(key):
         ctx.add(f"{key} is not set: give a model folder (or a Hugging Face hub id)")
@@ -439,8 +438,6 @@ def check_model(ctx: Context, key: str, tokenizer: bool = True) -> None:
 def check_reward_files(ctx: Context) -> None:
     """``custom_reward_function.path``/``.name`` (or ``name: file.py:fn``) and each of ``.functions`` name a
     function that exists, read from the files without running them."""
-    from rlflow.config.reward_fn import reward_file_problem, split_reward_spec
-
     crf = "custom_reward_function"
     path, name = split_reward_spec(ctx.get(f"{crf}.path"), ctx.get(f"{crf}.name"))
     items = ctx.cfg.tree.get(crf, {}).get("functions") or []
@@ -511,7 +508,6 @@ def validate(cfg: VerlConfig, environment: bool = False, dry_run: bool = False) 
             continue
     if environment:
         check_environment(ctx)
-    from rlflow.config.reward_section import user_names
 
     return user_names(ctx.problems, cfg.aliased)  # a problem of reward_model.x set as reward.y names both
 

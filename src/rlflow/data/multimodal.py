@@ -16,7 +16,7 @@ first resized as verl's ``qwen_vl_utils.fetch_image`` does (:func:`patch_resize`
 
 Bad images: :func:`check_images` decodes every image once when the data is loaded. A missing file,
 undecodable bytes or a placeholder count that does not match the images raise a
-:class:`~rlflow.data.prompts.DataError` naming the file, the row and the image, or, with
+:class:`~rlflow.data.rows.DataError` naming the file, the row and the image, or, with
 ``skip_bad_images=True``, drop the row and count it (``PromptData.skipped_images``).
 """
 
@@ -32,20 +32,10 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from rlflow.data import keys as K
-from rlflow.data.prompts import DataError
+from rlflow.data.nontensor import per_row  # noqa: F401  (it lived here: importable from here, as before)
+from rlflow.data.rows import DataError
 
 PLACEHOLDER = "<image>"
-
-
-def per_row(batch: TensorDict, key: str) -> list:
-    """The ``B`` values of a non-tensor field as a list (one value repeated when tensordict stored it once)."""
-    value = batch.get(key)
-    if hasattr(value, "tolist"):
-        items = value.tolist()
-        if isinstance(items, list) and len(items) == batch.batch_size[0]:
-            return items
-    data = getattr(value, "data", value)
-    return [data] * batch.batch_size[0]
 
 
 # ---------------------------------------------------------------------------- images

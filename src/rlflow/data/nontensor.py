@@ -53,6 +53,21 @@ def column(batch: TensorDict, key: str) -> list[Any]:
     return values(value)
 
 
+def per_row(batch: TensorDict, key: str) -> list:
+    """The ``B`` values of a non-tensor field as a list (one value repeated when tensordict stored it once).
+
+    Unlike :func:`column`, a value whose ``tolist()`` is not ``B`` long (one image list stored for the whole
+    batch, say) is repeated, not split.
+    """
+    value = batch.get(key)
+    if hasattr(value, "tolist"):
+        items = value.tolist()
+        if isinstance(items, list) and len(items) == batch.batch_size[0]:
+            return items
+    data = getattr(value, "data", value)
+    return [data] * batch.batch_size[0]
+
+
 def stack(items: list[Any]) -> NonTensorStack:
     """A ``NonTensorStack`` of ``items`` (one row each); equal immutable values share one ``NonTensorData``.
 

@@ -1,103 +1,24 @@
 """Prompt datasets: verl-style parquet files or in-memory rows, tokenized into left-padded batches.
 
-A row is normalised to ``prompt`` (a string or chat messages), ``ground_truth``,
-``data_source`` and ``extra_info``. verl's layout (``reward_model.ground_truth``)
-is read as is.
+Rows are read and normalised by :mod:`rlflow.data.rows` (``prompt``, ``ground_truth``, ``data_source``,
+``extra_info``; ``DataError`` and ``load_rows`` are importable from here too); vision-language rows are
+collated by :mod:`rlflow.data.multimodal`.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
 from rlflow.data import keys as K
+from rlflow.data.multimodal import check_images, collate_multimodal, prompt_length
 from rlflow.data.nontensor import stack
+from rlflow.data.rows import DataError, datasets_bars_off, load_rows, normalise_row  # noqa: F401  (here before)
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 MISSING_GROUND_TRUTH = ("error", "skip", "allow")  # PromptData(missing_ground_truth=...)
-
-
-class DataError(ValueError):
-    """A malformed file or row; the message names the file and the row."""
-
-
-def load_rows(source: str | Path | Sequence[dict], prompt_key: str = "prompt",
-              image_key: str = "images") -> tuple[list[dict], str]:
-    """Read rows from a parquet/json/jsonl file (with ``datasets``), a list of such files, or a list of dicts.
-
-    Returns the normalised rows and a name for error messages.
-    """
-    if isinstance(source, (list, tuple)) and source and all(isinstance(s, (str, Path)) for s in source):
-        parts = [load_rows(s, prompt_key, image_key) for s in source]  # several files: rows in order, one name
-        rows = [dict(r, index=i) for i, r in enumerate(r for part, _ in parts for r in part)]
-        return rows, " + ".join(name for _, name in parts)
-    if isinstance(source, (str, Path)):
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise DataError(f"data file not found: {path}")
-        import datasets
-
-        kind = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}.get(path.suffix)
-        if kind is None:
-            raise DataError(f"{path}: unsupported file type '{path.suffix}' (use .parquet, .json or .jsonl)")
-        if path.stat().st_size == 0:
-            raise DataError(f"{path}: the file is empty")
-        try:
-            with datasets_bars_off(datasets):  # reading a local file takes a blink: no "Generating train split" bars
-                ds = datasets.load_dataset(kind, data_files=str(path), split="train")
-        except Exception as e:  # noqa: BLE001 - pyarrow/json errors of every kind: name the file
-            cause = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-            raise DataError(f"{path}: cannot be read as {kind} ({type(e).__name__}: {cause})") from e
-        raw, name = ds.to_list(), str(path)
-    else:
-        raw, name = list(source), "<in-memory rows>"
-    return [normalise_row(r, i, name, prompt_key, image_key) for i, r in enumerate(raw)], name
-
-
-@contextlib.contextmanager
-def datasets_bars_off(datasets) -> Iterator[None]:
-    """``datasets``' progress bars off for the block (restored after, as the caller had them)."""
-    was_on = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was_on:
-            datasets.enable_progress_bars()
-
-
-def normalise_row(row: dict, index: int, name: str, prompt_key: str = "prompt", image_key: str = "images") -> dict:
-    if not isinstance(row, dict) or prompt_key not in row or row[prompt_key] is None:
-        raise DataError(f"{name}, row {index}: no '{prompt_key}' column (row: {str(row)[:200]})")
-    prompt = row[prompt_key]
-    if not isinstance(prompt, str):
-        try:
-            prompt = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
-        except (TypeError, KeyError) as e:
-            raise DataError(f"{name}, row {index}: '{prompt_key}' must be a string or chat messages "
-                            f"[{{'role': ..., 'content': ...}}] ({e!r})") from e
-    if not prompt or (isinstance(prompt, str) and not prompt.strip()):
-        raise DataError(f"{name}, row {index}: '{prompt_key}' is empty")
-    reward_model = row.get("reward_model") or {}
-    if not isinstance(reward_model, dict):
-        raise DataError(f"{name}, row {index}: 'reward_model' must be a mapping with a 'ground_truth' "
-                        f"(got {type(reward_model).__name__})")
-    ground_truth = row.get("ground_truth", reward_model.get("ground_truth"))
-    if isinstance(ground_truth, float) and ground_truth != ground_truth:  # NaN: pandas' missing value
-        ground_truth = None
-    out = {
-        "prompt": prompt,
-        "ground_truth": None if ground_truth is None else str(ground_truth),
-        "data_source": str(row.get("data_source") or "unknown"),
-        "extra_info": row.get("extra_info"),
-        "index": index,
-    }
-    media = {"images": row.get(image_key), "videos": row.get("videos")}  # read by rlflow.data.multimodal
-    return out | {k: v for k, v in media.items() if v is not None}
 
 
 def drop_missing_ground_truth(rows: list[dict], name: str, mode: str) -> tuple[list[dict], int]:
@@ -283,8 +204,6 @@ class PromptData:
         self.processor, self.skipped_images = processor, {"train": 0, "val": 0}
         self.chat_template_kwargs, self.image_patch_size = dict(chat_template_kwargs or {}), image_patch_size
         if processor is not None:
-            from rlflow.data.multimodal import check_images
-
             self.train, self.skipped_images["train"] = check_images(self.train, self.train_name, skip_bad_images)
             self.val, self.skipped_images["val"] = check_images(self.val, self.val_name, skip_bad_images)
         elif any("images" in r or "videos" in r for r in self.train + self.val):
@@ -322,8 +241,6 @@ class PromptData:
     def prompt_length(self, row: dict, tokenizer) -> int:
         """Tokens of ``row``'s prompt after the chat template (image tokens included with a processor)."""
         if self.processor is not None:
-            from rlflow.data.multimodal import prompt_length
-
             return prompt_length(row, self.processor, self.train_name, self.chat_template_kwargs, self.image_patch_size,
                                  self.mm_processor_kwargs)
         prompt = row["prompt"]
@@ -335,8 +252,6 @@ class PromptData:
 
     def collate(self, rows: Sequence[dict], tokenizer, name: str | None = None) -> TensorDict:
         if self.processor is not None:
-            from rlflow.data.multimodal import collate_multimodal
-
             return collate_multimodal(rows, self.processor, self.max_prompt_length, name or self.train_name,
                                       self.chat_template_kwargs, self.image_patch_size, self.mm_processor_kwargs)
         return collate(rows, tokenizer, self.max_prompt_length, self.truncation, name or self.train_name,

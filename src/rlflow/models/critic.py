@@ -7,7 +7,11 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from rlflow.data import keys as K
-from rlflow.models.logprobs import response_hidden_states
+from rlflow.models.hf_config import load_config, model_kwargs
+from rlflow.models.hub import locate_model
+from rlflow.models.logprobs import enable_sequence_parallel, response_hidden_states
+from rlflow.models.packing import pack, packed_hidden_states, unpack
+from rlflow.models.ulysses import sequence_parallel_outputs
 from rlflow.module import BatchModule
 from rlflow.trainer.batching import scoring_pieces
 
@@ -31,22 +35,16 @@ class ValueHeadModel(nn.Module):
 
     def sequence_parallel(self, group) -> None:
         """Run the backbone sequence-parallel over ``group`` (Ulysses); needs ``remove_padding``."""
-        from rlflow.models.logprobs import enable_sequence_parallel
-
         self.sp_group = enable_sequence_parallel(self.lm, group, self.remove_padding)
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
                 response_mask: Tensor | None = None) -> Tensor:
         if self.remove_padding:  # packed sequences; values after each response's end are 0
-            from rlflow.models.packing import pack, packed_hidden_states, unpack
-
             packed = pack(prompt_ids, prompt_mask, response_ids, response_mask, self.pack_length,
                           getattr(self.lm.config, "pad_token_id", None) or 0)
             if self.sp_group is None:
                 values = self.value_head(packed_hidden_states(self.lm, packed))
             else:
-                from rlflow.models.ulysses import sequence_parallel_outputs
-
                 values = sequence_parallel_outputs(self.lm, packed, lambda h, _: self.value_head(h), self.sp_group)
             return unpack(values.squeeze(-1).float(), packed)
         hidden = response_hidden_states(self.lm, prompt_ids, prompt_mask, response_ids)
@@ -78,8 +76,6 @@ class Critic(BatchModule):
                         **kwargs) -> "Critic":
         """A critic from a model folder or hub id (resolved as ``Policy.from_pretrained`` does;
         ``trust_remote_code`` and ``override_config`` as there)."""
-        from rlflow.models.hub import locate_model
-
         return cls(load_causal_lm(locate_model(path).path, trust_remote_code, override_config), **kwargs)
 
     def values(self, batch: TensorDict) -> Tensor:
@@ -102,7 +98,6 @@ def load_causal_lm(path, trust_remote_code: bool = False, override_config: dict 
     first (``rlflow.models.hf_config``)."""
     from transformers import AutoModelForCausalLM
 
-    from rlflow.models.hf_config import load_config, model_kwargs
 
     config = load_config(config_path or path, override_config, trust_remote_code, where)
     return AutoModelForCausalLM.from_pretrained(path, config=config, **model_kwargs(override_config, trust_remote_code))

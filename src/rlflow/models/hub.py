@@ -24,6 +24,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlflow.models.gguf import gguf_to_folder
+
 __all__ = ["ModelNotFoundError", "Located", "locate_model", "looks_like_hub_id", "hub_offline_reason"]
 
 # A hub id: "name" or "org/name" (letters, digits, - _ .), not starting with "." or "-".
@@ -91,8 +93,6 @@ def locate_model(path: str | os.PathLike, key: str = "model path") -> Located:
     if local.is_dir():
         return Located(str(local), local, "local")
     if local.is_file() and local.suffix == ".gguf":  # converted once to a cached folder that every path reads
-        from rlflow.models.gguf import gguf_to_folder
-
         folder = gguf_to_folder(local)
         return Located(str(folder), folder, "gguf")
     if local.exists():

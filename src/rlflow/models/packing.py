@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from rlflow.models.logprobs import head_log_probs
+from rlflow.models.head import head_log_probs
+from rlflow.models.ulysses import sequence_parallel_outputs
 from rlflow.models.vision import (check_image_tokens, concat_inputs, image_token_mask, is_multimodal,
                                   multimodal_hidden_states, rope_position_ids)
 
@@ -210,8 +211,6 @@ def packed_log_probs(
         logps, ents = head_log_probs(packed_hidden_states(lm, packed, multi_modal), ids, head, temperature,
                                      chunk_tokens)
     else:
-        from rlflow.models.ulysses import sequence_parallel_outputs
-
         def score(hidden: Tensor, index: Tensor) -> Tensor:
             return torch.stack(head_log_probs(hidden, ids[index], head, temperature, chunk_tokens), dim=-1)
 

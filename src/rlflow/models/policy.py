@@ -11,8 +11,12 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from rlflow.data import keys as K
-from rlflow.data.multimodal import per_row
+from rlflow.data.nontensor import per_row
+from rlflow.models.checks import check_model_folder, check_tokenizer, enable_activation_checkpointing
+from rlflow.models.hf_config import load_config, model_kwargs
+from rlflow.models.hub import locate_model
 from rlflow.models.logprobs import TokenLogProbs
+from rlflow.models.vision import freeze_vision_tower as freeze, load_processor
 from rlflow.module import BatchModule
 from rlflow.trainer.batching import scoring_pieces
 
@@ -72,7 +76,6 @@ class Policy(BatchModule):
         if tokenizer is None and processor is not None:
             tokenizer = processor.tokenizer
         if tokenizer is not None:  # ids beyond the embedding table would fail mid-generation
-            from rlflow.models.checks import check_tokenizer
 
             check_tokenizer(tokenizer, model)
             if tokenizer.pad_token is None:  # common for base models; prompts need a pad id for left padding
@@ -82,8 +85,6 @@ class Policy(BatchModule):
 
             model = apply_lora(model, lora)
         if freeze_vision_tower:
-            from rlflow.models.vision import freeze_vision_tower as freeze
-
             freeze(model)
         self.model = model
         self.processor = processor
@@ -94,8 +95,6 @@ class Policy(BatchModule):
                                                    share_prompts=share_prompts)
         self.remove_padding, self.share_prompts = remove_padding, share_prompts
         if gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            from rlflow.models.checks import enable_activation_checkpointing
-
             enable_activation_checkpointing(model, {"use_reentrant": False})
         if lora_module(model) is not None:  # checkpoints save what training changes: the adapter
             lora_module(model).keep_trainable_state_only(self.module)
@@ -136,9 +135,6 @@ class Policy(BatchModule):
         """
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-        from rlflow.models.checks import check_model_folder, check_tokenizer
-        from rlflow.models.hf_config import load_config, model_kwargs
-        from rlflow.models.hub import locate_model
 
         located = locate_model(path)
         path = (check_model_folder(located.folder, tokenizer=tokenizer_path is None) if located.folder is not None
@@ -149,8 +145,6 @@ class Policy(BatchModule):
         config = load_config(config_path or path, override_config, trust_remote_code)
         load, tokens = {"config": config, **model_kwargs(override_config, trust_remote_code)}, tokenizer_path or path
         if getattr(config, "vision_config", None) is not None:
-            from rlflow.models.vision import load_processor
-
             processor = load_processor(tokens, min_pixels, max_pixels, trust_remote_code=trust_tokenizer)
             tokenizer = processor.tokenizer
             tokenizer.padding_side = "left"

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from rlflow.models.checks import activation_checkpointing
+from rlflow.models.head import position_ids_from_mask
 from rlflow.models.vision import is_multimodal
 
 
@@ -77,8 +78,6 @@ def prompt_cache(decoder: nn.Module, config, ids: Tensor, mask: Tensor, first: T
                  inverse: Tensor) -> tuple[DynamicCache, Tensor]:
     """Run the distinct prompts ``ids[first]`` through ``decoder`` once; returns their KV cache gathered to every
     row (``B`` rows) and every row's last hidden state (``B x H``)."""
-    from rlflow.models.logprobs import position_ids_from_mask
-
     ids, mask = ids[first], mask[first]
     cache = DynamicCache(config=config)
     out = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),

@@ -34,14 +34,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rlflow.models.packing import Packed
+from rlflow.models.checks import activation_checkpointing, enable_activation_checkpointing
+
+if TYPE_CHECKING:
+    from rlflow.models.packing import Packed  # only a type here: packing calls into this module
 
 PREFIX = "ulysses+"
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("rlflow_ulysses", default=None)
@@ -197,8 +200,6 @@ def checkpoint_context():
 
 def keep_through_checkpointing(model: nn.Module) -> None:
     """Re-enable a model's gradient checkpointing with :func:`checkpoint_context` (a no-op when it is off)."""
-    from rlflow.models.checks import activation_checkpointing, enable_activation_checkpointing
-
     if activation_checkpointing(model):
         enable_activation_checkpointing(model, {"use_reentrant": False, "context_fn": checkpoint_context})
 

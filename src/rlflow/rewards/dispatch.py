@@ -33,6 +33,12 @@ CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
 GEO3K_SOURCES = ("hiyouga/geometry3k",)
 
 
+def exact_match(solution_str: str, ground_truth: str) -> float:
+    """1.0 when the response is exactly the answer (surrounding spaces ignored), else 0.0: the reward of the
+    built-in addition task (``rlflow.tasks.addition.exact_match`` is this function)."""
+    return float(solution_str.strip() == ground_truth)
+
+
 def supports(data_source: str) -> bool:
     """Whether :func:`default_compute_score` has a scorer for ``data_source``."""
     return (data_source in (*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, *CODE_SOURCES, *ADDITION_SOURCES,
@@ -66,8 +72,6 @@ def default_compute_score(
 
         return float(geo3k.compute_score(solution_str, ground_truth))
     if data_source in ADDITION_SOURCES:
-        from rlflow.tasks.addition import exact_match  # imported here: the task module loads models
-
         return exact_match(solution_str, str(ground_truth))
     supported = ", ".join([*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, f"{DAPO_PREFIX}*", *CODE_SOURCES,
                            *GEO3K_SOURCES, *ADDITION_SOURCES])

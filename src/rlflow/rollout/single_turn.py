@@ -15,9 +15,8 @@ import torch
 from tensordict import TensorDict
 
 from rlflow.data import keys as K
-from rlflow.data.nontensor import repeat_interleave, shallow_copy, stack
+from rlflow.data.nontensor import per_row, repeat_interleave, shallow_copy, stack
 from rlflow.module import BatchModule
-from rlflow.data.multimodal import per_row
 from rlflow.rollout.engines.base import Completion, Engine, MultiModalPrompt, SamplingParams
 from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES, update_buckets
 

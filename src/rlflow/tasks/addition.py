@@ -13,8 +13,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from rlflow.data.prompts import PromptData
+from rlflow.data.prompts import PromptData, collate, load_rows
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
+from rlflow.rewards.dispatch import exact_match  # the task's reward; defined with verl's dispatch, which scores it
+from rlflow.rollout.hf import HFRollout
+from rlflow.tasks.warm_start import load_or_make
 from rlflow.threads import choose_threads
 
 DATA_SOURCE = "rlflow/addition"
@@ -22,11 +25,6 @@ DATA_SOURCE = "rlflow/addition"
 
 def answer(a: int, b: int) -> str:
     return str(a + b)[::-1]
-
-
-def exact_match(solution_str: str, ground_truth: str) -> float:
-    """1.0 when the response is exactly the answer (surrounding spaces ignored), else 0.0."""
-    return float(solution_str.strip() == ground_truth)
 
 
 def digit_match(solution_str: str, ground_truth: str) -> float:
@@ -57,7 +55,6 @@ class AdditionTask:
     The split is fixed (seed 1234) whatever the run's seed, so held-out
     accuracy is comparable across runs.
     """
-
     max_operand: int = 99
     held_out: int = 256
     warm_val: int = 128
@@ -87,9 +84,6 @@ class AdditionTask:
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, rows_: list[dict], max_new_tokens: int = 4) -> float:
     """Exact-match accuracy of greedy decoding on ``rows_``."""
-    from rlflow.data.prompts import collate, load_rows
-    from rlflow.rollout.hf import HFRollout
-
     rollout = HFRollout(n=1, do_sample=False, max_new_tokens=max_new_tokens)
     rollout.bind(model, tokenizer)
     out = rollout(collate(load_rows(rows_)[0], tokenizer))
@@ -157,8 +151,6 @@ def warm_started_model(task: AdditionTask, seed: int, target: float = 0.15, log=
 
     ``log`` gets one line before a warm start is computed and one after; ``progress`` shows a bar meanwhile.
     """
-    from rlflow.tasks.warm_start import load_or_make
-
     model, tok = task.model(seed), task.tokenizer()
     choose_threads(sum(p.numel() for p in model.parameters()), log=log)
 

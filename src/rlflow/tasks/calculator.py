@@ -29,6 +29,7 @@ from rlflow.data.prompts import PromptData
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from rlflow.rollout.agent.chat import ChatFormat
 from rlflow.rollout.tools.calculator import Calculator
+from rlflow.tasks.warm_start import load_or_make
 
 DATA_SOURCE = "rlflow/calculator"
 WORDS = ("system", "user", "assistant", "tool", '"name"', '"arguments"', "calc", "expr")
@@ -82,7 +83,6 @@ def call_text(a: int, b: int) -> str:
 @dataclass(frozen=True)
 class CalculatorTask:
     """Disjoint train / warm-start-validation / held-out splits of products of ``[low, high]`` pairs (seed 1234)."""
-
     low: int = 10
     high: int = 99
     train_size: int = 4096
@@ -191,8 +191,6 @@ def supervised_warm_start(model, task: CalculatorTask, train: list[dict], val: l
 def warm_started_model(task: CalculatorTask, seed: int, target: float = 0.9, log=print, ship: bool = False):
     """The task's model after the supervised warm start (shipped for seed 0, else made once and cached:
     :mod:`rlflow.tasks.warm_start`)."""
-    from rlflow.tasks.warm_start import load_or_make
-
     model, tok = task.model(seed), task.tokenizer()
 
     def make() -> str:

@@ -24,7 +24,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from rlflow.data import keys as K
 from rlflow.data.prompts import PromptData
+from rlflow.tasks.warm_start import load_or_make
 
 DATA_SOURCE = "rlflow/shapes"
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (50, 80, 220)}
@@ -76,7 +78,6 @@ def exact_match(solution_str: str, ground_truth: str) -> float:
 @dataclass(frozen=True)
 class ShapesTask:
     """Training and held-out rows, fixed by seed 1234 whatever the run's seed."""
-
     train_size: int = 2000
     held_out: int = 200
     hidden_size: int = 64
@@ -122,8 +123,6 @@ def format_warm_start(policy, data: PromptData, *, lr: float = 3e-3, batch_size:
     Raises:
         RuntimeError: if the criterion is not met within ``max_steps``.
     """
-    from rlflow.data import keys as K
-
     tok = policy.tokenizer
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=0.0)
@@ -149,7 +148,6 @@ def warm_started_policy(task: ShapesTask, seed: int, log=print, ship: bool = Fal
     """``(policy, data)``: the task's Policy after :func:`format_warm_start` (shipped for seed 0, else made once
     and cached: :mod:`rlflow.tasks.warm_start`) and its prompts."""
     from rlflow.models.policy import Policy
-    from rlflow.tasks.warm_start import load_or_make
 
     processor = task.processor()
     policy = Policy(task.model(processor, seed), processor=processor, **policy_kwargs)

@@ -102,17 +102,15 @@ def load_or_make(name: str, key: dict, module, make: Callable[[], str], log=prin
     log(f"{line}; {'shipped as' if ship else 'cached at'} {target}")
 
 
-def main() -> None:
-    """Remake the shipped warm starts: the addition task's seeds 0-2, the shapes and calculator tasks' seed 0."""
+if __name__ == "__main__":  # python -m rlflow.tasks.warm_start: remake the shipped warm starts (the addition
+    # task's seeds 0-2, the shapes and calculator tasks' seed 0). The tasks import this module: only the script
+    # imports them, so importing this module never imports a task.
     from rlflow.tasks.addition import AdditionTask, warm_started_model
-    from rlflow.tasks.calculator import CalculatorTask, warm_started_model as calculator_warm_start
+    from rlflow.tasks.calculator import CalculatorTask
+    from rlflow.tasks.calculator import warm_started_model as calculator_warm_start
     from rlflow.tasks.shapes import ShapesTask, warm_started_policy
 
     for seed in (0, 1, 2):
         warm_started_model(AdditionTask(), seed, ship=True)
     warm_started_policy(ShapesTask(), 0, ship=True)
     calculator_warm_start(CalculatorTask(), 0, ship=True)
-
-
-if __name__ == "__main__":
-    main()

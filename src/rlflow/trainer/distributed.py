@@ -9,6 +9,7 @@ import torch.distributed as dist
 from tensordict import NonTensorStack, TensorDict
 
 from rlflow.data import keys as K
+from rlflow.data.nontensor import per_row
 from rlflow.trainer.batching import row_tokens
 
 
@@ -160,8 +161,6 @@ def balance_tokens(batch: TensorDict, fabric, dp_rank: int, dp_size: int, sp_siz
     everyone = TensorDict(gathered, batch_size=[dp_size, mini_batches, n // mini_batches], device=batch.device)
     vision = None
     if K.MULTI_MODAL_INPUTS in batch.keys():  # per row, in the order of `everyone` (rank, mini-batch, row)
-        from rlflow.data.multimodal import per_row
-
         shared: list = [None] * dist.get_world_size()
         dist.all_gather_object(shared, per_row(batch, K.MULTI_MODAL_INPUTS))
         per = n // mini_batches

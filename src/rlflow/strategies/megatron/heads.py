@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from rlflow.models.head import auto_chunk_tokens
 from rlflow.models.packing import response_lengths
 from rlflow.strategies.megatron.model import MegatronLM
 from rlflow.strategies.megatron.pipeline import run_stages
@@ -150,8 +151,6 @@ class MegatronLogProbs(nn.Module):
                  remove_padding: bool = False):
         super().__init__()
         if chunk_tokens is None:  # as TokenLogProbs: a chunk's float32 logits (this rank's vocabulary rows) fit a budget
-            from rlflow.models.logprobs import auto_chunk_tokens
-
             chunk_tokens = auto_chunk_tokens(lm.vocab_local)
         self.lm, self.temperature, self.chunk_tokens = lm, temperature, chunk_tokens
         self.remove_padding = remove_padding

@@ -10,11 +10,11 @@ calls, so ``Trainer``, ``Policy``, ``Critic``, the estimators and the losses do 
   :class:`~.heads.MegatronValueModel`, same ``forward``), copying the weights from the Hugging Face
   model. The Hugging Face model object stays as the policy's ``model`` with its tensors freed (on the
   ``meta`` device): it keeps the config and names, and its ``weight_buckets`` gather the trained
-  weights for the engines (:mod:`.export`);
+  weights for the engines (:mod:`.weight_buckets`);
 - ``clip_gradients`` / the optimizer step reduce the gradients over the data-parallel replicas and
   measure and clip them over all shards (:mod:`.grads`); the optimizer is the Trainer's own (AdamW over
   this rank's shards);
-- ``save`` / ``load`` write and read checkpoints in transformers' naming (:mod:`.checkpoint`).
+- ``save`` / ``load`` write and read checkpoints in transformers' naming (:mod:`.sharded_checkpoint`).
 
 It derives from Fabric's ``ModelParallelStrategy`` for process launching and collectives (and so the
 Trainer gives the rollout a full copy of the policy, as for FSDP2).
@@ -32,7 +32,15 @@ from torch import nn
 from torch.optim import Optimizer
 
 from rlflow.models.checks import activation_checkpointing
+from rlflow.strategies.megatron.cpu import CPUWorkarounds
+from rlflow.strategies.megatron.distopt import DistributedOptimizer, check_overrides
+from rlflow.strategies.megatron.grads import clip_, global_grad_norm, reduce_gradients
+from rlflow.strategies.megatron.heads import MegatronLogProbs, MegatronValueModel
 from rlflow.strategies.megatron.layout import ParallelLayout
+from rlflow.strategies.megatron.model import MegatronLM
+from rlflow.strategies.megatron.sharded_checkpoint import ShardedCheckpoint
+from rlflow.strategies.megatron.slots import check_coverage, lm_slots, load_from_hf, mark_split_parameters, module_slots
+from rlflow.strategies.megatron.weight_buckets import WeightExporter
 
 LAYER_SPECS = ("local", "transformer_engine")
 
@@ -77,8 +85,6 @@ class MegatronStrategy(ModelParallelStrategy):
         self.distributed_optimizer = distributed_optimizer
         self.optimizer_overrides = {}
         if optimizer_overrides:
-            from rlflow.strategies.megatron.distopt import check_overrides
-
             self.optimizer_overrides = check_overrides(optimizer_overrides)
         self._converted: list[nn.Module] = []  # the Megatron modules set up, for the distributed optimizer
         self._cpu_workarounds = None
@@ -116,15 +122,12 @@ class MegatronStrategy(ModelParallelStrategy):
             order="tp-cp-ep-pp-dp", create_gloo_process_groups=False,
             distributed_timeout_minutes=max(1, int(self._timeout.total_seconds() // 60)) if self._timeout else 30)
         if self.root_device.type == "cpu":
-            from rlflow.strategies.megatron.cpu import CPUWorkarounds
-
             self._cpu_workarounds = CPUWorkarounds()
             self._cpu_workarounds.install()
         else:
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(torch.initial_seed() % 2**31)
-        from rlflow.strategies.megatron.checkpoint import ShardedCheckpoint
 
         self._checkpoint = ShardedCheckpoint(self.root_device.type)
 
@@ -145,10 +148,6 @@ class MegatronStrategy(ModelParallelStrategy):
         module (a reward model) is placed whole on this rank's device."""
         from rlflow.models.critic import ValueHeadModel
         from rlflow.models.logprobs import TokenLogProbs
-        from rlflow.strategies.megatron.export import WeightExporter
-        from rlflow.strategies.megatron.heads import MegatronLogProbs, MegatronValueModel
-        from rlflow.strategies.megatron.model import MegatronLM
-        from rlflow.strategies.megatron.slots import check_coverage, lm_slots, load_from_hf, mark_split_parameters
 
         if not isinstance(module, (TokenLogProbs, ValueHeadModel)):
             # e.g. a reward model (ModelReward shards under FSDP2): nothing trains it, so every rank holds it whole
@@ -172,7 +171,6 @@ class MegatronStrategy(ModelParallelStrategy):
             converted = MegatronValueModel(lm, module.value_head.to(self.root_device), module.remove_padding)
             if converted.value_head is None:
                 module.value_head = None  # not on this pipeline stage
-        from rlflow.strategies.megatron.slots import module_slots
 
         check_coverage(converted, module_slots(converted))
         if not any(p.requires_grad for p in hf_model.parameters()):
@@ -207,13 +205,10 @@ class MegatronStrategy(ModelParallelStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if not self.distributed_optimizer:
             return optimizer
-        from rlflow.strategies.megatron.distopt import DistributedOptimizer
 
         return DistributedOptimizer(optimizer, self._converted, self.layout.model_parallel, self.optimizer_overrides)
 
     def _finalize(self, optimizer: Optimizer) -> list[nn.Parameter]:
-        from rlflow.strategies.megatron.grads import reduce_gradients
-
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if id(optimizer) not in self._reduced:
             reduce_gradients(params)
@@ -222,9 +217,6 @@ class MegatronStrategy(ModelParallelStrategy):
 
     def clip_gradients_norm(self, module, optimizer: Optimizer, max_norm, norm_type=2.0,
                             error_if_nonfinite: bool = True) -> torch.Tensor:
-        from rlflow.strategies.megatron.distopt import DistributedOptimizer
-        from rlflow.strategies.megatron.grads import clip_, global_grad_norm
-
         if isinstance(optimizer, DistributedOptimizer):
             return optimizer.clip(float(max_norm))
         self.precision.unscale_gradients(optimizer)
@@ -242,8 +234,6 @@ class MegatronStrategy(ModelParallelStrategy):
                 p.grad.clamp_(-clip_val, clip_val)
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
-        from rlflow.strategies.megatron.distopt import DistributedOptimizer
-
         if not isinstance(optimizer, DistributedOptimizer):  # that one reduces its own gradients
             self._finalize(optimizer)  # no-op when clip_gradients already reduced them
         return super().optimizer_step(optimizer, **kwargs)

@@ -1,5 +1,8 @@
 """verl's Megatron keys -> a :class:`~rlflow.strategies.megatron.MegatronStrategy`.
 
+(Translating verl's keys is config's job, so this lives under ``config/``: ``strategies/`` never imports
+``config/``. It was ``rlflow.strategies.megatron.verl``, a name kept as a deprecated alias.)
+
 ``actor_rollout_ref.actor.strategy=megatron`` (or the seed's ``actor_rollout_ref.model.backend=megatron``)
 selects it. The parallel sizes come from verl's ``actor_rollout_ref.actor.megatron.*`` keys or the
 seed's spellings ``actor_rollout_ref.actor.{tensor,pipeline}_model_parallel_size`` (either; both set
@@ -11,9 +14,13 @@ changes nothing here.
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
-from rlflow.strategies.megatron.layout import ParallelLayout
+from rlflow.config.report import gib, line
+
+if TYPE_CHECKING:
+    from rlflow.strategies.megatron.layout import ParallelLayout
 
 A = "actor_rollout_ref.actor"
 M = f"{A}.megatron"
@@ -114,7 +121,8 @@ def _notes(cfg: VerlConfig, notes: list[str], on_cpu: bool, layout: ParallelLayo
 
 def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, accelerator: str, with_critic: bool):
     """The strategy of a verl config that asks for Megatron (see the module docstring)."""
-    from rlflow.strategies.megatron import MegatronStrategy
+    # rlflow.strategies imports Lightning and torch: not before a Megatron run is planned (validation stays light)
+    from rlflow.strategies.megatron import MegatronStrategy, ParallelLayout
 
     for role in ("critic",) if with_critic else ():
         if cfg[f"{role}.strategy"] != "megatron":
@@ -170,8 +178,7 @@ def optimizer_overrides(cfg: VerlConfig, notes: list[str], on_cpu: bool) -> dict
 
 def dry_run_section(plan, config, seq_len: int) -> list[str]:
     """The dry run's Megatron lines: the layout, the batch per data-parallel rank and memory per rank."""
-    from rlflow.config.dryrun import gib, line
-    from rlflow.strategies.megatron.memory import rank_memory
+    from rlflow.strategies.megatron.memory import rank_memory  # torch, as above
     from rlflow.strategies.megatron.model import architecture
 
     try:  # a model the conversion does not cover (a vision-language one, say) is refused here, not at build

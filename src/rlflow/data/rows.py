@@ -1,0 +1,93 @@
+"""Rows of a prompt dataset: read from parquet / json / jsonl files or in-memory dicts, and normalised.
+
+A row is normalised to ``prompt`` (a string or chat messages), ``ground_truth``, ``data_source``,
+``extra_info`` and ``index`` (plus ``images`` / ``videos`` when it has them); verl's layout
+(``reward_model.ground_truth``) is read as is. A malformed file or row is a :class:`DataError` naming the
+file and the row. A leaf of :mod:`rlflow.data`: :mod:`~rlflow.data.multimodal` and
+:mod:`~rlflow.data.prompts` (which tokenizes the rows into batches) both build on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+
+class DataError(ValueError):
+    """A malformed file or row; the message names the file and the row."""
+
+
+def load_rows(source: str | Path | Sequence[dict], prompt_key: str = "prompt",
+              image_key: str = "images") -> tuple[list[dict], str]:
+    """Read rows from a parquet/json/jsonl file (with ``datasets``), a list of such files, or a list of dicts.
+
+    Returns the normalised rows and a name for error messages.
+    """
+    if isinstance(source, (list, tuple)) and source and all(isinstance(s, (str, Path)) for s in source):
+        parts = [load_rows(s, prompt_key, image_key) for s in source]  # several files: rows in order, one name
+        rows = [dict(r, index=i) for i, r in enumerate(r for part, _ in parts for r in part)]
+        return rows, " + ".join(name for _, name in parts)
+    if isinstance(source, (str, Path)):
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise DataError(f"data file not found: {path}")
+        import datasets
+
+        kind = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}.get(path.suffix)
+        if kind is None:
+            raise DataError(f"{path}: unsupported file type '{path.suffix}' (use .parquet, .json or .jsonl)")
+        if path.stat().st_size == 0:
+            raise DataError(f"{path}: the file is empty")
+        try:
+            with datasets_bars_off(datasets):  # reading a local file takes a blink: no "Generating train split" bars
+                ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        except Exception as e:  # noqa: BLE001 - pyarrow/json errors of every kind: name the file
+            cause = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            raise DataError(f"{path}: cannot be read as {kind} ({type(e).__name__}: {cause})") from e
+        raw, name = ds.to_list(), str(path)
+    else:
+        raw, name = list(source), "<in-memory rows>"
+    return [normalise_row(r, i, name, prompt_key, image_key) for i, r in enumerate(raw)], name
+
+
+@contextlib.contextmanager
+def datasets_bars_off(datasets) -> Iterator[None]:
+    """``datasets``' progress bars off for the block (restored after, as the caller had them)."""
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
+
+
+def normalise_row(row: dict, index: int, name: str, prompt_key: str = "prompt", image_key: str = "images") -> dict:
+    if not isinstance(row, dict) or prompt_key not in row or row[prompt_key] is None:
+        raise DataError(f"{name}, row {index}: no '{prompt_key}' column (row: {str(row)[:200]})")
+    prompt = row[prompt_key]
+    if not isinstance(prompt, str):
+        try:
+            prompt = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+        except (TypeError, KeyError) as e:
+            raise DataError(f"{name}, row {index}: '{prompt_key}' must be a string or chat messages "
+                            f"[{{'role': ..., 'content': ...}}] ({e!r})") from e
+    if not prompt or (isinstance(prompt, str) and not prompt.strip()):
+        raise DataError(f"{name}, row {index}: '{prompt_key}' is empty")
+    reward_model = row.get("reward_model") or {}
+    if not isinstance(reward_model, dict):
+        raise DataError(f"{name}, row {index}: 'reward_model' must be a mapping with a 'ground_truth' "
+                        f"(got {type(reward_model).__name__})")
+    ground_truth = row.get("ground_truth", reward_model.get("ground_truth"))
+    if isinstance(ground_truth, float) and ground_truth != ground_truth:  # NaN: pandas' missing value
+        ground_truth = None
+    out = {
+        "prompt": prompt,
+        "ground_truth": None if ground_truth is None else str(ground_truth),
+        "data_source": str(row.get("data_source") or "unknown"),
+        "extra_info": row.get("extra_info"),
+        "index": index,
+    }
+    media = {"images": row.get(image_key), "videos": row.get("videos")}  # read by rlflow.data.multimodal
+    return out | {k: v for k, v in media.items() if v is not None}
