@@ -14,6 +14,8 @@ import importlib
 import sys
 import time
 
+from rlflow.slurm import add_arguments as slurm_arguments, main as launch_slurm  # argparse only: no torch
+
 # default-job flag -> (flag, default, the key to use instead with a verl config, ... with a native recipe)
 DEFAULT_JOB_FLAGS = {
     "seed": ("--seed", 0, "data.seed=N", "data.seed=N"),
@@ -83,15 +85,11 @@ def main(argv: list[str] | None = None) -> int:
                             description="--slurm: an sbatch script for --nodes trainer nodes (srun torchrun, c10d "
                                         "rendezvous on the first) plus --rollout-nodes vLLM server nodes; "
                                         "--dry-run writes and prints it without submitting (docs/multi-node.md).")
-    from rlflow.slurm import add_arguments as slurm_arguments  # argparse only: no torch
-
     slurm_arguments(launch)
     args, extra = parser.parse_known_args(argv)  # overrides may come before and after the flags
     if (extra and args.command not in ("train", "launch")) or any(x.startswith("-") for x in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "launch":
-        from rlflow.slurm import main as launch_slurm
-
         args.overrides += extra
         return launch_slurm(args)
     if args.command == "export":

@@ -21,6 +21,7 @@ from pathlib import Path
 from rlflow.rollout.engines.base import Engine
 from rlflow.rollout.engines.fleet import FleetEngine
 from rlflow.rollout.engines.server import SGLangEngine, ServerEngine, ServerError
+from rlflow.rollout.engines.weight_transfer import server_arguments
 from rlflow.rollout.single_turn import SingleTurnRollout
 from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES
 
@@ -92,8 +93,6 @@ def vllm_server_command(model_dir: str | Path, port: int, *, host: str = "127.0.
 
     Run it with ``VLLM_SERVER_DEV_MODE=1`` in the environment so rlflow can send weights
     (:data:`VLLM_SERVER_ENV` holds that and the in-process engine core setting)."""
-    from rlflow.rollout.engines.weight_transfer import server_arguments
-
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", host,
            "--port", str(port), "--dtype", dtype, "--logprobs-mode", logprobs_mode, "--seed", str(seed),
            "--disable-log-stats", "--uvicorn-log-level", "warning",

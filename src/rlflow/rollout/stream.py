@@ -36,6 +36,7 @@ from tensordict import TensorDict
 
 from rlflow.data import keys as K
 from rlflow.data.nontensor import to_device
+from rlflow.rollout.async_rollout import AsyncRollout
 from rlflow.rollout.dynamic_sampling import DynamicSampling, first_groups, group_metric, informative_rows, merge_stats
 from rlflow.rollout.reference_responses import WithReferenceResponses, add_reference_rows
 from rlflow.rollout.wrapper import cat_batches
@@ -186,8 +187,6 @@ class Prefetch(Stage):
         self.max_staleness, self.options = max_staleness, options
 
     def wrap(self, rollout):
-        from rlflow.rollout.async_rollout import AsyncRollout
-
         return AsyncRollout(rollout, self.max_staleness, **self.options)
 
 

@@ -14,6 +14,7 @@ import torch
 
 from rlflow.data import keys as K
 from rlflow.data.nontensor import column
+from rlflow.trainer.watchdog import Watchdog
 
 # Characters common answer formats need, and what needs them.
 FORMAT_CHARS = {"\\": "\\boxed{...}", "{": "\\boxed{...}", "}": "\\boxed{...}", "#": "GSM8K's '#### 42'",
@@ -142,8 +143,6 @@ def identical_group_frac(response_ids: torch.Tensor, mask: torch.Tensor, group: 
 def with_defaults(callbacks) -> list:
     """The user's callbacks, plus a :class:`NoLearningSignal` unless they hold one, and the fault
     :class:`~rlflow.trainer.watchdog.Watchdog` (idle on one process)."""
-    from rlflow.trainer.watchdog import Watchdog
-
     callbacks = list(callbacks)
     callbacks = callbacks if any(isinstance(c, NoLearningSignal) for c in callbacks) else [*callbacks, NoLearningSignal()]
     return callbacks if any(isinstance(c, Watchdog) for c in callbacks) else [*callbacks, Watchdog()]

@@ -34,6 +34,8 @@ import shutil
 import warnings
 from pathlib import Path
 
+from rlflow.trainer.watchdog import phase  # a rank that dies or fails while saving is reported so (stdlib only)
+
 
 # torch, numpy and Lightning are imported where used: the config check (check_run_dir) stays light.
 
@@ -254,8 +256,6 @@ def remove_hidden(root: str | Path) -> None:
 
 def save(trainer) -> Path:
     """Write ``<run_dir>/global_step_N`` atomically (see the module docstring) and mark it latest."""
-    from rlflow.trainer.watchdog import phase  # a rank that dies or fails while saving is reported so
-
     with phase("save"):
         return _save(trainer)
 

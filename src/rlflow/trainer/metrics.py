@@ -11,6 +11,7 @@ from tensordict import TensorDict
 
 from rlflow.algorithms.mismatch import MismatchMetrics  # noqa: F401 - the Trainer's, beside its other metrics
 from rlflow.data import keys as K
+from rlflow.trainer.watchdog import phase  # the phase a fault report names
 
 
 def _summary(prefix: str, values: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -62,8 +63,6 @@ class Timer:
 
     @contextmanager
     def __call__(self, name: str):
-        from rlflow.trainer.watchdog import phase  # the phase a fault report names
-
         start = time.perf_counter()
         try:
             with phase(name):

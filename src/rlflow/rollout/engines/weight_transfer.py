@@ -48,6 +48,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from rlflow.rollout.engines.checkpoint import distributed
+
 log = logging.getLogger("rlflow.rollout.weight_transfer")
 
 SHM = "rlflow_shm"
@@ -368,7 +370,6 @@ def server_sender(engine, requested: str | None) -> Sender | None:
     multi-process trainer, rank 0 asks and every rank follows its answer (all ranks gather the buckets)."""
     import torch.distributed as dist
 
-    from rlflow.rollout.engines.checkpoint import distributed
     from rlflow.rollout.engines.server import ServerError
 
     where = f"the server at {engine.url}"
