@@ -68,9 +68,6 @@ ALLOWED = {
     ("rollout.dynamic_sampling", "rollout.stream"): "a circle kept by a deprecated name: DynamicSampling(rollout, "
         "reward) builds the stream's FilterGroups, and the stream imports this module's helpers (goes with it)",
     ("rollout.engines", "rollout.engines.fleet"): BUSY,
-    ("rollout.engines.server", "rollout.engines.weight_transfer"): "a circle: the protocol's server half "
-        "(weight_transfer.server_sender) uses ServerEngine's errors; cut by moving that half into engines/server.py",
-    ("rollout.engines.weight_transfer", "rollout.engines.server"): "the same circle, from the other side",
     ("rollout.engines", "rollout.engines.vllm"): BUSY,
     ("rollout.engines.vllm", "models.hf_config"): BUSY,
     ("rollout.tools.config", "rollout.agent.interaction"): BUSY,

@@ -36,17 +36,10 @@ from pathlib import Path
 
 from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets
 from rlflow.rollout.engines.checkpoint import barrier, shared_temp_dir, write_checkpoint, writes_checkpoints
+from rlflow.rollout.engines.errors import ServerError  # noqa: F401 - importable from here, as before
+from rlflow.rollout.engines.weight_transfer import server_sender
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
-
-
-class ServerError(RuntimeError):
-    """A server answered with an error, or could not be reached after every retry; the message names the URL.
-    ``status``: the HTTP status of an answer refusing the request (``None``: no answer)."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
 
 
 class ServerEngine(Engine):
@@ -176,8 +169,6 @@ class ServerEngine(Engine):
         have the server reload it (one process asks)."""
         start = time.perf_counter()
         if self.weight_transfer is not None and self.sender is None:  # decided once, at the first update
-            from rlflow.rollout.engines.weight_transfer import server_sender
-
             self.sender = server_sender(self, self.weight_transfer) or False
         if self.sender:
             metrics = self.sender.send(buckets)

@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 import torch
 
 from rlflow.rollout.engines.checkpoint import distributed
+from rlflow.rollout.engines.errors import ServerError
 
 log = logging.getLogger("rlflow.rollout.weight_transfer")
 
@@ -369,8 +370,6 @@ def server_sender(engine, requested: str | None) -> Sender | None:
     this machine's shared memory. Said once, as a warning; the caller then keeps its disk path. In a
     multi-process trainer, rank 0 asks and every rank follows its answer (all ranks gather the buckets)."""
     import torch.distributed as dist
-
-    from rlflow.rollout.engines.server import ServerError
 
     where = f"the server at {engine.url}"
     backend = choose_backend(requested, on_gpu=torch.cuda.is_available(), server=True, where=where)
