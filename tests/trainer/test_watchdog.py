@@ -80,3 +80,16 @@ def test_a_bad_timeout_names_the_variable(monkeypatch):
         heartbeat_timeout()
     monkeypatch.setenv("RLFLOW_HEARTBEAT_TIMEOUT", "2.5")
     assert heartbeat_timeout() == 2.5
+
+
+def test_a_peer_not_heard_from_yet_gets_the_startup_grace(store, monkeypatch):
+    """Ranks reach fit at different times (CI: one rank was still starting its vLLM engine after 10 s): a peer
+    that has not sent its first beat is not called dead at the heartbeat timeout, only after the startup grace."""
+    monkeypatch.setenv("RLFLOW_HEARTBEAT_STARTUP", "30")
+    me = Heartbeat(store, 0, 2, timeout=0.5)
+    me.beat(), me.observe()
+    me.peers[1]["moved"] -= 10  # silent for 10 s, never heard from
+    assert me.silent(me.timeout, first_beat=me.startup) == []
+    assert me.silent(me.timeout) == [1]  # the exception path still names it at once
+    me.peers[1]["moved"] -= 30
+    assert me.silent(me.timeout, first_beat=me.startup) == [1]

@@ -5,7 +5,10 @@ Each rank of a multi-process run (torchrun on one or several nodes, or Fabric's 
 heartbeat every ``interval`` seconds to the c10d store its processes met through (``MASTER_ADDR:MASTER_PORT``):
 a counter, its phase and its step. A thread on every rank reads the others' heartbeats. Then:
 
-* a peer whose heartbeat has not moved for ``RLFLOW_HEARTBEAT_TIMEOUT`` seconds (default 10) is dead or frozen:
+* a peer whose heartbeat has not moved for ``RLFLOW_HEARTBEAT_TIMEOUT`` seconds (default 10) is dead or frozen
+  (a peer not heard from yet gets ``RLFLOW_HEARTBEAT_STARTUP`` seconds, default 600: ranks reach ``fit`` at
+  different times, one may still be loading a model or starting its engine; one that dies meanwhile is still
+  named, by the exception path below, as soon as a collective with it fails):
   this rank prints which peer, the phase it and this rank were in, and exits with code 1, rather than waiting
   in a collective for its timeout (NCCL's is 10 minutes). torchrun then stops the rest of its node.
 * an uncaught exception (gloo's "Connection reset by peer" right after a peer died, or a collective timeout)
@@ -30,6 +33,7 @@ import time
 from contextlib import contextmanager
 
 TIMEOUT_ENV = "RLFLOW_HEARTBEAT_TIMEOUT"
+STARTUP_ENV = "RLFLOW_HEARTBEAT_STARTUP"
 INTERVAL = 0.5  # seconds between beats for up to 64 ranks
 WHAT = {"gen": "generation", "reward": "reward", "ref": "reference log-probs", "old_log_prob": "old log-probs",
         "values": "critic values", "adv": "advantages", "balance": "batch balancing", "update_critic": "critic update",
@@ -40,15 +44,20 @@ _stack = ["setup"]          # the main thread's phases, innermost last
 _failed: list[str] = []     # the innermost phase an exception left (the first one recorded)
 
 
-def heartbeat_timeout() -> float:
-    value = os.environ.get(TIMEOUT_ENV, "10")
+def heartbeat_timeout(name: str = TIMEOUT_ENV, default: str = "10") -> float:
+    value = os.environ.get(name, default)
     try:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
     if seconds <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r}: seconds without a heartbeat before a rank counts as dead, > 0")
+        raise ValueError(f"{name}={value!r}: seconds without a heartbeat before a rank counts as dead, > 0")
     return seconds
+
+
+def startup_timeout() -> float:
+    """Seconds a peer not heard from yet may take to send its first heartbeat (``RLFLOW_HEARTBEAT_STARTUP``)."""
+    return heartbeat_timeout(STARTUP_ENV, "600")
 
 
 def current_phase() -> str:
@@ -87,6 +96,7 @@ class Heartbeat:
     def __init__(self, store, rank: int, world: int, trainer=None, timeout: float | None = None):
         self.store, self.rank, self.world, self.trainer = store, rank, world, trainer
         self.timeout = heartbeat_timeout() if timeout is None else timeout
+        self.startup = max(self.timeout, startup_timeout())
         self.interval = INTERVAL * max(1, world // 64)
         self.count, self.done = 0, False
         self.started = time.monotonic()
@@ -115,10 +125,12 @@ class Heartbeat:
                 peer.update(n=state["n"], moved=now)
             peer["state"] = state
 
-    def silent(self, at_least: float) -> list[int]:
-        """Peers (not done) whose heartbeat has not moved for ``at_least`` seconds, longest silent first."""
+    def silent(self, at_least: float, first_beat: float | None = None) -> list[int]:
+        """Peers (not done) whose heartbeat has not moved for ``at_least`` seconds (``first_beat`` for a peer not
+        heard from yet, if given), longest silent first."""
         now = time.monotonic()
-        quiet = [r for r, p in self.peers.items() if now - p["moved"] >= at_least
+        quiet = [r for r, p in self.peers.items()
+                 if now - p["moved"] >= (at_least if p["n"] is not None or first_beat is None else first_beat)
                  and (p["state"] or {}).get("phase") != "done"]
         return sorted(quiet, key=lambda r: self.peers[r]["moved"])
 
@@ -132,7 +144,7 @@ class Heartbeat:
                 self.store_error = self.store_error or f"{type(e).__name__}: {e}"
             if self.done:
                 return
-            dead = self.silent(self.timeout)
+            dead = self.silent(self.timeout, first_beat=self.startup)
             if dead:
                 print(self.report(dead, f"no heartbeat for more than {self.timeout:g} s ({TIMEOUT_ENV})"),
                       file=sys.stderr, flush=True)
