@@ -15,6 +15,7 @@ follow the same rule, and :class:`LossOutput` says which is which: loss terms ("
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from dataclasses import dataclass, field
@@ -83,6 +84,12 @@ def _aggregation(loss, aggregation, num_tokens, num_seqs, where: str) -> Aggrega
                       "Aggregation(num_tokens=..., num_seqs=...)", DeprecationWarning, stacklevel=3)
         aggregation = Aggregation(num_tokens=num_tokens, num_seqs=num_seqs)
     return (aggregation or Aggregation()).using(loss.agg, loss.loss_scale_factor)
+
+
+@functools.cache
+def _takes_aggregation(cls) -> bool:
+    # Whether cls.pg_loss follows today's contract, pg_loss(batch, aggregation); read once per class, not per call.
+    return "aggregation" in inspect.signature(cls.pg_loss).parameters
 
 
 def _to_floats(stats: dict[str, Tensor | float]) -> dict[str, float]:
@@ -190,7 +197,7 @@ class PPOLoss:
                  num_tokens=None, num_seqs=None) -> LossOutput:
         _require(self, batch)
         agg = _aggregation(self, aggregation, num_tokens, num_seqs, "__call__")
-        if "aggregation" in inspect.signature(self.pg_loss).parameters:  # pg_loss(batch, aggregation)
+        if _takes_aggregation(type(self)):  # pg_loss(batch, aggregation)
             pg, pg_stats = self.pg_loss(batch, agg)
         else:  # a subclass written for the earlier contract: pg_loss(batch, num_tokens, num_seqs) -> (loss, stats)
             warnings.warn(f"{type(self).__name__} overrides pg_loss(batch, num_tokens, num_seqs), which is deprecated: "
