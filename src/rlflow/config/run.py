@@ -158,7 +158,7 @@ def launch(plan: Plan, argv: list[str]) -> int:
 
     One node is launched from here; for several nodes, start ``torchrun`` on each node yourself
     (:func:`rlflow.config.devices.check_launcher` says so; docs/multi-node.md) and this command runs as one of
-    its workers.
+    its workers, or run this command with a Ray cluster running (:func:`launch_on_ray`).
     """
     from torch.distributed.run import main as torchrun
 
@@ -172,6 +172,18 @@ def launch(plan: Plan, argv: list[str]) -> int:
     return 0
 
 
+def launch_on_ray(plan: Plan, argv: list[str], address: str) -> int:
+    """``trainer.nnodes>1`` with a Ray cluster: this command's workers placed on it (:mod:`rlflow.launch.ray`)."""
+    from rlflow.launch.ray import RayLaunchError, run_workers
+
+    devices = plan.devices
+    try:
+        return run_workers(address, devices.nnodes, devices.per_node, argv, use_gpu=devices.accelerator == "cuda")
+    except RayLaunchError as e:
+        print(f"rlflow: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code. Config errors print one clear message and return 2."""
     started = time.perf_counter()
@@ -179,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     quiet_other_ranks()  # under torchrun: each warning and bar once (rank 0), not once per process
     try:
         cfg = load_and_check(args)  # before anything heavy: a config error comes back in about a second
-        if not args.dry_run:  # several nodes need torchrun on each; a torchrun job must match the config's size
-            check_launcher(cfg.flat.get("trainer.n_gpus_per_node"), cfg.flat.get("trainer.nnodes"))
+        cluster = None
+        if not args.dry_run:  # several nodes: torchrun on each, or a Ray cluster; a torchrun job must match the config
+            cluster = check_launcher(cfg.flat.get("trainer.n_gpus_per_node"), cfg.flat.get("trainer.nnodes"),
+                                     ray_address=cfg.flat.get("ray_kwargs.ray_init.address"))
         from rlflow.config.plan import make_plan
 
         plan = make_plan(cfg)
@@ -190,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             report, problems = dry_run(plan, show_config=args.show_config)
             print(report)
             return 1 if problems else 0
+        if cluster is not None:
+            return launch_on_ray(plan, sys.argv[1:] if argv is None else argv, cluster)
         if plan.devices.processes > 1 and "LOCAL_RANK" not in os.environ:
             return launch(plan, sys.argv[1:] if argv is None else argv)
         train(plan, started)
