@@ -86,7 +86,22 @@ def ppo(args, timeout=300, **extra):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_ray_cluster_trains_resumes_and_equals_torchrun(cluster, job, tmp_path):
+@pytest.fixture(scope="module")
+def torchrun_reference(job, tmp_path_factory):
+    """The same 2 ranks under torchrun on one node, 3 steps: started first, so that it runs while the
+    cluster starts (Ray's start-up mostly waits); the test waits for it at the end."""
+    run = tmp_path_factory.mktemp("torchrun")
+    with open(run.with_suffix(".log"), "w") as log:  # a file, not a pipe nobody reads while it runs
+        proc = subprocess.Popen([sys.executable, "-m", "rlflow.trainer.main_ppo", *job, "trainer.n_gpus_per_node=2",
+                                 "trainer.total_training_steps=3", f"trainer.default_local_dir={run}"], env=env(),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        yield proc, run
+    if proc.poll() is None:  # the test failed before waiting for it: torchrun and its workers
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_ray_cluster_trains_resumes_and_equals_torchrun(torchrun_reference, cluster, job, tmp_path):
     run, two_nodes = tmp_path / "ray", ["trainer.nnodes=2", "trainer.n_gpus_per_node=1"]
     first = ppo([*job, *two_nodes, "trainer.total_training_steps=2", f"trainer.default_local_dir={run}"],
                 RAY_ADDRESS=cluster)  # found as ray.init finds it: RAY_ADDRESS
@@ -103,10 +118,9 @@ def test_ray_cluster_trains_resumes_and_equals_torchrun(cluster, job, tmp_path):
     assert second.returncode == 0, out[-4000:]
     assert "resumed from" in out and (run / "global_step_3").is_dir()
 
-    one = ppo([*job, "trainer.n_gpus_per_node=2", "trainer.total_training_steps=3",
-               f"trainer.default_local_dir={tmp_path}/torchrun"])  # torchrun, one node, the same 2 ranks
-    assert one.returncode == 0, (one.stdout + one.stderr)[-4000:]
-    reference, placed_on_ray = metrics(tmp_path / "torchrun"), metrics(run)
+    one, reference_run = torchrun_reference
+    assert one.wait(timeout=300) == 0, reference_run.with_suffix(".log").read_text()[-4000:]
+    reference, placed_on_ray = metrics(reference_run), metrics(run)
     assert sorted(reference) == sorted(placed_on_ray) == [1, 2, 3]
     assert min(r["actor/grad_norm"] for r in reference.values()) > 0.1  # real updates
     for step in (1, 2, 3):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from rlflow.config.devices import check_launcher
+from rlflow.config.devices import check_launcher, resolve_devices
 from rlflow.config.key_notes import unused_notes  # also importable from here, as before
 from rlflow.config.loading import ConfigError, VerlConfig, load_config, raise_problems
 from rlflow.config.native import NATIVE, load_native
@@ -172,11 +172,13 @@ def launch(plan: Plan, argv: list[str]) -> int:
     return 0
 
 
-def launch_on_ray(plan: Plan, argv: list[str], address: str) -> int:
-    """``trainer.nnodes>1`` with a Ray cluster: this command's workers placed on it (:mod:`rlflow.launch.ray`)."""
+def launch_on_ray(cfg: VerlConfig, argv: list[str], address: str) -> int:
+    """``trainer.nnodes>1`` with a Ray cluster: this command's workers placed on it (:mod:`rlflow.launch.ray`).
+
+    The config was validated; the plan is made by each worker (as under torchrun), not here too."""
     from rlflow.launch.ray import RayLaunchError, run_workers
 
-    devices = plan.devices
+    devices = resolve_devices(cfg, [], with_critic=False, record=False)
     try:
         return run_workers(address, devices.nnodes, devices.per_node, argv, use_gpu=devices.accelerator == "cuda")
     except RayLaunchError as e:
@@ -195,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dry_run:  # several nodes: torchrun on each, or a Ray cluster; a torchrun job must match the config
             cluster = check_launcher(cfg.flat.get("trainer.n_gpus_per_node"), cfg.flat.get("trainer.nnodes"),
                                      ray_address=cfg.flat.get("ray_kwargs.ray_init.address"))
+        if cluster is not None:  # the driver of a Ray job: its workers make the plan (a torch import saved here)
+            return launch_on_ray(cfg, sys.argv[1:] if argv is None else argv, cluster)
         from rlflow.config.plan import make_plan
 
         plan = make_plan(cfg)
@@ -204,8 +208,6 @@ def main(argv: list[str] | None = None) -> int:
             report, problems = dry_run(plan, show_config=args.show_config)
             print(report)
             return 1 if problems else 0
-        if cluster is not None:
-            return launch_on_ray(plan, sys.argv[1:] if argv is None else argv, cluster)
         if plan.devices.processes > 1 and "LOCAL_RANK" not in os.environ:
             return launch(plan, sys.argv[1:] if argv is None else argv)
         train(plan, started)
