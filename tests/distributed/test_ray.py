@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("ray")
 
 from rlflow.config.run import main as main_ppo  # noqa: E402
-from rlflow.launch.ray import run_workers  # noqa: E402
+from rlflow.launch.ray import RayLaunchError, run_workers  # noqa: E402
 
 from .launch import free_port  # noqa: E402
 from .test_multinode import job, metrics  # noqa: E402,F401  (job: the tiny verl job, a module fixture)
@@ -141,3 +141,10 @@ def test_a_failed_or_dead_rank_stops_the_others_naming_rank_and_node(cluster, ca
     err = capsys.readouterr().err
     report = next((line for line in err.splitlines() if line.startswith("rlflow: rank 1 (node 1, ")), "")
     assert said in report and "stopped the other 1 rank(s)" in report, err[-3000:]
+
+
+def test_a_job_larger_than_the_cluster_is_an_error_at_once(cluster):
+    with pytest.raises(RayLaunchError, match=r"trainer.nnodes=3 .* has 2 alive node\(s\), 2 of them with 1 CPU"):
+        run_workers(cluster, 3, 1, ["raise"], entry="tests.distributed.ray_entry")
+    with pytest.raises(RayLaunchError, match=r"no node of the Ray cluster at \S+ has 2 CPU\(s\)"):
+        run_workers(cluster, 2, 2, ["raise"], entry="tests.distributed.ray_entry")
