@@ -23,6 +23,7 @@ from rlflow.config.loading import ConfigError, VerlConfig, load_config, raise_pr
 from rlflow.config.native import NATIVE, load_native
 from rlflow.config.validate import validate
 from rlflow.config.verl_configs import bundled_name
+from rlflow.launch.ray import RayLaunchError, run_workers  # light: Ray itself is imported where used
 from rlflow.logs import quiet_other_ranks
 from rlflow.trainer import checkpoint as ckpt
 from rlflow.trainer.checkpoint import CheckpointError  # light: the checkpoint module imports torch where used
@@ -176,8 +177,6 @@ def launch_on_ray(cfg: VerlConfig, argv: list[str], address: str) -> int:
     """``trainer.nnodes>1`` with a Ray cluster: this command's workers placed on it (:mod:`rlflow.launch.ray`).
 
     The config was validated; the plan is made by each worker (as under torchrun), not here too."""
-    from rlflow.launch.ray import RayLaunchError, run_workers
-
     devices = resolve_devices(cfg, [], with_critic=False, record=False)
     try:
         return run_workers(address, devices.nnodes, devices.per_node, argv, use_gpu=devices.accelerator == "cuda")
