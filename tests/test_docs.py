@@ -278,17 +278,29 @@ for _block in BLOCKS:  # the page's two training commands (vLLM, HF): the recipe
                                                "runs the seed's YAML with vLLM)" if "rollout.name=hf" not in _block.text else "")
 
 MULTINODE_TEST = "tests/distributed/test_multinode.py"
-RAY_WORKFLOW = "verl's Ray workflow (a Ray cluster), which rlflow does not support yet; the page says so"
+RAY_TEST = "tests/distributed/test_ray.py"
+RAY_WORKFLOW = ("needs a Ray cluster of several nodes; " + RAY_TEST + " starts a 2-node one on 127.0.0.1 and runs "
+                "rlflow's command on it with trainer.nnodes=2 trainer.n_gpus_per_node=1")
 NOT_RUN.update({
     ("docs/multi-node.md", "ray start --head --port=6379"): RAY_WORKFLOW,
     ("docs/multi-node.md", "ray start --address='head_ip:6379'"): RAY_WORKFLOW,
     ("docs/multi-node.md", "python3 -m verl.trainer.main_ppo trainer.nnodes=4 trainer.n_gpus_per_node=8"):
-        RAY_WORKFLOW + " (verl's own command); " + MULTINODE_TEST + "::test_several_nodes_without_torchrun_fail_at_once_"
-        "saying_how_to_start runs rlflow's with trainer.nnodes=2",
+        "verl's own command (the seed's), shown beside rlflow's",
+    ("docs/multi-node.md", "python3 -m rlflow.trainer.main_ppo trainer.nnodes=4 trainer.n_gpus_per_node=8 ..."):
+        RAY_WORKFLOW,
+    ("docs/multi-node.md", "RAY_ADDRESS=127.0.0.1:6390 python -m rlflow.trainer.main_ppo trainer.nnodes=2 "
+                           "trainer.n_gpus_per_node=1 trainer.device=cpu ..."):
+        "a template ('...': the job's keys); " + RAY_TEST + "::test_ray_cluster_trains_resumes_and_equals_torchrun "
+        "runs it on a tiny job",
     ("docs/multi-node.md", "torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 "
                            "--rdzv-id myjob -m rlflow.trainer.main_ppo trainer.nnodes=2 trainer.n_gpus_per_node=8 ..."):
         "needs 2 nodes of 8 GPUs; " + MULTINODE_TEST + " runs it with 2 agents of 1 CPU process on 127.0.0.1",
 })
+for _block in BLOCKS:  # the two Ray nodes on one machine: test_ray.py's cluster fixture starts them (its own ports)
+    if _block.file == "docs/multi-node.md" and _block.text.startswith(("ray start --head --node-ip-address=127.0.0.1",
+                                                                       "ray start --address=127.0.0.1:6390")):
+        NOT_RUN[_block.key] = ("starts a Ray node that lives on after the command; " + RAY_TEST + "'s cluster "
+                               "fixture starts these two on free ports (and stops them)")
 for _block in BLOCKS:  # the two agents on one machine: a template ('...') the multi-node test runs with its tiny job
     if _block.file == "docs/multi-node.md" and _block.text.startswith("torchrun --nnodes=2 --nproc_per_node=1"):
         NOT_RUN[_block.key] = ("a template ('...': the job's keys); " + MULTINODE_TEST +

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from rlflow.config import verl_megatron as megatron_keys
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.launch import ray as ray_launch
 
 OFFLOAD_KEYS = (
     "actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
@@ -99,9 +100,11 @@ def under_torchrun(env=os.environ) -> bool:
     return "LOCAL_RANK" in env and "WORLD_SIZE" in env
 
 
-def check_launcher(per_node: int, nnodes: int, env=os.environ) -> None:
-    """Before anything loads: several nodes need a launcher on each node, and a torchrun job must be the size
-    the config says (else every rank would train a different job, or wait forever for ranks that never come)."""
+def check_launcher(per_node: int, nnodes: int, env=os.environ, ray_address: str | None = None) -> str | None:
+    """Before anything loads: several nodes need a launcher on each node (torchrun) or a Ray cluster, and a
+    torchrun job must be the size the config says (else every rank would train a different job, or wait
+    forever for ranks that never come). Returns the Ray cluster's address when the run is to be placed on
+    one (``trainer.nnodes>1`` outside torchrun; ``ray_address``: ``ray_kwargs.ray_init.address``)."""
     if under_torchrun(env):
         world, local = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
         if world != per_node * nnodes or local != per_node:
@@ -110,13 +113,22 @@ def check_launcher(per_node: int, nnodes: int, env=os.environ) -> None:
                 f"trainer.n_gpus_per_node = {nnodes} x {per_node} = {nnodes * per_node}: set "
                 f"trainer.nnodes={world // max(local, 1)} trainer.n_gpus_per_node={local} (or start torchrun with "
                 f"--nnodes {nnodes} --nproc_per_node {per_node})")
-        return
+        return None
     if nnodes > 1:
+        address = ray_launch.find_cluster(ray_address, env)
+        if address is not None:
+            return address
+        ray = ("start a Ray cluster (verl's way): `ray start --head --port=6379` on the head node and `ray start "
+               "--address=HEAD:6379` on every other node, then run this command on any of them (it finds the "
+               "cluster through ray_kwargs.ray_init.address, RAY_ADDRESS or the one running on this machine)"
+               if ray_launch.ray_installed() else
+               f"install Ray ({ray_launch.INSTALL}, rlflow's `ray` extra) and start a Ray cluster: `ray start "
+               "--head --port=6379` on the head node, `ray start --address=HEAD:6379` on the others")
         raise ConfigError(
-            f"trainer.nnodes={nnodes}: rlflow starts the processes of one node itself; for {nnodes} nodes start "
-            f"torchrun on every node (the same command on each, HEAD = the first node's address):\n"
+            f"trainer.nnodes={nnodes}: no Ray cluster found (ray_kwargs.ray_init.address and RAY_ADDRESS are unset "
+            f"and no Ray cluster runs on this machine). Either {ray};\n"
+            f"or start torchrun on every node (the same command on each, HEAD = the first node's address):\n"
             f"  torchrun --nnodes {nnodes} --nproc_per_node {per_node} --rdzv-backend c10d --rdzv-endpoint HEAD:29500 "
             f"--rdzv-id JOB -m rlflow.trainer.main_ppo trainer.nnodes={nnodes} trainer.n_gpus_per_node={per_node} ...\n"
-            "or on SLURM: `rlflow launch --slurm --nodes N ... --dry-run` writes the sbatch script (docs/multi-node.md). "
-            "verl's other way, a Ray cluster (`ray start --head --port=6379` on the head node, `ray start "
-            "--address=HEAD:6379` on the others), is not supported by rlflow yet: use torchrun")
+            "or on SLURM: `rlflow launch --slurm --nodes N ... --dry-run` writes the sbatch script (docs/multi-node.md)")
+    return None

@@ -17,12 +17,13 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from rlflow.config.devices import check_launcher
+from rlflow.config.devices import check_launcher, resolve_devices
 from rlflow.config.key_notes import unused_notes  # also importable from here, as before
 from rlflow.config.loading import ConfigError, VerlConfig, load_config, raise_problems
 from rlflow.config.native import NATIVE, load_native
 from rlflow.config.validate import validate
 from rlflow.config.verl_configs import bundled_name
+from rlflow.launch.ray import RayLaunchError, run_workers  # light: Ray itself is imported where used
 from rlflow.logs import quiet_other_ranks
 from rlflow.trainer import checkpoint as ckpt
 from rlflow.trainer.checkpoint import CheckpointError  # light: the checkpoint module imports torch where used
@@ -158,7 +159,7 @@ def launch(plan: Plan, argv: list[str]) -> int:
 
     One node is launched from here; for several nodes, start ``torchrun`` on each node yourself
     (:func:`rlflow.config.devices.check_launcher` says so; docs/multi-node.md) and this command runs as one of
-    its workers.
+    its workers, or run this command with a Ray cluster running (:func:`launch_on_ray`).
     """
     from torch.distributed.run import main as torchrun
 
@@ -172,6 +173,18 @@ def launch(plan: Plan, argv: list[str]) -> int:
     return 0
 
 
+def launch_on_ray(cfg: VerlConfig, argv: list[str], address: str) -> int:
+    """``trainer.nnodes>1`` with a Ray cluster: this command's workers placed on it (:mod:`rlflow.launch.ray`).
+
+    The config was validated; the plan is made by each worker (as under torchrun), not here too."""
+    devices = resolve_devices(cfg, [], with_critic=False, record=False)
+    try:
+        return run_workers(address, devices.nnodes, devices.per_node, argv, use_gpu=devices.accelerator == "cuda")
+    except RayLaunchError as e:
+        print(f"rlflow: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code. Config errors print one clear message and return 2."""
     started = time.perf_counter()
@@ -179,8 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     quiet_other_ranks()  # under torchrun: each warning and bar once (rank 0), not once per process
     try:
         cfg = load_and_check(args)  # before anything heavy: a config error comes back in about a second
-        if not args.dry_run:  # several nodes need torchrun on each; a torchrun job must match the config's size
-            check_launcher(cfg.flat.get("trainer.n_gpus_per_node"), cfg.flat.get("trainer.nnodes"))
+        cluster = None
+        if not args.dry_run:  # several nodes: torchrun on each, or a Ray cluster; a torchrun job must match the config
+            cluster = check_launcher(cfg.flat.get("trainer.n_gpus_per_node"), cfg.flat.get("trainer.nnodes"),
+                                     ray_address=cfg.flat.get("ray_kwargs.ray_init.address"))
+        if cluster is not None:  # the driver of a Ray job: its workers make the plan (a torch import saved here)
+            return launch_on_ray(cfg, sys.argv[1:] if argv is None else argv, cluster)
         from rlflow.config.plan import make_plan
 
         plan = make_plan(cfg)

@@ -105,7 +105,8 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
 
 _ENGINE = "a vLLM/SGLang engine setting; rlflow's HF rollout generates with the policy's own module"
 _SINGLE = "an FSDP tuning knob; rlflow's FSDP2 shards every decoder layer with torch's defaults"
-_RAY = "rlflow does not use Ray"
+_RAY = ("rlflow uses Ray only to place trainer.nnodes>1 on a running cluster (ray_kwargs.ray_init.address or "
+        "RAY_ADDRESS finds it); the cluster's own settings are ray start's")
 _PACKED = "rlflow always computes log-probs on response tokens only, in chunks"
 _FUSED = ("rlflow's log-prob head is always fused and chunked (rlflow.models.logprobs.ChunkedHeadLogProbs: linear + "
           "log-prob/entropy over response tokens only, logits recomputed in backward, never all at once)")

@@ -1,0 +1,150 @@
+"""verl's Workflow 3 for real: a 2-node Ray cluster on 127.0.0.1 (two ``ray start`` nodes of one CPU each),
+and ``python -m rlflow.trainer.main_ppo trainer.nnodes=2 trainer.n_gpus_per_node=1`` placed on it by
+rlflow.launch.ray (a placement group spread over the nodes, one actor per rank, one gloo group).
+
+It trains, checkpoints and resumes with the metrics of the same 2 ranks under torchrun on one node; a rank
+that fails or dies stops the other at once, named with its node; ``trainer.nnodes=2`` without a cluster
+fails at once saying how to start one.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+from rlflow.config.run import main as main_ppo  # noqa: E402
+from rlflow.launch.ray import RayLaunchError, run_workers  # noqa: E402
+
+from .launch import free_port  # noqa: E402
+from .test_multinode import job, metrics  # noqa: E402,F401  (job: the tiny verl job, a module fixture)
+
+ROOT = Path(__file__).resolve().parents[2]  # the Ray workers import tests.distributed.ray_entry from here
+RAY = [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+def env(**extra):
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path,
+            "RAY_USAGE_STATS_ENABLED": "0", **extra}
+
+
+def test_several_nodes_without_a_cluster_fail_at_once_saying_how_to_start_one(job, tmp_path, capsys, monkeypatch):
+    for var in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RAY_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    start = time.perf_counter()
+    assert main_ppo([*job, "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
+                     f"trainer.default_local_dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert time.perf_counter() - start < 30 and not (tmp_path / "run").exists()  # nothing built
+    assert "no Ray cluster found" in err and "ray start --head --port=6379" in err
+    assert "ray start --address=HEAD:6379" in err and "torchrun --nnodes 2 --nproc_per_node 1" in err
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two Ray nodes on this machine (the CLI recipe of real-models-and-clusters.md), told apart by custom
+    resources, in a temp dir of their own; stopped at the end by their process groups (not `ray stop`, which
+    stops every Ray node of the machine)."""
+    temp = Path(tempfile.mkdtemp(prefix="rlflow-ray-"))  # short: Ray's socket paths have a length limit
+    port, groups = free_port(), []
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
+              f"--dashboard-agent-listen-port={free_port()}"]
+    try:
+        for name, args in (("head", ["--head", f"--port={port}", "--include-dashboard=false",
+                                     f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
+                                     f"--temp-dir={temp}"]),
+                           ("worker", [f"--address=127.0.0.1:{port}"])):
+            proc = subprocess.Popen([*RAY, "start", *args, *common, f"--resources={{\"node_{name}\": 1}}"],
+                                    env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)  # its daemons stay in this process group
+            groups.append(proc.pid)
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, out[-3000:]
+        yield f"127.0.0.1:{port}"
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for group in groups:
+                try:
+                    os.killpg(group, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(2 if sig == signal.SIGTERM else 0)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def ppo(args, timeout=300, **extra):
+    return subprocess.run([sys.executable, "-m", "rlflow.trainer.main_ppo", *args], env=env(**extra),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def torchrun_reference(job, tmp_path_factory):
+    """The same 2 ranks under torchrun on one node, 3 steps: started first, so that it runs while the
+    cluster starts (Ray's start-up mostly waits); the test waits for it at the end."""
+    run = tmp_path_factory.mktemp("torchrun")
+    with open(run.with_suffix(".log"), "w") as log:  # a file, not a pipe nobody reads while it runs
+        proc = subprocess.Popen([sys.executable, "-m", "rlflow.trainer.main_ppo", *job, "trainer.n_gpus_per_node=2",
+                                 "trainer.total_training_steps=3", f"trainer.default_local_dir={run}"], env=env(),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        yield proc, run
+    if proc.poll() is None:  # the test failed before waiting for it: torchrun and its workers
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_ray_cluster_trains_resumes_and_equals_torchrun(torchrun_reference, cluster, job, tmp_path):
+    run, two_nodes = tmp_path / "ray", ["trainer.nnodes=2", "trainer.n_gpus_per_node=1"]
+    first = ppo([*job, *two_nodes, "trainer.total_training_steps=2", f"trainer.default_local_dir={run}"],
+                RAY_ADDRESS=cluster)  # found as ray.init finds it: RAY_ADDRESS
+    out = first.stdout + first.stderr
+    assert first.returncode == 0, out[-4000:]
+    placed = re.search(r"2 node\(s\) x 1 worker\(s\) on the Ray cluster at \S+: node 0 = \S+ \((\w+)\), "
+                       r"node 1 = \S+ \((\w+)\)", out)
+    assert placed and placed.group(1) != placed.group(2), out[-4000:]  # one rank on each Ray node
+    assert (run / "global_step_2" / "state.ckpt").is_dir()
+
+    second = ppo([*job, *two_nodes, "trainer.total_training_steps=3", f"trainer.default_local_dir={run}",
+                  f"ray_kwargs.ray_init.address={cluster}"])  # or verl's key
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-4000:]
+    assert "resumed from" in out and (run / "global_step_3").is_dir()
+
+    one, reference_run = torchrun_reference
+    assert one.wait(timeout=300) == 0, reference_run.with_suffix(".log").read_text()[-4000:]
+    reference, placed_on_ray = metrics(reference_run), metrics(run)
+    assert sorted(reference) == sorted(placed_on_ray) == [1, 2, 3]
+    assert min(r["actor/grad_norm"] for r in reference.values()) > 0.1  # real updates
+    for step in (1, 2, 3):
+        assert placed_on_ray[step].keys() == reference[step].keys()
+        for key, value in reference[step].items():
+            assert placed_on_ray[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+
+
+@pytest.mark.parametrize("how, said", [
+    ("raise", "raised RuntimeError: bad shard: RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=1 "
+              "MASTER_ADDR="),
+    ("die", "its process died")])
+def test_a_failed_or_dead_rank_stops_the_others_naming_rank_and_node(cluster, capsys, monkeypatch, how, said):
+    monkeypatch.setenv("PYTHONPATH", env()["PYTHONPATH"])  # passed on to the workers
+    start = time.monotonic()
+    assert run_workers(cluster, 2, 1, [how], entry="tests.distributed.ray_entry") == 1
+    assert time.monotonic() - start < 120  # rank 0 sleeps 600 s: it was stopped, not waited for
+    err = capsys.readouterr().err
+    report = next((line for line in err.splitlines() if line.startswith("rlflow: rank 1 (node 1, ")), "")
+    assert said in report and "stopped the other 1 rank(s)" in report, err[-3000:]
+
+
+def test_a_job_larger_than_the_cluster_is_an_error_at_once(cluster):
+    with pytest.raises(RayLaunchError, match=r"trainer.nnodes=3 .* has 2 alive node\(s\), 2 of them with 1 CPU"):
+        run_workers(cluster, 3, 1, ["raise"], entry="tests.distributed.ray_entry")
+    with pytest.raises(RayLaunchError, match=r"no node of the Ray cluster at \S+ has 2 CPU\(s\)"):
+        run_workers(cluster, 2, 2, ["raise"], entry="tests.distributed.ray_entry")
