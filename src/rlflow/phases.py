@@ -28,6 +28,8 @@ def phase(name: str):
     _stack.append(name)
     try:
         yield
+    except (StopIteration, GeneratorExit):
+        raise  # an iterator that ended or was closed (the experience stream's parts): not a failure
     except BaseException:
         if not _failed:
             _failed.append(name)

@@ -32,6 +32,9 @@ def test_timer_phases_are_the_current_phase_and_a_failure_is_remembered():
         worker = threading.Thread(target=lambda: seen.append(phase("save").__enter__() or current_phase()))
         worker.start(), worker.join()
     assert seen == ["gen"]
+    with pytest.raises(StopIteration), phase("gen"):  # the prompt stream ran out: an end, not a failure
+        next(iter([]))
+    assert current_phase() == "setup"
     with pytest.raises(ValueError), timer("update_actor"):
         raise ValueError
     assert current_phase() == "failed in update_actor"  # what the heartbeat publishes from now on
