@@ -33,6 +33,8 @@ def test_the_seed_switch_means_one_step_off_with_truncated_is():
 
 def test_staleness_threshold_sets_the_bound_and_turns_the_mode_on():
     assert plan("async_training.staleness_threshold=2").async_rollout == {"max_staleness": 2}
+    restarts = plan("trainer.async_weight_update=true", "async_training.max_engine_restarts=0").async_rollout
+    assert restarts == {"max_staleness": 1, "max_engine_restarts": 0}  # rlflow's key, passed to AsyncRollout
     kept = plan("trainer.async_weight_update=true", "algorithm.rollout_correction.rollout_is=sequence")
     assert [(c.__name__, k["level"]) for c, k in kept.after] == [("TruncatedIS", "sequence")]  # the user's, once
     off = plan("trainer.async_weight_update=true", "algorithm.rollout_correction.rollout_is=null")
@@ -44,6 +46,8 @@ def test_staleness_threshold_sets_the_bound_and_turns_the_mode_on():
 
 @pytest.mark.parametrize("overrides, error, message", [
     (["async_training.staleness_threshold=0.5"], ConfigError, "whole number of steps"),
+    (["trainer.async_weight_update=true", "async_training.max_engine_restarts=-1"], ConfigError,
+     r"async_training.max_engine_restarts=-1: must be .*>= 0"),
     (["trainer.async_weight_update=true", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
      NotSupportedError, "dynamic sampling"),
 ])

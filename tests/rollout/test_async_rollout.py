@@ -4,6 +4,7 @@ from the prompt stream, resume, and a run that fails (never hangs) when the gene
 
 import copy
 import os
+import re
 import signal
 import time
 
@@ -177,30 +178,77 @@ def test_resume_regenerates_the_batches_in_flight(model, tokenizer, addition_row
         assert torch.equal(before[K.PROMPT_IDS], after[K.PROMPT_IDS])
 
 
+class Kill:
+    """SIGKILLs the engine's process at the end of the given steps (as the OOM killer would), and reaps it."""
+
+    def __init__(self, *steps):
+        self.steps, self.at = steps, None
+
+    def on_step_end(self, trainer, step, metrics):
+        if step in self.steps:
+            process = trainer.rollout.engine.process
+            os.kill(process.pid, signal.SIGKILL)
+            process.join(10)
+            self.at = time.monotonic()
+
+
 @pytest.mark.timeout(120)
-def test_a_dead_generation_process_fails_the_run_with_a_clear_error(model, tokenizer, addition_rows, tmp_path):
-    """The engine's process is killed after the first step: the next step raises, naming the process and the
-    signal, instead of waiting for samples that will never come."""
+def test_a_killed_generation_process_is_restarted_and_the_run_finishes(model, tokenizer, addition_rows, tmp_path,
+                                                                       caplog):
+    """The engine's process is killed after step 1: a new one starts with the newest weights pushed and the
+    batches the dead one had not answered (at least the one sent to it after it died). The run trains on the
+    prompt stream's batches in order (none lost or repeated), every batch's log-probs are those of the weights
+    it reports (so the new engine holds the policy's weights), one warning names the cause, and the metrics
+    count the restart."""
+    import logging
 
-    class Kill:
-        at = None
-
-        def on_step_end(self, trainer, step, metrics):
-            if step == 1:
-                os.kill(trainer.rollout.engine.process.pid, signal.SIGKILL)
-                self.at = time.monotonic()
-
-    kill = Kill()
+    caplog.set_level(logging.WARNING, logger="rlflow.rollout.engines")
+    recorder, kill = Recorder(), Kill(1)
     rollout = AsyncRollout(HFRollout(n=2, max_new_tokens=4), max_staleness=1)
+    trainer = make_trainer(model, tokenizer, addition_rows[0], tmp_path, rollout, steps=4, callbacks=[recorder, kill])
+    first = rollout.engine.process
+    try:
+        history = trainer.fit(PromptData(addition_rows[0], seed=0))
+        restarted = rollout.engine.process
+    finally:
+        rollout.close()
+    assert restarted is not first and not restarted.is_alive()
+    assert "rollout/engine_restarts" not in history[0] and history[-1]["rollout/engine_restarts"] == 1
+    expected = PromptData(addition_rows[0], seed=0).loader(4, tokenizer)
+    for step, batch in enumerate(recorder.batches):
+        assert torch.equal(batch[K.PROMPT_IDS], next(expected)[K.PROMPT_IDS].repeat_interleave(2, 0)), step
+        version = batch[K.POLICY_VERSION][0].item()
+        # the one-step-off version, or the newest one if the dead child had not sampled this batch yet
+        assert batch[K.POLICY_VERSION].tolist() == [version] * 8 and max(step - 1, 0) <= version <= step
+        mask = batch[K.RESPONSE_MASK].bool()
+        sampled = batch[K.ROLLOUT_LOG_PROBS][mask]
+        assert (recomputed(model, tokenizer, recorder.weights[version], batch)[mask] - sampled).abs().max() < 1e-5
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "restart" in r.getMessage()]
+    assert len(warnings) == 1 and re.search(r"generation process \(pid \d+\) was killed by SIGKILL", warnings[0])
+    assert "(restart 1 of at most 2, max_engine_restarts)" in warnings[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_generation_process_past_max_engine_restarts_fails_the_run_with_a_clear_error(
+        model, tokenizer, addition_rows, tmp_path):
+    """With max_engine_restarts=0 the first death fails the next step, naming the process, the signal and what
+    to check, instead of waiting for samples that will never come."""
+    kill = Kill(1)
+    rollout = AsyncRollout(HFRollout(n=2, max_new_tokens=4), max_staleness=1, max_engine_restarts=0)
     trainer = make_trainer(model, tokenizer, addition_rows[0], tmp_path, rollout, steps=3, callbacks=[kill])
     try:
-        with pytest.raises(EngineProcessError, match=r"generation process \(pid \d+\) was killed by SIGKILL"):
+        with pytest.raises(EngineProcessError, match=r"generation process \(pid \d+\) was killed by SIGKILL") as e:
             trainer.fit(PromptData(addition_rows[0], seed=0))
         # noticed by the next wait on the child (polled every 0.5 s), not by the hour-long timeout; a bound on
         # hanging, not a performance figure (measured 0.05 s)
         assert time.monotonic() - kill.at < 30
+        message = str(e.value)
+        assert "HFRollout.make_engine" in message and "max_engine_restarts=0" in message
+        assert "memory" in message and "dmesg" in message and "log" in message
     finally:
         rollout.close()
+    with pytest.raises(ValueError, match="max_engine_restarts must be an integer >= 0, got -1"):
+        ProcessEngine(HFEngine, model, tokenizer, max_restarts=-1)
 
 
 @pytest.mark.timeout(60)

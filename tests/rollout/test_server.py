@@ -118,6 +118,28 @@ def test_an_unreachable_server_is_named():
 
 
 @requires_vllm
+def test_a_single_server_that_dies_mid_run_is_named_and_said_dead(vllm_server, vllm_model_dir):
+    """The only server, after it served, drops every request unanswered (a server that died with them): the
+    error names its URL and says it died or hung, what to check, and that a fleet survives it."""
+    tok = Policy.from_pretrained(vllm_model_dir).tokenizer
+    ids, params = [tok("12+34=")["input_ids"]], SamplingParams(n=1, max_new_tokens=3)
+    dead = []
+    proxy = FaultProxy(vllm_server, lambda path, body, seen: "drop" if dead else None)
+    try:
+        engine = ServerEngine(proxy.url, eos_token_ids=(tok.eos_token_id,), retries=2, backoff=0.01)
+        assert len(engine.generate(ids, params)[0]) == 1
+        dead.append(True)
+        with pytest.raises(ServerError) as e:
+            engine.generate(ids, params)
+    finally:
+        proxy.close()
+    message = str(e.value)
+    assert message.startswith(f"cannot reach the server at {proxy.url} (POST /v1/completions") and "3 attempts" in message
+    assert "it answered earlier in this run, so it died or hung" in message and "log" in message and "memory" in message
+    assert "list of URLs" in message and "is the URL right" not in message
+
+
+@requires_vllm
 def test_a_server_without_weight_updates_is_refused_at_bind(vllm_server, vllm_model_dir):
     refused = ("/collective_rpc", "/init_weight_transfer_engine")  # neither weight path
     proxy = FaultProxy(vllm_server, lambda path, body, seen: 404 if path in refused else None)

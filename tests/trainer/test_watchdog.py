@@ -1,8 +1,10 @@
 """The heartbeat's report on a real c10d TCPStore (in this process: two ranks' heartbeats on one store):
 a silent peer is named with its last phase; when every peer still beats (a collective timeout), their
-phases are what the report gives. tests/distributed/test_multinode.py SIGKILLs a real rank."""
+phases are what the report gives; and a real 2-process gloo run whose collective times out while one rank is
+stuck in its reward. tests/distributed/test_multinode.py SIGKILLs a real rank."""
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -30,6 +32,9 @@ def test_timer_phases_are_the_current_phase_and_a_failure_is_remembered():
         worker = threading.Thread(target=lambda: seen.append(phase("save").__enter__() or current_phase()))
         worker.start(), worker.join()
     assert seen == ["gen"]
+    with pytest.raises(StopIteration), phase("gen"):  # the prompt stream ran out: an end, not a failure
+        next(iter([]))
+    assert current_phase() == "setup"
     with pytest.raises(ValueError), timer("update_actor"):
         raise ValueError
     assert current_phase() == "failed in update_actor"  # what the heartbeat publishes from now on
@@ -93,3 +98,18 @@ def test_a_peer_not_heard_from_yet_gets_the_startup_grace(store, monkeypatch):
     assert me.silent(me.timeout) == [1]  # the exception path still names it at once
     me.peers[1]["moved"] -= 30
     assert me.silent(me.timeout, first_beat=me.startup) == [1]
+
+
+def test_a_collective_timeout_names_the_rank_that_never_reached_it_and_its_phase(tmp_path):
+    """A real 2-process gloo run: rank 1's reward hangs from step 2 on while rank 0 goes on into the next
+    collective, which times out (3 s, set after step 1). Rank 0's report names rank 1 and 'reward' (the
+    experience stream marks generation and scoring as phases), and says to look there."""
+    from ..distributed.launch import torchrun
+
+    proc = torchrun(2, tmp_path, worker=Path(__file__).parents[1] / "distributed" / "hang_worker.py", timeout=240)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Timed out waiting 3000ms" in log, log[-4000:]
+    report = next((line for line in log.splitlines() if line.startswith("[rlflow] a collective timed out")), None)
+    assert report is not None, log[-4000:]
+    assert "on this rank in phase '" in report and "rank 1 is in phase 'reward' (reward) after 1 finished step(s)" in report
+    assert "not at that collective" in report and "reward_model.timeout_s" in report

@@ -9,6 +9,9 @@ wrapped as ``AsyncRollout(rollout, max_staleness=k)`` (docs/async.md), and trunc
 verl counts ``staleness_threshold`` as a fraction of a batch that may come from older weights; rlflow
 generates whole batches ahead, so the value must be a whole number of steps: 0 (synchronous, the engine
 in its own process), 1 (one-step-off, the default), 2, ...
+
+``async_training.max_engine_restarts`` (rlflow's key, default 2): how often a generation process that died
+is started again in one run (``ProcessEngine``), before the run stops naming it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ STALENESS = "async_training.staleness_threshold"
 SWITCH = "trainer.async_weight_update"
 IS_LEVEL, IS_THRESHOLD = "algorithm.rollout_correction.rollout_is", "algorithm.rollout_correction.rollout_is_threshold"
 BYPASS = "algorithm.rollout_correction.bypass_mode"
+RESTARTS = "async_training.max_engine_restarts"  # rlflow's: the engine's process started again after it died
 
 
 def async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: list, dynamic_sampling: dict | None
@@ -55,4 +59,5 @@ def async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: list,
         notes.append(f"{key} with {IS_LEVEL}=null: stale samples are trained without importance-sampling correction")
     notes.append(f"{key}: the Trainer gets rollout=AsyncRollout(rollout, max_staleness={int(steps)}) (the engine "
                  "runs beside the trainer; docs/async.md)")
-    return {"max_staleness": int(steps)}
+    restarts = {"max_engine_restarts": int(cfg[RESTARTS])} if cfg.is_provided(RESTARTS) else {}  # else its default
+    return {"max_staleness": int(steps)} | restarts

@@ -90,6 +90,7 @@ RANGES: dict[str, Range] = {
     "data.max_prompt_length": count(note="tokens"),
     "data.max_response_length": count(note="tokens generated per sample"),
     "data.seed": count(0),
+    "async_training.max_engine_restarts": count(0, note="times a dead generation process is started again per run"),
     # actor: batch sizes, clipping, coefficients, optimizer
     f"{A}.ppo_mini_batch_size": count(note="prompts per optimizer step"),
     f"{A}.ppo_micro_batch_size": count(), f"{A}.ppo_micro_batch_size_per_gpu": count(),

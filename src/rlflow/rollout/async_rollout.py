@@ -24,6 +24,7 @@ metrics (``stats``): staleness, batches over the bound, and each side's waiting 
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 import warnings
@@ -51,6 +52,18 @@ class _Job:
     prompts: TensorDict
 
 
+class EngineFactory:
+    """``rollout.make_engine`` as it is at bind time, for the child process: a child started again after one
+    died (forked mid-run) must not see the rollout's engine, which by then is the ProcessEngine itself."""
+
+    def __init__(self, rollout):
+        self.rollout = copy.copy(rollout)
+        self.__qualname__ = f"{type(rollout).__name__}.make_engine"  # how an engine failure names it
+
+    def __call__(self, model, tokenizer):
+        return self.rollout.make_engine(model, tokenizer)
+
+
 class AsyncRollout(RolloutWrapper):
     """Runs a single-turn rollout's engine beside the trainer, up to ``max_staleness`` batches ahead.
 
@@ -65,7 +78,10 @@ class AsyncRollout(RolloutWrapper):
             :class:`~rlflow.rollout.engines.threaded.ThreadedEngine`); ``"auto"`` picks ``"thread"`` for
             server rollouts and ``"process"`` otherwise.
         start_method, threads: for the child process (see ``ProcessEngine``; default fork, one thread).
-        timeout: seconds a batch may take before the run fails (a child that dies fails it within a second).
+        timeout: seconds a batch may take before the run fails (a child that stops answering).
+        max_engine_restarts: times a child process that died is started again in the run, with the newest
+            weights and the batches it had not answered (``rollout/engine_restarts`` counts them; see
+            ``ProcessEngine``); one death more fails the run within a second, saying what to check.
 
     Writes the wrapped rollout's keys and ``policy_version`` ([B] int64). ``stats`` (logged every step):
     ``async/staleness_mean`` and ``async/staleness_max`` (versions behind, over the step's samples),
@@ -81,7 +97,7 @@ class AsyncRollout(RolloutWrapper):
     """
 
     def __init__(self, rollout, max_staleness: int = 1, *, placement: str = "auto", start_method: str | None = None,
-                 threads: int | None = None, timeout: float = 3600.0):
+                 threads: int | None = None, timeout: float = 3600.0, max_engine_restarts: int = 2):
         if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
             raise ValueError(f"max_staleness must be an integer >= 0 (batches generated ahead), got {max_staleness!r}")
         if placement not in PLACEMENTS:
@@ -95,7 +111,7 @@ class AsyncRollout(RolloutWrapper):
         self.max_staleness, self.timeout = max_staleness, timeout
         self.placement = placement if placement != "auto" else (
             "thread" if getattr(rollout, "remote_engine", False) else "process")
-        self.process_options = {"start_method": start_method, "threads": threads}
+        self.process_options = {"start_method": start_method, "threads": threads, "max_restarts": max_engine_restarts}
         self.given_engine = rollout.engine  # what make_engine returns in the child when the user passed one
         self.engine: ProcessEngine | ThreadedEngine | None = None
         self.version = 0
@@ -130,7 +146,7 @@ class AsyncRollout(RolloutWrapper):
             self.engine = ThreadedEngine(self.rollout.engine, timeout=self.timeout)
         else:
             # an engine with weights of its own (vLLM) joins torch.distributed when it starts
-            self.engine = ProcessEngine(self.rollout.make_engine, model, tokenizer, slots=self.max_staleness + 1,
+            self.engine = ProcessEngine(EngineFactory(self.rollout), model, tokenizer, slots=self.max_staleness + 1,
                                         uses_process_group=self.rollout.holds_own_weights, timeout=self.timeout,
                                         **self.process_options)
             self.rollout.model, self.rollout.tokenizer = model, tokenizer

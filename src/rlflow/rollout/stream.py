@@ -36,6 +36,7 @@ from tensordict import TensorDict
 
 from rlflow.data import keys as K
 from rlflow.data.nontensor import to_device
+from rlflow.phases import phase
 from rlflow.rollout.async_rollout import AsyncRollout
 from rlflow.rollout.dynamic_sampling import DynamicSampling, first_groups, group_metric, informative_rows, merge_stats
 from rlflow.rollout.reference_responses import WithReferenceResponses, add_reference_rows
@@ -311,7 +312,8 @@ class Experience:
                 self._stack.append(0.0)
                 start = time.perf_counter()
                 try:
-                    item = next(items)
+                    with phase(name):  # what a fault report says this rank was doing (gen, reward, a stage)
+                        item = next(items)
                 except StopIteration:
                     return
                 finally:

@@ -13,10 +13,14 @@ a counter, its phase and its step. A thread on every rank reads the others' hear
   in a collective for its timeout (NCCL's is 10 minutes). torchrun then stops the rest of its node.
 * an uncaught exception (gloo's "Connection reset by peer" right after a peer died, or a collective timeout)
   is followed by the same report, after waiting a few heartbeats to see which peers went silent: so a
-  timeout says whether the others were generating, scoring, updating or syncing weights.
+  timeout says whether the others were generating, scoring, updating or syncing weights, and names the live
+  ranks that were in another phase than this one (they never reached the collective: e.g. a hung reward).
+  (NCCL's own watchdog may abort the process at its time-out without a Python exception: then it is this
+  rank the others report, as dead, with its phase.)
 
-The phase is the Trainer's timing phase (``timing_s/<phase>``: ``gen``, ``reward``, ``old_log_prob``,
-``update_actor``, ``update_weights``, ...; :class:`rlflow.trainer.metrics.Timer` sets it) or ``save``. A rank
+The phase is the timing phase (``timing_s/<phase>``: ``gen`` and ``reward``, which the experience stream
+marks, ``old_log_prob``, ``update_actor``, ``update_weights``, ..., which :class:`rlflow.trainer.metrics.Timer`
+marks; :mod:`rlflow.phases` keeps them) or ``save``. A rank
 that left ``fit`` normally says so and is not counted as dead. Every rank reads every other's key each
 interval, so the interval grows with the world size (one store serves them all).
 """
@@ -30,7 +34,8 @@ import socket
 import sys
 import threading
 import time
-from contextlib import contextmanager
+
+from rlflow.phases import _failed, _stack, current_phase, phase  # noqa: F401 - phase: this module's API too
 
 TIMEOUT_ENV = "RLFLOW_HEARTBEAT_TIMEOUT"
 STARTUP_ENV = "RLFLOW_HEARTBEAT_STARTUP"
@@ -39,9 +44,6 @@ WHAT = {"gen": "generation", "reward": "reward", "ref": "reference log-probs", "
         "values": "critic values", "adv": "advantages", "balance": "batch balancing", "update_critic": "critic update",
         "update_actor": "policy update", "update_weights": "weight sync to the rollout engine", "save": "checkpoint save",
         "fit": "between phases: data loading, validation, logging, callbacks", "setup": "setup"}
-
-_stack = ["setup"]          # the main thread's phases, innermost last
-_failed: list[str] = []     # the innermost phase an exception left (the first one recorded)
 
 
 def heartbeat_timeout(name: str = TIMEOUT_ENV, default: str = "10") -> float:
@@ -60,25 +62,10 @@ def startup_timeout() -> float:
     return heartbeat_timeout(STARTUP_ENV, "600")
 
 
-def current_phase() -> str:
-    return f"failed in {_failed[0]}" if _failed else _stack[-1]
-
-
-@contextmanager
-def phase(name: str):
-    """Mark the main thread as being in ``name`` (other threads' phases are not tracked)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    _stack.append(name)
-    try:
-        yield
-    except BaseException:
-        if not _failed:
-            _failed.append(name)
-        raise
-    finally:
-        _stack.pop()
+def is_timeout(error: BaseException | None) -> bool:
+    """A collective's time-out (gloo: "Timed out waiting 3000ms for recv"; a c10d store: "timeout")."""
+    return error is not None and (isinstance(error, TimeoutError)
+                                  or any(w in str(error).lower() for w in ("timed out", "timeout")))
 
 
 def describe(state: dict | None) -> str:
@@ -150,11 +137,20 @@ class Heartbeat:
                       file=sys.stderr, flush=True)
                 os._exit(1)  # the main thread may be inside a collective that would only end at its timeout
 
-    def report(self, dead: list[int], why: str) -> str:
+    def report(self, dead: list[int], why: str, timed_out: bool = False) -> str:
         now = time.monotonic()
         lines = [f"[rlflow] rank {r} stopped: {why}; last heard {now - self.peers[r]['moved']:.1f} s ago "
                  f"{describe(self.peers[r]['state'])}" for r in dead]
-        if not dead:
+        if not dead and timed_out:  # the ranks a collective waited for are alive: name those doing something else
+            mine = current_phase().removeprefix("failed in ")
+            elsewhere = [f"rank {r} is {describe(p['state'])}" for r, p in self.peers.items()
+                         if (p["state"] or {}).get("phase", "").removeprefix("failed in ") != mine]
+            lines.append(f"[rlflow] a collective timed out on this rank in phase '{mine}' while every other rank "
+                         "still sends heartbeats; " + ("; ".join(elsewhere) + ": not at that collective. Look there "
+                         "(a reward function, tool or generation that hangs: give it a time-out, e.g. "
+                         "reward_model.timeout_s)" if elsewhere else "each in the same phase: the collective itself, "
+                         "or the network between ranks, is slower than the time-out"))
+        elif not dead:
             lines.append("[rlflow] every other rank is still sending heartbeats: the failure is on this rank, or "
                          "in the network between ranks")
         if self.store_error:
@@ -169,8 +165,8 @@ class Heartbeat:
                      "(Trainer(resume='auto')) to continue from the last checkpoint")
         return "\n".join(lines)
 
-    def explain(self, wait: float) -> str:
-        """After an exception: wait up to ``wait`` s for peers to fall silent, then the report.
+    def explain(self, wait: float, error: BaseException | None = None) -> str:
+        """After an exception (``error``): wait up to ``wait`` s for peers to fall silent, then the report.
 
         torchrun's agent may send SIGTERM meanwhile (its peer node ended); it waits 30 s before SIGKILL,
         so the wait goes on: a few seconds to name the dead rank."""
@@ -185,7 +181,7 @@ class Heartbeat:
         finally:
             if main:
                 signal.signal(signal.SIGTERM, previous)
-        return self.report(dead, "its heartbeat stopped (the process died or froze)")
+        return self.report(dead, "its heartbeat stopped (the process died or froze)", is_timeout(error))
 
     def start(self) -> None:
         self.beat()
@@ -240,7 +236,8 @@ class Watchdog:
     def _excepthook(self, kind, value, tb) -> None:
         (self._hook or sys.__excepthook__)(kind, value, tb)
         if self.heartbeat is not None and not issubclass(kind, KeyboardInterrupt):
-            print(self.heartbeat.explain(wait=max(3.0, 8 * self.heartbeat.interval)), file=sys.stderr, flush=True)
+            print(self.heartbeat.explain(wait=max(3.0, 8 * self.heartbeat.interval), error=value), file=sys.stderr,
+                  flush=True)
             self.heartbeat.join()
 
     def on_fit_end(self, trainer) -> None:

@@ -26,14 +26,21 @@ fresh interpreter that imports torch again, and receives a copy of the model). A
 one thread by default: GNU OpenMP cannot start a new thread team after a fork.
 
 **Failure.** A child that dies (killed, crashed, out of memory) is noticed within ``poll_s`` by the call
-waiting on it, which raises :class:`EngineProcessError` with the exit code or signal; a child that stops
-answering raises after ``timeout`` seconds. The child exits on its own when the trainer's process is gone.
+waiting on it. Up to ``max_restarts`` times in the engine's life a new child is started (one warning
+naming the cause; ``stats["rollout/engine_restarts"]`` counts them), given the newest weights pushed
+(the slot of the last version) and every job not answered yet, under the same tickets: no batch is lost
+and none is answered twice (what the dead child sent before dying is read first). Jobs submitted under
+older weights are then sampled with the newest and report that version; the new child's random stream
+starts afresh. One death more raises :class:`EngineProcessError` with the exit code or signal, what to check
+and the restarts already made. A child that stops answering raises after ``timeout`` seconds (it is
+stopped, not restarted). The child exits on its own when the trainer's process is gone.
 """
 
 from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import os
 import pickle
 import signal
@@ -50,6 +57,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets, counted, tied_aliases
+
+log = logging.getLogger("rlflow.rollout.engines")
 
 
 class EngineProcessError(RuntimeError):
@@ -97,6 +106,8 @@ class ProcessEngine(Engine):
         timeout: seconds a call may wait for an answer (engine start-up included) before the child is
             stopped and :class:`EngineProcessError` raised.
         poll_s: how often a waiting call checks that the child is alive.
+        max_restarts: children started again after one died (see the module docstring); one death more
+            ends the run with :class:`EngineProcessError`.
     """
 
     holds_own_weights = True
@@ -104,9 +115,12 @@ class ProcessEngine(Engine):
     def __init__(self, make_engine: Callable[[nn.Module, object], Engine], model: nn.Module, tokenizer, *,
                  slots: int = 2, start_method: str | None = None, uses_process_group: bool = False,
                  threads: int | None = None,
-                 device: str | torch.device | None = None, timeout: float = 3600.0, poll_s: float = 0.5):
+                 device: str | torch.device | None = None, timeout: float = 3600.0, poll_s: float = 0.5,
+                 max_restarts: int = 2):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_engine_restarts must be an integer >= 0, got {max_restarts!r}")
         method = start_method or default_start_method(uses_process_group)
         ctx = mp.get_context(method)
         self.timeout, self.poll_s, self.method = timeout, poll_s, method
@@ -120,14 +134,21 @@ class ProcessEngine(Engine):
         self.tickets = itertools.count()
         self.finished: dict[int, Generated | EngineProcessError] = {}
         self.cancelled: set[int] = set()
+        self.pending: dict[int, tuple] = {}  # ticket -> (prompts, params) sent and not answered: a new child redoes them
         self.ready, self.loaded_from, self.stats = False, None, {}
+        self.max_restarts, self.restarts = max_restarts, 0
+        self.engine_name = getattr(make_engine, "__qualname__", type(make_engine).__name__)
         device = device or next(model.parameters()).device
         threads = threads or (1 if method == "fork" else torch.get_num_threads())
-        child_model = model if method == "fork" else _cpu_copy(model)  # spawn: pickled, so never the trained one
+        self._child = (ctx, make_engine, model, tokenizer, threads, str(device))
+        self._start_child()
+
+    def _start_child(self) -> None:
+        ctx, make_engine, model, tokenizer, threads, device = self._child
+        child_model = model if self.method == "fork" else _cpu_copy(model)  # spawn: pickled, so never the trained one
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=_serve, name="rlflow-engine", daemon=False, args=(
-            child_conn, make_engine, child_model, tokenizer, self.slots, self.aliases, threads, str(device),
-            os.getpid()))
+            child_conn, make_engine, child_model, tokenizer, self.slots, self.aliases, threads, device, os.getpid()))
         self.process.start()
         child_conn.close()
         self._finalizer = weakref.finalize(self, _stop, self.process, self.conn)
@@ -136,6 +157,7 @@ class ProcessEngine(Engine):
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> int:
         """Queue a generation; returns its ticket (answers come in submission order)."""
         ticket = next(self.tickets)
+        self.pending[ticket] = (prompts, params)
         self._send(("generate", ticket, prompts, params))
         return ticket
 
@@ -151,8 +173,8 @@ class ProcessEngine(Engine):
 
     def cancel(self, ticket: int) -> None:
         """Forget ``ticket``: its completions are dropped when they arrive."""
-        if self.finished.pop(ticket, None) is None:
-            self.cancelled.add(ticket)
+        if self.finished.pop(ticket, None) is None and self.pending.pop(ticket, None) is not None:
+            self.cancelled.add(ticket)  # the child still answers it (a restarted one does not: it is not resent)
 
     def seed(self, torch_state: torch.Tensor, python_state: tuple, numpy_state: tuple) -> None:
         """Set the child's global random state (the stream an HF engine samples from)."""
@@ -194,10 +216,12 @@ class ProcessEngine(Engine):
 
     # ------------------------------------------------------------------ plumbing
     def _send(self, message) -> None:
+        """Send ``message``; to a dead child, restart it instead (the restart replays what this one carried:
+        the newest weights and every unanswered job), or raise."""
         try:
             self.conn.send(message)
         except (BrokenPipeError, ConnectionResetError, OSError):
-            raise self._died("while sending it work") from None
+            self._restart(self._died("while sending it work"))
 
     def _receive(self, deadline: float, waiting_for: str) -> None:
         """Take one message from the child (waiting until ``deadline``), or raise if it died or went silent."""
@@ -206,11 +230,13 @@ class ProcessEngine(Engine):
                 try:
                     message = self.conn.recv()
                 except (EOFError, OSError):
-                    raise self._died(f"while the trainer waited for {waiting_for}") from None
+                    self._restart(self._died(f"while the trainer waited for {waiting_for}"))
+                    return
                 self._handle(message)
                 return
             if not self.process.is_alive():
-                raise self._died(f"while the trainer waited for {waiting_for}")
+                self._restart(self._died(f"while the trainer waited for {waiting_for}"))
+                return
             left = deadline - time.monotonic()
             if left <= 0:
                 self.process.kill()  # it did not answer: asking it to exit would wait on it again
@@ -223,6 +249,8 @@ class ProcessEngine(Engine):
 
     def _handle(self, message) -> None:
         kind = message[0]
+        if kind in ("done", "error") and message[1] is not None:
+            self.pending.pop(message[1], None)
         if kind == "done":
             _, ticket, completions, version, gen_s, idle_s = message
             for per_prompt in completions:
@@ -252,9 +280,47 @@ class ProcessEngine(Engine):
         how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
                else f"exited with code {code}" if code is not None else "closed its pipe")
         stage = "" if self.ready else " before its engine was ready"
-        return EngineProcessError(f"the generation process (pid {self.process.pid}) {how}{stage} {when}; the run "
-                                  "cannot go on without it (resume from the last checkpoint: in-flight samples are "
-                                  "generated again)")
+        return EngineProcessError(f"the generation process (pid {self.process.pid}) {how}{stage} {when} (its engine: "
+                                  f"{self.engine_name})")
+
+    def _restart(self, error: EngineProcessError) -> None:
+        """The child died: start a new one with the newest weights and every unanswered job, or raise ``error``
+        once ``max_restarts`` restarts were made."""
+        while True:
+            if self.restarts >= self.max_restarts:
+                raise EngineProcessError(
+                    f"{error}; restarted {self.restarts} time(s) in this run already (max_engine_restarts="
+                    f"{self.max_restarts}): stopping. Check the machine's memory (the kernel log, `dmesg`, names the "
+                    "processes the OOM killer ended) and the engine's own output in this run's log; resume from the "
+                    "last checkpoint (in-flight samples are generated again)") from None
+            self._drain()
+            self.restarts += 1
+            self.stats["rollout/engine_restarts"] = float(self.restarts)
+            log.warning("%s; starting a new one with weights version %d and %d unanswered job(s) (restart %d of at "
+                        "most %d, max_engine_restarts)", error, self.version, len(self.pending), self.restarts,
+                        self.max_restarts)
+            self._finalizer()
+            self.ready = False
+            self.cancelled &= set(self.pending)  # only resent jobs can still be answered
+            self._start_child()
+            try:
+                if self.version:  # the slot of the newest version still holds it (it was written last)
+                    self.conn.send(("weights", self.version, self.version % len(self.slots)))
+                for ticket, (prompts, params) in self.pending.items():
+                    self.conn.send(("generate", ticket, prompts, params))
+                return
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                error = self._died("while the restarted engine was given its weights and jobs")
+
+    def _drain(self) -> None:
+        """Read what a dead child sent before it died (answers that need not be generated again)."""
+        try:
+            while self.conn.poll():
+                message = self.conn.recv()
+                if message[0] != "error" or message[1] is not None:
+                    self._handle(message)
+        except (EOFError, OSError):
+            pass
 
 
 def _cpu_copy(model: nn.Module) -> nn.Module:

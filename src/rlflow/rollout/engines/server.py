@@ -78,6 +78,7 @@ class ServerEngine(Engine):
         atexit.register(self.close)
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rlflow-server")
         self.stats = {"server/retries": 0.0}
+        self.answered = False  # once it has, a refused connection means it died, not a wrong URL
         self.model = model or self.served_model()
 
     # ------------------------------------------------------------------ HTTP
@@ -92,6 +93,7 @@ class ServerEngine(Engine):
             try:
                 with urllib.request.urlopen(req, timeout=timeout or self.timeout) as answer:
                     body = answer.read()
+                self.answered = True
                 return json.loads(body) if body.strip() else None
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")[:500]
@@ -100,8 +102,11 @@ class ServerEngine(Engine):
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 if attempt == retries:
                     reason = getattr(e, "reason", e)
+                    hint = ("it answered earlier in this run, so it died or hung: check its log and its machine's "
+                            "memory (several servers, a list of URLs, survive one's death)"
+                            if self.answered else "is it running, and is the URL right?")
                     raise ServerError(f"cannot reach the server at {self.url} ({method} {path}: {reason}) after "
-                                      f"{retries + 1} attempts: is it running, and is the URL right?") from None
+                                      f"{retries + 1} attempts: {hint}") from None
             self.stats["server/retries"] += 1
             time.sleep(self.backoff * 2**attempt)
 
