@@ -15,6 +15,7 @@ from rlflow.config.run import main
 from rlflow.models.teacher import Teacher
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from tests.config.conftest import CHAT_TEMPLATE, verl_rows
+from tests.config.test_vision_config import overrides as vision_overrides, vlm_files  # noqa: F401 (a fixture)
 
 D, L = "distillation", "distillation.distillation_loss"
 # the distillation block of verl's examples/on_policy_distillation_trainer/run_qwen3_8b_fsdp.sh (its defaults)
@@ -102,3 +103,18 @@ def test_what_rlflow_cannot_do_is_refused_naming_the_key(tiny, teacher_dir, over
 def test_enabled_without_a_teacher_model_names_the_key(tiny):
     with pytest.raises(ConfigError, match="teacher_models.teacher_model.model_path: the teacher's model is not set"):
         make_plan(load_config(tiny + SCRIPT))
+
+
+def test_a_vision_language_student_distils_from_a_teacher_that_sees_the_images(vlm_files, tmp_path, monkeypatch):
+    """verl's VL scripts (run_qwen3_vl_8b_fsdp.sh): the teacher scores each sample with its images."""
+    import rlflow.config.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_count", lambda: 0)
+    model = vlm_files / "model"
+    argv = vision_overrides(vlm_files, tmp_path) + [
+        f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.name=hf", "trainer.logger=[console,file]",
+        *SCRIPT, f"{D}.teacher_models.teacher_model.model_path={model}"]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (step,) = [r for r in rows if "distillation/teacher_kl" in r]
+    assert abs(step["distillation/teacher_kl"]) < 1e-3  # the same model: its log-probs equal the sampler's
