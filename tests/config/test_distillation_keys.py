@@ -100,6 +100,13 @@ def test_what_rlflow_cannot_do_is_refused_naming_the_key(tiny, teacher_dir, over
         make_plan(load_config(tiny + single(teacher_dir) + overrides))
 
 
+def test_the_validation_knows_the_estimators_without_importing_torch():
+    from rlflow.algorithms import distillation
+    from rlflow.config import distillation as keys
+
+    assert keys.KINDS == distillation.KINDS
+
+
 def test_enabled_without_a_teacher_model_names_the_key(tiny):
     with pytest.raises(ConfigError, match="teacher_models.teacher_model.model_path: the teacher's model is not set"):
         make_plan(load_config(tiny + SCRIPT))

@@ -20,12 +20,37 @@ at the teacher's top-k tokens in the update, which rlflow's scoring pass (sample
 
 from __future__ import annotations
 
-from rlflow.algorithms.distillation import KINDS, DistillationLoss, PolicyGradientDistillationLoss
-from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+from typing import Any, Callable
+
+from rlflow.config.errors import ConfigError, NotSupportedError, raise_problems
 from rlflow.data import keys as K
 
 D, L = "distillation", "distillation.distillation_loss"
 DEFAULT = "teacher_model"  # verl's single-teacher entry
+# rlflow.algorithms.distillation.KINDS, spelled out: validation imports this module without torch (a test compares)
+KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+def loss_problems(get: Callable[[str], Any]) -> list[ConfigError]:
+    """What of ``distillation_loss.*`` rlflow cannot build (``get``: a key's value); validation reports these with
+    the config's other problems, the plan raises them."""
+    if not get(f"{D}.enabled"):
+        return []
+    mode, pg = get(f"{L}.loss_mode"), bool(get(f"{L}.use_policy_gradient"))
+    if mode == "forward_kl_topk":
+        return [NotSupportedError(f"{L}.loss_mode", mode, "top-k forward-KL distillation (the student's "
+                                  "full-vocabulary log-probs at the teacher's top-k tokens)",
+                                  "Use loss_mode=k1 with use_policy_gradient=True (verl's scripts' default) or k3.")]
+    if mode not in KINDS:
+        return [ConfigError(f"{L}.loss_mode={mode!r}: choose one of {list(KINDS)} (or forward_kl_topk, not in rlflow)")]
+    if not pg and mode in ("k1", "kl"):
+        return [ConfigError(f"{L}.loss_mode={mode} with use_policy_gradient=False: backpropagating k1 is incorrect, "
+                            "its gradient does not depend on the teacher's log-probs (verl refuses it too); use k3, or "
+                            "use_policy_gradient=True")]
+    if pg and get(f"{L}.policy_loss_mode") != "vanilla":
+        return [ConfigError(f"{L}.policy_loss_mode={get(f'{L}.policy_loss_mode')!r}: only 'vanilla' (dual-clip PPO) "
+                            "is supported with use_policy_gradient=True, as in verl")]
+    return []
 
 
 def teachers(cfg: VerlConfig, notes: list[str]) -> tuple[dict, str | None]:
@@ -68,33 +93,21 @@ def teachers(cfg: VerlConfig, notes: list[str]) -> tuple[dict, str | None]:
 
 
 def distillation_plan(cfg: VerlConfig, notes: list[str]) -> dict | None:
-    """The distillation part of the plan (``None`` unless ``distillation.enabled``): ``loss_cls`` and
+    """The distillation part of the plan (``None`` unless ``distillation.enabled``): ``loss`` (a class name in
+    ``rlflow.algorithms``, resolved by the plan) and
     ``loss_kwargs`` (without ``rl_loss``, filled in by the builder when ``rl`` is true), ``teachers`` and
     ``route_key`` for :class:`~rlflow.models.teacher.Teacher`."""
     if not cfg[f"{D}.enabled"]:
         return None
-    mode = cfg[f"{L}.loss_mode"]
-    if mode == "forward_kl_topk":
-        raise NotSupportedError(f"{L}.loss_mode", mode, "top-k forward-KL distillation (the student's "
-                                "full-vocabulary log-probs at the teacher's top-k tokens)",
-                                "Use loss_mode=k1 with use_policy_gradient=True (verl's scripts' default) or k3.")
-    if mode not in KINDS:
-        raise ConfigError(f"{L}.loss_mode={mode!r}: choose one of {list(KINDS)} (or forward_kl_topk, not in rlflow)")
-    pg, rl = bool(cfg[f"{L}.use_policy_gradient"]), bool(cfg[f"{L}.use_task_rewards"])
-    if not pg and mode in ("k1", "kl"):
-        raise ConfigError(f"{L}.loss_mode={mode} with use_policy_gradient=False: backpropagating k1 is incorrect, its "
-                          "gradient does not depend on the teacher's log-probs (verl refuses it too); use k3, or "
-                          "use_policy_gradient=True")
+    raise_problems(loss_problems(lambda key: cfg[key]))
+    mode, pg, rl = cfg[f"{L}.loss_mode"], bool(cfg[f"{L}.use_policy_gradient"]), bool(cfg[f"{L}.use_task_rewards"])
     kwargs = {"kind": mode, "coef": cfg[f"{L}.distillation_loss_coef"] if rl else 1.0,
               "max_clamp": cfg[f"{L}.loss_max_clamp"], "agg": cfg["actor_rollout_ref.actor.loss_agg_mode"],
               "loss_scale_factor": cfg["actor_rollout_ref.actor.loss_scale_factor"]}
     if pg:
-        if cfg[f"{L}.policy_loss_mode"] != "vanilla":
-            raise ConfigError(f"{L}.policy_loss_mode={cfg[f'{L}.policy_loss_mode']!r}: only 'vanilla' (dual-clip PPO) "
-                              "is supported with use_policy_gradient=True, as in verl")
         kwargs |= {k: cfg[f"{L}.{k}"] for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")}
     paths, route_key = teachers(cfg, notes)
-    return {"loss_cls": PolicyGradientDistillationLoss if pg else DistillationLoss, "loss_kwargs": kwargs,
+    return {"loss": "PolicyGradientDistillationLoss" if pg else "DistillationLoss", "loss_kwargs": kwargs,
             "rl": rl, "teachers": paths, "route_key": route_key}
 
 

@@ -245,6 +245,9 @@ def make_plan(cfg: VerlConfig) -> Plan:
     if agent is not None and template_kwargs:
         agent["template_kwargs"] = template_kwargs
     v1_mode(cfg, notes)
+    distill = distillation_plan(cfg, notes)
+    if distill is not None:
+        distill["loss_cls"] = getattr(rlflow.algorithms, distill.pop("loss"))
     asynchronous = async_plan(cfg, notes, devices, after, sampling)
     if agent and asynchronous:
         raise NotSupportedError("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn rollouts with "
@@ -317,7 +320,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         loggers=loggers, project=cfg["trainer.project_name"], experiment=cfg["trainer.experiment_name"],
         val_before_train=cfg["trainer.val_before_train"], val_only=cfg["trainer.val_only"],
         overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), agent=agent,
-        async_rollout=asynchronous, distillation=distillation_plan(cfg, notes), notes=notes,
+        async_rollout=asynchronous, distillation=distill, notes=notes,
     )
 
 
