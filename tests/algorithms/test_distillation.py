@@ -194,7 +194,9 @@ def distil(seed: int, kind: str, tmp_path, steps: int = STEPS, coef: float = 1.0
     return [m["distillation/teacher_kl"] for m in trainer.fit(AdditionTask().data(seed))]
 
 
-def test_a_few_steps_of_distillation_bring_the_student_to_its_teacher(tmp_path):
+@pytest.mark.learning
+def test_a_few_steps_of_distillation_bring_the_student_to_its_teacher(tmp_path, record_property):
     kl = distil(0, "k1", tmp_path)
     first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
+    record_property("teacher_kl_fall", 1 - last / first)  # the figure scripts/learning_spread.py collects
     assert last < MAX_RATIO * first, f"teacher_kl per step: {[round(x, 3) for x in kl]}"

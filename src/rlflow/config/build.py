@@ -21,6 +21,7 @@ from rlflow.data import keys as K
 from rlflow.data.prompts import DataError, PromptData
 from rlflow.models.critic import Critic
 from rlflow.models.policy import Policy
+from rlflow.models.teacher import Teacher
 from rlflow.rewards import OverlongPenalty
 from rlflow.rollout import AsyncRollout
 from rlflow.rollout.stream import Experience, FilterGroups
@@ -269,8 +270,6 @@ def with_distillation(plan: Plan, policy: Policy, loss, stages: list) -> tuple:
     :class:`~rlflow.models.teacher.Teacher` stage last, scoring with the policy's scoring split."""
     if plan.distillation is None:
         return loss, stages
-    from rlflow.models.teacher import Teacher
-
     d = plan.distillation
     split = {"micro_batch_size": policy.micro_batch_size, "remove_padding": policy.remove_padding,
              "max_tokens_per_micro_batch": policy.max_tokens_per_micro_batch}
