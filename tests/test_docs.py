@@ -311,6 +311,7 @@ ELIDED_TRAINER = [("Trainer(...,", "Trainer(**roles,")]
 RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/algorithms/cispo.md", "from rlflow.algorithms import CISPOLoss"): [],
     ("docs/algorithms/clip_cov.md", "from rlflow import GRPO, Trainer"): [],
+    ("docs/algorithms/distillation.md", "from rlflow import GRPO, Trainer"): [],
     ("docs/algorithms/dapo.md", "from rlflow import GRPO, FunctionReward, HFRollout, PPOLoss, Trainer"): [],
     ("docs/algorithms/dppo.md", "from rlflow.algorithms import DPPOTVLoss, DPPOKLLoss"): [],
     ("docs/algorithms/drgrpo.md", "from rlflow.algorithms import DrGRPO, PPOLoss"): ELIDED_TRAINER,

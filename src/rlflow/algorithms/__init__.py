@@ -22,6 +22,7 @@ from rlflow.algorithms.estimators import (
     ReMax,
 )
 from rlflow.algorithms.kl import AdaptiveKLController, FixedKLController, KLInReward
+from rlflow.algorithms.distillation import DistillationLoss, PolicyGradientDistillationLoss
 from rlflow.algorithms.losses import LossOutput, PPOLoss, ValueLoss
 from rlflow.algorithms import policy_functional
 from rlflow.algorithms.policy_losses import (
@@ -45,4 +46,4 @@ __all__ = ["functional", "AdvantageEstimator", "GRPO", "GAE", "PPOLoss", "ValueL
 __all__ += ["policy_functional", "GSPOLoss", "CISPOLoss", "SAPOLoss", "ClipCovLoss", "KLCovLoss", "CovSelection",
             "GMPOLoss", "ReinforceLoss", "LOSS_MODES", "SPINLoss", "SPPOLoss", "NoAdvantage", "GroupWinRate",
             "UpdateReference", "GDPO", "DPPOTVLoss", "DPPOKLLoss", "RejectionSampling", "Aggregation",
-            "BypassLoss", "RolloutAsOld", "MismatchMetrics"]
+            "BypassLoss", "RolloutAsOld", "MismatchMetrics", "DistillationLoss", "PolicyGradientDistillationLoss"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
+from rlflow.config.distillation import check_routes
 from rlflow.config.loading import ConfigError
 from rlflow.config.lora import make_lora
 from rlflow.config.plan import Plan
@@ -20,6 +21,7 @@ from rlflow.data import keys as K
 from rlflow.data.prompts import DataError, PromptData
 from rlflow.models.critic import Critic
 from rlflow.models.policy import Policy
+from rlflow.models.teacher import Teacher
 from rlflow.rewards import OverlongPenalty
 from rlflow.rollout import AsyncRollout
 from rlflow.rollout.stream import Experience, FilterGroups
@@ -145,6 +147,7 @@ def build_data(plan: Plan, tokenizer, processor=None) -> PromptData:
                           f"validation prompt(s) longer than max_prompt_length={data.max_prompt_length} tokens")
     if not plan.custom_reward and plan.reward.functions:  # the built-in scorers must know every data_source
         check_data_sources({r["data_source"] for r in data.train + data.val}, f"{data.train_name}")
+    check_routes(plan.distillation, {r["data_source"] for r in data.train + data.val}, data.train_name)
     return data
 
 
@@ -262,6 +265,29 @@ def build_estimator(plan: Plan, rollout, loss) -> tuple:
     return (Chain(*modules) if len(modules) > 1 else estimator), stages
 
 
+def with_distillation(plan: Plan, policy: Policy, loss, stages: list) -> tuple:
+    """verl's ``distillation.*`` (``rlflow.config.distillation``): the loss around the RL loss (or alone), and the
+    :class:`~rlflow.models.teacher.Teacher` stage last, scoring with the policy's scoring split."""
+    if plan.distillation is None:
+        return loss, stages
+    d = plan.distillation
+    split = {"micro_batch_size": policy.micro_batch_size, "remove_padding": policy.remove_padding,
+             "max_tokens_per_micro_batch": policy.max_tokens_per_micro_batch}
+
+    def load(teacher: dict) -> Policy:
+        t = Policy.from_pretrained(local_model(teacher["path"], teacher["key"]), **split)
+        if t.tokenizer.get_vocab() != policy.tokenizer.get_vocab():  # the student's ids are fed to it as they are
+            raise ConfigError(f"{teacher['key']}={teacher['path']}: the teacher's tokenizer differs from the student's "
+                              f"({plan.model_path}); distillation needs one vocabulary")
+        return t
+
+    teachers = Teacher({k: load(t) for k, t in d["teachers"].items()}, route_key=d["route_key"]) if d["route_key"] \
+        else Teacher(load(d["teachers"]))
+    distill = instantiate(d["loss_cls"], {"rl_loss": loss if d["rl"] else None, **d["loss_kwargs"]},
+                          "distillation.distillation_loss.*")
+    return distill, [*stages, teachers]
+
+
 def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, PromptData]:
     """The Trainer and the prompts of this plan (data is loaded here unless given)."""
     policy = build_policy(plan)
@@ -282,6 +308,7 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
     if plan.async_rollout is not None:  # generation beside training (trainer.async_weight_update)
         rollout = instantiate(AsyncRollout, {"rollout": rollout, **plan.async_rollout}, "async_training.*")
     estimator, stages = build_estimator(plan, rollout, loss)
+    loss, stages = with_distillation(plan, policy, loss, stages)
     reference = "auto"
     wants_ref = K.REF_LOG_PROBS in set(loss.in_keys) | set(estimator.in_keys)
     if wants_ref:  # its own scoring split (verl's ref.log_prob_*): a token budget only with its dynamic bsz on,

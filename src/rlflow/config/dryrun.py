@@ -57,6 +57,11 @@ def stages_text(plan: Plan) -> str | None:
     """The experience stream's stages (config/build.py): DAPO's FilterGroups, then ReMax's GreedyBaseline."""
     stages = [f"FilterGroups({format_kwargs(plan.dynamic_sampling)})"] if plan.dynamic_sampling else []
     stages += [f"{cls.__name__}({format_kwargs(kw)})" for cls, kw in plan.before if cls.__name__ in STAGES]
+    if plan.distillation:  # verl's distillation.*: the teacher scores last (config/build.py with_distillation)
+        d = plan.distillation
+        paths = ({k: t["path"] for k, t in d["teachers"].items()} if d["route_key"] else d["teachers"]["path"])
+        routed = f", route_key={d['route_key']!r}" if d["route_key"] else ""
+        stages.append(f"Teacher.from_pretrained({paths!r}{routed})")
     return f"[{', '.join(stages)}]" if stages else None
 
 
@@ -71,6 +76,14 @@ def estimator_text(plan: Plan) -> str:
     if plan.kl_controller:
         text += f"  with <KL controller> = {call(*plan.kl_controller)}"
     return text
+
+
+def loss_text(plan: Plan) -> str:
+    rl = f"{plan.loss_cls.__name__}({format_kwargs(plan.loss_kwargs)})"
+    d = plan.distillation
+    if d is None:
+        return rl
+    return f"{d['loss_cls'].__name__}(rl_loss={rl if d['rl'] else None}, {format_kwargs(d['loss_kwargs'])})"
 
 
 def lora_text(lora: dict | str | None) -> str:
@@ -98,7 +111,7 @@ def objects_section(plan: Plan) -> list[str]:
            f"  reward    = {reward}",
            *([f"  stages    = {stages_text(plan)}"] if stages_text(plan) else []),
            f"  estimator = {estimator_text(plan)}",
-           f"  loss      = {plan.loss_cls.__name__}({format_kwargs(plan.loss_kwargs)})"]
+           f"  loss      = {loss_text(plan)}"]
     if plan.critic_path:
         out += [f"  critic    = Critic(<{plan.critic_path}>, {format_kwargs(plan.critic_kwargs)})",
                 f"  value_loss= ValueLoss({format_kwargs(plan.value_loss_kwargs)})"]

@@ -25,6 +25,7 @@ from rlflow.config.algos import bypass_loss, gdpo_keys, ESTIMATOR_POOL, companio
 from rlflow.config.asynchronous import async_plan
 from rlflow.config.data_keys import data_extras
 from rlflow.config.devices import Devices, resolve_devices
+from rlflow.config.distillation import distillation_plan
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.lora import lora_argument
 from rlflow.config.modeldata import chat_template_kwargs, engine_loading, model_loading, patch_size
@@ -83,6 +84,7 @@ class Plan:
     lora: dict | str | None = None         # peft.LoraConfig's kwargs, or an adapter folder (rlflow.config.lora)
     agent: dict | None = None              # AgentLoop's kwargs: it wraps the rollout (multi_turn.enable)
     async_rollout: dict | None = None      # AsyncRollout's kwargs around the rollout (trainer.async_weight_update)
+    distillation: dict | None = None       # the teacher stage and the distillation loss (rlflow.config.distillation)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -243,6 +245,9 @@ def make_plan(cfg: VerlConfig) -> Plan:
     if agent is not None and template_kwargs:
         agent["template_kwargs"] = template_kwargs
     v1_mode(cfg, notes)
+    distill = distillation_plan(cfg, notes)
+    if distill is not None:
+        distill["loss_cls"] = getattr(rlflow.algorithms, distill.pop("loss"))
     asynchronous = async_plan(cfg, notes, devices, after, sampling)
     if agent and asynchronous:
         raise NotSupportedError("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn rollouts with "
@@ -315,7 +320,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         loggers=loggers, project=cfg["trainer.project_name"], experiment=cfg["trainer.experiment_name"],
         val_before_train=cfg["trainer.val_before_train"], val_only=cfg["trainer.val_only"],
         overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), agent=agent,
-        async_rollout=asynchronous, notes=notes,
+        async_rollout=asynchronous, distillation=distill, notes=notes,
     )
 
 

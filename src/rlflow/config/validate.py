@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from rlflow.config import checks, tables
 from rlflow.config.devices import resolve_devices
+from rlflow.config.distillation import loss_problems as distillation_loss_problems
 from rlflow.config.reward_fn import reward_file_problem, split_reward_spec
 from rlflow.config.reward_section import user_names
 from rlflow.config.verl_configs import FOREIGN_STRATEGIES
@@ -229,6 +230,12 @@ def dynamic_sampling(ctx: Context) -> None:
     elif metric == "seq_final_reward" and ctx.get("algorithm.use_kl_in_reward"):
         ctx.add(NotSupportedError(f"{fg}.metric", metric, "filtering on the KL-penalised reward",
                                   "rlflow filters before the KL penalty is applied; use seq_reward."))
+
+
+@cross_check
+def distillation(ctx: Context) -> None:
+    for problem in distillation_loss_problems(ctx.get):  # what rlflow.config.distillation cannot build
+        ctx.add(problem)
 
 
 @cross_check

@@ -171,6 +171,8 @@ ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
 _RM_SERVER = ("a setting of verl's reward-model servers (the legacy name of reward.reward_model.*); rlflow's "
               "reward model (reward_model.model.path) scores in the training processes with transformers")
 _SANDBOX = "a SandboxFusion server (rlflow runs code in its local sandbox: code data sources are scored without a server)"
+_TEACHER_PLACE = ("placement of verl's teacher pool; rlflow's teacher runs in the training processes "
+                  "(trainer.n_gpus_per_node x trainer.nnodes), as the reference does")
 _V1_ASYNC = "only used with trainer.v1.trainer_mode=colocate_async / separate_async (refused; see trainer.v1.trainer_mode)"
 RUN_INERT: dict[str, str] = {
     "data.audio_key": "audio inputs are not supported yet (images are: data.image_key)",
@@ -183,7 +185,16 @@ RUN_INERT: dict[str, str] = {
     "algorithm.filter_groups.max_inflight_gen_batches": (
         "bounds how many prompt batches verl's V1 trainer generates at once for DAPO (surplus groups are "
         "discarded); rlflow's DynamicSampling generates one data.train_batch_size batch at a time, as verl's default 1"),
-    "distillation.*": "only used with distillation.enabled=True, not supported yet",
+    "distillation.*": "only used with distillation.enabled=True",
+    **{f"distillation.{k}": _TEACHER_PLACE for k in ("n_gpus_per_node", "nnodes")},
+    "distillation.distillation_loss.topk": "only used with distillation_loss.loss_mode=forward_kl_topk (refused)",
+    "distillation.distillation_loss.log_prob_min_clamp": (
+        "verl clamps the top-k log-probs of loss_mode=forward_kl_topk with it (refused); the single-token "
+        "estimators (k1, k3, ...) do not read it, there as in verl"),
+    "distillation.distillation_loss.distillation_loss_coef": (
+        "only used with distillation_loss.use_task_rewards=True (the distillation term alone has weight 1, as in verl)"),
+    **{f"distillation.distillation_loss.{k}": "only used with distillation_loss.use_policy_gradient=True"
+       for k in ("policy_loss_mode", "clip_ratio", "clip_ratio_low", "clip_ratio_high")},
     "transfer_queue.*": "verl's TransferQueue is a Ray data store between its workers; rlflow passes batches in memory",
     "trainer.v1.sync": "verl V1's sync mode takes no options",
     "trainer.v1.colocate_async.*": _V1_ASYNC, "trainer.v1.separate_async.*": _V1_ASYNC,
@@ -201,7 +212,6 @@ RUN_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "reward_model.reward_loop_source": ("custom reward-manager classes (reward_loop_source=importlib)",
                                         _not(None, "register")),
     "sandbox_fusion.url": (_SANDBOX, _truthy),
-    "distillation.enabled": ("on-policy distillation from teacher models (distillation.*)", _truthy),
     "trainer.v1.sampler.custom_sampler.path": ("custom replay-buffer samplers (trainer.v1.sampler.custom_sampler)",
                                                _truthy),
     "skip.*.enable": ("replaying dumped rollouts (verl's skip.*)", _truthy),
@@ -212,7 +222,11 @@ _PRECISION = "parameters stay float32; trainer.precision sets the compute precis
 OTHER_INERT: dict[str, str] = {
     "*.mixed_precision": _PRECISION, "*.mixed_precision.*": _PRECISION,
     **{block: f"only used by verl's {name} engine, which rlflow does not have" for block, name in FOREIGN_BLOCKS.items()},
-    "distillation.teacher_models.*": "only used with distillation.enabled=True, not supported yet",
+    "distillation.teacher_models.*": "only used with distillation.enabled=True",
+    "distillation.teacher_models.*.num_replicas": _TEACHER_PLACE,
+    "distillation.teacher_models.*.inference.*": (
+        "a setting of verl's teacher inference servers; rlflow's teacher scores the samples with transformers in "
+        "the training processes, one forward pass like the reference's (rlflow.models.teacher)"),
 }
 OTHER_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     f"{block}.*": (f"settings of verl's {name} engine, a backend rlflow does not have (rlflow trains with "

@@ -41,6 +41,7 @@ LOG_PROBS = "log_probs"  # B x R, the current policy (with grad during updates)
 ENTROPY = "entropy"  # B x R
 OLD_LOG_PROBS = "old_log_probs"  # B x R, the policy before this step's updates
 REF_LOG_PROBS = "ref_log_probs"  # B x R, the frozen reference
+TEACHER_LOG_PROBS = "teacher_log_probs"  # B x R, a distillation teacher's (rlflow.models.teacher)
 VALUES = "values"  # B x R, the critic
 OLD_VALUES = "old_values"  # B x R, the critic before this step's updates
 
