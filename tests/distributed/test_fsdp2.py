@@ -24,13 +24,20 @@ def single_process(tmp_path_factory):
     return record.steps, out
 
 
-def test_two_processes_equal_one_and_checkpoints_cross_world_sizes(single_process, tmp_path):
+@pytest.fixture(scope="module")
+def fsdp2_step(tmp_path_factory):
+    """One step on 2 FSDP2 processes, its sharded checkpoint read (never written) by two tests: one launch."""
+    out = tmp_path_factory.mktemp("fsdp2") / "two"
+    return run_ok(2, out, "fsdp2", 1), out
+
+
+def test_two_processes_equal_one_and_checkpoints_cross_world_sizes(single_process, fsdp2_step, tmp_path):
     reference, _ = single_process
-    two = run_ok(2, tmp_path / "two", "fsdp2", 1)
+    two, two_dir = fsdp2_step
     assert two[1]["metrics"]["actor/pg_loss"] == pytest.approx(reference[1]["metrics"]["actor/pg_loss"], abs=1e-5)
     assert two[1]["metrics"]["critic/score/mean"] == pytest.approx(reference[1]["metrics"]["critic/score/mean"], abs=1e-6)
     assert_same_weights(two[1]["weights"], reference[1]["weights"])
-    ckpt = tmp_path / "two" / "global_step_1"
+    ckpt = two_dir / "global_step_1"
     assert (ckpt / "state.ckpt").is_dir()  # sharded (torch.distributed.checkpoint)
 
     one = run_ok(1, tmp_path / "one", "fsdp2", 2, ckpt)  # written by 2 ranks, resumed on 1
@@ -51,16 +58,16 @@ def test_a_failing_rank_ends_every_rank(tmp_path):
     assert time.monotonic() - start < 200
 
 
-def test_export_writes_a_plain_hf_folder(single_process, tmp_path):
+def test_export_writes_a_plain_hf_folder(single_process, fsdp2_step, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlflow.cli import main as cli_main
     from rlflow.trainer.export import export_hf
 
     reference, out = single_process
-    sharded = run_ok(2, tmp_path / "two", "fsdp2", 1)
+    sharded, sharded_dir = fsdp2_step
     cases = [(out / "global_step_3", reference[3]["weights"]),  # one file
-             (tmp_path / "two" / "global_step_1", sharded[1]["weights"])]  # sharded folder
+             (sharded_dir / "global_step_1", sharded[1]["weights"])]  # sharded folder
     for i, (ckpt, expected) in enumerate(cases):
         folder = export_hf(ckpt, tmp_path / f"hf{i}") if i else tmp_path / f"hf{i}"
         if not i:  # the command users run
