@@ -1,6 +1,10 @@
 """Run by torchrun from test_fsdp2.py: a tiny GRPO job under a given strategy.
 
     python -m torch.distributed.run --nproc_per_node N worker.py OUT STRATEGY STEPS [RESUME] [FAIL_RANK] [KEY=VALUE ...]
+        [+ OUT STRATEGY STEPS ...]
+
+Several jobs separated by ``+`` run one after another in the same processes (a launch starts every process and
+imports torch: on 2 cores ~10 s, more than a tiny job's run).
 
 KEY=VALUE options (integers): ``sp`` (sequence-parallel size), ``remove_padding``,
 ``max_tokens`` (token budget per micro-batch), ``val`` (validate every step), and with
@@ -138,9 +142,9 @@ def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1,
     return trainer, PromptData(train[:64], val_rows[:10] if val else None, seed=0), record
 
 
-if __name__ == "__main__":
-    positional = [a for a in sys.argv[1:] if "=" not in a]
-    options = {k: int(v) for k, v in (a.split("=", 1) for a in sys.argv[1:] if "=" in a)}
+def run(argv):
+    positional = [a for a in argv if "=" not in a]
+    options = {k: int(v) for k, v in (a.split("=", 1) for a in argv if "=" in a)}
     out, strategy, steps = positional[0], positional[1], int(positional[2])
     resume = positional[3] if len(positional) > 3 and positional[3] != "-" else None
     fail_rank = int(positional[4]) if len(positional) > 4 else None
@@ -155,3 +159,13 @@ if __name__ == "__main__":
     if trainer.fabric.global_rank == 0:
         torch.save(record.steps, f"{out}/result.pt")
     trainer.fabric.barrier()  # gloo can abort at teardown unless every rank is done
+
+
+if __name__ == "__main__":
+    job = []
+    for arg in [*sys.argv[1:], "+"]:  # jobs separated by "+" run one after another in this launch
+        if arg == "+":
+            run(job)
+            job = []
+        else:
+            job.append(arg)
