@@ -328,15 +328,13 @@ def launch_two_processes(tiny, *extra):
     return out
 
 
-def test_two_cpu_processes_through_the_users_launcher(tiny, tmp_path):
-    """`trainer.device=cpu trainer.n_gpus_per_node=2` runs 2 gloo processes (torchrun) with FSDP2."""
-    launch_two_processes(tiny, "trainer.save_freq=2")
-    assert (tmp_path / "run" / "global_step_2" / "state.ckpt").is_dir()  # sharded by 2 ranks
-
-
-def test_sequence_parallel_through_the_users_launcher(tiny):
-    """verl's ulysses_sequence_parallel_size=2 on 2 CPU processes: one group splits every sequence."""
+def test_two_cpu_processes_and_sequence_parallel_through_the_users_launcher(tiny, tmp_path):
+    """`trainer.device=cpu trainer.n_gpus_per_node=2` runs 2 gloo processes (torchrun) with FSDP2, and verl's
+    ulysses_sequence_parallel_size=2 makes them one group that splits every sequence. One launch for both (each
+    starts four interpreters); plain data-parallel FSDP2 through the launcher also runs in
+    test_resume_any_layout.py and test_multinode.py."""
     out = launch_two_processes(
-        tiny, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=true",
-        "actor_rollout_ref.actor.use_kl_loss=true")  # the reference is split too
+        tiny, "trainer.save_freq=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_kl_loss=true")  # the reference is split too
+    assert (tmp_path / "run" / "global_step_2" / "state.ckpt").is_dir()  # sharded by 2 ranks
     assert "sequence parallelism: 1 group(s) of 2 processes" in out and "actor/kl_loss" in out

@@ -1,9 +1,9 @@
 """Several nodes without a cluster: two torchrun agents on 127.0.0.1 meet through a c10d rendezvous
 (``--nnodes=2``, one gloo process each) and run the verl entry point as two "nodes".
 
-They train and resume from their checkpoint with the metrics of the single-node 2-process run; a
-SIGKILLed rank makes the other stop within seconds naming it and the phase; ``trainer.nnodes=2``
-without torchrun fails at once saying how to start it.
+A SIGKILLed rank makes the other stop within seconds naming it and the phase; resumed from their
+checkpoint they train on with the metrics of the single-node 2-process run (one test: one run checks both);
+``trainer.nnodes=2`` without torchrun fails at once saying how to start it.
 """
 
 import json
@@ -80,29 +80,6 @@ def metrics(run_dir):
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(clock)} for r in rows}
 
 
-def test_two_nodes_train_resume_and_equal_one_node(job, tmp_path):
-    one = subprocess.run([sys.executable, "-m", "rlflow.trainer.main_ppo", *job, "trainer.n_gpus_per_node=2",
-                          "trainer.total_training_steps=2", f"trainer.default_local_dir={tmp_path}/one"],
-                         env=env(), capture_output=True, text=True, timeout=240)
-    assert one.returncode == 0, (one.stdout + one.stderr)[-4000:]
-    reference = metrics(tmp_path / "one")
-    assert sorted(reference) == [1, 2] and min(r["actor/grad_norm"] for r in reference.values()) > 0.1  # real updates
-
-    run = tmp_path / "two"
-    codes, logs = wait_all(start_two_nodes([*job, "trainer.total_training_steps=1"], run, tmp_path), tmp_path)
-    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
-    assert (run / "global_step_1" / "state.ckpt").is_dir()
-    codes, logs = wait_all(start_two_nodes([*job, "trainer.total_training_steps=2"], run, tmp_path), tmp_path)
-    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
-    assert "resumed from" in "".join(logs) and (run / "global_step_2").is_dir()
-    two = metrics(run)
-    assert sorted(two) == [1, 2]
-    for step in (1, 2):  # the same 2 ranks, on one node or two: the same numbers
-        assert two[step].keys() == reference[step].keys()
-        for key, value in reference[step].items():
-            assert two[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
-
-
 def worker_of_rank(agents, rank):
     """The pid of the training process torchrun started with RANK=rank (under either agent)."""
     parents = {proc.pid for proc, _ in agents}
@@ -116,8 +93,12 @@ def worker_of_rank(agents, rank):
     return None
 
 
-def test_a_killed_rank_stops_the_other_naming_it_and_the_run_resumes(job, tmp_path):
-    run = tmp_path / "run"
+def test_a_killed_rank_stops_the_other_naming_it_and_the_resumed_run_equals_one_node(job, tmp_path):
+    """One two-node run for both checks (each launch starts two interpreters: the suite's cost): SIGKILL rank 1
+    mid-run, the other stops naming it; resumed from its last checkpoint for one more step, every step's metrics
+    are those of the same 2 ranks on one node (the learning rate is constant: the longer first run's
+    ``total_training_steps`` changes no step)."""
+    run = tmp_path / "two"
     agents = start_two_nodes([*job, "trainer.total_training_steps=500"], run, tmp_path)
     tracker = run / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 240
@@ -135,10 +116,25 @@ def test_a_killed_rank_stops_the_other_naming_it_and_the_run_resumes(job, tmp_pa
     assert any(line.startswith("[rlflow] this rank (0) was in phase") for line in "".join(logs).splitlines())
 
     last = int(tracker.read_text())
+    assert (run / f"global_step_{last}" / "state.ckpt").is_dir()  # sharded
     codes, logs = wait_all(start_two_nodes([*job, f"trainer.total_training_steps={last + 1}"], run, tmp_path),
                            tmp_path)
     assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
     assert f"global_step_{last}" in "".join(logs) and int(tracker.read_text()) == last + 1  # resumed, one more step
+    assert "resumed from" in "".join(logs) and (run / f"global_step_{last + 1}").is_dir()
+
+    one = subprocess.run([sys.executable, "-m", "rlflow.trainer.main_ppo", *job, "trainer.n_gpus_per_node=2",
+                          f"trainer.total_training_steps={last + 1}", f"trainer.default_local_dir={tmp_path}/one"],
+                         env=env(), capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, (one.stdout + one.stderr)[-4000:]
+    reference, steps = metrics(tmp_path / "one"), list(range(1, last + 2))
+    assert sorted(reference) == steps and min(r["actor/grad_norm"] for r in reference.values()) > 0.1  # real updates
+    two = metrics(run)  # the killed run's rows past its checkpoint were dropped by the resume
+    assert sorted(two) == steps
+    for step in steps:  # the same 2 ranks, on one node or two, killed and resumed or not: the same numbers
+        assert two[step].keys() == reference[step].keys()
+        for key, value in reference[step].items():
+            assert two[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
 
 
 def test_several_nodes_without_torchrun_fail_at_once_saying_how_to_start(job, tmp_path, capsys, monkeypatch):

@@ -15,6 +15,21 @@ from .launch import assert_same_weights, assert_updates, run_ok, torchrun
 from .worker import build
 
 
+# The 2-process trainer jobs of this module: one launch runs them one after another (worker.py's "+"; each launch
+# starts every process and imports torch), each writing OUT/result.pt.
+JOBS = {"sp": ("fsdp2", 1, "sp=2", "remove_padding=1"), "balanced": ("ddp", 1, "max_tokens=12", "val=1"),
+        "batch_stats": ("fsdp2", 2, "batch_stats=1"), "critic_ddp": ("ddp", 2, "critic=1", "resumed=1"),
+        "critic_fsdp2": ("fsdp2", 2, "critic=1", "resumed=1", "sp=2", "remove_padding=1")}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """{job: (its steps' records, its run folder)} of JOBS."""
+    root = tmp_path_factory.mktemp("launched")
+    run_ok(2, *[a for name, job in JOBS.items() for a in ("+", root / name, *job)][1:])
+    return {name: (torch.load(root / name / "result.pt", weights_only=False), root / name) for name in JOBS}
+
+
 def reference(out, **options):
     trainer, data, record = build(str(out), "auto", steps=1, devices=1, **options)
     trainer.fit(data)
@@ -35,19 +50,19 @@ def test_ulysses_attention_matches_one_process(tmp_path):
     assert "remove_padding=True" in result["padded_error"]
 
 
-def test_sequence_parallel_trainer_step_equals_one_process(tmp_path):
+def test_sequence_parallel_trainer_step_equals_one_process(launched, tmp_path):
     one = reference(tmp_path / "one", remove_padding=1)
-    two = run_ok(2, tmp_path / "sp", "fsdp2", 1, "sp=2", "remove_padding=1")[1]
+    two = launched["sp"][0][1]
     assert two["metrics"]["actor/pg_loss"] == pytest.approx(one["metrics"]["actor/pg_loss"], abs=1e-5)
     assert two["metrics"]["perf/total_num_tokens"] == one["metrics"]["perf/total_num_tokens"]
     assert_same_weights(two["weights"], one["weights"])
 
 
-def test_balanced_token_budget_and_sharded_validation_equal_one_process(tmp_path):
+def test_balanced_token_budget_and_sharded_validation_equal_one_process(launched, tmp_path):
     """DDP on 2 ranks with rows re-dealt by tokens, a token budget per micro-batch (the ranks' counts made
     equal) and validation split over the ranks: the same update and validation metrics as one process."""
     one = reference(tmp_path / "one", val=1)
-    two = run_ok(2, tmp_path / "two", "ddp", 1, "max_tokens=12", "val=1")[1]
+    two = launched["balanced"][0][1]
     assert_same_weights(two["weights"], one["weights"])
     val = {k: v for k, v in one["metrics"].items() if k.startswith("val-")}
     assert val and {k: two["metrics"][k] for k in val} == pytest.approx(val)
@@ -92,14 +107,14 @@ def test_distributed_recipe_runs_with_sequence_parallelism(tmp_path):
     assert "sequence parallelism: 1 group(s) of 2 processes" in out and "held-out accuracy after 2 steps" in out
 
 
-def test_whole_batch_statistics_span_the_processes(tmp_path):
+def test_whole_batch_statistics_span_the_processes(launched, tmp_path):
     """REINFORCE++ whitens over the whole batch and the adaptive KL controller reads its mean KL and size:
     on 2 processes (each holding half the batch) the statistics, hence the updates, are one process's."""
     trainer, data, record = build(str(tmp_path / "one"), "auto", steps=2, devices=1, batch_stats=1)
     trainer.fit(data)
     assert_updates(record.steps)
     one = record.steps
-    two = run_ok(2, tmp_path / "two", "fsdp2", 2, "batch_stats=1")
+    two = launched["batch_stats"][0]
     for step in (1, 2):
         for key in ("actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "critic/advantages/max",
                     "critic/advantages/min", "actor/pg_loss"):
@@ -109,7 +124,7 @@ def test_whole_batch_statistics_span_the_processes(tmp_path):
 
 
 @pytest.mark.parametrize("strategy, options", [("ddp", ()), ("fsdp2", ("sp=2", "remove_padding=1"))])
-def test_ppo_with_a_critic_equals_one_process(tmp_path, strategy, options):
+def test_ppo_with_a_critic_equals_one_process(launched, tmp_path, strategy, options):
     """GAE + critic (advantages whitened over the whole batch, value loss, two optimizers): data parallel with
     balancing, and one FSDP2 sequence-parallel group splitting policy and critic; resumed from a checkpoint."""
     padding = {"remove_padding": 1} if options else {}
@@ -117,11 +132,12 @@ def test_ppo_with_a_critic_equals_one_process(tmp_path, strategy, options):
     trainer.fit(data)
     assert_updates(record.steps)
     one = record.steps
-    two = run_ok(2, tmp_path / "two", strategy, 2, "critic=1", *options)
-    # the critic is checkpointed on its own (critic.ckpt): resuming from step 1 gives step 2 again
-    resumed = run_ok(2, tmp_path / "resumed", strategy, 2, tmp_path / "two" / "global_step_1",
-                     "critic=1", *options)
-    assert (tmp_path / "two" / "global_step_1" / "critic.ckpt").exists() and list(resumed) == [2]
+    assert JOBS[f"critic_{strategy}"] == (strategy, 2, "critic=1", "resumed=1", *options)
+    # the critic is checkpointed on its own (critic.ckpt): resuming from step 1 (in the same launch) gives step 2 again
+    two, run_dir = launched[f"critic_{strategy}"]
+    two = dict(two)
+    resumed = {2: two.pop("resumed")}
+    assert (run_dir / "global_step_1" / "critic.ckpt").exists() and two.pop("resumed_steps") == [2]
     for run, steps in ((two, (1, 2)), (resumed, (2,))):
         for step in steps:
             for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "critic/advantages/max"):

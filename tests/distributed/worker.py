@@ -1,13 +1,19 @@
 """Run by torchrun from test_fsdp2.py: a tiny GRPO job under a given strategy.
 
     python -m torch.distributed.run --nproc_per_node N worker.py OUT STRATEGY STEPS [RESUME] [FAIL_RANK] [KEY=VALUE ...]
+        [+ OUT STRATEGY STEPS ...]
+
+Several jobs separated by ``+`` run one after another in the same processes (a launch starts every process and
+imports torch: on 2 cores ~10 s, more than a tiny job's run).
 
 KEY=VALUE options (integers): ``sp`` (sequence-parallel size), ``remove_padding``,
 ``max_tokens`` (token budget per micro-batch), ``val`` (validate every step), and with
 STRATEGY fsdp2 ``bf16`` (bf16 parameters, fp32 reduction) and ``offload`` (CPU offload policy; needs an
 accelerator), ``cuda`` (run on CUDA devices), and ``batch_stats`` (REINFORCE++ whitening and an adaptive KL
 in the reward: statistics of the whole batch), ``critic`` (PPO: GAE with a critic, whitened over the batch),
-``rm`` (a tiny reward model scores the samples: sharded by FSDP2 like the policy).
+``rm`` (a tiny reward model scores the samples: sharded by FSDP2 like the policy), ``resumed`` (then the same
+run again from its first checkpoint, in this launch: result.pt's "resumed" is its last step, "resumed_steps" the
+steps it ran).
 ``lora`` (LoRA adapters on the policy, a KL loss against the adapter-disabled reference, and after each
 step the largest gap between the generation engine's log-probs and the policy's on fixed prompts).
 Writes, on rank 0, OUT/result.pt with the metrics and the full (gathered) weights
@@ -136,18 +142,30 @@ def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1,
     return trainer, PromptData(train[:64], val_rows[:10] if val else None, seed=0), record
 
 
-if __name__ == "__main__":
-    positional = [a for a in sys.argv[1:] if "=" not in a]
-    options = {k: int(v) for k, v in (a.split("=", 1) for a in sys.argv[1:] if "=" in a)}
+def run(argv):
+    positional = [a for a in argv if "=" not in a]
+    options = {k: int(v) for k, v in (a.split("=", 1) for a in argv if "=" in a)}
     out, strategy, steps = positional[0], positional[1], int(positional[2])
     resume = positional[3] if len(positional) > 3 and positional[3] != "-" else None
     fail_rank = int(positional[4]) if len(positional) > 4 else None
+    again_too = options.pop("resumed", 0)
     trainer, data, record = build(out, strategy, steps, resume, fail_rank, **options)
     trainer.fit(data)
-    if options.get("lora") and steps > 1:  # the same run resumed from its first checkpoint, in this launch
-        again, data, resumed = build(f"{out}/resumed", strategy, steps, f"{out}/global_step_1", **options)
-        again.fit(data)
+    if (options.get("lora") or again_too) and steps > 1:  # the same run resumed from its first checkpoint, in
+        again, data, resumed = build(f"{out}/resumed", strategy, steps, f"{out}/global_step_1", **options)  # this
+        again.fit(data)  # launch: a second torchrun job would start every process and import torch again
         record.steps["resumed"] = resumed.steps.get(steps)
+        record.steps["resumed_steps"] = sorted(resumed.steps)
     if trainer.fabric.global_rank == 0:
         torch.save(record.steps, f"{out}/result.pt")
     trainer.fabric.barrier()  # gloo can abort at teardown unless every rank is done
+
+
+if __name__ == "__main__":
+    job = []
+    for arg in [*sys.argv[1:], "+"]:  # jobs separated by "+" run one after another in this launch
+        if arg == "+":
+            run(job)
+            job = []
+        else:
+            job.append(arg)
