@@ -161,3 +161,65 @@ def test_threshold_one_trains_every_token_on_the_weights_that_sampled_it(model, 
 def test_bad_arguments_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FullyAsyncRollout(HFRollout(n=2), **kwargs)
+
+
+def test_a_run_killed_mid_step_and_resumed_trains_every_drawn_prompt_once(model, tokenizer, addition_rows, tmp_path):
+    """SIGKILL in step 3's update (its batch taken, the checkpoint of step 2 on disk), then ``resume="auto"``: the
+    prompts drawn but not trained at the checkpoint (queued, in flight or complete) are saved with it and generated
+    again, the loader resumes after the last prompt drawn. Over the run's lineage (each step as last trained) no
+    prompt is trained twice, and trained + still outstanding at the end = exactly the first prompts the loader
+    drew, none lost."""
+    import json
+    import multiprocessing
+    import os
+    import signal
+
+    from rlflow.trainer.trainer import Trainer
+
+    steps, log, left = 5, tmp_path / "trained.jsonl", tmp_path / "outstanding.json"
+
+    class Log:
+        def on_rollout_end(self, trainer, batch):
+            with open(log, "a") as f:
+                f.write(json.dumps({"step": trainer.global_step + 1, "prompts": batch[K.PROMPT_TEXT][::2]}) + "\n")
+
+    def child(kill):
+        if kill:
+            real, calls = Trainer.update_actor, [0]
+
+            def update_actor(self, batch):
+                calls[0] += 1
+                if calls[0] == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(self, batch)
+
+            Trainer.update_actor = update_actor
+        rollout = FullyAsyncRollout(HFRollout(n=2, max_new_tokens=4), max_off_policy_threshold=2,
+                                    max_off_policy_strategy="wait", chunk_tokens=2)
+        trainer = Trainer(policy=Policy(copy.deepcopy(model), tokenizer), rollout=rollout,
+                          reward=FunctionReward(longer_is_better), estimator=Chain(TruncatedIS(), GRPO()),
+                          loss=PPOLoss(is_weights=True), batch_size=4, lr=5e-2, max_steps=steps, run_dir=tmp_path / "run",
+                          loggers=(), progress=False, save_every=1, resume="auto", callbacks=[Log()])
+        try:
+            trainer.fit(PromptData(addition_rows[0], seed=0))
+            left.write_text(json.dumps([p["values"][K.PROMPT_TEXT] for p in rollout.state_dict()["prompts"]]))
+        finally:
+            rollout.close()
+
+    ctx = multiprocessing.get_context("fork")
+    for kill in (True, False):
+        proc = ctx.Process(target=child, args=(kill,))
+        proc.start()
+        proc.join(timeout=300)
+        assert proc.exitcode == (-signal.SIGKILL if kill else 0)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 3, 4, 5]  # step 3 was taken, killed, and trained after resume
+    lineage = {r["step"]: r["prompts"] for r in records}  # each step as it was last trained
+    trained = [p for step in sorted(lineage) for p in lineage[step]]
+    assert len(trained) == len(set(trained)) == steps * 4  # none trained twice
+    outstanding = json.loads(left.read_text())
+    drawn = len(trained) + len(outstanding)
+    assert drawn % 4 == 0 and not set(trained) & set(outstanding)
+    loader = PromptData(addition_rows[0], seed=0).loader(4, tokenizer)
+    order = [p for _ in range(drawn // 4) for p in next(loader)[K.PROMPT_TEXT]]
+    assert sorted(trained + outstanding) == sorted(order)  # none lost
