@@ -15,6 +15,7 @@ from rlflow.rollout import FullyAsyncRollout, HFRollout
 from rlflow.rollout.engines.base import SamplingParams, hf_weight_buckets
 from rlflow.rollout.engines.hf import HFEngine
 from rlflow.rollout.fully_async import Sample, generate_chunk
+from tests.rollout.conftest import ENGINE_OPTIONS, requires_vllm
 
 
 def longer_is_better(solution_str, ground_truth):
@@ -81,6 +82,34 @@ def test_a_response_spanning_two_versions_has_each_tokens_log_prob_from_the_weig
     s = spanning[0]  # the other version's weights would give other log-probs: the check can fail
     later = torch.tensor(s.versions) == 1
     assert (token_log_probs(v0, s.prompt, s.tokens)[later] - torch.tensor(s.log_probs)[later]).abs().max() > 1e-3
+
+
+@requires_vllm
+def test_vllm_continues_a_response_under_new_weights_with_each_tokens_log_prob_from_its_version(
+        vllm_engine, vllm_model_dir):
+    """The same partial rollout on the session's real vLLM engine: chunk 1 under v0, v1 loaded through the engine's
+    own weight path, the rest under v1; every token's log-prob is its version's, computed with transformers."""
+    from rlflow.rollout import VLLMRollout
+
+    policy = Policy.from_pretrained(vllm_model_dir)
+    rollout = VLLMRollout(n=1, max_new_tokens=8, **ENGINE_OPTIONS)
+    rollout.bind(policy.model, policy.tokenizer)
+    engine, v0, v1 = rollout.engine, policy.model, perturbed(policy.model, scale=0.05)
+    samples = [Sample(policy.tokenizer.encode(t)) for t in ("12+34=", "5+6=", "99+99=", "7+70=")]
+    generate_chunk(engine, samples, rollout.params, chunk_tokens=3, version=0)
+    rollout.sync_weights(v1)  # the engine's own weight load (the next test's bind sends its weights again)
+    while any(s.finish is None for s in samples):
+        generate_chunk(engine, samples, rollout.params, chunk_tokens=3, version=1)
+    assert any(s.versions[0] == 0 and s.versions[-1] == 1 for s in samples)
+    for s in samples:
+        recorded, versions = torch.tensor(s.log_probs), torch.tensor(s.versions)
+        for version, weights in ((0, v0), (1, v1)):
+            mine = versions == version
+            if mine.any():
+                assert (token_log_probs(weights, s.prompt, s.tokens)[mine] - recorded[mine]).abs().max() < 1e-4
+        later = versions == 1
+        if later.any():  # v0 would not give these: the check can fail
+            assert (token_log_probs(v0, s.prompt, s.tokens)[later] - recorded[later]).abs().max() > 1e-3
 
 
 def make_trainer(model, tokenizer, tmp_path, rollout, steps, callbacks=()):
