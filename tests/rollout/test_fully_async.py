@@ -180,6 +180,70 @@ def test_threshold_one_trains_every_token_on_the_weights_that_sampled_it(model, 
         assert metrics["training/off_policy/trajectory_spans/max"] == 1 and metrics["async/dropped_groups"] == 0
 
 
+def test_a_finished_group_over_the_threshold_is_dropped_and_replaced_by_the_next_prompt(model, tokenizer, addition_rows):
+    """Threshold 1, drop: groups admitted at version 1 that are trained at version 2 (two pushes for one batch)
+    are 2 versions old: they are evicted, counted, and the next prompts, admitted under version 2, take their
+    place (in the order they were drawn)."""
+    import time
+
+    rollout = FullyAsyncRollout(HFRollout(n=2, max_new_tokens=4), max_off_policy_threshold=1,
+                                max_off_policy_strategy="drop", chunk_tokens=1)
+    rollout.bind(model, tokenizer)
+    loader, drawn = PromptData(addition_rows[0], seed=0).loader(4, tokenizer), []
+
+    def prompts():
+        while True:
+            drawn.append(next(loader))
+            yield drawn[-1]
+
+    def push():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.2)
+        rollout.sync_weights(model)
+
+    stream = rollout.stream(prompts())
+    try:
+        first = next(stream)
+        assert (first[K.TOKEN_POLICY_VERSION][first[K.RESPONSE_MASK].bool()] == 0).all()
+        push()
+        deadline = time.monotonic() + 60  # the driver admits the next 4 groups under version 1
+        while sum(g.admitted == 1 for g in rollout._active + rollout._ready) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        push()
+        second = next(stream)
+    finally:
+        stream.close()
+        rollout.close()
+    assert rollout.stats["async/dropped_groups"] == 4 and rollout.stats["async/staleness_max"] == 0
+    assert (second[K.TOKEN_POLICY_VERSION][second[K.RESPONSE_MASK].bool()] == 2).all()
+    texts = [t for b in drawn for t in b[K.PROMPT_TEXT]]
+    assert list(second[K.PROMPT_TEXT][::2]) == texts[8:12]  # prompts 4..7 were dropped; 8..11 replaced them
+
+
+def test_a_dead_generation_process_fails_the_run_naming_it(model, tokenizer, addition_rows):
+    """The engine's process is killed: the next batch raises with the process and the signal, it does not hang."""
+    import os
+    import signal
+
+    from rlflow.rollout.engines.process import EngineProcessError
+
+    rollout = FullyAsyncRollout(HFRollout(n=2, max_new_tokens=4), max_off_policy_threshold=2, chunk_tokens=1)
+    rollout.bind(model, tokenizer)
+    stream = rollout.stream(PromptData(addition_rows[0], seed=0).loader(4, tokenizer))
+    try:
+        next(stream)
+        os.kill(rollout.engine.process.pid, signal.SIGKILL)
+        rollout.sync_weights(model)
+        with pytest.raises(EngineProcessError, match=r"generation process \(pid \d+\) was killed by SIGKILL"):
+            for _ in range(10):
+                next(stream)
+                rollout.sync_weights(model)
+    finally:
+        stream.close()
+        rollout.close()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_off_policy_threshold": 0}, "max_off_policy_threshold"),
     ({"max_off_policy_strategy": "skip"}, "max_off_policy_strategy"),
