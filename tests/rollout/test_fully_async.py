@@ -221,6 +221,20 @@ def test_a_finished_group_over_the_threshold_is_dropped_and_replaced_by_the_next
     assert list(second[K.PROMPT_TEXT][::2]) == texts[8:12]  # prompts 4..7 were dropped; 8..11 replaced them
 
 
+def test_a_stream_read_without_weight_pushes_keeps_going_at_threshold_one(model, tokenizer, addition_rows):
+    """Outside a Trainer nothing pushes weights: a batch asked for again is trained on the same version, so
+    admission opens for it (it would wait for the timeout otherwise)."""
+    rollout = FullyAsyncRollout(HFRollout(n=2, max_new_tokens=2), max_off_policy_threshold=1, timeout=30)
+    rollout.bind(model, tokenizer)
+    stream = rollout.stream(PromptData(addition_rows[0], seed=0).loader(4, tokenizer))
+    try:
+        batches = [next(stream) for _ in range(3)]
+    finally:
+        stream.close()
+        rollout.close()
+    assert all(b[K.POLICY_VERSION].tolist() == [0] * 8 for b in batches)
+
+
 def test_a_dead_generation_process_fails_the_run_naming_it(model, tokenizer, addition_rows):
     """The engine's process is killed: the next batch raises with the process and the signal, it does not hang."""
     import os

@@ -295,6 +295,9 @@ class FullyAsyncRollout(RolloutWrapper):
         queue needs prompts drawn first (a dropped group's replacement); ``None``: the prompts ended."""
         start, B = time.perf_counter(), self.batch_size
         with self._cond:
+            if self._learning:  # asked again with no push since the last batch: the next trains on this version too
+                self._learning = False
+                self._cond.notify_all()
             while True:
                 if self._error is not None:
                     raise EngineProcessError(f"the fully asynchronous rollout's generation failed: "
