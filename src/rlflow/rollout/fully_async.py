@@ -219,9 +219,11 @@ class FullyAsyncRollout(RolloutWrapper):
         """A snapshot of ``trained``'s weights as the next version; the driver loads it between two chunks."""
         if self.engine is None:
             return {}
-        start = time.perf_counter()
-        pairs = [(name, t.detach().to("cpu", copy=True)) for bucket in hf_weight_buckets(trained, self.rollout.bucket_bytes)
-                 for name, t in bucket]
+        start, copies, pairs = time.perf_counter(), {}, []
+        for bucket in hf_weight_buckets(trained, self.rollout.bucket_bytes):
+            for name, t in bucket:  # a tied parameter's names share one copy (the source kept: ids stay unique)
+                held = copies.setdefault(id(t), (t, t.detach().to("cpu", copy=True)))
+                pairs.append((name, held[1]))
         with self._cond:  # the version and its weights change together: admission reads the version
             if self.restored:  # the checkpoint's weights, under the version load_state_dict restored
                 self.restored = False
@@ -229,7 +231,7 @@ class FullyAsyncRollout(RolloutWrapper):
                 self.version += 1
             self._weights, self._learning = (self.version, pairs), False
             self._cond.notify_all()
-        gb = sum(t.numel() * t.element_size() for _, t in pairs) / 1e9
+        gb = sum(c.numel() * c.element_size() for _, c in copies.values()) / 1e9
         return {"weight_sync/gb": gb, "weight_sync/push_s": time.perf_counter() - start}
 
     def state_dict(self) -> dict:
