@@ -201,6 +201,11 @@ NOT_RUN.update({
     ("docs/async.md", "rlflow train --max-staleness 1"): ASYNC_LEARNING,
     ("docs/async.md", "rlflow train --max-staleness 1 --run-dir runs/async-seed0"): ASYNC_LEARNING,
     ("docs/async.md", "python benchmarks/async_rl.py"): BENCHMARK,
+    ("docs/async.md", "python -m rlflow.trainer.main_ppo --config-name ppo_trainer trainer.use_v1=true "
+                      "trainer.v1.trainer_mode=colocate_async trainer.v1.sampler.max_off_policy_threshold=2 "
+                      "trainer.v1.sampler.max_off_policy_strategy=drop trainer.v1.colocate_async.num_warmup_batches=1"):
+        "needs a model and data files; tests/config/test_async_keys.py::"
+        "test_the_entry_point_trains_fully_async_and_v1_sync_is_the_synchronous_run runs the mode on the tiny ones",
     ("docs/async.md", "python benchmarks/async_rl.py --engine vllm"): BENCHMARK,
     ("benchmarks/README.md", "python benchmarks/async_rl.py"): BENCHMARK,
 })
@@ -309,6 +314,7 @@ for _block in BLOCKS:  # the two agents on one machine: a template ('...') the m
 # Python blocks that run: (file, first line) -> replacements that fill in what the block elides
 ELIDED_TRAINER = [("Trainer(...,", "Trainer(**roles,")]
 RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
+    ("docs/async.md", "from rlflow.rollout import FullyAsyncRollout, HFRollout"): [],
     ("docs/algorithms/cispo.md", "from rlflow.algorithms import CISPOLoss"): [],
     ("docs/algorithms/clip_cov.md", "from rlflow import GRPO, Trainer"): [],
     ("docs/algorithms/distillation.md", "from rlflow import GRPO, Trainer"): [],

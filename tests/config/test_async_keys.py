@@ -79,3 +79,49 @@ def test_the_max_staleness_flag_reaches_the_default_job(monkeypatch):
     assert cli_main(["train"]) == 0 and calls[1]["max_staleness"] is None  # synchronous unless asked
     with pytest.raises(SystemExit):
         cli_main(["train", "--max-staleness", "1", "algorithm.adv_estimator=grpo"])
+
+
+def test_v1_async_modes_are_fully_async_with_verls_sampler_keys_and_truncated_is():
+    p = plan("trainer.v1.trainer_mode=colocate_async")
+    assert p.fully_async == {"max_off_policy_threshold": 8, "max_off_policy_strategy": "drop", "num_warmup_batches": 1}
+    assert p.async_rollout is None
+    assert [(cls.__name__, kwargs) for cls, kwargs in p.after] == [("TruncatedIS", {"level": "token", "threshold": 2.0})]
+    assert any("FullyAsyncRollout(rollout, max_off_policy_threshold=8" in n for n in p.notes)
+    p = plan("trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=2",
+             "trainer.v1.sampler.max_off_policy_strategy=wait", "trainer.v1.separate_async.num_warmup_batches=0.5")
+    assert p.fully_async == {"max_off_policy_threshold": 2, "max_off_policy_strategy": "wait", "num_warmup_batches": 0.5}
+    assert plan("trainer.v1.trainer_mode=colocate_async",
+                "trainer.v1.sampler.max_off_policy_threshold=null").fully_async["max_off_policy_threshold"] is None
+    assert plan("trainer.use_v1=false", "trainer.v1.trainer_mode=colocate_async").fully_async is None  # verl's legacy
+
+
+@pytest.mark.parametrize("overrides, error, message", [
+    (["trainer.v1.sampler.max_off_policy_threshold=0"], ConfigError, "trainer.v1.sampler.max_off_policy_threshold=0"),
+    (["trainer.v1.sampler.max_off_policy_strategy=skip"], ConfigError, "max_off_policy_strategy='skip'"),
+    (["trainer.v1.colocate_async.num_warmup_batches=-1"], ConfigError, "colocate_async.num_warmup_batches=-1"),
+    (["trainer.async_weight_update=true"], ConfigError, "two asynchronous modes"),
+    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"], NotSupportedError,
+     "dynamic sampling"),
+])
+def test_what_the_v1_async_modes_cannot_take_is_refused_naming_the_key(overrides, error, message):
+    with pytest.raises(error, match=message):
+        plan("trainer.v1.trainer_mode=colocate_async", *overrides)
+
+
+def test_the_entry_point_trains_fully_async_and_v1_sync_is_the_synchronous_run(tiny, capsys, tmp_path):
+    """``colocate_async`` trains through ``main_ppo`` with verl's off-policy metrics; ``use_v1=True`` in ``sync``
+    mode is exactly the legacy (``use_v1=False``) synchronous run: equal metrics."""
+    def rows(run):
+        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    assert main(tiny + ["trainer.v1.trainer_mode=colocate_async", "trainer.v1.sampler.max_off_policy_threshold=2",
+                        "trainer.logger=[console,file]", f"trainer.default_local_dir={tmp_path}/fully"]) == 0
+    assert "FullyAsyncRollout(" in capsys.readouterr().out
+    steps = [r for r in rows("fully") if "training/off_policy/trajectory_spans/max" in r]
+    assert len(steps) == 2 and all(r["training/off_policy/trajectory_staleness_worst/max"] <= 1 for r in steps)
+    assert all("rollout_corr/rollout_is_mean" in r and "async/dropped_groups" in r for r in steps)
+    for run, mode in (("v1", ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync"]), ("legacy", ["trainer.use_v1=false"])):
+        assert main(tiny + mode + ["trainer.logger=[console,file]", f"trainer.default_local_dir={tmp_path}/{run}"]) == 0
+    drop = ("timing_s/", "perf/")
+    same = [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows("v1")]
+    assert same and same == [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows("legacy")]

@@ -81,11 +81,9 @@ def test_mm_processor_kwargs_without_a_processor_get_a_note(tiny):
     assert any("data.mm_processor_kwargs={'max_pixels': 100} has no effect" in n for n in plan.notes)
 
 
-def test_v1_sync_is_rlflows_loop_and_its_async_modes_are_refused(tiny):
-    make_plan(load_config(tiny + ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync"]))
-    with pytest.raises(NotSupportedError, match=r"trainer.v1.trainer_mode='separate_async'.*"
-                                                r"trainer.async_weight_update=true"):
-        make_plan(load_config(tiny + ["trainer.v1.trainer_mode=separate_async"]))
+def test_v1_sync_is_rlflows_loop_and_its_async_modes_are_fully_async(tiny):
+    assert make_plan(load_config(tiny + ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync"])).fully_async is None
+    assert make_plan(load_config(tiny + ["trainer.v1.trainer_mode=separate_async"])).fully_async is not None
     with pytest.raises(ConfigError, match="trainer.v1.trainer_mode='fast': choose from sync, colocate_async"):
         make_plan(load_config(tiny + ["trainer.v1.trainer_mode=fast"]))
     plan = make_plan(load_config(tiny + ["trainer.use_v1=false", "trainer.v1.trainer_mode=colocate_async"]))
@@ -137,7 +135,8 @@ def test_features_rlflow_lacks_are_refused_naming_the_key(tiny, override, featur
 @pytest.mark.parametrize("override, reason", [
     ("transfer_queue.enable=true", "verl's TransferQueue"),
     ("distillation.teacher_models.teacher_model.model_path=t", "only used with distillation.enabled=True"),
-    ("trainer.v1.separate_async.parameter_sync_step=2", "only used with trainer.v1.trainer_mode"),
+    ("trainer.v1.separate_async.parameter_sync_step=2", "pushes weights once per step"),
+    ("trainer.v1.colocate_async.num_warmup_batches=2", "only used with that trainer.v1.trainer_mode"),
     ("algorithm.filter_groups.max_inflight_gen_batches=4", "one data.train_batch_size batch at a time"),
     ("reward_model.rollout.tensor_model_parallel_size=4", "verl's reward-model servers"),
     ("sandbox_fusion.memory_limit_mb=2048", "local sandbox"),

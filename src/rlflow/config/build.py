@@ -23,7 +23,7 @@ from rlflow.models.critic import Critic
 from rlflow.models.policy import Policy
 from rlflow.models.teacher import Teacher
 from rlflow.rewards import OverlongPenalty
-from rlflow.rollout import AsyncRollout
+from rlflow.rollout import AsyncRollout, FullyAsyncRollout
 from rlflow.rollout.stream import Experience, FilterGroups
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.trainer import Trainer
@@ -307,6 +307,8 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
         rollout = instantiate(AgentLoop, {"rollout": rollout, **plan.agent}, "actor_rollout_ref.rollout.multi_turn.*")
     if plan.async_rollout is not None:  # generation beside training (trainer.async_weight_update)
         rollout = instantiate(AsyncRollout, {"rollout": rollout, **plan.async_rollout}, "async_training.*")
+    if plan.fully_async is not None:  # fully asynchronous with partial rollouts (trainer.v1.trainer_mode=*_async)
+        rollout = instantiate(FullyAsyncRollout, {"rollout": rollout, **plan.fully_async}, "trainer.v1.*")
     estimator, stages = build_estimator(plan, rollout, loss)
     loss, stages = with_distillation(plan, policy, loss, stages)
     reference = "auto"

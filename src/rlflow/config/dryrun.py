@@ -104,6 +104,8 @@ def objects_section(plan: Plan) -> list[str]:
         reward = f"OverlongPenalty({reward}, {format_kwargs(plan.overlong)})"
     if plan.async_rollout is not None:
         rollout = f"AsyncRollout({rollout}, {format_kwargs(plan.async_rollout)})"
+    if plan.fully_async is not None:
+        rollout = f"FullyAsyncRollout({rollout}, {format_kwargs(plan.fully_async)})"
     out = ["Objects (the same Python API calls a script would make)",
            f"  policy    = Policy.from_pretrained({plan.model_path!r}, {format_kwargs(plan.policy_kwargs)}"
            f"{lora_text(plan.lora)})",

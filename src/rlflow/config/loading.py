@@ -200,6 +200,7 @@ def apply_override(cfg: DictConfig, defaults: dict, o, provided: set[str]) -> No
 
 STR_OR_LIST = ("data.train_files", "data.val_files", "target_modules")  # keys (or last parts) taking either
 NUMBER_OR_STR = ("algorithm.rollout_correction.rollout_is_threshold",)  # verl's '0.5_4.0' (lower_upper) form
+FRACTIONAL = ("num_warmup_batches",)  # last parts of int-defaulted keys verl documents fractions for (1.5 batches)
 
 
 def check_types(tree: dict, defaults: dict) -> list[ConfigError]:
@@ -215,6 +216,8 @@ def check_types(tree: dict, defaults: dict) -> list[ConfigError]:
         if (key in STR_OR_LIST or key.rsplit(".", 1)[-1] in STR_OR_LIST) and isinstance(value, (str, list)):
             continue
         if key in NUMBER_OR_STR and isinstance(value, str):
+            continue
+        if key.rsplit(".", 1)[-1] in FRACTIONAL and isinstance(value, numbers.Real) and not isinstance(value, bool):
             continue
         ok = (isinstance(value, bool) if isinstance(default, bool)
               else isinstance(value, int) and not isinstance(value, bool) if isinstance(default, int)

@@ -22,7 +22,7 @@ from rlflow import registry
 from rlflow.config import tables
 from rlflow.config.agent import agent_plan
 from rlflow.config.algos import bypass_loss, gdpo_keys, ESTIMATOR_POOL, companions, loss_pool
-from rlflow.config.asynchronous import async_plan
+from rlflow.config.asynchronous import async_plan, v1_async_plan
 from rlflow.config.data_keys import data_extras
 from rlflow.config.devices import Devices, resolve_devices
 from rlflow.config.distillation import distillation_plan
@@ -85,6 +85,7 @@ class Plan:
     agent: dict | None = None              # AgentLoop's kwargs: it wraps the rollout (multi_turn.enable)
     async_rollout: dict | None = None      # AsyncRollout's kwargs around the rollout (trainer.async_weight_update)
     distillation: dict | None = None       # the teacher stage and the distillation loss (rlflow.config.distillation)
+    fully_async: dict | None = None        # FullyAsyncRollout's kwargs (trainer.v1.trainer_mode=*_async)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -248,8 +249,9 @@ def make_plan(cfg: VerlConfig) -> Plan:
     distill = distillation_plan(cfg, notes)
     if distill is not None:
         distill["loss_cls"] = getattr(rlflow.algorithms, distill.pop("loss"))
+    fully_async = v1_async_plan(cfg, notes, devices, after, sampling)
     asynchronous = async_plan(cfg, notes, devices, after, sampling)
-    if agent and asynchronous:
+    if agent and (asynchronous or fully_async):
         raise NotSupportedError("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn rollouts with "
                                 "asynchronous generation", "Turn one of them off.")
     sp_size = sequence_parallel(cfg, notes, with_critic, procs)
@@ -320,7 +322,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         loggers=loggers, project=cfg["trainer.project_name"], experiment=cfg["trainer.experiment_name"],
         val_before_train=cfg["trainer.val_before_train"], val_only=cfg["trainer.val_only"],
         overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), agent=agent,
-        async_rollout=asynchronous, distillation=distill, notes=notes,
+        async_rollout=asynchronous, fully_async=fully_async, distillation=distill, notes=notes,
     )
 
 

@@ -3,8 +3,8 @@
 
 verl 0.9 runs its V1 trainer by default (``use_v1=True``) in ``sync`` mode, or its legacy trainer
 (``use_v1=False``); both generate with the current weights, then train, as rlflow's one loop does. V1's
-asynchronous modes (``colocate_async``, ``separate_async``) are refused: rlflow's asynchronous mode is
-one-step-off generation beside training (``trainer.async_weight_update=true``, docs/async.md).
+asynchronous modes (``colocate_async``, ``separate_async``) are fully asynchronous generation with partial
+rollouts (``FullyAsyncRollout``, :func:`rlflow.config.asynchronous.v1_async_plan`, docs/async.md).
 
 ``checkpoint_callback_class`` names a class (``my_pkg.callbacks.MyCallback``) that verl builds as
 ``cls(config=<the whole config>)`` and whose ``on_save(trainer=, global_step=, checkpoint_dir=, async_save=)``
@@ -16,14 +16,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.loading import ConfigError, VerlConfig
 
 USE_V1, MODE, CALLBACK = "trainer.use_v1", "trainer.v1.trainer_mode", "trainer.checkpoint_callback_class"
 V1_MODES = ("sync", "colocate_async", "separate_async")
 
 
 def v1_mode(cfg: VerlConfig, notes: list[str]) -> None:
-    """Check verl's trainer choice: sync (V1 or legacy) is rlflow's loop; the V1 asynchronous modes are refused."""
+    """Check verl's trainer choice: sync (V1 or legacy) is rlflow's loop; the V1 asynchronous modes wrap the
+    rollout (``v1_async_plan``)."""
     use_v1, mode = cfg[USE_V1], cfg[MODE]
     if mode not in V1_MODES:
         raise ConfigError(f"{MODE}={mode!r}: choose from {', '.join(V1_MODES)}")
@@ -32,10 +33,7 @@ def v1_mode(cfg: VerlConfig, notes: list[str]) -> None:
             notes.append(f"{MODE}={mode!r} has no effect with {USE_V1}=False (verl's legacy trainer is synchronous, "
                          "as rlflow's loop)")
         return
-    if mode != "sync":
-        raise NotSupportedError(MODE, mode, "verl V1's asynchronous trainer modes (colocate_async, separate_async)",
-                                "rlflow's asynchronous mode is one-step-off generation beside training: "
-                                "trainer.async_weight_update=true (docs/async.md).")
+    # colocate_async / separate_async: FullyAsyncRollout (rlflow.config.asynchronous.v1_async_plan)
 
 
 class VerlCheckpointCallback:

@@ -173,7 +173,8 @@ _RM_SERVER = ("a setting of verl's reward-model servers (the legacy name of rewa
 _SANDBOX = "a SandboxFusion server (rlflow runs code in its local sandbox: code data sources are scored without a server)"
 _TEACHER_PLACE = ("placement of verl's teacher pool; rlflow's teacher runs in the training processes "
                   "(trainer.n_gpus_per_node x trainer.nnodes), as the reference does")
-_V1_ASYNC = "only used with trainer.v1.trainer_mode=colocate_async / separate_async (refused; see trainer.v1.trainer_mode)"
+_V1_ASYNC = ("only used with that trainer.v1.trainer_mode (colocate_async / separate_async: FullyAsyncRollout's "
+             "num_warmup_batches)")
 RUN_INERT: dict[str, str] = {
     "data.audio_key": "audio inputs are not supported yet (images are: data.image_key)",
     **{f"reward_model.{k}": _RM_SERVER for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes", "rollout.*")},
@@ -198,8 +199,14 @@ RUN_INERT: dict[str, str] = {
     "transfer_queue.*": "verl's TransferQueue is a Ray data store between its workers; rlflow passes batches in memory",
     "trainer.v1.sync": "verl V1's sync mode takes no options",
     "trainer.v1.colocate_async.*": _V1_ASYNC, "trainer.v1.separate_async.*": _V1_ASYNC,
-    "trainer.v1.sampler.max_off_policy_*": ("verl V1's staleness bound for its asynchronous modes; in sync mode "
-                                            "(rlflow's) every sample comes from the current weights"),
+    "trainer.v1.separate_async.parameter_sync_step": (
+        "rlflow pushes weights once per step of data.train_batch_size prompts, which verl's invariant "
+        "train_batch_size = parameter_sync_step x ppo_mini_batch_size makes the same cadence; the step's mini-batches "
+        "are trained once its batch is complete, not streamed one by one"),
+    "trainer.v1.separate_async.hybrid_rollout.*": ("lends idle trainer GPUs to generation; rlflow's trainer and "
+                                                   "engine keep their own devices"),
+    "trainer.v1.sampler.max_off_policy_*": ("verl V1's staleness bound for its asynchronous modes (FullyAsyncRollout); "
+                                            "in sync mode every sample comes from the current weights"),
     "trainer.v1.sampler.sync_refill_failed_groups": ("replaces groups whose generation failed; rlflow's rollout "
                                                      "returns every group (a failing generation stops the step)"),
     "trainer.v1.sampler.custom_sampler.name": "only used with trainer.v1.sampler.custom_sampler.path, not supported yet",

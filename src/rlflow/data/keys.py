@@ -24,7 +24,10 @@ ROLLOUT_LOG_PROBS = "rollout_log_probs"  # B x R, float, the sampler's log-probs
 GROUP = "group"  # B, int64: samples of one prompt share it
 RESPONSE_TEXT = "response_text"  # non-tensor, B strings
 REWARD_BASELINE = "reward_baseline"  # B, float: e.g. ReMax's greedy-rollout score
-POLICY_VERSION = "policy_version"  # B, int64: the weight version that sampled the row (asynchronous rollouts)
+POLICY_VERSION = "policy_version"  # B, int64: the weight version that sampled the row (asynchronous rollouts; the oldest
+# of its tokens' versions when a partial rollout spans several)
+POLICY_VERSION_MAX = "policy_version_max"  # B, int64: the newest version among the row's tokens (partial rollouts)
+TOKEN_POLICY_VERSION = "token_policy_version"  # B x R, int64: the version that sampled each token (-1 on padding)
 
 # written by an agent (multi-turn) rollout (rlflow.rollout.agent)
 NUM_TURNS = "num_turns"  # B, int64: assistant turns + tool/user turns + 1, as verl counts them

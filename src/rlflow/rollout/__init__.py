@@ -8,11 +8,12 @@ from rlflow.rollout.hf import HFRollout
 from rlflow.rollout.single_turn import SingleTurnRollout
 
 from rlflow.rollout.async_rollout import AsyncRollout
+from rlflow.rollout.fully_async import FullyAsyncRollout
 from rlflow.rollout.dynamic_sampling import DynamicSampling
 from rlflow.rollout.reference_responses import WithReferenceResponses
 from rlflow.rollout.agent import AgentLoop
 
-__all__ = ["AgentLoop", "AsyncRollout", "HFRollout", "SingleTurnRollout", "VLLMRollout", "ServerRollout", "SGLangRollout",
+__all__ = ["AgentLoop", "AsyncRollout", "FullyAsyncRollout", "HFRollout", "SingleTurnRollout", "VLLMRollout", "ServerRollout", "SGLangRollout",
            "DynamicSampling", "WithReferenceResponses"]
 
 _LAZY = {"VLLMRollout": "rlflow.rollout.vllm", "ServerRollout": "rlflow.rollout.server",
