@@ -39,8 +39,8 @@ _REF_ENGINE = f"{AR}.ref.fsdp_config"  # the reference's (tables.INERT notes its
 _FSDP2 = "an FSDP tuning knob; rlflow's FSDP2 shards every decoder layer with torch's defaults"
 _PACKED_OWN = "rlflow computes log-probs and entropy on response tokens only, in its own chunks (rlflow.models.logprobs)"
 _SHAPES = "a kernel-shape setting (speed only): rlflow packs each micro-batch to its exact length"
-_MEGATRON_SCHEDULE = ("only used with optim.lr_decay_style other than constant (Megatron's schedule), which rlflow "
-                      "refuses; rlflow's schedule is optim.lr_scheduler_type with the warm-up keys")
+_MEGATRON_SCHEDULE = ("only used with Megatron's schedule: optim.lr_decay_style other than constant, lr_warmup_init "
+                      "above 0 or weight_decay_incr_style other than constant (rlflow.trainer.schedule.ParamSchedule)")
 _PRECISION_AWARE = ("only used with optim.use_precision_aware_optimizer=True (Megatron's), which rlflow refuses; "
                     "rlflow keeps float32 gradients and AdamW states")
 _QAT_ONLY = "only used with qat.enable=True (quantization-aware training), which rlflow refuses"
@@ -140,16 +140,8 @@ _MEGATRON_LORA = ("verl's Megatron LoRA block (model.lora.*; rlflow's LoRA is ac
                   "lora_alpha and target_modules: PEFT adapters with fsdp or fsdp2)")
 
 ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    **{f"{r}.optim.lr_decay_style": ("Megatron's LR decay styles (optim.lr_decay_style; rlflow's schedule is "
-                                     "optim.lr_scheduler_type: constant or cosine)", _not("constant")) for r in _ROLES},
-    **{f"{r}.optim.lr_warmup_init": ("a warm-up that starts above 0 (optim.lr_warmup_init; rlflow's rises linearly to "
-                                     "the LR)", _not(0, 0.0, None)) for r in _ROLES},
-    **{f"{r}.optim.weight_decay_incr_style": ("a changing weight decay (optim.weight_decay_incr_style)",
-                                              _not("constant")) for r in _ROLES},
     **{f"{r}.optim.use_precision_aware_optimizer": ("Megatron's precision-aware optimizer (low-precision gradients "
                                                     "and Adam states)", _truthy) for r in _ROLES},
-    **{f"{r}.optim.optimizer_impl": ("optimizers from other modules (optim.optimizer_impl; rlflow's optim.optimizer "
-                                     "names a torch.optim class)", _not("torch.optim")) for r in _ROLES},
     **{f"{e}.full_determinism": (_FULL_DETERMINISM, _truthy) for e in _ENGINES + (_REF_ENGINE, ROLL)},
     f"{ROLL}.multi_turn.function_tool_path": ("Python function tools (multi_turn.function_tool_path; rlflow's tools "
                                               "come from multi_turn.tool_config_path)", _truthy),

@@ -35,7 +35,7 @@ from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.metrics import MeanAccumulator, MismatchMetrics, Timer, batch_metrics, sum_micro_batches
 from rlflow.trainer.options import Batching, RunDir, grouped
-from rlflow.trainer.schedule import Schedule, lr_lambda, step_schedulers
+from rlflow.trainer.schedule import Schedule, make_scheduler, step_schedulers
 
 DATA_KEYS = (K.PROMPT_IDS, K.PROMPT_MASK, K.PROMPT_TEXT, K.RAW_PROMPT, K.GROUND_TRUTH, K.DATA_SOURCE, K.EXTRA_INFO)
 
@@ -52,7 +52,8 @@ class Trainer:
         batching: a :class:`~rlflow.trainer.options.Batching` (``batch_size``, ``mini_batch_size``, ``micro_batch_size``,
             ``max_tokens_per_micro_batch``, ``ppo_epochs``, ``shuffle_seed``, ``balance_batch``), or those as keywords.
         lr, critic_lr, weight_decay, warmup_steps, lr_schedule: AdamW and its schedule (``"constant"``, ``"cosine"``
-            or a :class:`~rlflow.trainer.schedule.Schedule`: verl's cosine with ``min_lr_ratio`` and ``num_cycles``).
+            a :class:`~rlflow.trainer.schedule.Schedule`: verl's cosine with ``min_lr_ratio`` and ``num_cycles``, or a
+            :class:`~rlflow.trainer.schedule.ParamSchedule`: megatron-core's decay styles and weight-decay increment).
         optimizer: ``params -> torch.optim.Optimizer`` to replace AdamW for the policy.
         max_grad_norm: gradient clipping (``None`` only measures the norm).
         max_steps: RL steps to run; default ``epochs x steps per epoch``.
@@ -343,8 +344,7 @@ class Trainer:
         self.loader = PromptStream(data.loader(self.batch_size, self.policy.tokenizer), self.fabric.global_rank,
                                    self.fabric.world_size, self.fabric.device)  # tensors only: columns stay as they are
         total = self.max_steps or self.epochs * self.loader.steps_per_epoch
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(self.lr_schedule, self.warmup_steps, total))
-                           for o in self._optimizers()]
+        self.schedulers = [make_scheduler(o, self.lr_schedule, self.warmup_steps, total) for o in self._optimizers()]
         ckpt.resume(self)
         history = []
         self.fabric.call("on_fit_start", trainer=self)
