@@ -9,6 +9,7 @@ checkpoints of ``trainer.save_freq`` under ``trainer.default_local_dir``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -106,7 +107,15 @@ def print_notes(plan: Plan) -> None:
 
 def train(plan: Plan, started: float | None = None) -> list[dict]:
     """Build the Trainer from the plan and run it the way verl's main_ppo does; the summary line's setup
-    time counts from ``started`` (a ``time.perf_counter()``; default: now)."""
+    time counts from ``started`` (a ``time.perf_counter()``; default: now). With a ``full_determinism`` key on,
+    from building to the end of fit (:mod:`rlflow.trainer.determinism`)."""
+    from rlflow.trainer.determinism import full_determinism  # torch: imported when training starts
+
+    with full_determinism(**plan.determinism) if plan.determinism else contextlib.nullcontext():
+        return _train(plan, started)
+
+
+def _train(plan: Plan, started: float | None) -> list[dict]:
     started = time.perf_counter() if started is None else started
     from rlflow.config.build import build_trainer
 

@@ -81,7 +81,7 @@ ROLE_INERT: dict[str, str] = {
     # verl 0.9's FSDP engine blocks (actor.fsdp_config.*, critic.fsdp.*); the offload keys are read
     **{f"{e}.{k}": v for e in _ENGINES + (_REF_ENGINE,) for k, v in {
         "use_orig_params": "an FSDP1 setting; rlflow's FSDP2 (fully_shard) always keeps the original parameters",
-        "seed": "only used with full_determinism=True, which rlflow refuses; rlflow seeds every role from data.seed",
+        "seed": "rlflow seeds every role from data.seed, its one seed (with full_determinism too)",
         "entropy_from_logits_with_chunking": _PACKED_OWN, "entropy_from_logits_chunk_size": _PACKED_OWN,
         "entropy_checkpointing": _PACKED_OWN,
         "use_torch_compile": "rlflow's chunked log-prob kernel is not compiled",
@@ -135,14 +135,12 @@ ROLE_INERT: dict[str, str] = {
     "critic.nccl_timeout": "process groups use rlflow's own time-out (rlflow.strategies.DEFAULT_TIMEOUT)",
 }
 
-_FULL_DETERMINISM = "bitwise-deterministic kernels (full_determinism)"
 _MEGATRON_LORA = ("verl's Megatron LoRA block (model.lora.*; rlflow's LoRA is actor_rollout_ref.model.lora_rank, "
                   "lora_alpha and target_modules: PEFT adapters with fsdp or fsdp2)")
 
 ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     **{f"{r}.optim.use_precision_aware_optimizer": ("Megatron's precision-aware optimizer (low-precision gradients "
                                                     "and Adam states)", _truthy) for r in _ROLES},
-    **{f"{e}.full_determinism": (_FULL_DETERMINISM, _truthy) for e in _ENGINES + (_REF_ENGINE, ROLL)},
     f"{ROLL}.multi_turn.function_tool_path": ("Python function tools (multi_turn.function_tool_path; rlflow's tools "
                                               "come from multi_turn.tool_config_path)", _truthy),
     "*.qat.enable": ("quantization-aware training (qat.enable)", _truthy),
