@@ -307,6 +307,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
             "val_every": max(test_freq, 0), "val_n": val["n"], "save_every": max(save_freq, 0),
             "run_dir": cfg["trainer.default_local_dir"],
             "resume": resume, "seed": cfg["data.seed"], "keep_checkpoints": keep_checkpoints(cfg, notes, with_critic),
+            "async_save": bool(same("checkpoint.async_save")),
             "critic_warmup_steps": critic_warmup_steps(cfg, notes, with_critic), "callbacks": generation_callbacks(cfg, notes) + checkpoint_callbacks(cfg),
             "progress": "console" not in loggers, "max_tokens_per_micro_batch": token_budget(cfg, with_critic),
             "sequence_parallel_size": sp_size, "balance_batch": cfg["trainer.balance_batch"],

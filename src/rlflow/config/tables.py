@@ -76,7 +76,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.model.use_liger": ("Liger kernels", _truthy),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
-    "actor_rollout_ref.actor.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
     "actor_rollout_ref.ref.model": ("a reference model other than the initial policy", _truthy),
     "actor_rollout_ref.rollout.ignore_eos": ("generation that ignores EOS", _truthy),
     "actor_rollout_ref.rollout.over_sample_rate": ("rollout over-sampling", _truthy),
@@ -87,14 +86,12 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.rollout.trace.backend": ("rollout tracing", _truthy),
     "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "critic.model.lora_rank": (LORA, lambda v: v > 0),
-    "critic.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
                                         "sources are scored without a server)", _truthy),
     "algorithm.use_pf_ppo": ("PF-PPO", _truthy),
     "reward.reward_manager.source": ("reward-manager classes loaded from a file (verl's source=importlib; "
                                      "rlflow's managers: naive, prime, dapo, batch)", _not("register")),
     "trainer.default_hdfs_dir": ("HDFS checkpoints", _truthy),
-    "trainer.del_local_ckpt_after_load": ("deleting checkpoints after loading", _truthy),
     "async_training.trigger_parameter_sync_step": ("weight sync less often than every step", _not(1)),
     "async_training.require_batches": ("training on several generated batches per step", _not(1)),
     "async_training.partial_rollout": ("partial rollouts (generation interrupted by weight updates)", _truthy),
@@ -127,6 +124,9 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.actor.model_engine": ("verl's scripts after 0.9.1 set it beside actor.strategy; the engine comes "
                                              "from actor.strategy (or the model_engine=... group) here"),
     "actor_rollout_ref.model.enable_activation_offload": _OFFLOAD, "critic.model.enable_activation_offload": _OFFLOAD,
+    "trainer.del_local_ckpt_after_load": ("verl deletes only the local copy of a checkpoint it downloaded from HDFS "
+                                          "(utils.fs.is_non_local) and keeps local checkpoints, as rlflow does; "
+                                          "rlflow's checkpoints are local (trainer.default_hdfs_dir is not supported)"),
     "data.tokenizer": "prompts are tokenized with the policy's tokenizer",
     "data.use_shm": _LOADER, "data.dataloader_num_workers": _LOADER, "data.filter_overlong_prompts_workers": _LOADER,
     "data.return_raw_input_ids": "rlflow batches carry prompt ids and text",

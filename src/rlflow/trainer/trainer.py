@@ -61,7 +61,7 @@ class Trainer:
             per prompt (1: greedy, else at the rollout's temperature), or with the rollout's options ``val_sampling``
             (with ``n``; verl's ``rollout.val_kwargs``).
         run: a :class:`~rlflow.trainer.options.RunDir` (the run's folder ``path``, ``save_every``, ``resume``,
-            ``keep_checkpoints``, ``loggers``), or those as keywords (``run_dir`` for ``path``).
+            ``keep_checkpoints``, ``loggers``, ``async_save``), or those as keywords (``run_dir`` for ``path``).
         critic_warmup_steps: the first N steps update only the critic (the policy and its schedule stay as they are).
         callbacks: objects with ``on_*`` hooks (a :class:`~rlflow.trainer.callbacks.NoLearningSignal` is added
             unless one is given).
@@ -85,7 +85,8 @@ class Trainer:
         warmup_steps: int = 0, lr_schedule: str | Schedule = "constant", optimizer: Callable | None = None,
         max_grad_norm: float | None = 1.0, max_steps: int | None = None, epochs: int = 1,
         val_every: int = 0, val_n: int = 1, save_every: int = 0, run_dir: str | Path = "runs/rlflow",
-        resume: str | Path | None = None, keep_checkpoints: int | None = None, critic_warmup_steps: int = 0,
+        resume: str | Path | None = None, keep_checkpoints: int | None = None, async_save: bool = False,
+        critic_warmup_steps: int = 0,
         loggers=("jsonl", "csv", "tensorboard"), callbacks=(), seed: int = 0, progress: bool = True,
         accelerator: str = "cpu", devices: int = 1, num_nodes: int = 1, strategy="auto", precision: str = "32-true",
         sequence_parallel_size: int = 1, balance_batch: bool = True,
@@ -93,7 +94,7 @@ class Trainer:
         given = dict(locals())  # the keyword arguments, for the groups (rlflow.trainer.options)
         (batch_size, mini_batch_size, micro_batch_size, max_tokens_per_micro_batch, ppo_epochs, shuffle_seed,
          balance_batch) = grouped(batching, Batching, given)
-        run_dir, save_every, resume, keep_checkpoints, loggers = grouped(run, RunDir, given)
+        run_dir, save_every, resume, keep_checkpoints, loggers, self.async_save = grouped(run, RunDir, given)
         self.experience = Experience.of(rollout, reward, stages, experience)
         rollout, reward = self.experience.rollout, self.experience.reward  # with Prefetch: the AsyncRollout
         self.policy, self.estimator, self.loss = policy, estimator, loss
@@ -365,6 +366,7 @@ class Trainer:
                 bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}", len=f"{metrics['response_length/mean']:.1f}",
                                 pg=f"{metrics.get('actor/pg_loss', 0.0):.3f}")
         bar.close()
+        ckpt.wait(self)  # an asynchronous save finishes before fit returns
         self.fabric.call("on_fit_end", trainer=self)
         for logger in self.fabric.loggers:
             logger.finalize("success")
