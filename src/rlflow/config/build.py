@@ -219,7 +219,7 @@ def build_critic(plan: Plan) -> Critic:
         from rlflow.models.checks import enable_activation_checkpointing
 
         enable_activation_checkpointing(model, {"use_reentrant": False})
-    return Critic(model, **kw)
+    return Critic(model, **kw, lora=make_lora(plan.critic_lora))
 
 
 def build_reward(plan: Plan):

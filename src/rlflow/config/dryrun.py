@@ -100,7 +100,8 @@ def objects_section(plan: Plan) -> list[str]:
            f"  estimator = {estimator_text(plan)}",
            f"  loss      = {plan.loss_cls.__name__}({format_kwargs(plan.loss_kwargs)})"]
     if plan.critic_path:
-        out += [f"  critic    = Critic(<{plan.critic_path}>, {format_kwargs(plan.critic_kwargs)})",
+        out += [f"  critic    = Critic(<{plan.critic_path}>, {format_kwargs(plan.critic_kwargs)}"
+                f"{lora_text(plan.critic_lora)})",
                 f"  value_loss= ValueLoss({format_kwargs(plan.value_loss_kwargs)})"]
     out.append(f"  data      = PromptData({format_kwargs(plan.data_kwargs)})")
     out.append(f"  trainer   = Trainer(..., {format_kwargs(t)})")

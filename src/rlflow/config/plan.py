@@ -27,7 +27,7 @@ from rlflow.config.data_keys import data_extras
 from rlflow.config.devices import Devices, resolve_devices
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.determinism import determinism
-from rlflow.config.lora import lora_argument
+from rlflow.config.lora import critic_lora_argument, lora_argument
 from rlflow.config.modeldata import chat_template_kwargs, engine_loading, model_loading, patch_size
 from rlflow.config.optim import optim_kwargs
 from rlflow.config.resolve import class_kwargs
@@ -85,6 +85,7 @@ class Plan:
     agent: dict | None = None              # AgentLoop's kwargs: it wraps the rollout (multi_turn.enable)
     async_rollout: dict | None = None      # AsyncRollout's kwargs around the rollout (trainer.async_weight_update)
     determinism: dict | None = None        # full_determinism's kwargs (the *.full_determinism keys)
+    critic_lora: dict | str | None = None  # the critic's LoRA, as lora (critic.model.lora_*)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -318,7 +319,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
         loggers=loggers, project=cfg["trainer.project_name"], experiment=cfg["trainer.experiment_name"],
         val_before_train=cfg["trainer.val_before_train"], val_only=cfg["trainer.val_only"],
         overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), agent=agent,
-        async_rollout=asynchronous, determinism=determinism(cfg, notes, devices.accelerator), notes=notes,
+        async_rollout=asynchronous, determinism=determinism(cfg, notes, devices.accelerator),
+        critic_lora=critic_lora_argument(cfg, notes) if with_critic else None, notes=notes,
     )
 
 

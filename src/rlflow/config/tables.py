@@ -65,7 +65,6 @@ def _not(*ok: Any) -> Callable[[Any], bool]:
 
 
 OTHER_BACKENDS = "training strategies other than fsdp, fsdp2 and megatron"
-LORA = "LoRA on the critic"
 MULTI_TURN = "custom agent loops (agent_loop_config_path)"
 
 NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
@@ -85,7 +84,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.rollout.skip_rollout": ("replaying dumped rollouts", _truthy),
     "actor_rollout_ref.rollout.trace.backend": ("rollout tracing", _truthy),
     "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
-    "critic.model.lora_rank": (LORA, lambda v: v > 0),
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
                                         "sources are scored without a server)", _truthy),
     "algorithm.use_pf_ppo": ("PF-PPO", _truthy),
@@ -110,6 +108,7 @@ _LOADER = "rlflow reads the data files in the main process"
 _CKPT = "rlflow checkpoints always hold model, optimizer, schedule, data position and RNG"
 _NO_RM = "only used with reward_model.enable=True"
 _LORA_ONLY = "only used with LoRA, not supported yet"
+_CRITIC_LORA_ONLY = "only used with LoRA on the critic: critic.model.lora_rank > 0 or critic.model.lora_adapter_path"
 _POLICY_LORA_ONLY = ("only used with LoRA on: actor_rollout_ref.model.lora_rank > 0, "
                      "actor_rollout_ref.actor.lora.enabled=True or actor_rollout_ref.model.lora_adapter_path")
 _DYN_ONLY = "only used with this role's use_dynamic_bsz / log_prob_use_dynamic_bsz=True (a token budget per pass)"
@@ -194,7 +193,7 @@ INERT: dict[str, str] = {
     "critic.model.use_shm": _LOADER, 
     "critic.model.fsdp_config.wrap_policy.*": _SINGLE, "critic.model.fsdp_config.reshard_after_forward": _SINGLE,
     "critic.model.fsdp_config.fsdp_size": _SINGLE, "critic.model.fsdp_config.forward_prefetch": _SINGLE,
-    "critic.model.target_modules": _LORA_ONLY, "critic.model.lora_alpha": _LORA_ONLY,
+    "critic.model.target_modules": _CRITIC_LORA_ONLY, "critic.model.lora_alpha": _CRITIC_LORA_ONLY,
     "critic.forward_max_token_len_per_gpu": _DYN_ONLY,
     # read when reward_model.enable=True, except these, which change nothing then either
     "reward_model.model.use_shm": _LOADER,

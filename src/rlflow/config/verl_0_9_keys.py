@@ -131,12 +131,15 @@ ROLE_INERT: dict[str, str] = {
     f"{MOD}.lora.*": _MLORA_ONLY, "critic.model.lora.*": "only used with critic.model.lora.rank > 0, which rlflow refuses",
     "critic.model.custom_chat_template": ("the critic scores the policy's token ids; prompts are rendered once, with "
                                           "actor_rollout_ref.model.custom_chat_template"),
-    "critic.model.exclude_modules": "only used with LoRA, not supported yet",
+    "critic.model.exclude_modules": "only used with LoRA on the critic: critic.model.lora_rank > 0",
     "critic.nccl_timeout": "process groups use rlflow's own time-out (rlflow.strategies.DEFAULT_TIMEOUT)",
 }
 
 _MEGATRON_LORA = ("verl's Megatron LoRA block (model.lora.*; rlflow's LoRA is actor_rollout_ref.model.lora_rank, "
                   "lora_alpha and target_modules: PEFT adapters with fsdp or fsdp2)")
+
+_CRITIC_MEGATRON_LORA = ("verl's Megatron LoRA block on the critic (critic.model.lora.*; rlflow's critic LoRA is "
+                         "critic.model.lora_rank, lora_alpha, target_modules or lora_adapter_path: PEFT adapters)")
 
 ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     **{f"{r}.optim.use_precision_aware_optimizer": ("Megatron's precision-aware optimizer (low-precision gradients "
@@ -151,9 +154,8 @@ ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     f"{MOD}.lora.rank": (_MEGATRON_LORA, lambda v: v is not None and v > 0),
     f"{MOD}.lora.adapter_path": ("Megatron LoRA adapters (model.lora.adapter_path; a PEFT adapter folder goes in "
                                  "actor_rollout_ref.model.lora_adapter_path)", _truthy),
-    "critic.model.lora.rank": ("LoRA on the critic", lambda v: v is not None and v > 0),
-    "critic.model.lora.adapter_path": ("LoRA on the critic", _truthy),
-    "critic.model.lora_adapter_path": ("LoRA on the critic", _truthy),
+    "critic.model.lora.rank": (_CRITIC_MEGATRON_LORA, lambda v: v is not None and v > 0),
+    "critic.model.lora.adapter_path": (_CRITIC_MEGATRON_LORA, _truthy),
     "critic.model.use_liger": ("Liger kernels", _truthy),
 }
 

@@ -60,13 +60,20 @@ class Critic(BatchModule):
         max_tokens_per_micro_batch: token budget per scoring forward pass instead (verl's ``critic.use_dynamic_bsz``
             + ``forward_max_token_len_per_gpu``; see ``Policy``); ``None``: split by rows only.
         remove_padding: run the backbone on packed sequences (``rlflow.models.packing``).
+        lora: a ``peft.LoraConfig`` or an adapter folder: LoRA adapters on the backbone (``rlflow.models.lora``,
+            verl's ``critic.model.lora_rank`` / ``lora_adapter_path``); the backbone's own weights are frozen and
+            only the adapter and the value head (new, so always trained) train.
     """
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS)
     out_keys = (K.VALUES,)
 
     def __init__(self, model: nn.Module, *, micro_batch_size: int | None = None,
-                 max_tokens_per_micro_batch: int | None = None, remove_padding: bool = False):
+                 max_tokens_per_micro_batch: int | None = None, remove_padding: bool = False, lora=None):
+        if lora is not None:
+            from rlflow.models.lora import apply_lora  # peft: imported only for LoRA
+
+            model = apply_lora(model, lora)
         self.module: nn.Module = ValueHeadModel(model, remove_padding=remove_padding)
         self.micro_batch_size, self.max_tokens_per_micro_batch = micro_batch_size, max_tokens_per_micro_batch
         self.remove_padding = remove_padding
