@@ -224,7 +224,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
         critic_kwargs = {"micro_batch_size": fwd_micro if fwd_micro is not None or fwd_tokens else critic_micro,
                          "max_tokens_per_micro_batch": fwd_tokens,
                          "gradient_checkpointing": cfg[f"{C}.model.enable_gradient_checkpointing"],
-                         "remove_padding": cfg[f"{C}.model.use_remove_padding"], **model_loading(cfg, C)}
+                         "remove_padding": cfg[f"{C}.model.use_remove_padding"], **model_loading(cfg, C),
+                         **({"activation_offload": True} if cfg[f"{C}.model.enable_activation_offload"] else {})}
         critic_kwargs |= model_paths(cfg, f"{C}.model")  # critic.model.hf_config_path
         value_loss_kwargs = {"clip_range": cfg[f"{C}.cliprange_value"], "agg": cfg[f"{C}.loss_agg_mode"],
                              "loss_scale_factor": cfg[f"{C}.loss_scale_factor"]}
@@ -277,6 +278,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
                        "micro_batch_size": lp_micro, "max_tokens_per_micro_batch": lp_tokens,
                        "gradient_checkpointing": cfg["actor_rollout_ref.model.enable_gradient_checkpointing"],
                        "remove_padding": cfg["actor_rollout_ref.model.use_remove_padding"],
+                       **({"activation_offload": True} if cfg["actor_rollout_ref.model.enable_activation_offload"]
+                          else {}),
                        **{k: cfg[f"data.{k}"] for k in ("min_pixels", "max_pixels") if cfg[f"data.{k}"]},
                        **policy_loading,
                        **model_paths(cfg, "actor_rollout_ref.model"),  # model.tokenizer_path, model.hf_config_path

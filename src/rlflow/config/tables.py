@@ -107,7 +107,6 @@ _FUSED = ("rlflow's log-prob head is always fused and chunked (rlflow.models.log
 _LOADER = "rlflow reads the data files in the main process"
 _CKPT = "rlflow checkpoints always hold model, optimizer, schedule, data position and RNG"
 _NO_RM = "only used with reward_model.enable=True"
-_LORA_ONLY = "only used with LoRA, not supported yet"
 _CRITIC_LORA_ONLY = "only used with LoRA on the critic: critic.model.lora_rank > 0 or critic.model.lora_adapter_path"
 _POLICY_LORA_ONLY = ("only used with LoRA on: actor_rollout_ref.model.lora_rank > 0, "
                      "actor_rollout_ref.actor.lora.enabled=True or actor_rollout_ref.model.lora_adapter_path")
@@ -116,13 +115,9 @@ _PF_RC_ONLY = "only used with PF-PPO or with rollout-correction options that are
 _FILTER_ONLY = "only used with algorithm.filter_groups.enable=True (DynamicSampling)"
 _MEGATRON_ONLY = "only used with actor_rollout_ref.actor.strategy=megatron"
 
-_OFFLOAD = ("activation offloading is a memory saving rlflow does not have yet (gradient checkpointing is: "
-            "model.enable_gradient_checkpointing); what is trained is the same")
-
 INERT: dict[str, str] = {
     "actor_rollout_ref.actor.model_engine": ("verl's scripts after 0.9.1 set it beside actor.strategy; the engine comes "
                                              "from actor.strategy (or the model_engine=... group) here"),
-    "actor_rollout_ref.model.enable_activation_offload": _OFFLOAD, "critic.model.enable_activation_offload": _OFFLOAD,
     "trainer.del_local_ckpt_after_load": ("verl deletes only the local copy of a checkpoint it downloaded from HDFS "
                                           "(utils.fs.is_non_local) and keeps local checkpoints, as rlflow does; "
                                           "rlflow's checkpoints are local (trainer.default_hdfs_dir is not supported)"),
