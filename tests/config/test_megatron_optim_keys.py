@@ -117,9 +117,11 @@ def test_schedule_keys_reach_the_plan(tiny, model_dir):
         plan(tiny, f"{OPT}.lr_decay_style=exp")
 
 
-def test_min_lr_alone_says_it_is_unused(tiny):
+def test_the_other_schedules_floor_says_it_is_unused(tiny):
     p = plan(tiny, f"{OPT}.min_lr=1e-7")
     assert "min_lr=1e-07 has no effect in rlflow: only used with Megatron's schedule" in "\n".join(unused_notes(p.cfg))
+    p = plan(tiny, f"{OPT}.lr_decay_style=linear", f"{OPT}.min_lr_ratio=0.1")
+    assert "min_lr_ratio=0.1 is not used: it is the floor of verl's FSDP cosine" in "\n".join(p.notes)
 
 
 def test_optimizer_impl_imports_the_class_from_a_users_module(tiny, tmp_path, monkeypatch):

@@ -85,6 +85,9 @@ def optim_kwargs(cfg: VerlConfig, notes: list[str], with_critic: bool, same: Cal
                 scheduler_kind(cfg, C, notes) if with_critic else None, aliases=(f"{A}.optim.warmup_style",))
     min_ratio = same("optim.min_lr_ratio")
     schedule = megatron_schedule(cfg, notes, with_critic, same, kind, {A: lr, C: cfg[f"{C}.optim.lr"]}, weight_decay)
+    if schedule is not None and min_ratio:
+        notes.append(f"{A}.optim.min_lr_ratio={min_ratio} is not used: it is the floor of verl's FSDP cosine "
+                     "(lr_scheduler_type); Megatron's schedule (lr_decay_style) ends at optim.min_lr")
     schedule = schedule or Schedule(kind, 0.0 if min_ratio is None else float(min_ratio),
                                     float(same("optim.num_cycles")), bool(same("optim.zero_indexed_step")))
     shuffle, seed = same("shuffle"), same("data_loader_seed")

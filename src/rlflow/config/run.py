@@ -27,6 +27,7 @@ from rlflow.config.verl_configs import bundled_name
 from rlflow.logs import quiet_other_ranks
 from rlflow.trainer import checkpoint as ckpt
 from rlflow.trainer.checkpoint import CheckpointError  # light: the checkpoint module imports torch where used
+from rlflow.trainer.determinism import full_determinism  # light too
 
 if TYPE_CHECKING:
     from rlflow.config.plan import Plan
@@ -109,8 +110,6 @@ def train(plan: Plan, started: float | None = None) -> list[dict]:
     """Build the Trainer from the plan and run it the way verl's main_ppo does; the summary line's setup
     time counts from ``started`` (a ``time.perf_counter()``; default: now). With a ``full_determinism`` key on,
     from building to the end of fit (:mod:`rlflow.trainer.determinism`)."""
-    from rlflow.trainer.determinism import full_determinism  # torch: imported when training starts
-
     with full_determinism(**plan.determinism) if plan.determinism else contextlib.nullcontext():
         return _train(plan, started)
 

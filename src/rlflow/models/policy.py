@@ -59,6 +59,7 @@ class Policy(BatchModule):
     """
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS)
+    activation_offload = False  # a reference (AdapterDisabledReference, ...) scores without it
 
     def __init__(
         self,

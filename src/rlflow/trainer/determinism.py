@@ -19,8 +19,7 @@ import contextlib
 import os
 import random
 
-import numpy as np
-import torch
+# torch and numpy are imported when the switch is used: the verl entry point imports this module before any checks.
 
 ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "FLASH_ATTENTION_DETERMINISTIC": "1", "NCCL_DETERMINISTIC": "1",
        "NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple", "VERL_FULL_DETERMINISM": "1"}
@@ -29,6 +28,9 @@ ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "FLASH_ATTENTION_DETERMINISTIC": "1",
 @contextlib.contextmanager
 def full_determinism(seed: int, batch_invariant: bool = False):
     """Deterministic kernels, their environment and seeds for the block; everything is restored after it."""
+    import numpy as np
+    import torch
+
     env = ENV | {"PYTHONHASHSEED": str(seed)} | ({"VLLM_BATCH_INVARIANT": "1"} if batch_invariant else {})
     saved_env = {k: os.environ.get(k) for k in env}
     saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
