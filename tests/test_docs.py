@@ -341,6 +341,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/algorithms/spin.md", "from rlflow import FunctionReward, HFRollout, Trainer"): [],
     ("docs/algorithms/sppo.md", "from rlflow import FunctionReward, HFRollout, Trainer"): [],
     ("docs/concepts.md", "from rlflow import AdvantageEstimator, keys"): [],
+    ("docs/concepts.md", "from rlflow.trainer.schedule import ParamSchedule, make_scheduler"): [],
     ("docs/experience.md", "from rlflow import GRPO, FunctionReward, HFRollout, PPOLoss, Trainer"): [],
     ("docs/metrics.md", "from rlflow import GRPO, PPOLoss"): ELIDED_TRAINER,
     ("docs/rollout-engines.md", "from rlflow.rollout import ServerRollout"): [],  # connects only at bind

@@ -56,6 +56,7 @@ ALLOWED = {
     ("config.verl_megatron", "strategies.megatron.memory"): "defers lightning, torch",
     ("config.verl_megatron", "strategies.megatron.model"): "defers lightning, torch",
     ("models.policy", "models.lora"): "defers peft",
+    ("models.critic", "models.lora"): "defers peft",
     ("rewards.combine", "rewards.function"): CIRCLE,
     ("rewards.dispatch", "rewards.code"): CIRCLE,
     ("rewards.dispatch", "rewards.geo3k"): CIRCLE,

@@ -160,8 +160,11 @@ def total_steps(plan: Plan, data: PromptData) -> int:
 
 
 def warmup_steps(plan: Plan, total: int) -> int:
+    """verl's: lr_warmup_steps when > 0, else lr_warmup_steps_ratio x the decay steps (Megatron's lr_decay_steps
+    when set, else all steps)."""
     steps, ratio = plan.warmup
-    return steps if steps and steps > 0 else int(ratio * total)
+    decay = getattr(plan.trainer_kwargs["lr_schedule"], "decay_steps", None) or total
+    return steps if steps and steps > 0 else int(ratio * decay)
 
 
 def critic_config(plan: Plan):
@@ -219,7 +222,7 @@ def build_critic(plan: Plan) -> Critic:
         from rlflow.models.checks import enable_activation_checkpointing
 
         enable_activation_checkpointing(model, {"use_reentrant": False})
-    return Critic(model, **kw)
+    return Critic(model, **kw, lora=make_lora(plan.critic_lora))
 
 
 def build_reward(plan: Plan):

@@ -115,7 +115,8 @@ def objects_section(plan: Plan) -> list[str]:
            f"  estimator = {estimator_text(plan)}",
            f"  loss      = {loss_text(plan)}"]
     if plan.critic_path:
-        out += [f"  critic    = Critic(<{plan.critic_path}>, {format_kwargs(plan.critic_kwargs)})",
+        out += [f"  critic    = Critic(<{plan.critic_path}>, {format_kwargs(plan.critic_kwargs)}"
+                f"{lora_text(plan.critic_lora)})",
                 f"  value_loss= ValueLoss({format_kwargs(plan.value_loss_kwargs)})"]
     out.append(f"  data      = PromptData({format_kwargs(plan.data_kwargs)})")
     out.append(f"  trainer   = Trainer(..., {format_kwargs(t)})")

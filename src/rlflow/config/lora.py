@@ -66,6 +66,44 @@ def lora_argument(cfg: VerlConfig, notes: list[str]) -> dict | str | None:
     return kwargs
 
 
+CM = "critic.model"
+
+
+def critic_lora_argument(cfg: VerlConfig, notes: list[str]) -> dict | str | None:
+    """LoRA on the critic (``critic.model.lora_rank`` > 0, ``lora_alpha``, ``target_modules``, ``exclude_modules``,
+    or ``lora_adapter_path``): ``peft.LoraConfig``'s kwargs, an adapter folder, or ``None``. The value head is new,
+    so it trains beside the adapter (``Critic(lora=...)``)."""
+    rank, adapter = cfg[f"{CM}.lora_rank"], cfg[f"{CM}.lora_adapter_path"]
+    if not (adapter or (rank or 0) > 0):
+        return None
+    if cfg["critic.strategy"] == "megatron":
+        raise NotSupportedError(f"{CM}.lora_adapter_path" if adapter else f"{CM}.lora_rank",
+                                adapter or rank, "LoRA on the critic with the Megatron strategy",
+                                "Use critic.strategy=fsdp or fsdp2 with LoRA.")
+    if adapter:
+        folder = Path(str(adapter)).expanduser()
+        if not (folder / "adapter_config.json").exists():
+            raise ConfigError(f"{CM}.lora_adapter_path={adapter!r}: not a PEFT adapter folder (no adapter_config.json)")
+        shaped = [k for k in (f"{CM}.lora_rank", f"{CM}.lora_alpha", f"{CM}.target_modules") if cfg.is_provided(k)]
+        for key in shaped:  # read: this note replaces the generic "has no effect" one
+            cfg[key]
+        if shaped:
+            notes.append(f"{CM}.lora_adapter_path: the adapter's own adapter_config.json sets rank, alpha and targets; "
+                         f"ignored: {', '.join(shaped)}")
+        return str(folder)
+    if not isinstance(rank, int):
+        raise ConfigError(f"{CM}.lora_rank={rank!r}: LoRA rank must be a positive integer")
+    from peft import LoraConfig
+
+    kwargs = {"r": rank, "lora_alpha": cfg[f"{CM}.lora_alpha"], "target_modules": cfg[f"{CM}.target_modules"],
+              "exclude_modules": cfg[f"{CM}.exclude_modules"], "task_type": "CAUSAL_LM"}
+    try:
+        LoraConfig(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"LoRA settings of the critic ({CM}.lora_rank / lora_alpha / target_modules): {e}") from e
+    return kwargs
+
+
 def make_lora(argument: dict | str | None):
     """What ``Policy(lora=...)`` takes: a ``peft.LoraConfig`` from its kwargs, or the adapter folder as it is."""
     if not isinstance(argument, dict):

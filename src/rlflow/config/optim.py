@@ -7,6 +7,13 @@ both set and different is an error). The learning rates stay separate.
 - ``optim.lr_scheduler_type`` (or its older name ``optim.warmup_style``, which wins when set, as in verl),
   ``optim.min_lr_ratio``, ``optim.num_cycles``, ``optim.zero_indexed_step`` -> a
   :class:`~rlflow.trainer.schedule.Schedule` with verl's formulas.
+- verl's Megatron schedule keys ``optim.lr_decay_style``, ``lr_warmup_init``, ``min_lr``, ``lr_decay_steps``,
+  ``lr_wsd_decay_style`` / ``lr_wsd_decay_steps`` and ``weight_decay_incr_style`` (any of them off its default,
+  whatever the strategy) -> a :class:`~rlflow.trainer.schedule.ParamSchedule` (megatron-core's formulas). Its
+  lr values are fractions of each role's lr, so actor and critic keep their own learning rates; verl passes
+  ``start_wd = end_wd = weight_decay``, so the weight decay stays constant whatever its style (a note says so).
+- ``optim.optimizer_impl`` (verl's): the module ``optim.optimizer`` is imported from (``torch.optim``, or a user's
+  module on ``sys.path``: ``my_optimizers``).
 - ``optim.clip_grad`` (verl 0.9's name), ``grad_clip`` (the older one) and the seed's ``max_grad_norm``: any of
   them; two set to different values is an error naming both (validation, ``aliases_agree``).
 - ``shuffle`` with ``data_loader_seed`` -> ``Trainer(shuffle_seed=...)``.
@@ -20,14 +27,16 @@ both set and different is an error). The learning rates stay separate.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
+import math
 from typing import Any, Callable
 
 import torch
 
 from rlflow.config import tables
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
-from rlflow.trainer.schedule import SCHEDULES, Schedule
+from rlflow.trainer.schedule import DECAY_STYLES, SCHEDULES, WD_STYLES, WSD_STYLES, ParamSchedule, Schedule
 
 A, C = "actor_rollout_ref.actor", "critic"
 # verl 0.9's name first: the value is the first of these the user set (validation made sure they agree)
@@ -69,22 +78,97 @@ def optim_kwargs(cfg: VerlConfig, notes: list[str], with_critic: bool, same: Cal
     # verl's Megatron configs name Megatron's optimizers: its "adam" is decoupled weight decay (megatron-core
     # falls back to torch.optim.AdamW for it), "sgd" is SGD
     name = same("optim.optimizer")  # read once: the one-value rule may add a note
-    name = tables.MEGATRON_OPTIMIZERS.get(name, name)
-    if not hasattr(torch.optim, name):
-        raise ConfigError(f"{A}.optim.optimizer={name!r}: torch.optim has no such optimizer")
+    optimizer_cls = optimizer_class(same("optim.optimizer_impl"), name)
     weight_decay, betas = same("optim.weight_decay"), same("optim.betas")
-    extra = optimizer_overrides(cfg, notes, getattr(torch.optim, name), devices)
+    extra = optimizer_overrides(cfg, notes, optimizer_cls, devices)
     kind = same("optim.lr_scheduler_type", scheduler_kind(cfg, A, notes),
                 scheduler_kind(cfg, C, notes) if with_critic else None, aliases=(f"{A}.optim.warmup_style",))
     min_ratio = same("optim.min_lr_ratio")
-    schedule = Schedule(kind, 0.0 if min_ratio is None else float(min_ratio), float(same("optim.num_cycles")),
-                        bool(same("optim.zero_indexed_step")))
+    schedule = megatron_schedule(cfg, notes, with_critic, same, kind, {A: lr, C: cfg[f"{C}.optim.lr"]}, weight_decay)
+    if schedule is not None and min_ratio:
+        notes.append(f"{A}.optim.min_lr_ratio={min_ratio} is not used: it is the floor of verl's FSDP cosine "
+                     "(lr_scheduler_type); Megatron's schedule (lr_decay_style) ends at optim.min_lr")
+    schedule = schedule or Schedule(kind, 0.0 if min_ratio is None else float(min_ratio),
+                                    float(same("optim.num_cycles")), bool(same("optim.zero_indexed_step")))
     shuffle, seed = same("shuffle"), same("data_loader_seed")
     seed = cfg["data.seed"] if seed is None else seed  # verl: "None uses the global seed"
     return {"lr": lr, "critic_lr": cfg[f"{C}.optim.lr"], "weight_decay": weight_decay, "lr_schedule": schedule,
-            "optimizer": functools.partial(getattr(torch.optim, name), lr=lr, weight_decay=weight_decay,
-                                           betas=tuple(betas), **extra),
+            "optimizer": functools.partial(optimizer_cls, lr=lr, weight_decay=weight_decay, betas=tuple(betas),
+                                           **extra),
             "max_grad_norm": clip, "shuffle_seed": int(seed) if shuffle else None}
+
+
+def optimizer_class(module: str | None, name: str) -> type:
+    """verl's ``optim.optimizer_impl`` + ``optim.optimizer``: the class ``name`` of the module ``module`` (verl's
+    Megatron names ``adam`` / ``sgd`` are torch.optim's AdamW / SGD, as megatron-core falls back to)."""
+    module = module or "torch.optim"
+    if module == "torch.optim":
+        name = tables.MEGATRON_OPTIMIZERS.get(name, name)
+    key = f"{A}.optim.optimizer_impl={module!r}"
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"{key}: cannot import it ({e}); it must be a module on the Python path") from e
+    cls = getattr(mod, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        what = "has no such class" if cls is None else "is not a torch.optim.Optimizer subclass"
+        raise ConfigError(f"{A}.optim.optimizer={name!r}: {module} {what}")
+    return cls
+
+
+# verl's Megatron schedule keys (McoreOptimizerConfig); any of them off its default selects megatron-core's scheduler
+MEGATRON_SCHEDULE = {"lr_decay_style": "constant", "lr_warmup_init": 0.0, "weight_decay_incr_style": "constant"}
+
+
+def megatron_schedule(cfg: VerlConfig, notes: list[str], with_critic: bool, same: Callable, kind: str,
+                      lrs: dict, weight_decay: float) -> ParamSchedule | None:
+    """megatron-core's ``OptimizerParamScheduler`` as verl builds it (``get_megatron_optimizer_param_scheduler``),
+    when a Megatron schedule key is off its default; ``None`` otherwise (verl's FSDP schedule)."""
+    roles = (A, C) if with_critic else (A,)
+    on = [f"{r}.optim.{k}" for r in roles for k, d in MEGATRON_SCHEDULE.items() if cfg[f"{r}.optim.{k}"] not in (d, None)]
+    if not on:
+        return None
+    if kind != "constant":
+        raise ConfigError(f"{on[0]}={cfg[on[0]]!r} and {A}.optim.lr_scheduler_type={kind!r}: two schedules. "
+                          "lr_scheduler_type is verl's FSDP schedule, lr_decay_style / lr_warmup_init / "
+                          "weight_decay_incr_style its Megatron one: set one")
+    style, wsd_style, wd_style = (same(f"optim.{k}") for k in ("lr_decay_style", "lr_wsd_decay_style",
+                                                                "weight_decay_incr_style"))
+    for key, value, choices in ((f"{A}.optim.lr_decay_style", style, DECAY_STYLES),
+                                (f"{A}.optim.lr_wsd_decay_style", wsd_style, WSD_STYLES),
+                                (f"{A}.optim.weight_decay_incr_style", wd_style, WD_STYLES)):
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r}: choose from {choices} (megatron-core's names)")
+    decay, wsd = same("optim.lr_decay_steps"), same("optim.lr_wsd_decay_steps")
+    if style == "WSD" and not wsd:
+        raise ConfigError(f"{A}.optim.lr_decay_style=WSD needs {A}.optim.lr_wsd_decay_steps (the anneal's length)")
+    if wd_style != "constant":
+        notes.append(f"{A}.optim.weight_decay_incr_style={wd_style!r}: as in verl, which passes start_wd = end_wd = "
+                     f"optim.weight_decay to megatron-core, the weight decay stays {weight_decay}")
+    return ParamSchedule(style, lr_fraction(cfg, notes, roles, "lr_warmup_init", lrs),
+                         lr_fraction(cfg, notes, roles, "min_lr", lrs), decay, wsd, wsd_style, wd_style,
+                         weight_decay, weight_decay)
+
+
+def lr_fraction(cfg: VerlConfig, notes: list[str], roles: tuple, key: str, lrs: dict) -> float:
+    """A Megatron lr value (``lr_warmup_init``, ``min_lr``) as a fraction of its role's lr: rlflow's one schedule
+    scales each role's own lr, so a value one role sets applies to the other as the same fraction."""
+    fractions = {r: float(cfg[f"{r}.optim.{key}"] or 0.0) / lrs[r] for r in roles}
+    given = [r for r in roles if cfg.is_provided(f"{r}.optim.{key}")]
+    if len(given) == 2 and not math.isclose(fractions[A], fractions[C], rel_tol=1e-9, abs_tol=1e-12):
+        raise ConfigError(f"{A}.optim.{key}={cfg[f'{A}.optim.{key}']} ({fractions[A]:g} x its lr) and {C}.optim.{key}="
+                          f"{cfg[f'{C}.optim.{key}']} ({fractions[C]:g} x its lr) differ: rlflow's one schedule takes "
+                          "them as fractions of each role's lr, so they must be the same fraction")
+    role = given[0] if given else A
+    fraction = fractions[role]
+    if not 0.0 <= fraction <= 1.0:
+        raise ConfigError(f"{role}.optim.{key}={cfg[f'{role}.optim.{key}']}: must be in [0, optim.lr={lrs[role]}] "
+                          "(megatron-core's rule)")
+    if len(given) == 1 and len(roles) == 2 and fraction:
+        other = C if role == A else A
+        notes.append(f"{role}.optim.{key}={cfg[f'{role}.optim.{key}']} is {fraction:g} x its lr; {other} uses the "
+                     f"same fraction of its own lr ({fraction * lrs[other]:g})")
+    return fraction
 
 
 def optimizer_overrides(cfg: VerlConfig, notes: list[str], optimizer: type, devices) -> dict:

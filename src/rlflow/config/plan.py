@@ -27,7 +27,8 @@ from rlflow.config.data_keys import data_extras
 from rlflow.config.devices import Devices, resolve_devices
 from rlflow.config.distillation import distillation_plan
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
-from rlflow.config.lora import lora_argument
+from rlflow.config.determinism import determinism
+from rlflow.config.lora import critic_lora_argument, lora_argument
 from rlflow.config.modeldata import chat_template_kwargs, engine_loading, model_loading, patch_size
 from rlflow.config.optim import optim_kwargs
 from rlflow.config.resolve import class_kwargs
@@ -86,6 +87,8 @@ class Plan:
     async_rollout: dict | None = None      # AsyncRollout's kwargs around the rollout (trainer.async_weight_update)
     distillation: dict | None = None       # the teacher stage and the distillation loss (rlflow.config.distillation)
     fully_async: dict | None = None        # FullyAsyncRollout's kwargs (trainer.v1.trainer_mode=*_async)
+    determinism: dict | None = None        # full_determinism's kwargs (the *.full_determinism keys)
+    critic_lora: dict | str | None = None  # the critic's LoRA, as lora (critic.model.lora_*)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -224,7 +227,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
         critic_kwargs = {"micro_batch_size": fwd_micro if fwd_micro is not None or fwd_tokens else critic_micro,
                          "max_tokens_per_micro_batch": fwd_tokens,
                          "gradient_checkpointing": cfg[f"{C}.model.enable_gradient_checkpointing"],
-                         "remove_padding": cfg[f"{C}.model.use_remove_padding"], **model_loading(cfg, C)}
+                         "remove_padding": cfg[f"{C}.model.use_remove_padding"], **model_loading(cfg, C),
+                         **({"activation_offload": True} if cfg[f"{C}.model.enable_activation_offload"] else {})}
         critic_kwargs |= model_paths(cfg, f"{C}.model")  # critic.model.hf_config_path
         value_loss_kwargs = {"clip_range": cfg[f"{C}.cliprange_value"], "agg": cfg[f"{C}.loss_agg_mode"],
                              "loss_scale_factor": cfg[f"{C}.loss_scale_factor"]}
@@ -281,6 +285,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
                        "micro_batch_size": lp_micro, "max_tokens_per_micro_batch": lp_tokens,
                        "gradient_checkpointing": cfg["actor_rollout_ref.model.enable_gradient_checkpointing"],
                        "remove_padding": cfg["actor_rollout_ref.model.use_remove_padding"],
+                       **({"activation_offload": True} if cfg["actor_rollout_ref.model.enable_activation_offload"]
+                          else {}),
                        **{k: cfg[f"data.{k}"] for k in ("min_pixels", "max_pixels") if cfg[f"data.{k}"]},
                        **policy_loading,
                        **model_paths(cfg, "actor_rollout_ref.model"),  # model.tokenizer_path, model.hf_config_path
@@ -312,6 +318,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
             "val_every": max(test_freq, 0), "val_n": val["n"], "save_every": max(save_freq, 0),
             "run_dir": cfg["trainer.default_local_dir"],
             "resume": resume, "seed": cfg["data.seed"], "keep_checkpoints": keep_checkpoints(cfg, notes, with_critic),
+            "async_save": bool(same("checkpoint.async_save")),
             "critic_warmup_steps": critic_warmup_steps(cfg, notes, with_critic), "callbacks": generation_callbacks(cfg, notes) + checkpoint_callbacks(cfg),
             "progress": "console" not in loggers, "max_tokens_per_micro_batch": token_budget(cfg, with_critic),
             "sequence_parallel_size": sp_size, "balance_batch": cfg["trainer.balance_batch"],
@@ -322,7 +329,9 @@ def make_plan(cfg: VerlConfig) -> Plan:
         loggers=loggers, project=cfg["trainer.project_name"], experiment=cfg["trainer.experiment_name"],
         val_before_train=cfg["trainer.val_before_train"], val_only=cfg["trainer.val_only"],
         overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), agent=agent,
-        async_rollout=asynchronous, fully_async=fully_async, distillation=distill, notes=notes,
+        async_rollout=asynchronous, fully_async=fully_async, distillation=distill,
+        determinism=determinism(cfg, notes, devices.accelerator),
+        critic_lora=critic_lora_argument(cfg, notes) if with_critic else None, notes=notes,
     )
 
 

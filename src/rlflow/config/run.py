@@ -9,6 +9,7 @@ checkpoints of ``trainer.save_freq`` under ``trainer.default_local_dir``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -27,6 +28,7 @@ from rlflow.launch.ray import RayLaunchError, run_workers  # light: Ray itself i
 from rlflow.logs import quiet_other_ranks
 from rlflow.trainer import checkpoint as ckpt
 from rlflow.trainer.checkpoint import CheckpointError  # light: the checkpoint module imports torch where used
+from rlflow.trainer.determinism import full_determinism  # light too
 
 if TYPE_CHECKING:
     from rlflow.config.plan import Plan
@@ -107,7 +109,13 @@ def print_notes(plan: Plan) -> None:
 
 def train(plan: Plan, started: float | None = None) -> list[dict]:
     """Build the Trainer from the plan and run it the way verl's main_ppo does; the summary line's setup
-    time counts from ``started`` (a ``time.perf_counter()``; default: now)."""
+    time counts from ``started`` (a ``time.perf_counter()``; default: now). With a ``full_determinism`` key on,
+    from building to the end of fit (:mod:`rlflow.trainer.determinism`)."""
+    with full_determinism(**plan.determinism) if plan.determinism else contextlib.nullcontext():
+        return _train(plan, started)
+
+
+def _train(plan: Plan, started: float | None) -> list[dict]:
     started = time.perf_counter() if started is None else started
     from rlflow.config.build import build_trainer
 

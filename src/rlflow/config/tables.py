@@ -65,7 +65,6 @@ def _not(*ok: Any) -> Callable[[Any], bool]:
 
 
 OTHER_BACKENDS = "training strategies other than fsdp, fsdp2 and megatron"
-LORA = "LoRA on the critic"
 MULTI_TURN = "custom agent loops (agent_loop_config_path)"
 
 NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
@@ -76,7 +75,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.model.use_liger": ("Liger kernels", _truthy),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
-    "actor_rollout_ref.actor.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
     "actor_rollout_ref.ref.model": ("a reference model other than the initial policy", _truthy),
     "actor_rollout_ref.rollout.ignore_eos": ("generation that ignores EOS", _truthy),
     "actor_rollout_ref.rollout.over_sample_rate": ("rollout over-sampling", _truthy),
@@ -86,15 +84,12 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.rollout.skip_rollout": ("replaying dumped rollouts", _truthy),
     "actor_rollout_ref.rollout.trace.backend": ("rollout tracing", _truthy),
     "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
-    "critic.model.lora_rank": (LORA, lambda v: v > 0),
-    "critic.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
                                         "sources are scored without a server)", _truthy),
     "algorithm.use_pf_ppo": ("PF-PPO", _truthy),
     "reward.reward_manager.source": ("reward-manager classes loaded from a file (verl's source=importlib; "
                                      "rlflow's managers: naive, prime, dapo, batch)", _not("register")),
     "trainer.default_hdfs_dir": ("HDFS checkpoints", _truthy),
-    "trainer.del_local_ckpt_after_load": ("deleting checkpoints after loading", _truthy),
     "async_training.trigger_parameter_sync_step": ("weight sync less often than every step", _not(1)),
     "async_training.require_batches": ("training on several generated batches per step", _not(1)),
     "async_training.partial_rollout": ("partial rollouts (generation interrupted by weight updates)", _truthy),
@@ -113,7 +108,7 @@ _FUSED = ("rlflow's log-prob head is always fused and chunked (rlflow.models.log
 _LOADER = "rlflow reads the data files in the main process"
 _CKPT = "rlflow checkpoints always hold model, optimizer, schedule, data position and RNG"
 _NO_RM = "only used with reward_model.enable=True"
-_LORA_ONLY = "only used with LoRA, not supported yet"
+_CRITIC_LORA_ONLY = "only used with LoRA on the critic: critic.model.lora_rank > 0 or critic.model.lora_adapter_path"
 _POLICY_LORA_ONLY = ("only used with LoRA on: actor_rollout_ref.model.lora_rank > 0, "
                      "actor_rollout_ref.actor.lora.enabled=True or actor_rollout_ref.model.lora_adapter_path")
 _DYN_ONLY = "only used with this role's use_dynamic_bsz / log_prob_use_dynamic_bsz=True (a token budget per pass)"
@@ -121,13 +116,12 @@ _PF_RC_ONLY = "only used with PF-PPO or with rollout-correction options that are
 _FILTER_ONLY = "only used with algorithm.filter_groups.enable=True (DynamicSampling)"
 _MEGATRON_ONLY = "only used with actor_rollout_ref.actor.strategy=megatron"
 
-_OFFLOAD = ("activation offloading is a memory saving rlflow does not have yet (gradient checkpointing is: "
-            "model.enable_gradient_checkpointing); what is trained is the same")
-
 INERT: dict[str, str] = {
     "actor_rollout_ref.actor.model_engine": ("verl's scripts after 0.9.1 set it beside actor.strategy; the engine comes "
                                              "from actor.strategy (or the model_engine=... group) here"),
-    "actor_rollout_ref.model.enable_activation_offload": _OFFLOAD, "critic.model.enable_activation_offload": _OFFLOAD,
+    "trainer.del_local_ckpt_after_load": ("verl deletes only the local copy of a checkpoint it downloaded from HDFS "
+                                          "(utils.fs.is_non_local) and keeps local checkpoints, as rlflow does; "
+                                          "rlflow's checkpoints are local (trainer.default_hdfs_dir is not supported)"),
     "data.tokenizer": "prompts are tokenized with the policy's tokenizer",
     "data.use_shm": _LOADER, "data.dataloader_num_workers": _LOADER, "data.filter_overlong_prompts_workers": _LOADER,
     "data.return_raw_input_ids": "rlflow batches carry prompt ids and text",
@@ -195,7 +189,7 @@ INERT: dict[str, str] = {
     "critic.model.use_shm": _LOADER, 
     "critic.model.fsdp_config.wrap_policy.*": _SINGLE, "critic.model.fsdp_config.reshard_after_forward": _SINGLE,
     "critic.model.fsdp_config.fsdp_size": _SINGLE, "critic.model.fsdp_config.forward_prefetch": _SINGLE,
-    "critic.model.target_modules": _LORA_ONLY, "critic.model.lora_alpha": _LORA_ONLY,
+    "critic.model.target_modules": _CRITIC_LORA_ONLY, "critic.model.lora_alpha": _CRITIC_LORA_ONLY,
     "critic.forward_max_token_len_per_gpu": _DYN_ONLY,
     # read when reward_model.enable=True, except these, which change nothing then either
     "reward_model.model.use_shm": _LOADER,

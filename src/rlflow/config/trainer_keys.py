@@ -9,6 +9,7 @@ rollouts (``FullyAsyncRollout``, :func:`rlflow.config.asynchronous.v1_async_plan
 ``checkpoint_callback_class`` names a class (``my_pkg.callbacks.MyCallback``) that verl builds as
 ``cls(config=<the whole config>)`` and whose ``on_save(trainer=, global_step=, checkpoint_dir=, async_save=)``
 it calls on the driver after each checkpoint; rlflow does the same on rank 0 (:class:`VerlCheckpointCallback`).
+With ``checkpoint.async_save`` it is called as soon as the write has started (``async_save=True``), as in verl.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class VerlCheckpointCallback:
             return
         self.on_fit_start(trainer)  # a save outside fit (trainer.save()) builds it too
         self.callback.on_save(trainer=trainer, global_step=global_step, checkpoint_dir=checkpoint_dir,
-                              async_save=False, **kwargs)
+                              async_save=bool(getattr(trainer, "async_save", False)), **kwargs)
 
     def __repr__(self) -> str:
         return f"VerlCheckpointCallback({self.cls.__module__}.{self.cls.__qualname__})"

@@ -39,8 +39,8 @@ _REF_ENGINE = f"{AR}.ref.fsdp_config"  # the reference's (tables.INERT notes its
 _FSDP2 = "an FSDP tuning knob; rlflow's FSDP2 shards every decoder layer with torch's defaults"
 _PACKED_OWN = "rlflow computes log-probs and entropy on response tokens only, in its own chunks (rlflow.models.logprobs)"
 _SHAPES = "a kernel-shape setting (speed only): rlflow packs each micro-batch to its exact length"
-_MEGATRON_SCHEDULE = ("only used with optim.lr_decay_style other than constant (Megatron's schedule), which rlflow "
-                      "refuses; rlflow's schedule is optim.lr_scheduler_type with the warm-up keys")
+_MEGATRON_SCHEDULE = ("only used with Megatron's schedule: optim.lr_decay_style other than constant, lr_warmup_init "
+                      "above 0 or weight_decay_incr_style other than constant (rlflow.trainer.schedule.ParamSchedule)")
 _PRECISION_AWARE = ("only used with optim.use_precision_aware_optimizer=True (Megatron's), which rlflow refuses; "
                     "rlflow keeps float32 gradients and AdamW states")
 _QAT_ONLY = "only used with qat.enable=True (quantization-aware training), which rlflow refuses"
@@ -81,7 +81,7 @@ ROLE_INERT: dict[str, str] = {
     # verl 0.9's FSDP engine blocks (actor.fsdp_config.*, critic.fsdp.*); the offload keys are read
     **{f"{e}.{k}": v for e in _ENGINES + (_REF_ENGINE,) for k, v in {
         "use_orig_params": "an FSDP1 setting; rlflow's FSDP2 (fully_shard) always keeps the original parameters",
-        "seed": "only used with full_determinism=True, which rlflow refuses; rlflow seeds every role from data.seed",
+        "seed": "rlflow seeds every role from data.seed, its one seed (with full_determinism too)",
         "entropy_from_logits_with_chunking": _PACKED_OWN, "entropy_from_logits_chunk_size": _PACKED_OWN,
         "entropy_checkpointing": _PACKED_OWN,
         "use_torch_compile": "rlflow's chunked log-prob kernel is not compiled",
@@ -131,26 +131,19 @@ ROLE_INERT: dict[str, str] = {
     f"{MOD}.lora.*": _MLORA_ONLY, "critic.model.lora.*": "only used with critic.model.lora.rank > 0, which rlflow refuses",
     "critic.model.custom_chat_template": ("the critic scores the policy's token ids; prompts are rendered once, with "
                                           "actor_rollout_ref.model.custom_chat_template"),
-    "critic.model.exclude_modules": "only used with LoRA, not supported yet",
+    "critic.model.exclude_modules": "only used with LoRA on the critic: critic.model.lora_rank > 0",
     "critic.nccl_timeout": "process groups use rlflow's own time-out (rlflow.strategies.DEFAULT_TIMEOUT)",
 }
 
-_FULL_DETERMINISM = "bitwise-deterministic kernels (full_determinism)"
 _MEGATRON_LORA = ("verl's Megatron LoRA block (model.lora.*; rlflow's LoRA is actor_rollout_ref.model.lora_rank, "
                   "lora_alpha and target_modules: PEFT adapters with fsdp or fsdp2)")
 
+_CRITIC_MEGATRON_LORA = ("verl's Megatron LoRA block on the critic (critic.model.lora.*; rlflow's critic LoRA is "
+                         "critic.model.lora_rank, lora_alpha, target_modules or lora_adapter_path: PEFT adapters)")
+
 ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    **{f"{r}.optim.lr_decay_style": ("Megatron's LR decay styles (optim.lr_decay_style; rlflow's schedule is "
-                                     "optim.lr_scheduler_type: constant or cosine)", _not("constant")) for r in _ROLES},
-    **{f"{r}.optim.lr_warmup_init": ("a warm-up that starts above 0 (optim.lr_warmup_init; rlflow's rises linearly to "
-                                     "the LR)", _not(0, 0.0, None)) for r in _ROLES},
-    **{f"{r}.optim.weight_decay_incr_style": ("a changing weight decay (optim.weight_decay_incr_style)",
-                                              _not("constant")) for r in _ROLES},
     **{f"{r}.optim.use_precision_aware_optimizer": ("Megatron's precision-aware optimizer (low-precision gradients "
                                                     "and Adam states)", _truthy) for r in _ROLES},
-    **{f"{r}.optim.optimizer_impl": ("optimizers from other modules (optim.optimizer_impl; rlflow's optim.optimizer "
-                                     "names a torch.optim class)", _not("torch.optim")) for r in _ROLES},
-    **{f"{e}.full_determinism": (_FULL_DETERMINISM, _truthy) for e in _ENGINES + (_REF_ENGINE, ROLL)},
     f"{ROLL}.multi_turn.function_tool_path": ("Python function tools (multi_turn.function_tool_path; rlflow's tools "
                                               "come from multi_turn.tool_config_path)", _truthy),
     "*.qat.enable": ("quantization-aware training (qat.enable)", _truthy),
@@ -161,9 +154,8 @@ ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     f"{MOD}.lora.rank": (_MEGATRON_LORA, lambda v: v is not None and v > 0),
     f"{MOD}.lora.adapter_path": ("Megatron LoRA adapters (model.lora.adapter_path; a PEFT adapter folder goes in "
                                  "actor_rollout_ref.model.lora_adapter_path)", _truthy),
-    "critic.model.lora.rank": ("LoRA on the critic", lambda v: v is not None and v > 0),
-    "critic.model.lora.adapter_path": ("LoRA on the critic", _truthy),
-    "critic.model.lora_adapter_path": ("LoRA on the critic", _truthy),
+    "critic.model.lora.rank": (_CRITIC_MEGATRON_LORA, lambda v: v is not None and v > 0),
+    "critic.model.lora.adapter_path": (_CRITIC_MEGATRON_LORA, _truthy),
     "critic.model.use_liger": ("Liger kernels", _truthy),
 }
 

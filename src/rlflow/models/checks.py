@@ -7,6 +7,8 @@ Only the standard library is imported here: the checks run before torch or trans
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import struct
 from pathlib import Path
@@ -134,3 +136,13 @@ def enable_activation_checkpointing(model, checkpoint_kwargs: dict) -> None:
         enable(activation_checkpointing_kwargs=checkpoint_kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+
+
+def offloaded_activations(on: bool):
+    """``save_on_cpu`` while autograd records (an update's forward pass), else nothing: a scoring pass under
+    no_grad saves no activations."""
+    import torch  # here, not at the top: see the module docstring
+
+    if not (on and torch.is_grad_enabled()):
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())

@@ -7,6 +7,7 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from rlflow.data import keys as K
+from rlflow.models.checks import offloaded_activations
 from rlflow.models.hf_config import load_config, model_kwargs
 from rlflow.models.hub import locate_model
 from rlflow.models.logprobs import enable_sequence_parallel, response_hidden_states
@@ -60,16 +61,25 @@ class Critic(BatchModule):
         max_tokens_per_micro_batch: token budget per scoring forward pass instead (verl's ``critic.use_dynamic_bsz``
             + ``forward_max_token_len_per_gpu``; see ``Policy``); ``None``: split by rows only.
         remove_padding: run the backbone on packed sequences (``rlflow.models.packing``).
+        activation_offload: activations of the update's forward pass kept in CPU memory (as ``Policy``'s).
+        lora: a ``peft.LoraConfig`` or an adapter folder: LoRA adapters on the backbone (``rlflow.models.lora``,
+            verl's ``critic.model.lora_rank`` / ``lora_adapter_path``); the backbone's own weights are frozen and
+            only the adapter and the value head (new, so always trained) train.
     """
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS)
     out_keys = (K.VALUES,)
 
     def __init__(self, model: nn.Module, *, micro_batch_size: int | None = None,
-                 max_tokens_per_micro_batch: int | None = None, remove_padding: bool = False):
+                 max_tokens_per_micro_batch: int | None = None, remove_padding: bool = False, lora=None,
+                 activation_offload: bool = False):
+        if lora is not None:
+            from rlflow.models.lora import apply_lora  # peft: imported only for LoRA
+
+            model = apply_lora(model, lora)
         self.module: nn.Module = ValueHeadModel(model, remove_padding=remove_padding)
         self.micro_batch_size, self.max_tokens_per_micro_batch = micro_batch_size, max_tokens_per_micro_batch
-        self.remove_padding = remove_padding
+        self.remove_padding, self.activation_offload = remove_padding, activation_offload
 
     @classmethod
     def from_pretrained(cls, path, *, trust_remote_code: bool = False, override_config: dict | None = None,
@@ -79,10 +89,9 @@ class Critic(BatchModule):
         return cls(load_causal_lm(locate_model(path).path, trust_remote_code, override_config), **kwargs)
 
     def values(self, batch: TensorDict) -> Tensor:
-        if self.remove_padding:
-            return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS],
-                               batch.get(K.RESPONSE_MASK, None))
-        return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS])
+        mask = (batch.get(K.RESPONSE_MASK, None),) if self.remove_padding else ()
+        with offloaded_activations(self.activation_offload):
+            return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS], *mask)
 
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:

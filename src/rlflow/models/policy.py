@@ -12,7 +12,8 @@ from torch import Tensor, nn
 
 from rlflow.data import keys as K
 from rlflow.data.nontensor import per_row
-from rlflow.models.checks import check_model_folder, check_tokenizer, enable_activation_checkpointing
+from rlflow.models.checks import (check_model_folder, check_tokenizer, enable_activation_checkpointing,
+                                  offloaded_activations)
 from rlflow.models.hf_config import load_config, model_kwargs
 from rlflow.models.hub import locate_model
 from rlflow.models.logprobs import TokenLogProbs
@@ -40,6 +41,9 @@ class Policy(BatchModule):
             Trainer's training micro-batches are (``rlflow.trainer.batching``), results in the batch's row order;
             ``micro_batch_size`` then also caps the rows. ``None``: split by rows only.
         gradient_checkpointing: recompute activations in the backward pass.
+        activation_offload: keep the activations the backward pass needs in CPU memory
+            (``torch.autograd.graph.save_on_cpu``) during the update's forward pass; the same loss and
+            gradients, less accelerator memory (verl's ``model.enable_activation_offload``; on CPU nothing moves).
         log_prob_key / entropy_key: where the scoring pass writes (``entropy_key=None`` skips it).
         remove_padding: score packed sequences without padding (``rlflow.models.packing``); log-probs and
             entropy after the end of each response (``response_mask``) are then 0.
@@ -55,6 +59,7 @@ class Policy(BatchModule):
     """
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS)
+    activation_offload = False  # a reference (AdapterDisabledReference, ...) scores without it
 
     def __init__(
         self,
@@ -72,6 +77,7 @@ class Policy(BatchModule):
         lora=None,
         share_prompts: bool = True,
         freeze_vision_tower: bool = False,
+        activation_offload: bool = False,
     ):
         if tokenizer is None and processor is not None:
             tokenizer = processor.tokenizer
@@ -94,6 +100,7 @@ class Policy(BatchModule):
         self.module: nn.Module = TokenLogProbs(model, temperature=temperature, remove_padding=remove_padding,
                                                    share_prompts=share_prompts)
         self.remove_padding, self.share_prompts = remove_padding, share_prompts
+        self.activation_offload = activation_offload
         if gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             enable_activation_checkpointing(model, {"use_reentrant": False})
         if lora_module(model) is not None:  # checkpoints save what training changes: the adapter
@@ -164,10 +171,9 @@ class Policy(BatchModule):
         extra = {}
         if K.MULTI_MODAL_INPUTS in batch.keys():
             extra["multi_modal"] = per_row(batch, K.MULTI_MODAL_INPUTS)
-        if self.remove_padding:
-            return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS],
-                               batch.get(K.RESPONSE_MASK, None), **extra)
-        return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS], **extra)
+        mask = (batch.get(K.RESPONSE_MASK, None),) if self.remove_padding else ()
+        with offloaded_activations(self.activation_offload):
+            return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS], *mask, **extra)
 
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:

@@ -21,6 +21,12 @@ checkpoint, older ``global_step_*`` folders beyond the newest N are renamed to h
 folders (one atomic step each) and deleted; a run killed while deleting leaves hidden folders only, which
 the next save removes.
 
+Asynchronous (``Trainer(async_save=True)``, verl's ``checkpoint.async_save``): the state is copied off the
+training tensors into CPU memory (the step waits for that only), and a background thread writes the files,
+publishes the folder and moves the tracker, in the same order; the next save, a load and the end of ``fit``
+wait for it (an error it met is raised there). Sharded checkpoints (FSDP2, Megatron: every rank writes its
+shard) are written synchronously.
+
 Any layout: a one-file checkpoint loads on FSDP2 (Fabric consolidates it), and a sharded folder loads on
 one process or on DDP (:func:`load_sharded_unsharded`), whatever the number of ranks that wrote it.
 """
@@ -31,6 +37,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import warnings
 from pathlib import Path
 
@@ -255,9 +262,85 @@ def remove_hidden(root: str | Path) -> None:
 
 
 def save(trainer) -> Path:
-    """Write ``<run_dir>/global_step_N`` atomically (see the module docstring) and mark it latest."""
+    """Write ``<run_dir>/global_step_N`` atomically (see the module docstring) and mark it latest; with
+    ``trainer.async_save``, in the background after a copy of the state (:func:`wait` joins it)."""
+    from rlflow.strategies import shards_parameters
+
     with phase("save"):
+        wait(trainer)  # one save in flight at a time
+        if getattr(trainer, "async_save", False) and not shards_parameters(trainer.fabric.strategy):
+            return _save_in_background(trainer)
         return _save(trainer)
+
+
+def _snapshot(fabric, state: dict) -> dict:
+    """What ``fabric.save`` would write, copied to CPU memory: training can change the live tensors at once."""
+    import torch
+    from lightning.fabric.wrappers import _unwrap_objects
+
+    def copy(value):
+        if isinstance(value, torch.Tensor):
+            return value.detach().to("cpu", copy=True)
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(copy(v) for v in value)
+        return value
+
+    out = {}
+    for key, obj in _unwrap_objects(state).items():
+        if isinstance(obj, torch.nn.Module):
+            obj = fabric.strategy.get_module_state_dict(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            obj = fabric.strategy.get_optimizer_state(obj)
+        out[key] = copy(obj)
+    return out
+
+
+def _save_in_background(trainer) -> Path:
+    fabric, root, step = trainer.fabric, trainer.checkpoint_dir, trainer.global_step
+    partial, final = partial_dir(root, step), step_dir(root, step)
+    if fabric.global_rank == 0:  # one process or DDP: rank 0 writes the files, as fabric.save does
+        files = {"state.ckpt": _snapshot(fabric, trainer_state(trainer))}
+        if trainer.critic is not None:
+            files["critic.ckpt"] = _snapshot(fabric, critic_state(trainer))
+        remove_hidden(root)
+        save_hf_metadata(partial / "huggingface", trainer.policy.model, trainer.policy.tokenizer)
+        keep, errors = getattr(trainer, "keep_checkpoints", None), []
+
+        def write():
+            try:
+                for name, state in files.items():
+                    fabric.strategy.checkpoint_io.save_checkpoint(state, partial / name)
+                publish(partial, final)
+                mark_latest(root, step)
+                rotate(root, keep, step)
+            except Exception as e:  # raised by wait(), in the training thread
+                errors.append(e)
+
+        thread = threading.Thread(target=write, name=f"rlflow-save-{step}", daemon=False)
+        thread.start()
+        trainer._save_in_flight = (thread, errors, final)
+    return final
+
+
+def wait(trainer) -> None:
+    """Join the background save in flight, if any (every rank calls it; rank 0 holds the thread); an error it
+    met is raised here, naming the checkpoint."""
+    flight = getattr(trainer, "_save_in_flight", None)
+    if flight is None and not getattr(trainer, "async_save", False):
+        return
+    trainer._save_in_flight = None
+    if flight is not None:
+        thread, errors, final = flight
+        thread.join()
+        if errors:
+            e, previous = errors[0], latest_checkpoint(final.parent)
+            raise CheckpointError(f"could not write checkpoint {final} in the background "
+                                  f"({getattr(e, 'strerror', None) or e}); "
+                                  f"{f'{previous} is still complete' if previous else 'no earlier checkpoint exists'}"
+                                  ) from e
+    trainer.fabric.barrier()  # every rank sees the published checkpoint
 
 
 def _save(trainer) -> Path:
@@ -318,6 +401,7 @@ def _load_into(trainer, path: Path, state: dict) -> dict:
 
 def load(trainer, path: str | Path) -> None:
     """Restore model, optimizer, schedule, RNG, data position and step from a checkpoint folder."""
+    wait(trainer)  # a background save of this run finishes first
     path = Path(path)
     state = trainer_state(trainer)
     state |= _load_into(trainer, _checked(path, "state.ckpt"), state)

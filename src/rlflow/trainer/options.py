@@ -51,6 +51,9 @@ class RunDir:
         keep_checkpoints: keep only the newest N ``global_step_*`` folders (``None`` or <= 0: all; verl's
             ``max_actor_ckpt_to_keep``); older ones are deleted after each save.
         loggers: names from ``jsonl``, ``csv``, ``tensorboard``, ``wandb`` (or logger objects).
+        async_save: write each checkpoint in a background thread after copying the state to CPU memory (verl's
+            ``checkpoint.async_save``); the next save, a load and the end of ``fit`` wait for it. Sharded
+            checkpoints (FSDP2, Megatron) are written synchronously.
     """
 
     path: str | Path = "runs/rlflow"
@@ -58,6 +61,7 @@ class RunDir:
     resume: str | Path | None = None
     keep_checkpoints: int | None = None
     loggers: tuple = ("jsonl", "csv", "tensorboard")
+    async_save: bool = False
 
 
 # RunDir's fields under the Trainer's keyword names

@@ -35,7 +35,7 @@ from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.metrics import MeanAccumulator, MismatchMetrics, Timer, batch_metrics, sum_micro_batches
 from rlflow.trainer.options import Batching, RunDir, grouped
-from rlflow.trainer.schedule import Schedule, lr_lambda, step_schedulers
+from rlflow.trainer.schedule import Schedule, make_scheduler, step_schedulers
 
 DATA_KEYS = (K.PROMPT_IDS, K.PROMPT_MASK, K.PROMPT_TEXT, K.RAW_PROMPT, K.GROUND_TRUTH, K.DATA_SOURCE, K.EXTRA_INFO)
 
@@ -52,7 +52,8 @@ class Trainer:
         batching: a :class:`~rlflow.trainer.options.Batching` (``batch_size``, ``mini_batch_size``, ``micro_batch_size``,
             ``max_tokens_per_micro_batch``, ``ppo_epochs``, ``shuffle_seed``, ``balance_batch``), or those as keywords.
         lr, critic_lr, weight_decay, warmup_steps, lr_schedule: AdamW and its schedule (``"constant"``, ``"cosine"``
-            or a :class:`~rlflow.trainer.schedule.Schedule`: verl's cosine with ``min_lr_ratio`` and ``num_cycles``).
+            a :class:`~rlflow.trainer.schedule.Schedule`: verl's cosine with ``min_lr_ratio`` and ``num_cycles``, or a
+            :class:`~rlflow.trainer.schedule.ParamSchedule`: megatron-core's decay styles and weight-decay increment).
         optimizer: ``params -> torch.optim.Optimizer`` to replace AdamW for the policy.
         max_grad_norm: gradient clipping (``None`` only measures the norm).
         max_steps: RL steps to run; default ``epochs x steps per epoch``.
@@ -60,7 +61,7 @@ class Trainer:
             per prompt (1: greedy, else at the rollout's temperature), or with the rollout's options ``val_sampling``
             (with ``n``; verl's ``rollout.val_kwargs``).
         run: a :class:`~rlflow.trainer.options.RunDir` (the run's folder ``path``, ``save_every``, ``resume``,
-            ``keep_checkpoints``, ``loggers``), or those as keywords (``run_dir`` for ``path``).
+            ``keep_checkpoints``, ``loggers``, ``async_save``), or those as keywords (``run_dir`` for ``path``).
         critic_warmup_steps: the first N steps update only the critic (the policy and its schedule stay as they are).
         callbacks: objects with ``on_*`` hooks (a :class:`~rlflow.trainer.callbacks.NoLearningSignal` is added
             unless one is given).
@@ -84,7 +85,8 @@ class Trainer:
         warmup_steps: int = 0, lr_schedule: str | Schedule = "constant", optimizer: Callable | None = None,
         max_grad_norm: float | None = 1.0, max_steps: int | None = None, epochs: int = 1,
         val_every: int = 0, val_n: int = 1, save_every: int = 0, run_dir: str | Path = "runs/rlflow",
-        resume: str | Path | None = None, keep_checkpoints: int | None = None, critic_warmup_steps: int = 0,
+        resume: str | Path | None = None, keep_checkpoints: int | None = None, async_save: bool = False,
+        critic_warmup_steps: int = 0,
         loggers=("jsonl", "csv", "tensorboard"), callbacks=(), seed: int = 0, progress: bool = True,
         accelerator: str = "cpu", devices: int = 1, num_nodes: int = 1, strategy="auto", precision: str = "32-true",
         sequence_parallel_size: int = 1, balance_batch: bool = True,
@@ -92,7 +94,7 @@ class Trainer:
         given = dict(locals())  # the keyword arguments, for the groups (rlflow.trainer.options)
         (batch_size, mini_batch_size, micro_batch_size, max_tokens_per_micro_batch, ppo_epochs, shuffle_seed,
          balance_batch) = grouped(batching, Batching, given)
-        run_dir, save_every, resume, keep_checkpoints, loggers = grouped(run, RunDir, given)
+        run_dir, save_every, resume, keep_checkpoints, loggers, self.async_save = grouped(run, RunDir, given)
         self.experience = Experience.of(rollout, reward, stages, experience)
         rollout, reward = self.experience.rollout, self.experience.reward  # with Prefetch: the AsyncRollout
         self.policy, self.estimator, self.loss = policy, estimator, loss
@@ -343,8 +345,7 @@ class Trainer:
         self.loader = PromptStream(data.loader(self.batch_size, self.policy.tokenizer), self.fabric.global_rank,
                                    self.fabric.world_size, self.fabric.device)  # tensors only: columns stay as they are
         total = self.max_steps or self.epochs * self.loader.steps_per_epoch
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(self.lr_schedule, self.warmup_steps, total))
-                           for o in self._optimizers()]
+        self.schedulers = [make_scheduler(o, self.lr_schedule, self.warmup_steps, total) for o in self._optimizers()]
         ckpt.resume(self)
         history = []
         self.fabric.call("on_fit_start", trainer=self)
@@ -365,6 +366,7 @@ class Trainer:
                 bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}", len=f"{metrics['response_length/mean']:.1f}",
                                 pg=f"{metrics.get('actor/pg_loss', 0.0):.3f}")
         bar.close()
+        ckpt.wait(self)  # an asynchronous save finishes before fit returns
         self.fabric.call("on_fit_end", trainer=self)
         for logger in self.fabric.loggers:
             logger.finalize("success")
