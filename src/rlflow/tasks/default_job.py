@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from rlflow import roles
 from rlflow.algorithms import GRPO, PPOLoss, TruncatedIS
 from rlflow.models.policy import Policy
 from rlflow.module import Chain
@@ -137,8 +138,9 @@ def run(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/default", p
         t0 = time.perf_counter()
         after = trainer.validate(data)[ACCURACY_KEY]
     finally:
-        if hasattr(trainer.rollout, "close"):  # an asynchronous rollout's engine process
-            trainer.rollout.close()
+        close = roles.optional(trainer.rollout, roles.Rollout, "close")
+        if close is not None:  # an asynchronous rollout's engine process
+            close()
     in_fit = sum(m.get("timing_s/testing", 0.0) for m in history)  # validation inside fit (every steps // 5)
     validation += time.perf_counter() - t0 + in_fit
     rl = fit - in_fit

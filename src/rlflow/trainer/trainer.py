@@ -22,6 +22,7 @@ from rlflow.data import keys as K
 from rlflow.algorithms.aggregate import Aggregation, call_loss, share_batch_sum
 from rlflow.data.prompts import PromptData
 from rlflow.module import check_chain
+from rlflow.roles import AdvantageEstimator, Loss, Policy, Reward, Rollout, check_roles, optional
 from rlflow.rewards.base import setup_rewards
 from rlflow.rollout.stream import Experience, PromptStream
 from rlflow.strategies import resolve_strategy, shards_parameters
@@ -44,7 +45,8 @@ class Trainer:
     """Runs RL steps over prompt batches.
 
     Args:
-        policy, rollout, reward, estimator, loss: the roles (concepts page); trainer.rollout/reward: the stream's.
+        policy, rollout, reward, estimator, loss: the roles (concepts page), checked against ``rlflow.roles``' Protocols
+            when the Trainer is built; trainer.rollout/reward: the stream's.
         stages, experience: the experience stream's stages (``rlflow.rollout.stream``: ``FilterGroups``, ``Prefetch``,
             ``GreedyBaseline``, ``ReferenceResponses``), or ``experience=Experience(rollout, reward, stages)``.
         reference: a frozen policy for the KL term; ``"auto"`` makes one when the loss reads ``ref_log_probs``.
@@ -95,6 +97,9 @@ class Trainer:
         run_dir, save_every, resume, keep_checkpoints, loggers = grouped(run, RunDir, given)
         self.experience = Experience.of(rollout, reward, stages, experience)
         rollout, reward = self.experience.rollout, self.experience.reward  # with Prefetch: the AsyncRollout
+        check_roles([("policy", policy, Policy), ("rollout", rollout, Rollout), ("reward", reward, Reward),
+                     ("estimator", estimator, AdvantageEstimator), ("loss", loss, Loss)]
+                    + ([("value_loss", value_loss, Loss)] if value_loss is not None else []))
         self.policy, self.estimator, self.loss = policy, estimator, loss
         self.val_sampling = val_sampling
         self.critic, self.value_loss = critic, value_loss
@@ -149,7 +154,7 @@ class Trainer:
         # A sharded policy cannot generate rank by rank (its forward is collective), so the engine gets a full copy
         # (with LoRA, merged), unless it holds weights of its own (vLLM, a server): those are gathered and sent to
         # it bucket by bucket.
-        copy_for_engine = sharded and not getattr(rollout, "holds_own_weights", False)
+        copy_for_engine = sharded and not rollout.holds_own_weights
         engine_model = policy.engine_copy() if copy_for_engine else policy.model
         make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay))
         # Optimizers are built after setup_module: FSDP2 replaces parameters with sharded ones.
@@ -231,10 +236,11 @@ class Trainer:
         step_time = time.perf_counter() - start + self.experience.elapsed  # collecting the batch is part of it
         tokens = batch[K.PROMPT_MASK].sum() + batch[K.RESPONSE_MASK].sum()
         total_tokens = int(global_sum(self.fabric, tokens)) // self.sp_size
-        metrics = batch_metrics(batch, getattr(self.rollout, "max_new_tokens", None)) | stats
+        metrics = batch_metrics(batch, self.rollout.max_new_tokens) | stats
         metrics |= health | numerics.batch_health(batch)
         metrics |= {"actor/critic_warmup": float(warmup)} if self.critic_warmup_steps else {}
-        metrics |= self.experience.metrics | getattr(self.estimator, "stats", {})  # timing_s/gen, actor/reward_kl...
+        # the stream's (timing_s/gen, ...) and the estimator's (actor/reward_kl, ...)
+        metrics |= self.experience.metrics | optional(self.estimator, AdvantageEstimator, "stats")
         metrics |= timer.metrics() | {
             "timing_s/step": step_time,
             "perf/total_num_tokens": total_tokens,
@@ -248,7 +254,7 @@ class Trainer:
     def generation_precision(self):
         """The training precision (Fabric's autocast) around sampling with the trained module itself (HF): bf16-mixed
         generates in bf16 like the update computes; engines with weights of their own (vLLM, servers) keep theirs."""
-        return contextlib.nullcontext() if getattr(self.rollout, "holds_own_weights", False) else self.fabric.autocast()
+        return contextlib.nullcontext() if self.rollout.holds_own_weights else self.fabric.autocast()
 
     def _batch_sum(self, value: torch.Tensor) -> torch.Tensor:
         """A sum over the processes' shares of the batch (a sequence-parallel group's ranks share one)."""

@@ -13,6 +13,7 @@ import torch
 from rlflow.data import keys as K
 from rlflow.data.nontensor import column, to_device
 from rlflow.data.prompts import PromptData
+from rlflow.roles import Reward, optional
 from rlflow.trainer.distributed import gather_objects
 from rlflow.trainer.generations import batch_columns, concat, wants
 
@@ -56,7 +57,7 @@ def validate(trainer, data: PromptData) -> dict[str, float]:
         with getattr(trainer, "generation_precision", contextlib.nullcontext)():  # the training precision
             batch = rollout(to_device(prompts, trainer.fabric.device))
         batch = reward(batch)
-        extras, scores = getattr(reward, "extras", {}), batch[K.SCORES].tolist()
+        extras, scores = optional(reward, Reward, "extras"), batch[K.SCORES].tolist()
         accs, preds, sources = extras.get("acc"), extras.get("pred"), column(batch, K.DATA_SOURCE)
         if samples is not None:
             samples.append(batch_columns(batch, trainer.policy.tokenizer, {"reward": scores, **extras}))
