@@ -23,6 +23,7 @@ from rlflow.rollout.hf import HFRollout
 from rlflow.rollout.vllm import VLLMRollout
 from rlflow.tasks.addition import DATA_SOURCE, AdditionTask, exact_match, warm_started_model
 from rlflow.trainer.trainer import Trainer
+from rlflow.trainer.options import with_groups
 
 ACCURACY_KEY = f"val-core/{DATA_SOURCE}/reward/mean@1"
 
@@ -70,8 +71,9 @@ def build_trainer(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/d
         reward=reward if reward is not None else FunctionReward(exact_match),
         estimator=estimator if estimator is not None else GRPO(),
         loss=loss if loss is not None else PPOLoss(clip_ratio=0.2),
-        batch_size=batch_size, lr=lr, weight_decay=0.0, max_steps=steps,
-        run_dir=run_dir, seed=seed, progress=progress, **trainer_kwargs,
+        # the settings, and the caller's (val_every=..., ...), sorted into optim=Optim(...), loop=Loop(...), ...
+        **with_groups(batch_size=batch_size, lr=lr, weight_decay=0.0, max_steps=steps, run_dir=run_dir, seed=seed,
+                      progress=progress, **trainer_kwargs),
     )
     return trainer, task.data(seed)
 
