@@ -22,7 +22,7 @@ from rlflow.trainer.generations import batch_columns, concat, wants
 def validate(trainer, data: PromptData) -> dict[str, float]:
     """Validation metrics per data source, under verl's names.
 
-    Sampling: ``trainer.val_sampling`` when set (``Trainer(val_sampling=...)``: the rollout's options with ``n``;
+    Sampling: ``trainer.val_sampling`` when set (``Loop(val_sampling=...)``: the rollout's options with ``n``;
     the verl entry point passes ``rollout.val_kwargs``), else one greedy sample per prompt when ``val_n == 1`` and ``val_n``
     samples at the rollout's temperature otherwise.
 
