@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer
+from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer, Batching, Loop, Optim, RunDir
 from rlflow.algorithms import GRPO, TruncatedIS
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from rlflow.module import Chain
@@ -104,11 +104,13 @@ def run(mode: str, name: str, engine: str, steps: int, base, tok, rows, reward, 
     if mode.startswith("async"):
         rollout = AsyncRollout(rollout, max_staleness=int(mode[-1]))
     clock = StepClock()
-    trainer = Trainer(policy=Policy(copy.deepcopy(base), tok), rollout=rollout, reward=FunctionReward(reward),
-                      estimator=Chain(TruncatedIS(), GRPO()) if corrected else GRPO(),
-                      loss=PPOLoss(clip_ratio=0.2, is_weights=corrected), batch_size=spec["prompts"], lr=spec["lr"],
-                      weight_decay=0.0, max_steps=steps + 1, run_dir=tmp / mode, loggers=(), progress=False,
-                      callbacks=[clock])
+    trainer = Trainer(
+        policy=Policy(copy.deepcopy(base), tok), rollout=rollout, reward=FunctionReward(reward),
+        estimator=Chain(TruncatedIS(), GRPO()) if corrected else GRPO(),
+        loss=PPOLoss(clip_ratio=0.2, is_weights=corrected), callbacks=[clock],
+        optim=Optim(lr=spec["lr"], weight_decay=0.0), batching=Batching(batch_size=spec["prompts"]),
+        loop=Loop(max_steps=steps + 1, progress=False), run=RunDir(path=tmp / mode, loggers=()),
+    )
     try:
         history = trainer.fit(PromptData(rows, seed=0))
     finally:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from rlflow import Batching, Hardware, Loop, Optim, RunDir
 
 
 def tensor_bytes(t) -> int:
@@ -48,8 +49,11 @@ def worker(out: str, strategy: str, hidden: int, layers: int) -> None:
     trainer = Trainer(
         policy=Policy(model, tok), rollout=HFRollout(n=1, do_sample=False, max_new_tokens=4),
         reward=FunctionReward(lambda s, g: float(s[:1].isdigit())), estimator=GRPO(), loss=PPOLoss(),
-        batch_size=4, lr=1e-3, max_steps=1, run_dir=out, loggers=(), progress=False, strategy=strategy,
-        devices=world,
+        optim=Optim(lr=1e-3),
+        batching=Batching(batch_size=4),
+        loop=Loop(max_steps=1, progress=False),
+        run=RunDir(path=out, loggers=()),
+        hardware=Hardware(devices=world, strategy=strategy),
     )
     trainer.fit(PromptData(train[:16], seed=0))
     module = trainer.policy.module

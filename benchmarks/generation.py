@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer
+from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer, Batching, Hardware, Loop, Optim, RunDir
 from rlflow.algorithms import GRPO
 from rlflow.data import keys as K
 from rlflow.data.prompts import collate, load_rows
@@ -101,10 +101,13 @@ def grpo_steps(name: str, steps: int, device: str) -> dict:
         model, tok, rows = build(name)
         rollout = engines(spec, device)[key]
         reward = FunctionReward(lambda solution_str, ground_truth: float(len(set(solution_str)) % 2))
-        trainer = Trainer(policy=Policy(model, tok), rollout=rollout, reward=reward, estimator=GRPO(),
-                          loss=PPOLoss(), batch_size=spec["prompts"], lr=1e-4, max_steps=steps + 1,
-                          run_dir=f"runs/bench-generation-{name}-{key}", loggers=(), progress=False,
-                          accelerator="cuda" if device == "cuda" else "cpu")
+        trainer = Trainer(
+            policy=Policy(model, tok), rollout=rollout, reward=reward, estimator=GRPO(), loss=PPOLoss(),
+            optim=Optim(lr=1e-4), batching=Batching(batch_size=spec["prompts"]),
+            loop=Loop(max_steps=steps + 1, progress=False),
+            run=RunDir(path=f"runs/bench-generation-{name}-{key}", loggers=()),
+            hardware=Hardware(accelerator="cuda" if device == "cuda" else "cpu"),
+        )
         history = trainer.fit(PromptData(rows, seed=0))[1:]  # step 1 warms up
         phases = sorted({k for m in history for k in m if k.startswith("timing_s/")})
         out[key] = {p.removeprefix("timing_s/"): statistics.median(m.get(p, 0.0) for m in history) for p in phases}

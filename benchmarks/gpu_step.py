@@ -47,6 +47,7 @@ from logprob_memory import measure as logprob_memory  # noqa: E402
 
 from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer  # noqa: E402
 from rlflow.data import keys as K  # noqa: E402
+from rlflow import Batching, Hardware, Loop, Optim, RunDir
 
 SHAPES = {  # Qwen2-0.5B; a tiny one for CPUs and tests
     "0.5b": dict(vocab=151_936, hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864),
@@ -104,11 +105,13 @@ def train_steps(shape: dict, run: dict, device: str, run_dir: str) -> dict:
     generated_dtypes = []
     policy.model.lm_head.register_forward_hook(
         lambda m, i, out: None if torch.is_grad_enabled() else generated_dtypes.append(str(out.dtype)))
-    trainer = Trainer(policy=policy, rollout=HFRollout(n=run["n"], temperature=1.0, max_new_tokens=run["new_tokens"]),
-                      reward=FunctionReward(even_tokens), estimator=GRPO(), loss=PPOLoss(clip_ratio=0.2),
-                      batch_size=run["prompts"], lr=1e-6, max_steps=run["steps"], run_dir=run_dir, progress=False,
-                      loggers=(), accelerator="cuda" if device == "cuda" else "cpu", precision="bf16-mixed",
-                      max_tokens_per_micro_batch=run["budget"], balance_batch=True)
+    trainer = Trainer(
+        policy=policy, rollout=HFRollout(n=run["n"], temperature=1.0, max_new_tokens=run["new_tokens"]),
+        reward=FunctionReward(even_tokens), estimator=GRPO(), loss=PPOLoss(clip_ratio=0.2), optim=Optim(lr=1e-6),
+        batching=Batching(batch_size=run["prompts"], max_tokens_per_micro_batch=run["budget"], balance_batch=True),
+        loop=Loop(max_steps=run["steps"], progress=False), run=RunDir(path=run_dir, loggers=()),
+        hardware=Hardware(accelerator="cuda" if device == "cuda" else "cpu", precision="bf16-mixed"),
+    )
     data = PromptData(prompt_rows(run["prompts"] * run["steps"], shape["vocab"]), seed=0)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()

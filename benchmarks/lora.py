@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from rlflow import Batching, Loop, Optim, RunDir
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -63,7 +64,10 @@ def build(args, variant: str, run_dir: str):
     trainer = Trainer(
         policy=policy, rollout=HFRollout(n=4, max_new_tokens=args.new_tokens),
         reward=FunctionReward(lambda s, g: float(len(set(s))) / 8), estimator=GRPO(), loss=PPOLoss(kl_coef=1e-3),
-        batch_size=args.prompts, lr=1e-4, max_steps=args.steps, loggers=(), progress=False, run_dir=run_dir,
+        optim=Optim(lr=1e-4),
+        batching=Batching(batch_size=args.prompts),
+        loop=Loop(max_steps=args.steps, progress=False),
+        run=RunDir(path=run_dir, loggers=()),
     )
     return trainer, PromptData(train[: args.prompts * args.steps], seed=0), base_rss
 

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from rlflow import Batching, Hardware, Loop, Optim, RunDir
 
 
 class SavedBytes:
@@ -79,9 +80,11 @@ def balance_worker(out: str, repeats: int) -> None:
 
     vocab = 512
     model = tiny_qwen2(vocab, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, seed=0)
-    trainer = Trainer(Policy(model, remove_padding=True), HFRollout(n=1), FunctionReward(lambda s, g: 0.0), GRPO(),
-                      PPOLoss(), batch_size=2, micro_batch_size=4, lr=1e-5, loggers=(), progress=False,
-                      strategy="ddp", devices=2)
+    trainer = Trainer(
+        Policy(model, remove_padding=True), HFRollout(n=1), FunctionReward(lambda s, g: 0.0), GRPO(), PPOLoss(),
+        optim=Optim(lr=1e-5), batching=Batching(batch_size=2, micro_batch_size=4), loop=Loop(progress=False),
+        run=RunDir(loggers=()), hardware=Hardware(devices=2, strategy="ddp"),
+    )
     rank = trainer.fabric.global_rank
     batch = skewed_batch(rank, rows=8, long=384, short=32, vocab=vocab)
     results = {}

@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from rlflow import Batching, Loop, Optim, RunDir
 
 BATCH, N, NEW_TOKENS, LR, CLIP, MAX_GRAD_NORM = 32, 8, 4, 2e-4, 0.2, 1.0
 # --model smollm2: the real model's setup (see the docstring)
@@ -119,10 +120,13 @@ def build_rlflow_smollm2(steps: int, run_dir: str, callbacks: list):
 
     policy = Policy.from_pretrained(smollm2_dir(), temperature=REAL["temperature"])
     trainer = Trainer(
-        policy=policy, rollout=HFRollout(n=REAL["n"], temperature=REAL["temperature"], max_new_tokens=REAL["new_tokens"]),
-        reward=FunctionReward(contains_sum), estimator=GRPO(), loss=PPOLoss(clip_ratio=CLIP),
-        batch_size=REAL["batch"], lr=REAL["lr"], weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, max_steps=steps,
-        run_dir=run_dir, seed=0, progress=False, loggers=("jsonl",), callbacks=callbacks)
+        policy=policy,
+        rollout=HFRollout(n=REAL["n"], temperature=REAL["temperature"], max_new_tokens=REAL["new_tokens"]),
+        reward=FunctionReward(contains_sum), estimator=GRPO(), loss=PPOLoss(clip_ratio=CLIP), callbacks=callbacks,
+        optim=Optim(lr=REAL["lr"], weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM),
+        batching=Batching(batch_size=REAL["batch"]), loop=Loop(max_steps=steps, seed=0, progress=False),
+        run=RunDir(path=run_dir, loggers=("jsonl",)),
+    )
     return trainer, PromptData(sum_rows(), shuffle=False, seed=0)
 
 

@@ -12,7 +12,7 @@ last 10 steps and held-out greedy accuracy before and after.
 
 import argparse
 
-from rlflow import FunctionReward, HFRollout, Policy, Trainer
+from rlflow import Batching, FunctionReward, HFRollout, Loop, Optim, Policy, RunDir, Trainer
 from rlflow.algorithms import (
     GPG,
     GRPO,
@@ -86,12 +86,10 @@ def main() -> None:
         reward=FunctionReward(exact_match),
         estimator=estimator,
         loss=loss,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        weight_decay=0.0,
-        max_steps=args.steps,
-        run_dir=args.run_dir or f"runs/{args.estimator}",
-        seed=args.seed,
+        optim=Optim(lr=args.lr, weight_decay=0.0),
+        batching=Batching(batch_size=args.batch_size),
+        loop=Loop(max_steps=args.steps, seed=args.seed),
+        run=RunDir(path=args.run_dir or f"runs/{args.estimator}"),
     )
     data = task.data(args.seed)
     before = trainer.validate(data)[ACCURACY_KEY]

@@ -21,6 +21,7 @@ from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, Trainer
 from rlflow.rewards import OverlongPenalty
 from rlflow.rollout.stream import FilterGroups
 from rlflow.tasks.addition import AdditionTask, exact_match, greedy_accuracy, warm_started_model
+from rlflow.trainer.options import with_groups
 
 MAX_RESPONSE_LENGTH, OVERLONG_BUFFER = 6, 2
 
@@ -40,8 +41,8 @@ def build(seed: int = 0, steps: int = 40, batch_size: int = 16, n: int = 8, lr: 
         stages=[FilterGroups(metric="acc", max_gen_batches=max_gen_batches)],
         estimator=GRPO(),
         loss=PPOLoss(clip_ratio_low=0.2, clip_ratio_high=0.28, agg="token-mean", kl_coef=0.0),
-        batch_size=batch_size, lr=lr, weight_decay=0.0, max_steps=steps, run_dir=run_dir, seed=seed,
-        **trainer_kwargs,
+        **with_groups(batch_size=batch_size, lr=lr, weight_decay=0.0, max_steps=steps, run_dir=run_dir, seed=seed,
+                      **trainer_kwargs),  # -> optim=Optim(...), batching=Batching(...), loop=Loop(...), run=RunDir(...)
     )
     return trainer, task.data(seed)
 

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, Trainer
+from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, Trainer, Batching, Hardware, Loop, Optim, RunDir
 from rlflow.strategies import FSDP2
 from rlflow.tasks.addition import AdditionTask, exact_match, warm_started_model
 
@@ -38,11 +38,14 @@ def main() -> None:
         reward=FunctionReward(exact_match),
         estimator=GRPO(),
         loss=PPOLoss(clip_ratio=0.2),
-        batch_size=32, lr=2e-4, weight_decay=0.0, max_steps=args.steps, val_every=50,
-        strategy=FSDP2(world, param_dtype=torch.bfloat16 if args.bf16 else None),
-        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
-        accelerator=args.accelerator, sequence_parallel_size=args.sp,
-        run_dir=args.run_dir, loggers=("jsonl",),
+        optim=Optim(lr=2e-4, weight_decay=0.0),
+        batching=Batching(batch_size=32),
+        loop=Loop(max_steps=args.steps, val_every=50),
+        run=RunDir(path=args.run_dir, loggers=("jsonl",)),
+        hardware=Hardware(accelerator=args.accelerator, devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                          num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
+                          strategy=FSDP2(world, param_dtype=torch.bfloat16 if args.bf16 else None),
+                          sequence_parallel_size=args.sp),
     )
     history = trainer.fit(task.data(seed=0))
     key = next(k for k in history[-1] if k.startswith("val-core/"))

@@ -9,7 +9,7 @@ by ``data_source`` (GSM8K ``####``, MATH ``\\boxed{}``, DAPO ``Answer:``).
 
 import argparse
 
-from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer
+from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer, Batching, Loop, Optim, RunDir
 from rlflow.rewards import default_compute_score
 from rlflow.tasks.addition import AdditionTask, exact_match, warm_started_model
 
@@ -48,14 +48,10 @@ def main() -> None:
         reward=reward,
         estimator=GRPO(norm_by_std=True),
         loss=PPOLoss(clip_ratio=0.2, kl_coef=args.kl_coef, kl_type="low_var_kl"),
-        batch_size=args.batch_size,
-        lr=lr,
-        weight_decay=0.0,
-        max_steps=args.steps,
-        val_every=max(1, args.steps // 5),
-        save_every=args.steps,
-        run_dir=args.run_dir,
-        seed=args.seed,
+        optim=Optim(lr=lr, weight_decay=0.0),
+        batching=Batching(batch_size=args.batch_size),
+        loop=Loop(max_steps=args.steps, val_every=max(1, args.steps // 5), seed=args.seed),
+        run=RunDir(path=args.run_dir, save_every=args.steps),
     )
     print(trainer.validate(data))
     trainer.fit(data)

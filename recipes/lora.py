@@ -14,7 +14,7 @@ import argparse
 
 from peft import LoraConfig
 
-from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer
+from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer, Batching, Loop, Optim, RunDir
 from rlflow.rewards import default_compute_score
 from rlflow.tasks.default_job import ACCURACY_KEY, build_trainer
 
@@ -74,9 +74,10 @@ def main() -> None:
         reward=FunctionReward(default_compute_score),
         estimator=GRPO(),
         loss=PPOLoss(clip_ratio=0.2, kl_coef=args.kl_coef),
-        batch_size=32, lr=args.lr or 1e-5, weight_decay=0.0, max_steps=args.steps, warmup_steps=args.warmup,
-        lr_schedule=args.schedule,
-        val_every=max(1, args.steps // 5), save_every=args.steps, run_dir=args.run_dir, seed=args.seeds[0],
+        optim=Optim(lr=args.lr or 1e-5, weight_decay=0.0, warmup_steps=args.warmup, lr_schedule=args.schedule),
+        batching=Batching(batch_size=32),
+        loop=Loop(max_steps=args.steps, val_every=max(1, args.steps // 5), seed=args.seeds[0]),
+        run=RunDir(path=args.run_dir, save_every=args.steps),
     )
     trainer.fit(PromptData(args.train, val=args.val, seed=args.seeds[0]))
 

@@ -16,6 +16,7 @@ from rlflow.algorithms import CISPOLoss, ClipCovLoss, GMPOLoss, GSPOLoss, KLCovL
 from rlflow.module import Chain
 from rlflow.tasks.addition import AdditionTask, exact_match, warm_started_model
 from rlflow.tasks.default_job import ACCURACY_KEY
+from rlflow.trainer.options import with_groups
 
 # name -> the loss, with the paper / verl defaults (see docs/algorithms/)
 LOSSES = {
@@ -45,8 +46,8 @@ def build(name: str, seed: int = 0, steps: int = 40, batch_size: int = 16, n: in
         reward=FunctionReward(exact_match),
         estimator=estimator,
         loss=loss,
-        batch_size=batch_size, mini_batch_size=mini_batch_size, lr=lr, weight_decay=0.0, max_steps=steps,
-        run_dir=f"{run_dir}/{name}", seed=seed, **trainer_kwargs,
+        **with_groups(batch_size=batch_size, mini_batch_size=mini_batch_size, lr=lr, weight_decay=0.0, max_steps=steps,
+                      run_dir=f"{run_dir}/{name}", seed=seed, **trainer_kwargs),  # -> optim=Optim(...), ...
     )
     return trainer, task.data(seed)
 

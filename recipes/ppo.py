@@ -11,6 +11,7 @@ import copy
 from rlflow import GAE, Critic, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer, ValueLoss
 from rlflow.rewards import default_compute_score
 from rlflow.tasks.addition import AdditionTask, exact_match, warm_started_model
+from rlflow import Batching, Loop, Optim, RunDir
 
 
 def main() -> None:
@@ -50,16 +51,10 @@ def main() -> None:
         loss=PPOLoss(clip_ratio=0.2, kl_coef=args.kl_coef),
         critic=critic,
         value_loss=ValueLoss(clip_range=0.5),
-        batch_size=args.batch_size,
-        mini_batch_size=args.mini_batch_size,
-        lr=lr,
-        critic_lr=critic_lr,
-        weight_decay=0.0,
-        max_steps=args.steps,
-        val_every=max(1, args.steps // 5),
-        save_every=args.steps,
-        run_dir=args.run_dir,
-        seed=args.seed,
+        optim=Optim(lr=lr, critic_lr=critic_lr, weight_decay=0.0),
+        batching=Batching(batch_size=args.batch_size, mini_batch_size=args.mini_batch_size),
+        loop=Loop(max_steps=args.steps, val_every=max(1, args.steps // 5), seed=args.seed),
+        run=RunDir(path=args.run_dir, save_every=args.steps),
     )
     print(trainer.validate(data))
     trainer.fit(data)

@@ -24,6 +24,7 @@ from rlflow.models.tiny import tiny_qwen2_reward_model
 from rlflow.rewards import CombinedReward, ModelReward
 from rlflow.rewards.model import preference_loss
 from rlflow.tasks.addition import AdditionTask, warm_started_model
+from rlflow.trainer.options import with_groups
 
 EVEN = set("02468")
 
@@ -86,8 +87,9 @@ def build(steps: int = 40, seed: int = 0, rm_steps: int = 300, run_dir: str = "r
                             weights={"reward_model": 1.0, "even_digits": 0.0})
     trainer = Trainer(
         policy=Policy(model, tokenizer), rollout=HFRollout(n=8, max_new_tokens=task.max_new_tokens), reward=reward,
-        estimator=GRPO(), loss=PPOLoss(clip_ratio=0.2), batch_size=32, lr=2e-4, weight_decay=0.0,
-        max_steps=steps, run_dir=run_dir, seed=seed, **({"loggers": ("jsonl",)} | trainer_kwargs),
+        estimator=GRPO(), loss=PPOLoss(clip_ratio=0.2),
+        **with_groups(batch_size=32, lr=2e-4, weight_decay=0.0, max_steps=steps, run_dir=run_dir, seed=seed,
+                      **({"loggers": ("jsonl",)} | trainer_kwargs)),
     )
     return trainer, data, accuracy
 

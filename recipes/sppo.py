@@ -16,6 +16,7 @@ from rlflow import FunctionReward, HFRollout, Policy, Trainer
 from rlflow.algorithms import GroupWinRate, SPPOLoss, UpdateReference
 from rlflow.tasks.addition import AdditionTask, exact_match, warm_started_model
 from rlflow.tasks.default_job import ACCURACY_KEY
+from rlflow.trainer.options import with_groups
 
 
 def build(seed: int = 0, steps: int = 40, batch_size: int = 16, n: int = 8, eta: float = 4.0, lr: float = 2e-4,
@@ -30,8 +31,9 @@ def build(seed: int = 0, steps: int = 40, batch_size: int = 16, n: int = 8, eta:
         reward=FunctionReward(exact_match),
         estimator=GroupWinRate(),
         loss=SPPOLoss(eta=eta),  # reads ref_log_probs: the Trainer builds the frozen reference
-        batch_size=batch_size, lr=lr, weight_decay=0.0, max_steps=steps, run_dir=run_dir, seed=seed,
-        callbacks=callbacks, **trainer_kwargs,
+        callbacks=callbacks,
+        **with_groups(batch_size=batch_size, lr=lr, weight_decay=0.0, max_steps=steps, run_dir=run_dir, seed=seed,
+                      **trainer_kwargs),  # -> optim=Optim(...), batching=Batching(...), loop=Loop(...), run=RunDir(...)
     )
     return trainer, task.data(seed)
 

@@ -12,7 +12,7 @@ holds the processor, and PromptData reads the images with it.
 
 import argparse
 
-from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer
+from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer, Batching, Loop, Optim, RunDir
 from rlflow.tasks.shapes import ShapesTask, exact_match, warm_started_policy
 
 
@@ -58,13 +58,10 @@ def main() -> None:
         reward=reward,
         estimator=GRPO(),
         loss=PPOLoss(clip_ratio=0.2),
-        batch_size=args.batch_size,
-        lr=lr,
-        weight_decay=0.0,
-        max_steps=args.steps,
-        val_every=max(1, args.steps // 4),
-        run_dir=args.run_dir,
-        seed=args.seed,
+        optim=Optim(lr=lr, weight_decay=0.0),
+        batching=Batching(batch_size=args.batch_size),
+        loop=Loop(max_steps=args.steps, val_every=max(1, args.steps // 4), seed=args.seed),
+        run=RunDir(path=args.run_dir),
     )
     print(trainer.validate(data))
     history = trainer.fit(data)

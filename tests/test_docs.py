@@ -75,7 +75,7 @@ NOT_RUN = {
     ("README.md", 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[test]" && pytest -q'):
         "is the CI run itself (.ci/run)",
     ("README.md", 'pip install -e ".[docs]" && mkdocs serve'): "starts a web server; CI runs mkdocs build --strict",
-    ("README.md", "from rlflow import Trainer, Policy, HFRollout, FunctionReward, GRPO, PPOLoss, PromptData"):
+    ("README.md", "from rlflow import Trainer, Policy, HFRollout, FunctionReward, GRPO, PPOLoss, PromptData, Batching, Loop, Optim, RunDir"):
         "trains 100 steps after the supervised warm start (minutes); tests/trainer/test_learning.py::"
         "test_grpo_raises_held_out_accuracy trains the same modules (the default job's build_trainer) for 80",
     ("docs/getting-started.md", "python3 -m venv .venv && . .venv/bin/activate"): "creates a virtual environment (CI does)",
@@ -85,9 +85,9 @@ NOT_RUN = {
         "installs from the network",
     ("docs/getting-started.md", "rlflow train"): TRAINS_DEFAULT_JOB,
     ("docs/getting-started.md", "rlflow train --steps 100 --seed 1 --run-dir runs/try --no-progress"): TRAINS_DEFAULT_JOB,
-    ("docs/getting-started.md", "from rlflow import Trainer, Policy, HFRollout, FunctionReward, GRPO, PPOLoss, PromptData"):
+    ("docs/getting-started.md", "from rlflow import Trainer, Policy, HFRollout, FunctionReward, GRPO, PPOLoss, PromptData, Batching, Loop, Optim, RunDir"):
         "the README's Python example (see there)",
-    ("docs/getting-started.md", "from rlflow import Trainer, Policy, HFRollout, FunctionReward, GRPO, PPOLoss, PromptData#2"):
+    ("docs/getting-started.md", "from rlflow import Trainer, Policy, HFRollout, FunctionReward, GRPO, PPOLoss, PromptData"):
         NEEDS_QWEN_AND_GSM8K + ", and a GPU (accelerator='cuda')",
     ("docs/index.md", "from rlflow import Trainer, Policy, HFRollout, FunctionReward, GRPO, PPOLoss, PromptData"):
         NEEDS_QWEN_AND_GSM8K + " (train.parquet, test.parquet), and the user's my_compute_score",
@@ -189,7 +189,7 @@ for cmd in ("python benchmarks/generation.py", "python benchmarks/rewards.py", "
 
 ASYNC_LEARNING = "trains 200 steps one step off (minutes); tests/rollout/test_async_learning.py trains the default job so, for 50"
 NOT_RUN.update({
-    ("docs/async.md", "from rlflow import FunctionReward, Policy, PPOLoss, Trainer"): ASYNC_LEARNING,
+    ("docs/async.md", "from rlflow import FunctionReward, Policy, PPOLoss, Trainer, Batching, Loop, Optim, RunDir"): ASYNC_LEARNING,
     ("docs/async.md", "rlflow train --config recipes/yaml/grpo_async.yaml"):
         "trains 200 steps (minutes); tests/config/test_recipes.py dry-runs every recipe and trains one step",
     ("docs/async.md", "rlflow train --config recipes/yaml/grpo.yaml trainer.async_weight_update=true"):
@@ -316,21 +316,21 @@ ELIDED_TRAINER = [("Trainer(...,", "Trainer(**roles,")]
 RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/async.md", "from rlflow.rollout import FullyAsyncRollout, HFRollout"): [],
     ("docs/algorithms/cispo.md", "from rlflow.algorithms import CISPOLoss"): [],
-    ("docs/algorithms/clip_cov.md", "from rlflow import GRPO, Trainer"): [],
-    ("docs/algorithms/distillation.md", "from rlflow import GRPO, Trainer"): [],
-    ("docs/algorithms/dapo.md", "from rlflow import GRPO, FunctionReward, HFRollout, PPOLoss, Trainer"): [],
+    ("docs/algorithms/clip_cov.md", "from rlflow import GRPO, Batching, Trainer"): [],
+    ("docs/algorithms/distillation.md", "from rlflow import GRPO, Batching, Loop, RunDir, Trainer"): [],
+    ("docs/algorithms/dapo.md", "from rlflow import GRPO, Batching, FunctionReward, HFRollout, PPOLoss, Trainer"): [],
     ("docs/algorithms/dppo.md", "from rlflow.algorithms import DPPOTVLoss, DPPOKLLoss"): [],
     ("docs/algorithms/drgrpo.md", "from rlflow.algorithms import DrGRPO, PPOLoss"): ELIDED_TRAINER,
     ("docs/algorithms/gdpo.md", "from rlflow.algorithms import GDPO"): [],
     ("docs/algorithms/gmpo.md", "from rlflow.algorithms import GMPOLoss"): [],
-    ("docs/algorithms/grpo.md", "from rlflow import GRPO, PPOLoss, Trainer"): [],
-    ("docs/algorithms/gspo.md", "from rlflow import GRPO, Trainer"): [],
+    ("docs/algorithms/grpo.md", "from rlflow import GRPO, Batching, PPOLoss, Trainer"): [],
+    ("docs/algorithms/gspo.md", "from rlflow import GRPO, Batching, Trainer"): [],
     ("docs/algorithms/kl.md", "from rlflow.algorithms import RLOO, AdaptiveKLController, KLInReward"): [],
     ("docs/algorithms/off_policy.md", "from rlflow.algorithms import GRPO, PPOLoss, TruncatedIS"): ELIDED_TRAINER,
     ("docs/algorithms/off_policy.md", "from rlflow.algorithms import GRPO, BypassLoss, RejectionSampling, RolloutAsOld, TruncatedIS"): [],
     ("docs/algorithms/opo.md", "from rlflow.algorithms import OPO, PPOLoss"): ELIDED_TRAINER,
     # a local model folder instead of the 0.5B one (same code path: from_pretrained of a folder)
-    ("docs/algorithms/ppo.md", "from rlflow import Critic, GAE, Policy, PPOLoss, Trainer, ValueLoss"):
+    ("docs/algorithms/ppo.md", "from rlflow import Critic, GAE, Policy, PPOLoss, Trainer, ValueLoss, Batching, Optim"):
         [('"/models/Qwen2.5-0.5B-Instruct"', "model_dir")],
     ("docs/algorithms/ppo.md", "from rlflow import PPOLoss, keys"): [],
     ("docs/algorithms/reinforce.md", "from rlflow import GRPO"): [],
@@ -342,7 +342,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/algorithms/sppo.md", "from rlflow import FunctionReward, HFRollout, Trainer"): [],
     ("docs/concepts.md", "from rlflow import AdvantageEstimator, keys"): [],
     ("docs/concepts.md", "from rlflow.trainer.schedule import ParamSchedule, make_scheduler"): [],
-    ("docs/experience.md", "from rlflow import GRPO, FunctionReward, HFRollout, PPOLoss, Trainer"): [],
+    ("docs/experience.md", "from rlflow import GRPO, Batching, FunctionReward, HFRollout, Loop, PPOLoss, RunDir, Trainer"): [],
     ("docs/metrics.md", "from rlflow import GRPO, PPOLoss"): ELIDED_TRAINER,
     ("docs/rollout-engines.md", "from rlflow.rollout import ServerRollout"): [],  # connects only at bind
     ("docs/performance.md", "policy = Policy(model, tokenizer, remove_padding=True)"): [],

@@ -19,10 +19,11 @@ _EXPORTS = {
     "PPOLoss": "rlflow.algorithms", "ValueLoss": "rlflow.algorithms", "LossOutput": "rlflow.algorithms",
     "PromptData": "rlflow.data.prompts", "BatchModule": "rlflow.module",
     "register_estimator": "rlflow.registry", "register_policy_loss": "rlflow.registry",
+    **{name: "rlflow.trainer.options" for name in ("Optim", "Batching", "Loop", "RunDir", "Hardware")},
 }
 __all__ = ["Trainer", "Policy", "Critic", "HFRollout", "Reward", "FunctionReward", "AdvantageEstimator", "GRPO", "GAE",
            "PPOLoss", "ValueLoss", "LossOutput", "PromptData", "BatchModule", "keys", "register_estimator",
-           "register_policy_loss"]
+           "register_policy_loss", "Optim", "Batching", "Loop", "RunDir", "Hardware"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
     from rlflow.algorithms import GAE, GRPO, AdvantageEstimator, LossOutput, PPOLoss, ValueLoss
@@ -34,6 +35,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from rlflow.registry import register_estimator, register_policy_loss
     from rlflow.rewards import FunctionReward, Reward
     from rlflow.rollout.hf import HFRollout
+    from rlflow.trainer.options import Batching, Hardware, Loop, Optim, RunDir
     from rlflow.trainer.trainer import Trainer
 
 

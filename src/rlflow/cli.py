@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     export = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face folder",
                             description="Write a checkpoint's policy (config.json, safetensors weights, tokenizer) "
                                         "as a folder transformers' from_pretrained loads. Checkpoints are "
-                                        "RUN_DIR/global_step_N (RUN_DIR: Trainer(run_dir=...) or "
+                                        "RUN_DIR/global_step_N (RUN_DIR: RunDir(path=...) or "
                                         "trainer.default_local_dir), written by any number of processes. A LoRA "
                                         "checkpoint gives the merged model, and the PEFT adapter in "
                                         "OUT_DIR/lora_adapter.")

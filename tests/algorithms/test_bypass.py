@@ -9,7 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlflow import GRPO, FunctionReward, HFRollout, Policy, PromptData, Trainer
+from rlflow import GRPO, Batching, FunctionReward, HFRollout, Loop, Optim, Policy, PromptData, RunDir, Trainer
 from rlflow.algorithms import (
     Aggregation,
     BypassLoss,
@@ -104,9 +104,12 @@ def test_keys_and_bad_arguments():
 
 def test_trainer_skips_the_old_log_prob_pass(model, tokenizer, addition_rows, tmp_path):
     def trainer(estimator, loss):
-        return Trainer(Policy(copy.deepcopy(model), tokenizer), HFRollout(n=4, max_new_tokens=4),
-                       FunctionReward(starts_with_digit), estimator, loss, batch_size=8, mini_batch_size=4,
-                       ppo_epochs=2, lr=1e-3, max_steps=1, run_dir=tmp_path, progress=False, seed=0, loggers=())
+        return Trainer(
+            Policy(copy.deepcopy(model), tokenizer), HFRollout(n=4, max_new_tokens=4),
+            FunctionReward(starts_with_digit), estimator, loss, optim=Optim(lr=1e-3),
+            batching=Batching(batch_size=8, mini_batch_size=4, ppo_epochs=2),
+            loop=Loop(max_steps=1, seed=0, progress=False), run=RunDir(path=tmp_path, loggers=()),
+        )
 
     t = trainer(Chain(RolloutAsOld(), GRPO()), BypassLoss("reinforce", weights=TruncatedIS("sequence")))
     assert not t.needs_old_log_probs  # two mini-batches, two epochs: verl would recompute old log-probs; bypass not

@@ -170,7 +170,7 @@ SHARPEN, LR, STEPS, MAX_RATIO = 8.0, 1e-3, 16, 0.75
 def distil(seed: int, kind: str, tmp_path, steps: int = STEPS, coef: float = 1.0):
     """``steps`` RL steps of pure distillation (no task reward) of a random tiny student towards a sharper random
     teacher; returns each step's ``distillation/teacher_kl`` (k1 of the fresh samples against the teacher)."""
-    from rlflow import Trainer
+    from rlflow import Batching, Loop, Optim, RunDir, Trainer
     from rlflow.models.tiny import char_tokenizer
     from rlflow.rewards import FunctionReward
     from rlflow.rollout.hf import HFRollout
@@ -189,8 +189,9 @@ def distil(seed: int, kind: str, tmp_path, steps: int = STEPS, coef: float = 1.0
             else DistillationLoss(kind=kind, coef=coef))
     trainer = Trainer(policy=Policy(student, tok), rollout=HFRollout(n=4, max_new_tokens=8),
                       reward=FunctionReward(lambda data_source, solution_str, ground_truth, extra_info=None: 0.0),
-                      estimator=GRPO(), loss=loss, stages=[Teacher(teacher, tok)], batch_size=8, lr=LR,
-                      weight_decay=0.0, max_steps=steps, run_dir=tmp_path, seed=seed, progress=False, loggers=())
+                      estimator=GRPO(), loss=loss, stages=[Teacher(teacher, tok)],
+                      optim=Optim(lr=LR, weight_decay=0.0), batching=Batching(batch_size=8),
+                      loop=Loop(max_steps=steps, seed=seed, progress=False), run=RunDir(path=tmp_path, loggers=()))
     return [m["distillation/teacher_kl"] for m in trainer.fit(AdditionTask().data(seed))]
 
 

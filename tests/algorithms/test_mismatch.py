@@ -13,6 +13,7 @@ from tensordict import TensorDict
 from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer
 from rlflow.algorithms.mismatch import MismatchMetrics, mismatch_metrics
 from rlflow.data import keys as K
+from rlflow.trainer.options import with_groups
 from tests.trainer.helpers import starts_with_digit
 
 OLD = [[-0.5, -1.0, -2.0, -7.0], [-0.1, -3.0, -9.0, -9.0], [-4.0, -4.0, -4.0, -4.0]]
@@ -92,9 +93,12 @@ class BF16Rollout(HFRollout):
 
 
 def run(model, tokenizer, rows, run_dir, rollout_cls, **kwargs):
-    trainer = Trainer(Policy(copy.deepcopy(model), tokenizer), rollout_cls(n=4, max_new_tokens=4),
-                      FunctionReward(starts_with_digit), GRPO(), PPOLoss(), batch_size=8, lr=1e-3, max_steps=1,
-                      run_dir=run_dir, progress=False, seed=0, loggers=(), **kwargs)
+    trainer = Trainer(
+        Policy(copy.deepcopy(model), tokenizer), rollout_cls(n=4, max_new_tokens=4), FunctionReward(starts_with_digit),
+        GRPO(), PPOLoss(),
+        **with_groups(batch_size=8, lr=1e-3, max_steps=1, run_dir=run_dir, progress=False, seed=0, loggers=(),
+                      **kwargs),
+    )
     [metrics] = trainer.fit(PromptData(rows[0], seed=0))
     return trainer, metrics
 

@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from rlflow import FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer
+from rlflow import Batching, FunctionReward, Hardware, HFRollout, Loop, Optim, Policy, PPOLoss, PromptData, RunDir, Trainer
 from rlflow.algorithms import GRPO
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from rlflow.tasks.addition import AdditionTask
@@ -43,7 +43,8 @@ if __name__ == "__main__":
     model = tiny_qwen2(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=0)
     train, _, _ = AdditionTask().splits()
     trainer = Trainer(policy=Policy(model, tok), rollout=HFRollout(n=2, max_new_tokens=4),
-                      reward=FunctionReward(reward, timeout_s=None), estimator=GRPO(), loss=PPOLoss(), batch_size=4,
-                      lr=1e-2, max_steps=3, run_dir=sys.argv[1], loggers=(), progress=False, strategy="ddp",
-                      devices=2, accelerator="cpu", callbacks=[ShortTimeoutAfterStep1()])
+                      reward=FunctionReward(reward, timeout_s=None), estimator=GRPO(), loss=PPOLoss(), optim=Optim(lr=1e-2),
+                      batching=Batching(batch_size=4), loop=Loop(max_steps=3, progress=False),
+                      run=RunDir(path=sys.argv[1], loggers=()), callbacks=[ShortTimeoutAfterStep1()],
+                      hardware=Hardware(strategy="ddp", devices=2, accelerator="cpu"))
     trainer.fit(PromptData(train[:32], seed=0))

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from rlflow import FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer
 from rlflow.models.tiny_vlm import tiny_processor, tiny_qwen2_5_vl
+from rlflow import Batching, Hardware, Loop, Optim, RunDir
 
 try:
     from .worker import Record, ReturnAsAdvantage, varied
@@ -51,8 +52,12 @@ def build(out, strategy, devices):
         policy=Policy(model, processor=processor, remove_padding=True),
         rollout=HFRollout(n=1, do_sample=False, max_new_tokens=4),
         reward=FunctionReward(varied), loss=PPOLoss(), estimator=ReturnAsAdvantage(),
-        batch_size=8, micro_batch_size=1, lr=1e-2, max_steps=1, run_dir=out, loggers=(), progress=False,
-        callbacks=[record], strategy=strategy, devices=devices,
+        callbacks=[record],
+        optim=Optim(lr=1e-2),
+        batching=Batching(batch_size=8, micro_batch_size=1),
+        loop=Loop(max_steps=1, progress=False),
+        run=RunDir(path=out, loggers=()),
+        hardware=Hardware(devices=devices, strategy=strategy),
     )
     return trainer, PromptData(rows(), processor=processor, shuffle=False), record
 

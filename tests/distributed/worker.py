@@ -33,6 +33,7 @@ from rlflow.module import Chain
 from rlflow.data import keys as K
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from rlflow.tasks.addition import AdditionTask
+from rlflow import Batching, Hardware, Loop, Optim, RunDir
 
 
 def varied(solution_str: str, ground_truth: str) -> float:
@@ -133,11 +134,14 @@ def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1,
         ) if batch_stats else ReturnAsAdvantage(),
         critic=Critic(tiny_qwen2(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                                  intermediate_size=64, seed=1), remove_padding=bool(remove_padding)) if critic else None,
-        value_loss=ValueLoss() if critic else None, critic_lr=1e-2,
-        batch_size=8, micro_batch_size=2, max_tokens_per_micro_batch=max_tokens, sequence_parallel_size=sp,
-        lr=1e-2, max_steps=steps, save_every=1, run_dir=out, resume=resume, val_every=val,
-        loggers=(), progress=False, callbacks=callbacks, strategy=strategy,
-        devices=devices, accelerator="cuda" if cuda else "cpu",
+        value_loss=ValueLoss() if critic else None,
+        callbacks=callbacks,
+        optim=Optim(lr=1e-2, critic_lr=1e-2),
+        batching=Batching(batch_size=8, micro_batch_size=2, max_tokens_per_micro_batch=max_tokens),
+        loop=Loop(max_steps=steps, val_every=val, progress=False),
+        run=RunDir(path=out, save_every=1, resume=resume, loggers=()),
+        hardware=Hardware(accelerator="cuda" if cuda else "cpu", devices=devices, strategy=strategy,
+                          sequence_parallel_size=sp),
     )
     return trainer, PromptData(train[:64], val_rows[:10] if val else None, seed=0), record
 

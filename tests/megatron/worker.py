@@ -36,6 +36,7 @@ from rlflow.models.logprobs import TokenLogProbs
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from rlflow.rollout.wrapper import cat_batches
 from rlflow.tasks.addition import AdditionTask
+from rlflow import Batching, Hardware, Loop, Optim, RunDir
 
 STEPS = 3
 
@@ -113,11 +114,12 @@ def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save
         estimator=GAE(gamma=1.0, lam=0.95) if critic else GRPO(),
         loss=PPOLoss(kl_coef=0.05, entropy_coef=0.01),
         critic=Critic(tiny_model(kind, seed=1)) if critic else None, value_loss=ValueLoss() if critic else None,
-        critic_lr=3e-3,
-        batch_size=4, mini_batch_size=4 // mini_batches, micro_batch_size=2, lr=3e-3, max_steps=steps,
-        save_every=1 if save else 0,
-        run_dir=out, resume=resume, loggers=(), progress=False, callbacks=[record], strategy=strategy,
-        devices=devices, accelerator=accelerator, seed=0,
+        callbacks=[record],
+        optim=Optim(lr=3e-3, critic_lr=3e-3),
+        batching=Batching(batch_size=4, mini_batch_size=4 // mini_batches, micro_batch_size=2),
+        loop=Loop(max_steps=steps, seed=0, progress=False),
+        run=RunDir(path=out, save_every=1 if save else 0, resume=resume, loggers=()),
+        hardware=Hardware(accelerator=accelerator, devices=devices, strategy=strategy),
     )
     return trainer, PromptData(train[:32], seed=0), record
 

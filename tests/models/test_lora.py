@@ -15,6 +15,7 @@ from rlflow.data import keys as K
 from rlflow.data.prompts import collate, load_rows
 from rlflow.models import lora as L
 from rlflow.models.tiny import tiny_qwen2
+from rlflow.trainer.options import with_groups
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -31,9 +32,10 @@ def tiny_model(tokenizer, seed=0):
 
 def trainer_for(policy, tmp_path, steps=2, **kwargs):
     kwargs = {"loss": PPOLoss(kl_coef=0.5), "lr": 1e-2, **kwargs}
-    return Trainer(policy=policy, rollout=HFRollout(n=4, max_new_tokens=4), reward=FunctionReward(varied),
-                   estimator=GRPO(), batch_size=4, max_steps=steps, loggers=(), progress=False,
-                   run_dir=tmp_path / "run", **kwargs)
+    return Trainer(
+        policy=policy, rollout=HFRollout(n=4, max_new_tokens=4), reward=FunctionReward(varied), estimator=GRPO(),
+        **with_groups(batch_size=4, max_steps=steps, loggers=(), progress=False, run_dir=tmp_path / "run", **kwargs),
+    )
 
 
 @pytest.fixture

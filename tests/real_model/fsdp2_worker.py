@@ -19,6 +19,7 @@ import torch
 from rlflow import FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer
 from rlflow.algorithms.estimators import AdvantageEstimator
 from rlflow.data import keys as K
+from rlflow import Batching, Hardware, Loop, Optim, RunDir
 
 QUESTIONS = ("Name a color.", "Is the sky blue? Answer yes or no.", "Say hello.", "What is 2+2?")
 SAMPLE = 4096  # elements of each parameter compared
@@ -73,8 +74,13 @@ def build(model_dir: str, out: str, strategy: str, devices: int):
     record = Record(collate(load_rows(rows[:2])[0], policy.tokenizer))
     trainer = Trainer(
         policy=policy, rollout=HFRollout(n=1, do_sample=False, max_new_tokens=4), reward=FunctionReward(score),
-        estimator=ReturnAsAdvantage(), loss=PPOLoss(), batch_size=len(QUESTIONS), micro_batch_size=1, lr=LR,
-        max_steps=1, loggers=(), progress=False, run_dir=out, callbacks=[record], strategy=strategy, devices=devices,
+        estimator=ReturnAsAdvantage(), loss=PPOLoss(),
+        callbacks=[record],
+        optim=Optim(lr=LR),
+        batching=Batching(batch_size=len(QUESTIONS), micro_batch_size=1),
+        loop=Loop(max_steps=1, progress=False),
+        run=RunDir(path=out, loggers=()),
+        hardware=Hardware(devices=devices, strategy=strategy),
     )
     return trainer, PromptData(rows, shuffle=False), record
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from peft import LoraConfig
 
-from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer
+from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer, Batching, Loop, Optim, RunDir
 from rlflow.data import keys as K
 from rlflow.models.lora import AdapterDisabledReference, hf_name
 from tests.real_model.helpers import chat_batch, chat_rows
@@ -19,8 +19,11 @@ def test_one_lora_step_changes_only_the_adapter(smollm2_dir, policy, tok, tmp_pa
     trainer = Trainer(
         policy=lora, rollout=HFRollout(n=2, max_new_tokens=8, seed=0),
         reward=FunctionReward(lambda solution_str, ground_truth: len(solution_str) / 10),  # differs within a group
-        estimator=GRPO(), loss=PPOLoss(kl_coef=0.1), batch_size=2, lr=1e-3, max_steps=1,
-        loggers=(), progress=False, run_dir=tmp_path,
+        estimator=GRPO(), loss=PPOLoss(kl_coef=0.1),
+        optim=Optim(lr=1e-3),
+        batching=Batching(batch_size=2),
+        loop=Loop(max_steps=1, progress=False),
+        run=RunDir(path=tmp_path, loggers=()),
     )
     assert isinstance(trainer.reference, AdapterDisabledReference)  # no second copy of the model
     (metrics,) = trainer.fit(PromptData(chat_rows(QUESTIONS), shuffle=False))

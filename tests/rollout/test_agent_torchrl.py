@@ -6,6 +6,7 @@ from rlflow.data import keys as K
 from rlflow.rollout.agent import AgentLoop, ChatFormat
 from rlflow.rollout.agent.torchrl_env import TorchRLEnvironment
 from rlflow.tasks.calculator import chat_tokenizer
+from rlflow import Batching, Loop, Optim, RunDir
 from tests.rollout.agent_helpers import prompts, replay_rollout
 
 llm_envs = pytest.importorskip("torchrl.envs.llm")
@@ -132,9 +133,11 @@ def test_a_torchrl_tool_environment_trains_a_real_model(tmp_path):
         return float(any(m["role"] == "tool" and "executed successfully" in m["content"] for m in messages))
 
     before = copy.deepcopy(model.state_dict())
-    trainer = Trainer(policy=Policy(model, tok), rollout=loop, reward=FunctionReward(used_the_tool),
-                      estimator=Chain(TruncatedIS(level="token"), GRPO()), loss=PPOLoss(is_weights=True), batch_size=4,
-                      lr=1e-3, max_steps=1, run_dir=tmp_path, progress=False, loggers=())
+    trainer = Trainer(
+        policy=Policy(model, tok), rollout=loop, reward=FunctionReward(used_the_tool),
+        estimator=Chain(TruncatedIS(level="token"), GRPO()), loss=PPOLoss(is_weights=True), optim=Optim(lr=1e-3),
+        batching=Batching(batch_size=4), loop=Loop(max_steps=1, progress=False), run=RunDir(path=tmp_path, loggers=()),
+    )
     metrics = trainer.step(prompts(tok, questions, ground_truths=answers))
     assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(1.0, abs=1e-4)
     assert metrics["rollout_corr/rollout_is_min"] == pytest.approx(1.0, abs=1e-4)

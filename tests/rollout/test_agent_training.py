@@ -18,6 +18,7 @@ from rlflow.rollout import HFRollout
 from rlflow.rollout.agent import AgentLoop
 from rlflow.tasks.calculator import CalculatorTask, chat_tokenizer, compute_score
 from rlflow.trainer.trainer import Trainer
+from rlflow import Batching, Loop, Optim, RunDir
 from tests.rollout.agent_helpers import prompts, tool_caller
 
 
@@ -110,10 +111,12 @@ def test_trainer_step_on_multi_turn_rollouts(tok, caller, tmp_path):
     model = copy.deepcopy(caller)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     loop = AgentLoop(HFRollout(n=4, temperature=1.0, max_new_tokens=64), task_tools(), max_assistant_turns=3)
-    trainer = Trainer(policy=Policy(model, tok), rollout=loop, reward=FunctionReward(compute_score),
-                      estimator=Chain(TruncatedIS(level="token"), GRPO()), loss=PPOLoss(is_weights=True),
-                      batch_size=4, mini_batch_size=2, lr=1e-3, max_steps=1, run_dir=tmp_path / "grpo", progress=False,
-                      loggers=())
+    trainer = Trainer(
+        policy=Policy(model, tok), rollout=loop, reward=FunctionReward(compute_score),
+        estimator=Chain(TruncatedIS(level="token"), GRPO()), loss=PPOLoss(is_weights=True), optim=Optim(lr=1e-3),
+        batching=Batching(batch_size=4, mini_batch_size=2), loop=Loop(max_steps=1, progress=False),
+        run=RunDir(path=tmp_path / "grpo", loggers=()),
+    )
     torch.manual_seed(0)
     metrics = trainer.step(prompts(tok, ["12*34", "56+78", "9*9", "1-2"], ground_truths=["408", "134", "81", "-1"]))
     assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(1.0, abs=1e-4)
@@ -123,8 +126,11 @@ def test_trainer_step_on_multi_turn_rollouts(tok, caller, tmp_path):
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
     critic = Critic(model_for(tok, seed=2))
-    ppo = Trainer(policy=Policy(model, tok), rollout=loop, reward=FunctionReward(compute_score),
-                  estimator=GAE(gamma=1.0, lam=0.95), loss=PPOLoss(), critic=critic, value_loss=ValueLoss(),
-                  batch_size=4, lr=1e-3, max_steps=1, run_dir=tmp_path / "ppo", progress=False, loggers=())
+    ppo = Trainer(
+        policy=Policy(model, tok), rollout=loop, reward=FunctionReward(compute_score),
+        estimator=GAE(gamma=1.0, lam=0.95), loss=PPOLoss(), critic=critic, value_loss=ValueLoss(), optim=Optim(lr=1e-3),
+        batching=Batching(batch_size=4), loop=Loop(max_steps=1, progress=False),
+        run=RunDir(path=tmp_path / "ppo", loggers=()),
+    )
     metrics = ppo.step(prompts(tok, ["12*34", "56+78", "9*9", "1-2"], ground_truths=["408", "134", "81", "-1"]))
     assert all(torch.isfinite(torch.tensor(metrics[k])) for k in ("actor/pg_loss", "critic/vf_loss"))

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer
+from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer, Batching, Loop, Optim, RunDir
 from rlflow.algorithms import GRPO, TruncatedIS
 from rlflow.data import keys as K
 from rlflow.module import Chain
@@ -20,6 +20,7 @@ from rlflow.rollout.engines.hf import HFEngine
 from rlflow.rollout.engines.process import EngineProcessError, ProcessEngine
 from rlflow.rollout.engines.base import SamplingParams
 from rlflow.tasks.addition import AdditionTask
+from rlflow.trainer.options import with_groups
 from tests.rollout.conftest import requires_vllm
 
 GREEDY = SamplingParams(n=1, max_new_tokens=4, greedy=True)
@@ -47,9 +48,11 @@ class Recorder:
 
 
 def make_trainer(model, tokenizer, rows, tmp_path, rollout, steps=3, callbacks=(), **kwargs):
-    return Trainer(policy=Policy(model, tokenizer), rollout=rollout, reward=FunctionReward(longer_is_better),
-                   estimator=Chain(TruncatedIS(), GRPO()), loss=PPOLoss(is_weights=True), batch_size=4, lr=5e-2,
-                   max_steps=steps, run_dir=tmp_path, loggers=(), progress=False, callbacks=list(callbacks), **kwargs)
+    return Trainer(
+        policy=Policy(model, tokenizer), rollout=rollout, reward=FunctionReward(longer_is_better),
+        estimator=Chain(TruncatedIS(), GRPO()), loss=PPOLoss(is_weights=True), callbacks=list(callbacks),
+        **with_groups(batch_size=4, lr=5e-2, max_steps=steps, run_dir=tmp_path, loggers=(), progress=False, **kwargs),
+    )
 
 
 def recomputed(model, tokenizer, weights, batch):
@@ -327,10 +330,12 @@ def test_a_lora_policy_runs_beside_training_with_transformers_and_is_refused_els
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
     rollout = AsyncRollout(HFRollout(n=2, max_new_tokens=4), max_staleness=0)
-    trainer = Trainer(policy=Policy(copy.deepcopy(model), tokenizer, lora=lora), rollout=rollout,
-                      reward=FunctionReward(longer_is_better), estimator=Chain(TruncatedIS(), GRPO()),
-                      loss=PPOLoss(is_weights=True), batch_size=4, lr=5e-2, max_steps=3, run_dir=tmp_path, loggers=(),
-                      progress=False)
+    trainer = Trainer(
+        policy=Policy(copy.deepcopy(model), tokenizer, lora=lora), rollout=rollout,
+        reward=FunctionReward(longer_is_better), estimator=Chain(TruncatedIS(), GRPO()), loss=PPOLoss(is_weights=True),
+        optim=Optim(lr=5e-2), batching=Batching(batch_size=4), loop=Loop(max_steps=3, progress=False),
+        run=RunDir(path=tmp_path, loggers=()),
+    )
     try:
         history = trainer.fit(PromptData(addition_rows[0], seed=0))
     finally:

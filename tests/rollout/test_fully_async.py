@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer
+from rlflow import Batching, FunctionReward, Loop, Optim, Policy, PPOLoss, PromptData, RunDir, Trainer
 from rlflow.algorithms import GRPO, TruncatedIS
 from rlflow.data import keys as K
 from rlflow.module import Chain
@@ -114,8 +114,9 @@ def test_vllm_continues_a_response_under_new_weights_with_each_tokens_log_prob_f
 
 def make_trainer(model, tokenizer, tmp_path, rollout, steps, callbacks=()):
     return Trainer(policy=Policy(model, tokenizer), rollout=rollout, reward=FunctionReward(longer_is_better),
-                   estimator=Chain(TruncatedIS(), GRPO()), loss=PPOLoss(is_weights=True), batch_size=4, lr=5e-2,
-                   max_steps=steps, run_dir=tmp_path, loggers=(), progress=False, callbacks=list(callbacks))
+                   estimator=Chain(TruncatedIS(), GRPO()), loss=PPOLoss(is_weights=True), optim=Optim(lr=5e-2),
+                   batching=Batching(batch_size=4), loop=Loop(max_steps=steps, progress=False),
+                   run=RunDir(path=tmp_path, loggers=()), callbacks=list(callbacks))
 
 
 def recomputed(model, tokenizer, weights, batch):
@@ -305,8 +306,9 @@ def test_a_run_killed_mid_step_and_resumed_trains_every_drawn_prompt_once(model,
                                     max_off_policy_strategy="wait", chunk_tokens=2)
         trainer = Trainer(policy=Policy(copy.deepcopy(model), tokenizer), rollout=rollout,
                           reward=FunctionReward(longer_is_better), estimator=Chain(TruncatedIS(), GRPO()),
-                          loss=PPOLoss(is_weights=True), batch_size=4, lr=5e-2, max_steps=steps, run_dir=tmp_path / "run",
-                          loggers=(), progress=False, save_every=1, resume="auto", callbacks=[Log()])
+                          loss=PPOLoss(is_weights=True), optim=Optim(lr=5e-2), batching=Batching(batch_size=4),
+                          loop=Loop(max_steps=steps, progress=False), callbacks=[Log()],
+                          run=RunDir(path=tmp_path / "run", loggers=(), save_every=1, resume="auto"))
         try:
             trainer.fit(PromptData(addition_rows[0], seed=0))
             left.write_text(json.dumps([p["values"][K.PROMPT_TEXT] for p in rollout.state_dict()["prompts"]]))

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer
+from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer, Batching, Loop, Optim, RunDir
 from rlflow.algorithms import GRPO
 from rlflow.config import load_config, make_plan
 from rlflow.config.loading import ConfigError
@@ -27,8 +27,11 @@ def test_trains_through_the_server_and_its_log_probs_follow_each_update(vllm_ser
     policy = Policy.from_pretrained(vllm_model_dir)
     rollout = ServerRollout(vllm_server, n=4, max_new_tokens=4, checkpoint_dir=tmp_path / "weights")
     train, _, _ = AdditionTask().splits()
-    trainer = Trainer(policy=policy, rollout=rollout, reward=FunctionReward(exact_match), estimator=GRPO(),
-                      loss=PPOLoss(), batch_size=4, lr=3e-2, max_steps=2, run_dir=tmp_path, loggers=(), progress=False)
+    trainer = Trainer(
+        policy=policy, rollout=rollout, reward=FunctionReward(exact_match), estimator=GRPO(), loss=PPOLoss(),
+        optim=Optim(lr=3e-2), batching=Batching(batch_size=4), loop=Loop(max_steps=2, progress=False),
+        run=RunDir(path=tmp_path, loggers=()),
+    )
     history = trainer.fit(PromptData(train[:16], seed=0))
     nbytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())
     for metrics in history:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer
+from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer, Batching, Loop, Optim, RunDir
 from rlflow.algorithms import GRPO
 from rlflow.rollout import ServerRollout
 from rlflow.rollout.engines import SamplingParams
@@ -154,8 +154,11 @@ def test_a_run_survives_a_server_killed_mid_generation(vllm_server, doomed_vllm_
     rollout = ServerRollout([vllm_server, front.url], n=4, max_new_tokens=4, retries=1, backoff=0.05,
                             health_interval=0.2, health_timeout=3.0, checkpoint_dir=tmp_path / "weights")
     train, _, _ = AdditionTask().splits()
-    trainer = Trainer(policy=policy, rollout=rollout, reward=FunctionReward(exact_match), estimator=GRPO(),
-                      loss=PPOLoss(), batch_size=4, lr=3e-2, max_steps=3, run_dir=tmp_path, loggers=(), progress=False)
+    trainer = Trainer(
+        policy=policy, rollout=rollout, reward=FunctionReward(exact_match), estimator=GRPO(), loss=PPOLoss(),
+        optim=Optim(lr=3e-2), batching=Batching(batch_size=4), loop=Loop(max_steps=3, progress=False),
+        run=RunDir(path=tmp_path, loggers=()),
+    )
     try:
         with pytest.warns(UserWarning, match=f"{front.url} taken out of the fleet"):
             history = trainer.fit(PromptData(train[:16], seed=0))

@@ -15,6 +15,7 @@ from rlflow.data import keys as K
 from rlflow.module import Chain
 from rlflow.rollout import AsyncRollout, DynamicSampling, HFRollout, WithReferenceResponses
 from rlflow.rollout.stream import Experience, FilterGroups, Prefetch, PromptStream, ReferenceResponses
+from rlflow.trainer.options import with_groups
 from tests.algorithms.test_dapo import ScriptedRollout, by_kind, prompts
 from tests.algorithms.test_self_play import SampleRollout, prompts as spin_prompts
 
@@ -99,8 +100,10 @@ def longer_is_better(solution_str, ground_truth):
 def run(model, tokenizer, rows, tmp_path, **kwargs):
     kwargs = dict(rollout=HFRollout(n=4, max_new_tokens=4), reward=FunctionReward(longer_is_better),
                   estimator=GRPO(), loss=PPOLoss(), max_steps=2) | kwargs
-    trainer = Trainer(policy=Policy(copy.deepcopy(model), tokenizer), batch_size=4, lr=5e-2, run_dir=tmp_path,
-                      loggers=(), progress=False, **kwargs)
+    trainer = Trainer(
+        policy=Policy(copy.deepcopy(model), tokenizer),
+        **with_groups(batch_size=4, lr=5e-2, run_dir=tmp_path, loggers=(), progress=False, **kwargs),
+    )
     data = PromptData(rows[0], val=rows[1][:4], seed=0)
     return trainer, trainer.fit(data), trainer.validate(data)
 

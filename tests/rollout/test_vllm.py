@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer
+from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer, Batching, Loop, Optim, RunDir
 from rlflow.algorithms import GRPO
 from rlflow.config import load_config, make_plan
 from rlflow.config.loading import ConfigError
@@ -164,9 +164,11 @@ def test_trainer_runs_grpo_through_vllm(vllm_engine, vllm_model_dir, tmp_path):
     sent after every step (timed and counted), validation samples greedily through the same engine."""
     policy = Policy.from_pretrained(vllm_model_dir)
     train, _, test = AdditionTask().splits()
-    trainer = Trainer(policy=policy, rollout=VLLMRollout(n=4, max_new_tokens=4, **ENGINE_OPTIONS),
-                      reward=FunctionReward(exact_match), estimator=GRPO(), loss=PPOLoss(), batch_size=4, lr=1e-2,
-                      max_steps=2, val_every=2, run_dir=tmp_path, loggers=(), progress=False)
+    trainer = Trainer(
+        policy=policy, rollout=VLLMRollout(n=4, max_new_tokens=4, **ENGINE_OPTIONS), reward=FunctionReward(exact_match),
+        estimator=GRPO(), loss=PPOLoss(), optim=Optim(lr=1e-2), batching=Batching(batch_size=4),
+        loop=Loop(max_steps=2, val_every=2, progress=False), run=RunDir(path=tmp_path, loggers=()),
+    )
     assert trainer.rollout.model is policy.model and trainer.rollout.engine is vllm_engine[0]
     history = trainer.fit(PromptData(train[:16], val=test[:8], seed=0))
     nbytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())

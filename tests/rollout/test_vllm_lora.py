@@ -4,7 +4,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer
+from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer, Batching, Loop, Optim, RunDir
 from rlflow.algorithms import GRPO
 from rlflow.data import keys as K
 from rlflow.models import lora as L
@@ -31,9 +31,11 @@ def test_lora_updates_reach_vllm_as_merged_weights(vllm_engine, vllm_model_dir, 
     def digits(solution_str, ground_truth):  # varies between samples of an untrained model: non-zero advantages
         return sum(c.isdigit() for c in solution_str) / 4
 
-    trainer = Trainer(policy=policy, rollout=VLLMRollout(n=4, max_new_tokens=4, **ENGINE_OPTIONS),
-                      reward=FunctionReward(digits), estimator=GRPO(), loss=PPOLoss(kl_coef=0.1), batch_size=4,
-                      lr=3e-2, max_steps=2, run_dir=tmp_path, loggers=(), progress=False)
+    trainer = Trainer(
+        policy=policy, rollout=VLLMRollout(n=4, max_new_tokens=4, **ENGINE_OPTIONS), reward=FunctionReward(digits),
+        estimator=GRPO(), loss=PPOLoss(kl_coef=0.1), optim=Optim(lr=3e-2), batching=Batching(batch_size=4),
+        loop=Loop(max_steps=2, progress=False), run=RunDir(path=tmp_path, loggers=()),
+    )
     assert trainer.rollout.engine is vllm_engine[0] and trainer.rollout.model is policy.model
     history = trainer.fit(PromptData(train[:16], seed=0))
     base = Policy.from_pretrained(vllm_model_dir)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer
+from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer, Batching, Hardware, Loop, Optim, RunDir
 from rlflow.algorithms import GRPO
 from rlflow.data import keys as K
 from rlflow.data.prompts import collate, load_rows
@@ -46,9 +46,12 @@ if __name__ == "__main__":
     check = CheckEngine(collate(load_rows(test[:4])[0], tok))
     rollout = VLLMRollout(n=4, max_new_tokens=4, dtype="float32", enforce_eager=True, max_model_len=64,
                           bucket_bytes=256 * 1024)
-    trainer = Trainer(policy=Policy(model, tok), rollout=rollout, reward=FunctionReward(exact_match),
-                      estimator=GRPO(), loss=PPOLoss(), batch_size=8, lr=1e-2, max_steps=2, run_dir=out, loggers=(),
-                      progress=False, callbacks=[check], strategy="fsdp2", devices=2, accelerator="cpu")
+    trainer = Trainer(
+        policy=Policy(model, tok), rollout=rollout, reward=FunctionReward(exact_match), estimator=GRPO(),
+        loss=PPOLoss(), callbacks=[check], optim=Optim(lr=1e-2), batching=Batching(batch_size=8),
+        loop=Loop(max_steps=2, progress=False), run=RunDir(path=out, loggers=()),
+        hardware=Hardware(accelerator="cpu", devices=2, strategy="fsdp2"),
+    )
     sharded = any(isinstance(p, DTensor) for p in trainer.policy.model.parameters())
     assert sharded and trainer.rollout.model is trainer.policy.model  # the engine holds its own weights: no copy
     trainer.fit(PromptData(train[:64], seed=0))

@@ -3,6 +3,7 @@
 import copy
 
 from rlflow import GAE, GRPO, Critic, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer, ValueLoss
+from rlflow.trainer.options import FLAT, groups
 
 
 def starts_with_digit(solution_str: str, ground_truth: str) -> float:
@@ -11,18 +12,23 @@ def starts_with_digit(solution_str: str, ground_truth: str) -> float:
 
 
 def make_trainer(model, tokenizer, rows, run_dir, *, ppo=False, loss=None, estimator=None, **kwargs):
+    """A GRPO (or, with ``ppo``, GAE + critic) Trainer on the tiny model; ``kwargs``: the Trainer's arguments, with
+    the groups' fields also accepted one by one (``lr=...``), sorted into their group here
+    (``rlflow.trainer.options.groups``); a group passed whole (``batching=Batching(...)``) replaces the helper's."""
     train, val = rows
-    defaults = dict(batch_size=8, lr=1e-3, max_steps=2, run_dir=run_dir, progress=False, seed=0)
+    settings = dict(batch_size=8, lr=1e-3, max_steps=2, run_dir=run_dir, progress=False, seed=0)
+    settings |= {k: kwargs.pop(k) for k in list(kwargs) if k in FLAT}
     extra = {}
     if ppo:
-        extra = dict(critic=Critic(copy.deepcopy(model)), value_loss=ValueLoss(), critic_lr=1e-3)
+        extra = dict(critic=Critic(copy.deepcopy(model)), value_loss=ValueLoss())
+        settings = {"critic_lr": 1e-3} | settings
     trainer = Trainer(
         policy=Policy(copy.deepcopy(model), tokenizer),
         rollout=HFRollout(n=4, max_new_tokens=4),
         reward=FunctionReward(starts_with_digit),
         estimator=estimator or (GAE(gamma=1.0, lam=0.95) if ppo else GRPO()),
         loss=loss or PPOLoss(),
-        **extra, **(defaults | kwargs),
+        **extra | groups(**settings) | kwargs,
     )
     return trainer, PromptData(train, val=val, seed=0)
 

@@ -26,6 +26,7 @@ from rlflow.rewards import OverlongPenalty
 from rlflow.rollout import AsyncRollout, FullyAsyncRollout
 from rlflow.rollout.stream import Experience, FilterGroups
 from rlflow.trainer.loggers import make_loggers
+from rlflow.trainer.options import groups
 from rlflow.trainer.trainer import Trainer
 
 
@@ -331,10 +332,12 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
     loggers = make_loggers(plan.loggers, run_dir, project=plan.project, experiment=plan.experiment)
     train_reward = build_reward(plan)
     train_reward.columns = tuple(plan.estimator_kwargs.get("reward_keys") or ())  # GDPO reads these per-key rewards
+    settings = {k: v for k, v in plan.trainer_kwargs.items() if k != "callbacks"} | {  # -> Optim(...), Loop(...), ...
+        "max_steps": total, "epochs": plan.total_epochs, "warmup_steps": warmup_steps(plan, total),
+        "loggers": loggers, "val_sampling": plan.val_sampling, "run_dir": run_dir}
     trainer = Trainer(
         policy=policy, experience=Experience(rollout, train_reward, stages), estimator=estimator, loss=loss,
-        reference=reference, critic=critic, value_loss=value_loss, max_steps=total, epochs=plan.total_epochs,
-        warmup_steps=warmup_steps(plan, total), loggers=loggers, val_sampling=plan.val_sampling,
-        **(plan.trainer_kwargs | {"run_dir": run_dir}),
+        reference=reference, critic=critic, value_loss=value_loss, callbacks=plan.trainer_kwargs["callbacks"],
+        **groups(**settings),
     )
     return trainer, data

@@ -19,6 +19,7 @@ from rlflow.config.report import gib, line
 from rlflow.config.resolve import format_kwargs, format_value
 from rlflow.config.verl_megatron import dry_run_section
 from rlflow.data.prompts import render_prompt
+from rlflow.trainer.options import GROUPS, split
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 MAX_LENGTH_ROWS = 50_000  # prompts tokenized to measure lengths
@@ -119,7 +120,9 @@ def objects_section(plan: Plan) -> list[str]:
                 f"{lora_text(plan.critic_lora)})",
                 f"  value_loss= ValueLoss({format_kwargs(plan.value_loss_kwargs)})"]
     out.append(f"  data      = PromptData({format_kwargs(plan.data_kwargs)})")
-    out.append(f"  trainer   = Trainer(..., {format_kwargs(t)})")
+    settings = ", ".join(f"{arg}={GROUPS[arg].__name__}({format_kwargs(v)})"
+                         for arg, v in split({k: v for k, v in t.items() if k != "callbacks"}).items())
+    out.append(f"  trainer   = Trainer(..., callbacks={format_value(t['callbacks'])}, {settings})")
     return out
 
 

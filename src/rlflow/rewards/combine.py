@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from rlflow import roles
 from rlflow.data.keys import RM_SCORES, SCORES
 from rlflow.rewards.base import Reward
 
@@ -173,6 +174,6 @@ class WithRMScore(Reward):
         for part in (self.model, self.reward):
             for key, value in getattr(part, "stats", {}).items():
                 self.stats[key] = self.stats.get(key, 0.0) + value if key in COUNTERS else value
-        self.extras |= getattr(self.reward, "extras", {})
+        self.extras |= roles.optional(self.reward, roles.Reward, "extras")
         self.extras["rm_score"] = rm.tolist()
         return scores

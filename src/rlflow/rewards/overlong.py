@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from rlflow import roles
 from rlflow.data.keys import RESPONSE_MASK, SCORES
 from rlflow.rewards.base import Reward
 
@@ -63,7 +64,7 @@ class OverlongPenalty(Reward):
     def score(self, batch: TensorDict) -> torch.Tensor:
         raw = self.reward(batch)[SCORES].clone()
         self.stats.update(self.reward.stats)
-        self.extras.update(getattr(self.reward, "extras", {}))
+        self.extras.update(roles.optional(self.reward, roles.Reward, "extras"))
         lengths = response_lengths(batch[RESPONSE_MASK])
         penalty = overlong_penalty(lengths, self.max_response_length, self.buffer_len, self.penalty_factor)
         penalty = penalty.to(raw.device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from tensordict import TensorDict
 
+from rlflow import roles
 from rlflow.data import keys as K
 from rlflow.module import BatchModule
 from rlflow.rewards.base import place_on_last_token
@@ -32,7 +33,7 @@ class WithStepRewards(BatchModule):
 
     @property
     def extras(self) -> dict:
-        return getattr(self.reward, "extras", {})
+        return roles.optional(self.reward, roles.Reward, "extras")
 
     def forward(self, batch: TensorDict) -> TensorDict:
         batch = self.reward(batch)
@@ -40,5 +41,5 @@ class WithStepRewards(BatchModule):
         total = batch[K.SCORES] + self.weight * steps
         batch[K.SCORES] = total
         batch[K.TOKEN_REWARDS] = place_on_last_token(total, batch[K.RESPONSE_MASK])
-        self.stats = dict(getattr(self.reward, "stats", {})) | {"reward/step_rewards/mean": steps.mean().item()}
+        self.stats = dict(roles.optional(self.reward, roles.Reward, "stats")) | {"reward/step_rewards/mean": steps.mean().item()}
         return batch

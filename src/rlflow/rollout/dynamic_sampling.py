@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from rlflow import roles
 from rlflow.data import keys as K
 from rlflow.rollout.wrapper import RolloutWrapper, cat_batches
 
@@ -128,11 +129,11 @@ def group_metric(batch: TensorDict, metric: str, reward) -> torch.Tensor:
         return batch[K.SCORES]
     if metric == "seq_reward":
         return batch[K.TOKEN_REWARDS].sum(-1)
-    column = getattr(reward, "extras", {}).get(metric)
+    column = roles.optional(reward, roles.Reward, "extras").get(metric)
     if column is None or any(v is None for v in column):
         raise KeyError(f"DynamicSampling metric {metric!r}: not 'score' or 'seq_reward', and "
                        f"{type(reward).__name__}.extras has no complete column of that name "
-                       f"(columns: {sorted(getattr(reward, 'extras', {}))})")
+                       f"(columns: {sorted(roles.optional(reward, roles.Reward, 'extras'))})")
     return torch.tensor([float(v) for v in column], device=batch[K.SCORES].device)
 
 

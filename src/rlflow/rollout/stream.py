@@ -37,6 +37,7 @@ from tensordict import TensorDict
 from rlflow.data import keys as K
 from rlflow.data.nontensor import to_device
 from rlflow.phases import phase
+from rlflow.roles import Reward, Rollout, optional
 from rlflow.rollout.async_rollout import AsyncRollout
 from rlflow.rollout.dynamic_sampling import DynamicSampling, first_groups, group_metric, informative_rows, merge_stats
 from rlflow.rollout.reference_responses import WithReferenceResponses, add_reference_rows
@@ -285,7 +286,7 @@ class Experience:
 
     def _generated(self, prompts: Iterator[TensorDict]) -> Iterator[tuple[TensorDict, TensorDict]]:
         """(prompts, samples) per batch; a streaming rollout (``AsyncRollout``) reads the prompts itself."""
-        if hasattr(self.rollout, "stream"):  # its engine holds its own weights: no autocast to enter
+        if optional(self.rollout, Rollout, "stream") is not None:  # its engine holds its own weights: no autocast
             yield from self.rollout.stream(prompts, pairs=True)
             return
         for batch in prompts:
@@ -302,7 +303,7 @@ class Experience:
                     self._times[stage.name] += time.perf_counter() - start
                     self._stack[-1] += time.perf_counter() - start
             samples = self.reward(samples)
-            self._reward_stats.append(dict(getattr(self.reward, "stats", {})))
+            self._reward_stats.append(dict(optional(self.reward, Reward, "stats")))
             yield samples
 
     def _timed(self, name: str, items: Iterator) -> Iterator:
@@ -327,17 +328,18 @@ class Experience:
 
     def _publish(self, prompts) -> None:
         """The metrics of the batch about to be yielded; the prompt stream learns how many batches are ahead."""
-        metrics = dict(getattr(self.rollout, "stats", {})) | merge_stats(self._reward_stats)
+        metrics = dict(optional(self.rollout, Rollout, "stats")) | merge_stats(self._reward_stats)
         for stage in self.stages:
             metrics |= stage.stats
         self.metrics = metrics | {f"timing_s/{k}": v for k, v in self._times.items()}
         self._times, self._reward_stats = defaultdict(float), []
         if isinstance(prompts, PromptStream):
-            prompts.ahead = len(getattr(self.rollout, "in_flight", ()))
+            prompts.ahead = len(optional(self.rollout, Rollout, "in_flight"))
 
     def close(self) -> None:
-        if hasattr(self.rollout, "close"):
-            self.rollout.close()
+        close = optional(self.rollout, Rollout, "close")
+        if close is not None:
+            close()
 
     def __repr__(self) -> str:
         return f"Experience({self.rollout!r}, {self.reward!r}, stages={self.stages!r})"

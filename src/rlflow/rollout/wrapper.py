@@ -41,7 +41,7 @@ class RolloutWrapper(BatchModule):
 
     @property
     def holds_own_weights(self) -> bool:
-        return getattr(self.rollout, "holds_own_weights", False)
+        return self.rollout.holds_own_weights
 
     @property
     def temperature(self) -> float:
@@ -49,7 +49,7 @@ class RolloutWrapper(BatchModule):
 
     @property
     def max_new_tokens(self) -> int | None:
-        return getattr(self.rollout, "max_new_tokens", None)
+        return self.rollout.max_new_tokens
 
     @property
     def n(self) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from rlflow import roles
 from rlflow.algorithms import GRPO, PPOLoss, TruncatedIS
 from rlflow.models.policy import Policy
 from rlflow.module import Chain
@@ -22,6 +23,7 @@ from rlflow.rollout.hf import HFRollout
 from rlflow.rollout.vllm import VLLMRollout
 from rlflow.tasks.addition import DATA_SOURCE, AdditionTask, exact_match, warm_started_model
 from rlflow.trainer.trainer import Trainer
+from rlflow.trainer.options import with_groups
 
 ACCURACY_KEY = f"val-core/{DATA_SOURCE}/reward/mean@1"
 
@@ -69,8 +71,9 @@ def build_trainer(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/d
         reward=reward if reward is not None else FunctionReward(exact_match),
         estimator=estimator if estimator is not None else GRPO(),
         loss=loss if loss is not None else PPOLoss(clip_ratio=0.2),
-        batch_size=batch_size, lr=lr, weight_decay=0.0, max_steps=steps,
-        run_dir=run_dir, seed=seed, progress=progress, **trainer_kwargs,
+        # the settings, and the caller's (val_every=..., ...), sorted into optim=Optim(...), loop=Loop(...), ...
+        **with_groups(batch_size=batch_size, lr=lr, weight_decay=0.0, max_steps=steps, run_dir=run_dir, seed=seed,
+                      progress=progress, **trainer_kwargs),
     )
     return trainer, task.data(seed)
 
@@ -137,8 +140,9 @@ def run(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/default", p
         t0 = time.perf_counter()
         after = trainer.validate(data)[ACCURACY_KEY]
     finally:
-        if hasattr(trainer.rollout, "close"):  # an asynchronous rollout's engine process
-            trainer.rollout.close()
+        close = roles.optional(trainer.rollout, roles.Rollout, "close")
+        if close is not None:  # an asynchronous rollout's engine process
+            close()
     in_fit = sum(m.get("timing_s/testing", 0.0) for m in history)  # validation inside fit (every steps // 5)
     validation += time.perf_counter() - t0 + in_fit
     rl = fit - in_fit

@@ -21,6 +21,7 @@ from rlflow.rollout.agent import AgentLoop
 from rlflow.rollout.hf import HFRollout
 from rlflow.tasks.calculator import DATA_SOURCE, CalculatorTask, compute_score, warm_started_model
 from rlflow.trainer.trainer import Trainer
+from rlflow.trainer.options import with_groups
 
 ACCURACY_KEY = f"val-core/{DATA_SOURCE}/reward/mean@1"
 TOOL_METRICS = ("num_turns/mean", "agent/tool_calls/mean", "agent/tool_error_rate", "agent/masked_tokens/mean")
@@ -40,9 +41,11 @@ def build_trainer(seed: int = 0, steps: int = 30, run_dir: str | Path = "runs/to
                         task.tools() if tools is None else tools, max_assistant_turns=2)
     trainer = Trainer(
         policy=Policy(model, tokenizer, temperature=1.0), rollout=rollout,
-        reward=FunctionReward(compute_score) if reward is None else reward,
-        estimator=GRPO(), loss=PPOLoss(clip_ratio=0.2), batch_size=batch_size, lr=lr, weight_decay=0.0,
-        max_steps=steps, run_dir=run_dir, seed=seed, progress=progress, **trainer_kwargs)
+        reward=FunctionReward(compute_score) if reward is None else reward, estimator=GRPO(),
+        loss=PPOLoss(clip_ratio=0.2),
+        **with_groups(batch_size=batch_size, lr=lr, weight_decay=0.0, max_steps=steps, run_dir=run_dir, seed=seed,
+                      progress=progress, **trainer_kwargs),
+    )
     return trainer, task.data(seed)
 
 

@@ -18,6 +18,7 @@ from rlflow.rewards import FunctionReward
 from rlflow.rollout.hf import HFRollout
 from rlflow.tasks.shapes import DATA_SOURCE, ShapesTask, exact_match, warm_started_policy
 from rlflow.trainer.trainer import Trainer
+from rlflow.trainer.options import with_groups
 
 ACCURACY_KEY = f"val-core/{DATA_SOURCE}/reward/mean@1"
 DEFAULT_STEPS = 80
@@ -34,8 +35,8 @@ def build_trainer(seed: int = 0, steps: int = DEFAULT_STEPS, run_dir: str | Path
         policy=policy,
         rollout=HFRollout(n=n, temperature=1.0, max_new_tokens=task.max_new_tokens),
         reward=FunctionReward(exact_match), estimator=GRPO(), loss=PPOLoss(clip_ratio=0.2),
-        batch_size=batch_size, lr=lr, weight_decay=0.0, max_steps=steps,
-        run_dir=run_dir, seed=seed, progress=progress, **trainer_kwargs,
+        **with_groups(batch_size=batch_size, lr=lr, weight_decay=0.0, max_steps=steps, run_dir=run_dir, seed=seed,
+                      progress=progress, **trainer_kwargs),  # -> optim=Optim(...), loop=Loop(...), ...
     )
     return trainer, data
 

@@ -92,7 +92,7 @@ class NoLearningSignal:
                           "each group): the policy has converged on these prompts, or samples too greedily; use harder "
                           "or more varied prompts, or a higher temperature")
         if self._identical is not None and self._identical > 0.5:
-            temp = getattr(trainer.rollout, "temperature", None)
+            temp = trainer.rollout.temperature
             causes.append(f"the samples of a prompt are token-for-token identical in {self._identical:.0%} of the "
                           f"groups: the rollout temperature ({temp}) is too low, do_sample is off, or the policy's "
                           "entropy has collapsed (actor/entropy)")

@@ -16,7 +16,7 @@ Atomic: a checkpoint is written into ``.global_step_N.partial`` and renamed to `
 complete; the tracker file is replaced (``os.replace``) after that. A process killed at any point
 leaves the previous checkpoint and a tracker that names a complete folder.
 
-Rotation (``Trainer(keep_checkpoints=N)``, verl's ``max_*_ckpt_to_keep``): after the tracker names the new
+Rotation (``RunDir(keep_checkpoints=N)``, verl's ``max_*_ckpt_to_keep``): after the tracker names the new
 checkpoint, older ``global_step_*`` folders beyond the newest N are renamed to hidden ``.global_step_K.old``
 folders (one atomic step each) and deleted; a run killed while deleting leaves hidden folders only, which
 the next save removes.

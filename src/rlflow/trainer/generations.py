@@ -25,6 +25,7 @@ from pathlib import Path
 
 from rlflow.data import keys as K
 from rlflow.data.nontensor import column
+from rlflow.roles import Reward, optional
 from rlflow.trainer.distributed import gather_objects
 
 BASE = ("input", "output", "gts", "score")
@@ -106,7 +107,7 @@ class DumpGenerations:
         return f"DumpGenerations(rollout_dir={self.rollout_dir!r}, validation_dir={self.validation_dir!r})"
 
     def on_batch_end(self, trainer, batch) -> None:
-        extras = getattr(trainer.reward, "extras", {}) if trainer.reward is not None else {}
+        extras = optional(trainer.reward, Reward, "extras") if trainer.reward is not None else {}
         mine = batch_columns(batch, trainer.policy.tokenizer, extras)
         # a sequence-parallel group holds one batch on all its ranks: its first rank speaks for it
         shards = gather_objects(trainer.fabric, mine if trainer.fabric.global_rank % trainer.sp_size == 0 else None)

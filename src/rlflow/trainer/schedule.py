@@ -1,6 +1,6 @@
 """Learning-rate schedules as ``LambdaLR`` factors, with verl's formulas (``verl.utils.torch_functional``).
 
-``Trainer(lr_schedule=...)`` takes ``"constant"``, ``"cosine"``, a :class:`Schedule` (a cosine with a floor
+``Optim(lr_schedule=...)`` takes ``"constant"``, ``"cosine"``, a :class:`Schedule` (a cosine with a floor
 and a cycle count) or a :class:`ParamSchedule` (megatron-core's ``OptimizerParamScheduler``, below). With ``w`` warm-up steps and ``N`` steps in all, the factor at step ``s`` (0, 1, ...) is
 
 - warm-up, ``s < w``: ``s / w`` (the first step runs at lr 0, as in verl and transformers);

@@ -22,6 +22,7 @@ from rlflow.data import keys as K
 from rlflow.algorithms.aggregate import Aggregation, call_loss, share_batch_sum
 from rlflow.data.prompts import PromptData
 from rlflow.module import check_chain
+from rlflow.roles import AdvantageEstimator, Loss, Policy, Reward, Rollout, check_roles, optional
 from rlflow.rewards.base import setup_rewards
 from rlflow.rollout.stream import Experience, PromptStream
 from rlflow.strategies import resolve_strategy, shards_parameters
@@ -34,8 +35,9 @@ from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_
                                         sequence_parallel_group)
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.metrics import MeanAccumulator, MismatchMetrics, Timer, batch_metrics, sum_micro_batches
-from rlflow.trainer.options import Batching, RunDir, grouped
-from rlflow.trainer.schedule import Schedule, make_scheduler, step_schedulers
+from rlflow.trainer import options
+from rlflow.trainer.options import Batching, Hardware, Loop, Optim, RunDir
+from rlflow.trainer.schedule import make_scheduler, step_schedulers
 
 DATA_KEYS = (K.PROMPT_IDS, K.PROMPT_MASK, K.PROMPT_TEXT, K.RAW_PROMPT, K.GROUND_TRUTH, K.DATA_SOURCE, K.EXTRA_INFO)
 
@@ -44,59 +46,44 @@ class Trainer:
     """Runs RL steps over prompt batches.
 
     Args:
-        policy, rollout, reward, estimator, loss: the roles (concepts page); trainer.rollout/reward: the stream's.
+        policy, rollout, reward, estimator, loss: the roles (concepts page), checked against ``rlflow.roles``' Protocols
+            when the Trainer is built; trainer.rollout/reward: the stream's.
         stages, experience: the experience stream's stages (``rlflow.rollout.stream``: ``FilterGroups``, ``Prefetch``,
             ``GreedyBaseline``, ``ReferenceResponses``), or ``experience=Experience(rollout, reward, stages)``.
         reference: a frozen policy for the KL term; ``"auto"`` makes one when the loss reads ``ref_log_probs``.
         critic, value_loss: the value model and its loss (needed when ``estimator.needs_critic``).
-        batching: a :class:`~rlflow.trainer.options.Batching` (``batch_size``, ``mini_batch_size``, ``micro_batch_size``,
-            ``max_tokens_per_micro_batch``, ``ppo_epochs``, ``shuffle_seed``, ``balance_batch``), or those as keywords.
-        lr, critic_lr, weight_decay, warmup_steps, lr_schedule: AdamW and its schedule (``"constant"``, ``"cosine"``
-            a :class:`~rlflow.trainer.schedule.Schedule`: verl's cosine with ``min_lr_ratio`` and ``num_cycles``, or a
-            :class:`~rlflow.trainer.schedule.ParamSchedule`: megatron-core's decay styles and weight-decay increment).
-        optimizer: ``params -> torch.optim.Optimizer`` to replace AdamW for the policy.
-        max_grad_norm: gradient clipping (``None`` only measures the norm).
-        max_steps: RL steps to run; default ``epochs x steps per epoch``.
-        val_every, val_n, val_sampling: validate every ``val_every`` steps (0: only when asked) with ``val_n`` samples
-            per prompt (1: greedy, else at the rollout's temperature), or with the rollout's options ``val_sampling``
-            (with ``n``; verl's ``rollout.val_kwargs``).
-        run: a :class:`~rlflow.trainer.options.RunDir` (the run's folder ``path``, ``save_every``, ``resume``,
-            ``keep_checkpoints``, ``loggers``, ``async_save``), or those as keywords (``run_dir`` for ``path``).
-        critic_warmup_steps: the first N steps update only the critic (the policy and its schedule stay as they are).
         callbacks: objects with ``on_*`` hooks (a :class:`~rlflow.trainer.callbacks.NoLearningSignal` is added
             unless one is given).
-        epochs: passes over the prompts when ``max_steps`` is not given; progress: show a progress bar.
-        seed: seeds every RNG at the start of ``fit`` (a resumed run restores the saved RNG state instead).
-        accelerator, devices, num_nodes, precision: passed to ``lightning.Fabric``.
-        strategy: ``"auto"``, ``"ddp"``, ``"fsdp2"`` (``"fsdp"`` too) or a Fabric strategy object (rlflow.strategies).
-            With several processes each one rolls out its share of the prompts; losses use global token/sequence counts.
-        sequence_parallel_size: ranks that split each sequence (Ulysses, ``rlflow.models.ulysses``; needs
-            ``remove_padding`` on the policy, reference and critic). Consecutive ranks form a group; each
-            rank generates and scores its own share of the prompts, and the group trains on their union.
+        optim, batching, loop, run, hardware: the run's settings in five groups (``rlflow.trainer.options``):
+            :class:`~rlflow.trainer.options.Optim` (``lr``, ``critic_lr``, ``weight_decay``, ``warmup_steps``,
+            ``lr_schedule``, ``optimizer``, ``max_grad_norm``), ``Batching`` (``batch_size``, ``mini_batch_size``,
+            ``micro_batch_size``, ``max_tokens_per_micro_batch``, ``ppo_epochs``, ``shuffle_seed``, ``balance_batch``),
+            ``Loop`` (``max_steps``, ``epochs``, ``val_every``, ``val_n``, ``val_sampling``, ``critic_warmup_steps``,
+            ``seed``, ``progress``), ``RunDir`` (``path``, ``save_every``, ``resume``, ``keep_checkpoints``,
+            ``loggers``, ``async_save``) and ``Hardware`` (``accelerator``, ``devices``, ``num_nodes``, ``strategy``, ``precision``,
+            ``sequence_parallel_size``). Their fields as flat keywords (``run_dir`` for ``path``) are deprecated.
     """
 
     def __init__(
         self, policy, rollout=None, reward=None, estimator=None, loss=None, *, stages=(), experience=None,
-        batching: Batching | None = None, run: RunDir | None = None,
-        val_sampling: dict | None = None, reference="auto", critic=None, value_loss=None,
-        batch_size: int = 32, mini_batch_size: int | None = None, micro_batch_size: int | None = None,
-        max_tokens_per_micro_batch: int | None = None, ppo_epochs: int = 1, shuffle_seed: int | None = None,
-        lr: float = 1e-6, critic_lr: float = 1e-5, weight_decay: float = 0.01,
-        warmup_steps: int = 0, lr_schedule: str | Schedule = "constant", optimizer: Callable | None = None,
-        max_grad_norm: float | None = 1.0, max_steps: int | None = None, epochs: int = 1,
-        val_every: int = 0, val_n: int = 1, save_every: int = 0, run_dir: str | Path = "runs/rlflow",
-        resume: str | Path | None = None, keep_checkpoints: int | None = None, async_save: bool = False,
-        critic_warmup_steps: int = 0,
-        loggers=("jsonl", "csv", "tensorboard"), callbacks=(), seed: int = 0, progress: bool = True,
-        accelerator: str = "cpu", devices: int = 1, num_nodes: int = 1, strategy="auto", precision: str = "32-true",
-        sequence_parallel_size: int = 1, balance_batch: bool = True,
+        reference="auto", critic=None, value_loss=None, callbacks=(), optim: Optim | None = None,
+        batching: Batching | None = None, loop: Loop | None = None, run: RunDir | None = None,
+        hardware: Hardware | None = None, **legacy,
     ):
-        given = dict(locals())  # the keyword arguments, for the groups (rlflow.trainer.options)
+        optim, batching, loop, run, hardware = options.resolve(
+            {"optim": optim, "batching": batching, "loop": loop, "run": run, "hardware": hardware}, legacy)
+        self.optim, self.batching, self.loop, self.run, self.hardware = optim, batching, loop, run, hardware
         (batch_size, mini_batch_size, micro_batch_size, max_tokens_per_micro_batch, ppo_epochs, shuffle_seed,
-         balance_batch) = grouped(batching, Batching, given)
-        run_dir, save_every, resume, keep_checkpoints, loggers, self.async_save = grouped(run, RunDir, given)
+         balance_batch) = options.values(batching)
+        lr, critic_lr, weight_decay, warmup_steps, lr_schedule, optimizer, max_grad_norm = options.values(optim)
+        max_steps, epochs, val_every, val_n, val_sampling, critic_warmup_steps, seed, progress = options.values(loop)
+        run_dir, save_every, resume, keep_checkpoints, loggers, self.async_save = options.values(run)
+        accelerator, devices, num_nodes, strategy, precision, sequence_parallel_size = options.values(hardware)
         self.experience = Experience.of(rollout, reward, stages, experience)
         rollout, reward = self.experience.rollout, self.experience.reward  # with Prefetch: the AsyncRollout
+        check_roles([("policy", policy, Policy), ("rollout", rollout, Rollout), ("reward", reward, Reward),
+                     ("estimator", estimator, AdvantageEstimator), ("loss", loss, Loss)]
+                    + ([("value_loss", value_loss, Loss)] if value_loss is not None else []))
         self.policy, self.estimator, self.loss = policy, estimator, loss
         self.val_sampling = val_sampling
         self.critic, self.value_loss = critic, value_loss
@@ -151,7 +138,7 @@ class Trainer:
         # A sharded policy cannot generate rank by rank (its forward is collective), so the engine gets a full copy
         # (with LoRA, merged), unless it holds weights of its own (vLLM, a server): those are gathered and sent to
         # it bucket by bucket.
-        copy_for_engine = sharded and not getattr(rollout, "holds_own_weights", False)
+        copy_for_engine = sharded and not rollout.holds_own_weights
         engine_model = policy.engine_copy() if copy_for_engine else policy.model
         make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay))
         # Optimizers are built after setup_module: FSDP2 replaces parameters with sharded ones.
@@ -233,10 +220,11 @@ class Trainer:
         step_time = time.perf_counter() - start + self.experience.elapsed  # collecting the batch is part of it
         tokens = batch[K.PROMPT_MASK].sum() + batch[K.RESPONSE_MASK].sum()
         total_tokens = int(global_sum(self.fabric, tokens)) // self.sp_size
-        metrics = batch_metrics(batch, getattr(self.rollout, "max_new_tokens", None)) | stats
+        metrics = batch_metrics(batch, self.rollout.max_new_tokens) | stats
         metrics |= health | numerics.batch_health(batch)
         metrics |= {"actor/critic_warmup": float(warmup)} if self.critic_warmup_steps else {}
-        metrics |= self.experience.metrics | getattr(self.estimator, "stats", {})  # timing_s/gen, actor/reward_kl...
+        # the stream's (timing_s/gen, ...) and the estimator's (actor/reward_kl, ...)
+        metrics |= self.experience.metrics | optional(self.estimator, AdvantageEstimator, "stats")
         metrics |= timer.metrics() | {
             "timing_s/step": step_time,
             "perf/total_num_tokens": total_tokens,
@@ -250,7 +238,7 @@ class Trainer:
     def generation_precision(self):
         """The training precision (Fabric's autocast) around sampling with the trained module itself (HF): bf16-mixed
         generates in bf16 like the update computes; engines with weights of their own (vLLM, servers) keep theirs."""
-        return contextlib.nullcontext() if getattr(self.rollout, "holds_own_weights", False) else self.fabric.autocast()
+        return contextlib.nullcontext() if self.rollout.holds_own_weights else self.fabric.autocast()
 
     def _batch_sum(self, value: torch.Tensor) -> torch.Tensor:
         """A sum over the processes' shares of the batch (a sequence-parallel group's ranks share one)."""

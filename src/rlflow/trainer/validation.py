@@ -13,6 +13,7 @@ import torch
 from rlflow.data import keys as K
 from rlflow.data.nontensor import column, to_device
 from rlflow.data.prompts import PromptData
+from rlflow.roles import Reward, optional
 from rlflow.trainer.distributed import gather_objects
 from rlflow.trainer.generations import batch_columns, concat, wants
 
@@ -21,7 +22,7 @@ from rlflow.trainer.generations import batch_columns, concat, wants
 def validate(trainer, data: PromptData) -> dict[str, float]:
     """Validation metrics per data source, under verl's names.
 
-    Sampling: ``trainer.val_sampling`` when set (``Trainer(val_sampling=...)``: the rollout's options with ``n``;
+    Sampling: ``trainer.val_sampling`` when set (``Loop(val_sampling=...)``: the rollout's options with ``n``;
     the verl entry point passes ``rollout.val_kwargs``), else one greedy sample per prompt when ``val_n == 1`` and ``val_n``
     samples at the rollout's temperature otherwise.
 
@@ -56,7 +57,7 @@ def validate(trainer, data: PromptData) -> dict[str, float]:
         with getattr(trainer, "generation_precision", contextlib.nullcontext)():  # the training precision
             batch = rollout(to_device(prompts, trainer.fabric.device))
         batch = reward(batch)
-        extras, scores = getattr(reward, "extras", {}), batch[K.SCORES].tolist()
+        extras, scores = optional(reward, Reward, "extras"), batch[K.SCORES].tolist()
         accs, preds, sources = extras.get("acc"), extras.get("pred"), column(batch, K.DATA_SOURCE)
         if samples is not None:
             samples.append(batch_columns(batch, trainer.policy.tokenizer, {"reward": scores, **extras}))

@@ -149,7 +149,7 @@ class AgentLoop(BatchModule):
 
     @property
     def holds_own_weights(self) -> bool:
-        return bool(getattr(self.rollout, "holds_own_weights", False))
+        return bool(self.rollout.holds_own_weights)
 
     @property
     def tokenizer(self):
