@@ -93,6 +93,8 @@ def test_v1_async_modes_are_fully_async_with_verls_sampler_keys_and_truncated_is
     assert plan("trainer.v1.trainer_mode=colocate_async",
                 "trainer.v1.sampler.max_off_policy_threshold=null").fully_async["max_off_policy_threshold"] is None
     assert plan("trainer.use_v1=false", "trainer.v1.trainer_mode=colocate_async").fully_async is None  # verl's legacy
+    assert plan("trainer.v1.trainer_mode=colocate_async", "async_training.max_engine_restarts=0"
+                ).fully_async["max_engine_restarts"] == 0  # rlflow's key reaches FullyAsyncRollout too
 
 
 @pytest.mark.parametrize("overrides, error, message", [

@@ -56,6 +56,7 @@ from rlflow.data import keys as K
 from rlflow.data.nontensor import per_row, stack
 from rlflow.rollout.async_rollout import PLACEMENTS
 from rlflow.rollout.engines.base import Completion, SamplingParams, hf_weight_buckets
+from rlflow.rollout.async_rollout import EngineFactory
 from rlflow.rollout.engines.process import EngineProcessError, ProcessEngine
 from rlflow.rollout.single_turn import unpadded
 from rlflow.rollout.wrapper import RolloutWrapper, cat_batches
@@ -129,8 +130,10 @@ class FullyAsyncRollout(RolloutWrapper):
         num_warmup_batches: batches admitted ahead of the one the trainer waits for (verl's
             ``trainer.v1.colocate_async.num_warmup_batches``; fractions admit part of a batch).
         chunk_tokens: tokens generated per request between two chances to load new weights.
-        placement, start_method, threads, timeout: as :class:`~rlflow.rollout.async_rollout.AsyncRollout`'s
-            (``timeout``: seconds the trainer waits without any group completing before the run fails).
+        placement, start_method, threads, timeout, max_engine_restarts: as
+            :class:`~rlflow.rollout.async_rollout.AsyncRollout`'s (``timeout``: seconds the trainer waits without any
+            group completing before the run fails; a dead generation process is started again with the newest
+            weights and its unanswered chunks, ``rollout/engine_restarts``).
 
     Writes the wrapped rollout's keys and ``policy_version``, ``policy_version_max`` ([B] int64) and
     ``token_policy_version`` ([B, R] int64, -1 on padding). Validation (``with_options``) and a single call
@@ -139,7 +142,8 @@ class FullyAsyncRollout(RolloutWrapper):
 
     def __init__(self, rollout, max_off_policy_threshold: int | None = 8, max_off_policy_strategy: str = "drop", *,
                  num_warmup_batches: float = 1, chunk_tokens: int = 32, placement: str = "auto",
-                 start_method: str | None = None, threads: int | None = None, timeout: float = 3600.0):
+                 start_method: str | None = None, threads: int | None = None, timeout: float = 3600.0,
+                 max_engine_restarts: int = 2):
         threshold = max_off_policy_threshold
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
             raise ValueError(f"max_off_policy_threshold must be an integer >= 1 (versions from admission to training; "
@@ -163,7 +167,7 @@ class FullyAsyncRollout(RolloutWrapper):
         self.num_warmup_batches, self.chunk_tokens, self.timeout = num_warmup_batches, chunk_tokens, timeout
         self.placement = placement if placement != "auto" else (
             "thread" if getattr(rollout, "remote_engine", False) else "process")
-        self.process_options = {"start_method": start_method, "threads": threads}
+        self.process_options = {"start_method": start_method, "threads": threads, "max_restarts": max_engine_restarts}
         self.engine = None
         self.version, self.restored = 0, False
         self.batch_size: int | None = None
@@ -196,7 +200,7 @@ class FullyAsyncRollout(RolloutWrapper):
                                  f"{type(self.rollout).__name__} generates with the trained module: use 'process'")
             self.engine = self.rollout.engine
         else:
-            self.engine = ProcessEngine(self.rollout.make_engine, model, tokenizer, slots=2,
+            self.engine = ProcessEngine(EngineFactory(self.rollout), model, tokenizer, slots=2,
                                         uses_process_group=self.rollout.holds_own_weights, timeout=self.timeout,
                                         **self.process_options)
         self.version, self._engine_version, self.restored = 0, 0, False
