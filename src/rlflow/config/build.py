@@ -10,6 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
+from rlflow.config.data_classes import data_node, dataset_rows
 from rlflow.config.loading import ConfigError
 from rlflow.config.lora import make_lora
 from rlflow.config.plan import Plan
@@ -123,6 +124,12 @@ def build_data(plan: Plan, tokenizer, processor=None) -> PromptData:
     kw = dict(plan.data_kwargs)
     if processor is not None and kw.get("image_patch_size", 0) is None:  # verl: the processor's own patch size
         kw["image_patch_size"] = getattr(getattr(processor, "image_processor", None), "patch_size", 14)
+    if plan.dataset_cls is not None:  # data.custom_cls: the user's class reads the files; rlflow takes its rows
+        node, cap = data_node(plan.cfg), {"train": "train_max_samples", "val": "val_max_samples"}
+        for split in ("train", "val"):
+            if kw[split] is not None:
+                kw[split] = dataset_rows(plan.dataset_cls, kw[split], split, tokenizer, processor, node,
+                                         kw.get(cap[split]) or -1)
     if processor is None and kw.get("mm_processor_kwargs"):
         plan.notes.append(f"data.mm_processor_kwargs={kw['mm_processor_kwargs']!r} has no effect: "
                           f"{plan.model_path} has no processor (not a vision-language model)")

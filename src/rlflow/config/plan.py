@@ -23,6 +23,7 @@ from rlflow.config import tables
 from rlflow.config.agent import agent_plan
 from rlflow.config.algos import bypass_loss, gdpo_keys, ESTIMATOR_POOL, companions, loss_pool
 from rlflow.config.asynchronous import async_plan
+from rlflow.config.data_classes import data_source_key, dataset_class, sampler_factory
 from rlflow.config.data_keys import data_extras
 from rlflow.config.devices import Devices, resolve_devices
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
@@ -83,6 +84,7 @@ class Plan:
     lora: dict | str | None = None         # peft.LoraConfig's kwargs, or an adapter folder (rlflow.config.lora)
     agent: dict | None = None              # AgentLoop's kwargs: it wraps the rollout (multi_turn.enable)
     async_rollout: dict | None = None      # AsyncRollout's kwargs around the rollout (trainer.async_weight_update)
+    dataset_cls: type | None = None        # data.custom_cls: the user's dataset class the rows come from
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -298,7 +300,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
                      "image_key": cfg["data.image_key"], "skip_bad_images": bad_images(cfg),
                      "image_patch_size": patch_size(cfg),
                      **({"chat_template_kwargs": template_kwargs} if template_kwargs else {}),
-                     **data_extras(cfg, agent)},
+                     **data_extras(cfg, agent), **data_source_key(cfg, notes),
+                     **({"sampler": s} if (s := sampler_factory(cfg, procs)) else {})},
         trainer_kwargs={
             "batch_size": bs, "mini_batch_size": mini, "micro_batch_size": micro, "ppo_epochs": ppo_epochs,
             **optimizer,
@@ -315,7 +318,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         loggers=loggers, project=cfg["trainer.project_name"], experiment=cfg["trainer.experiment_name"],
         val_before_train=cfg["trainer.val_before_train"], val_only=cfg["trainer.val_only"],
         overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), agent=agent,
-        async_rollout=asynchronous, notes=notes,
+        async_rollout=asynchronous, dataset_cls=dataset_class(cfg, notes), notes=notes,
     )
 
 

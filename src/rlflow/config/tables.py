@@ -69,10 +69,7 @@ LORA = "LoRA on the critic"
 MULTI_TURN = "custom agent loops (agent_loop_config_path)"
 
 NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "data.custom_cls.path": ("custom dataset classes", _truthy),
-    "data.sampler.class_path": ("custom samplers (curriculum)", _truthy),
     "data.datagen.path": ("dynamic data generation", _truthy),
-    "data.reward_fn_key": ("reading data_source from another column", _not("data_source")),
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.model.use_liger": ("Liger kernels", _truthy),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
@@ -240,8 +237,6 @@ INERT: dict[str, str] = {
     "*.profiler": "profiling is not supported yet: the run goes on unprofiled", "*.profiler.*": "profiling is not supported yet: the run goes on unprofiled",
     "global_profiler": "profiling is not supported yet: the run goes on unprofiled", "global_profiler.*": "profiling is not supported yet: the run goes on unprofiled",
     "ray_kwargs": _RAY, "ray_kwargs.*": _RAY,
-    "data.custom_cls.name": "only used with data.custom_cls.path, not supported yet",
-    "data.sampler.class_name": "only used with data.sampler.class_path, not supported yet",
     "data.datagen.name": "only used with data.datagen.path, not supported yet",
     "actor_rollout_ref.rollout.agent.custom_async_server.name": "custom async rollout servers are not supported yet",
     "actor_rollout_ref.actor.megatron.*": _MEGATRON_ONLY,
