@@ -88,11 +88,22 @@ def dataset_rows(cls: type, files: Any, split: str, tokenizer, processor, config
         if not isinstance(item, dict):
             raise ConfigError(f"data.custom_cls.name={cls.__name__!r}: item {i} of {key} is a "
                               f"{type(item).__name__}, not a dict of columns (verl's dataset items are dicts)")
-        row = {k: v for k, v in item.items() if k not in TENSOR_FIELDS}
+        row = {k: plain(v) for k, v in item.items() if k not in TENSOR_FIELDS}
         if prompt_key not in row and "raw_prompt" in row:
             row[prompt_key] = row["raw_prompt"]
         rows.append(row)
     return rows
+
+
+def plain(value: Any) -> Any:
+    """numpy arrays (what pandas gives for list columns: messages, images) as lists, inside dicts and lists too."""
+    if hasattr(value, "tolist") and getattr(value, "ndim", 0) > 0 and getattr(value, "dtype", None) == object:
+        value = list(value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
 
 
 def sampler_factory(cfg: VerlConfig, processes: int):
