@@ -119,3 +119,32 @@ def test_curriculum_sampler_orders_the_prompts_and_learns_each_step(tiny, tmp_pa
     assert updates == [([8, 9, 10, 11], 8), ([4, 5, 6, 7], 8)]
     with pytest.raises(ConfigError, match="data.sampler.class_path=.*defines no 'Nope'"):
         make_plan(load_config(tiny + [sampler[0], "data.sampler.class_name=Nope"]))
+
+
+def test_ref_model_is_the_reference_instead_of_a_policy_copy(tiny, tmp_path, model_dir):
+    import torch
+
+    from rlflow.config.build import build_trainer
+    from rlflow.models.tiny import char_tokenizer, tiny_qwen2
+
+    other = tmp_path / "ref-model"
+    tiny_qwen2(len(char_tokenizer()), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+               intermediate_size=64, seed=7).save_pretrained(other)
+    kl = tiny + ["actor_rollout_ref.actor.use_kl_loss=true"]
+
+    def weights(model):
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    plain, _ = build_trainer(make_plan(load_config(kl)))
+    assert torch.equal(weights(plain.reference.model), weights(plain.policy.model))  # a copy of the policy
+    plan = make_plan(load_config(kl + [f"actor_rollout_ref.ref.model={other}"]))
+    trainer, _ = build_trainer(plan)
+    assert not torch.equal(weights(trainer.reference.model), weights(trainer.policy.model))
+    assert trainer.reference.log_prob_key == "ref_log_probs" and not trainer.reference.model.training
+    assert not any(p.requires_grad for p in trainer.reference.model.parameters())
+    assert any("actor_rollout_ref.ref.model=" in n for n in plan.notes)
+    small = tmp_path / "small-vocab"
+    tiny_qwen2(8, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
+               seed=7).save_pretrained(small)
+    with pytest.raises(ConfigError, match="its vocabulary has 8 tokens"):
+        build_trainer(make_plan(load_config(kl + [f"actor_rollout_ref.ref.model={small}"])))

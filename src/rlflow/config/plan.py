@@ -85,6 +85,7 @@ class Plan:
     agent: dict | None = None              # AgentLoop's kwargs: it wraps the rollout (multi_turn.enable)
     async_rollout: dict | None = None      # AsyncRollout's kwargs around the rollout (trainer.async_weight_update)
     dataset_cls: type | None = None        # data.custom_cls: the user's dataset class the rows come from
+    ref_model_path: str | None = None      # actor_rollout_ref.ref.model: the reference's own weights
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -318,8 +319,28 @@ def make_plan(cfg: VerlConfig) -> Plan:
         loggers=loggers, project=cfg["trainer.project_name"], experiment=cfg["trainer.experiment_name"],
         val_before_train=cfg["trainer.val_before_train"], val_only=cfg["trainer.val_only"],
         overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), agent=agent,
-        async_rollout=asynchronous, dataset_cls=dataset_class(cfg, notes), notes=notes,
+        async_rollout=asynchronous, dataset_cls=dataset_class(cfg, notes), ref_model_path=ref_model(cfg, notes),
+        notes=notes,
     )
+
+
+def ref_model(cfg: VerlConfig, notes: list[str]) -> str | None:
+    """``actor_rollout_ref.ref.model``: a model folder or hub id (or ``{path: ...}``) for the frozen reference
+    in place of a copy of the initial policy; None when unset."""
+    key, value = "actor_rollout_ref.ref.model", cfg["actor_rollout_ref.ref.model"]
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"path"})
+        if unknown:
+            raise ConfigError(f"{key}.{unknown[0]}: the reference model takes only a path here (its tokenizer, "
+                              "precision and placement are the policy's)")
+        value = value.get("path")
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}={value!r}: must be a model folder or hub id (or {{path: ...}})")
+    notes.append(f"{key}={value}: the KL reference is this model (frozen, scored with the policy's tokenizer), "
+                 "not a copy of the initial policy")
+    return value
 
 
 def overlong_penalty(manager: str, manager_kwargs: dict, response_length: int) -> dict | None:
