@@ -299,6 +299,7 @@ ELIDED_TRAINER = [("Trainer(...,", "Trainer(**roles,")]
 RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/algorithms/cispo.md", "from rlflow.algorithms import CISPOLoss"): [],
     ("docs/data.md", "import torch"): [],
+    ("docs/algorithms/pf_ppo.md", "import torch"): [],
     ("docs/algorithms/clip_cov.md", "from rlflow import GRPO, Trainer"): [],
     ("docs/algorithms/dapo.md", "from rlflow import GRPO, FunctionReward, HFRollout, PPOLoss, Trainer"): [],
     ("docs/algorithms/dppo.md", "from rlflow.algorithms import DPPOTVLoss, DPPOKLLoss"): [],

@@ -21,7 +21,7 @@ import rlflow.rollout
 from rlflow import registry
 from rlflow.config import tables
 from rlflow.config.agent import agent_plan
-from rlflow.config.algos import bypass_loss, gdpo_keys, ESTIMATOR_POOL, companions, loss_pool
+from rlflow.config.algos import bypass_loss, gdpo_keys, ESTIMATOR_POOL, companions, loss_pool, pf_ppo
 from rlflow.config.asynchronous import async_plan
 from rlflow.config.data_classes import data_source_key, dataset_class, sampler_factory
 from rlflow.config.data_keys import data_extras
@@ -230,6 +230,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
                              "loss_scale_factor": cfg[f"{C}.loss_scale_factor"]}
 
     before, after, kl_controller = companions(cfg, estimator_cls)
+    after += pf_ppo(cfg, estimator_cls, notes)  # last: it resamples whole rows, with their IS weights
     loss_cls, bypass = bypass_loss(cfg, registry.POLICY_LOSSES.resolve(cfg[f"{A}.policy_loss.loss_mode"]), notes)
     estimator_kwargs = class_kwargs(estimator_cls, ESTIMATOR_POOL, cfg)
     gdpo_keys(estimator_kwargs)

@@ -86,7 +86,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "critic.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
                                         "sources are scored without a server)", _truthy),
-    "algorithm.use_pf_ppo": ("PF-PPO", _truthy),
     "reward.reward_manager.source": ("reward-manager classes loaded from a file (verl's source=importlib; "
                                      "rlflow's managers: naive, prime, dapo, batch)", _not("register")),
     "trainer.default_hdfs_dir": ("HDFS checkpoints", _truthy),
@@ -222,7 +221,7 @@ INERT: dict[str, str] = {
     "reward.sandbox_fusion.max_concurrent": "code runs in rlflow's local sandbox (rlflow.rewards.code)",
     "reward.sandbox_fusion.memory_limit_mb": "code runs in rlflow's local sandbox; its limits are "
                                              "rlflow.rewards.code.DEFAULT_LIMITS (512 MiB)",
-    "algorithm.pf_ppo.*": _PF_RC_ONLY, "algorithm.filter_groups.metric": _FILTER_ONLY,
+    "algorithm.pf_ppo.*": "only used with algorithm.use_pf_ppo=True (and adv_estimator=gae)", "algorithm.filter_groups.metric": _FILTER_ONLY,
     "algorithm.filter_groups.max_num_gen_batches": _FILTER_ONLY,
     "algorithm.rollout_correction.rollout_is_threshold": "only used with algorithm.rollout_correction.rollout_is",
     "algorithm.rollout_correction.rollout_is_batch_normalize": "only used with algorithm.rollout_correction.rollout_is",
