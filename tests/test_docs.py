@@ -300,6 +300,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/algorithms/cispo.md", "from rlflow.algorithms import CISPOLoss"): [],
     ("docs/data.md", "import torch"): [],
     ("docs/algorithms/pf_ppo.md", "import torch"): [],
+    ("docs/multi-turn.md", "import asyncio"): [],
     ("docs/algorithms/clip_cov.md", "from rlflow import GRPO, Trainer"): [],
     ("docs/algorithms/dapo.md", "from rlflow import GRPO, FunctionReward, HFRollout, PPOLoss, Trainer"): [],
     ("docs/algorithms/dppo.md", "from rlflow.algorithms import DPPOTVLoss, DPPOKLLoss"): [],

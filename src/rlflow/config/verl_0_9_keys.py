@@ -151,8 +151,6 @@ ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     **{f"{r}.optim.optimizer_impl": ("optimizers from other modules (optim.optimizer_impl; rlflow's optim.optimizer "
                                      "names a torch.optim class)", _not("torch.optim")) for r in _ROLES},
     **{f"{e}.full_determinism": (_FULL_DETERMINISM, _truthy) for e in _ENGINES + (_REF_ENGINE, ROLL)},
-    f"{ROLL}.multi_turn.function_tool_path": ("Python function tools (multi_turn.function_tool_path; rlflow's tools "
-                                              "come from multi_turn.tool_config_path)", _truthy),
     "*.qat.enable": ("quantization-aware training (qat.enable)", _truthy),
     "*.mtp.enable": ("multi-token prediction (mtp.enable)", _truthy),
     f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation)", _truthy),
@@ -196,8 +194,6 @@ RUN_INERT: dict[str, str] = {
     "skip.*": "only used with skip.*.enable=True (replaying dumped rollouts), not supported yet",
 }
 RUN_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "data.function_tool_path": ("@function_tool files (function_tool_path; rlflow's tools come from "
-                                "multi_turn.tool_config_path)", _truthy),
     "reward_model.reward_loop_source": ("custom reward-manager classes (reward_loop_source=importlib)",
                                         _not(None, "register")),
     "sandbox_fusion.url": (_SANDBOX, _truthy),
