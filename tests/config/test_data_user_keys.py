@@ -148,3 +148,9 @@ def test_ref_model_is_the_reference_instead_of_a_policy_copy(tiny, tmp_path, mod
                seed=7).save_pretrained(small)
     with pytest.raises(ConfigError, match="its vocabulary has 8 tokens"):
         build_trainer(make_plan(load_config(kl + [f"actor_rollout_ref.ref.model={small}"])))
+
+
+def test_over_sample_rate_is_accepted_with_a_note_as_verl_never_reads_it(tiny):
+    plan = make_plan(load_config(tiny + ["actor_rollout_ref.rollout.over_sample_rate=0.1"]))
+    assert any("over_sample_rate=0.1 has no effect" in n and "no code of verl reads it" in n
+               for n in unused_notes(plan.cfg))

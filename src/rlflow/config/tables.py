@@ -75,7 +75,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.actor.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
     "actor_rollout_ref.rollout.ignore_eos": ("generation that ignores EOS", _truthy),
-    "actor_rollout_ref.rollout.over_sample_rate": ("rollout over-sampling", _truthy),
     "actor_rollout_ref.rollout.agent.agent_loop_config_path": (MULTI_TURN, _truthy),
     "actor_rollout_ref.rollout.agent.custom_async_server.path": ("custom async rollout servers", _truthy),
     "actor_rollout_ref.rollout.checkpoint_engine.backend": ("async weight update (checkpoint_engine)", _not("naive")),
@@ -169,6 +168,9 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": (
         "rlflow never re-tokenizes the model's turns, so there is nothing to check"),
     "actor_rollout_ref.rollout.agent.num_workers": "single-turn generation runs in one batch",
+    "actor_rollout_ref.rollout.over_sample_rate": ("verl 0.9 defines it (abort the last requests once (1 - rate) of "
+                                                   "them finished) but no code of verl reads it: every sample is "
+                                                   "generated to the end there, as here"),
     "actor_rollout_ref.rollout.trace.token2text": "rollout tracing is not supported yet",
     "actor_rollout_ref.rollout.skip_dump_dir": "only used with rollout.skip_rollout (replaying dumped rollouts), not "
                                                "supported yet",
