@@ -1,6 +1,8 @@
-"""verl's user-code and column keys of ``data.*`` through the verl entry point: ``data.reward_fn_key`` (the
-data-source column), ``data.custom_cls`` (a user's dataset class) and ``data.sampler`` (a user's curriculum
-sampler, updated after every step). Each is shown to change what is built or trained, and a bad one named."""
+"""verl's data, reference and rollout keys rlflow used to refuse, through the verl entry point:
+``data.reward_fn_key`` (the data-source column), ``data.custom_cls`` (a user's dataset class), ``data.sampler``
+(a user's curriculum sampler, updated after every step), ``ref.model`` (the reference's own weights),
+``rollout.over_sample_rate`` (a note) and ``rollout.ignore_eos``. Each is shown to change what is built or
+trained, and a bad one named."""
 
 import pandas as pd
 import pytest
@@ -154,3 +156,14 @@ def test_over_sample_rate_is_accepted_with_a_note_as_verl_never_reads_it(tiny):
     plan = make_plan(load_config(tiny + ["actor_rollout_ref.rollout.over_sample_rate=0.1"]))
     assert any("over_sample_rate=0.1 has no effect" in n and "no code of verl reads it" in n
                for n in unused_notes(plan.cfg))
+
+
+def test_ignore_eos_reaches_the_hf_rollout_and_names_the_engines_that_cannot(tiny):
+    from rlflow.config.errors import NotSupportedError
+    from rlflow.config.resolve import instantiate
+
+    plan = make_plan(load_config(tiny + ["actor_rollout_ref.rollout.ignore_eos=true"]))
+    rollout = instantiate(plan.rollout_cls, plan.rollout_kwargs, "actor_rollout_ref.rollout.*")  # as build_trainer
+    assert type(rollout).__name__ == "HFRollout" and rollout.params.ignore_eos  # tests/rollout: what it does
+    with pytest.raises(NotSupportedError, match="generation past EOS with VLLMRollout"):
+        make_plan(load_config(tiny + ["actor_rollout_ref.rollout.ignore_eos=true", "actor_rollout_ref.rollout.name=vllm"]))

@@ -74,7 +74,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.model.use_liger": ("Liger kernels", _truthy),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.actor.checkpoint.async_save": ("asynchronous checkpoint saving", _truthy),
-    "actor_rollout_ref.rollout.ignore_eos": ("generation that ignores EOS", _truthy),
     "actor_rollout_ref.rollout.agent.agent_loop_config_path": (MULTI_TURN, _truthy),
     "actor_rollout_ref.rollout.agent.custom_async_server.path": ("custom async rollout servers", _truthy),
     "actor_rollout_ref.rollout.checkpoint_engine.backend": ("async weight update (checkpoint_engine)", _not("naive")),
