@@ -339,8 +339,8 @@ def ref_model(cfg: VerlConfig, notes: list[str]) -> str | None:
         return None
     if not isinstance(value, str):
         raise ConfigError(f"{key}={value!r}: must be a model folder or hub id (or {{path: ...}})")
-    notes.append(f"{key}={value}: the KL reference is this model (frozen, scored with the policy's tokenizer), "
-                 "not a copy of the initial policy")
+    notes.append(f"{key}={value}: the KL reference (when a KL loss or KL in the reward reads it) is this model, "
+                 "frozen and scored with the policy's tokenizer, not a copy of the initial policy")
     return value
 
 
