@@ -78,7 +78,7 @@ def function_tools(path: str | None, key: str, others: list) -> list:
     error, as in verl."""
     if not path:
         return []
-    from rlflow.rollout.tools.functions import load_function_tools
+    from rlflow.rollout.tools.functions import load_function_tools  # as rollout.tools.config above: defers torch
 
     try:
         tools = load_function_tools(path)
