@@ -186,6 +186,7 @@ MODEL_KEYS = re.compile(r"(^|\.)(model\.path|model_path|tokenizer_path)$")
 REWARD_MODEL_KEYS = ("reward_model.model.path", "reward.reward_model.model_path")  # a scoring head, not an LM
 DATA_KEYS = ("data.train_files", "data.val_files")
 REWARD_FILE_KEYS = ("custom_reward_function.path", "reward.custom_reward_function.path")
+DATASET_CLASS_KEY = "data.custom_cls.path"
 OUTPUT_KEYS = re.compile(r"^trainer\.default_local_dir$|_data_dir$|^global_profiler\.save_path$")
 ONE = re.compile(r"(^|\.)(n_gpus_per_node|nnodes|num_replicas|\w*parallel_size|tp|pp|ep|cp|etp)$")
 NULL = re.compile(r"(^|\.)(virtual_pipeline_model_parallel_size|vpp)$")
@@ -224,6 +225,16 @@ class Fixtures:
     def data(self, source: str, kind: str, split: str, rows: int) -> Path:
         name = "{}-{}-{}-{}.parquet".format(re.sub(r"\W+", "_", source), kind, split, rows)
         return self._once(name, lambda p: write_rows(p, source, kind, split, rows, self.root))
+
+    def dataset_file(self, name: str) -> Path:
+        """A dataset class ``name`` with verl's contract (``RLHFDataset``'s arguments; items are the rows)."""
+        return self._once(f"dataset_{name}.py", lambda p: (p.write_text(
+            "import pandas as pd\nfrom torch.utils.data import Dataset\n\n\n"
+            f"class {name}(Dataset):\n"
+            "    def __init__(self, data_files, tokenizer, processor, config, max_samples=-1):\n"
+            "        self.rows = pd.concat([pd.read_parquet(f) for f in data_files]).to_dict('records')\n\n"
+            "    def __len__(self):\n        return len(self.rows)\n\n"
+            "    def __getitem__(self, i):\n        return dict(self.rows[i])\n"), p)[1])
 
     def reward_file(self, name: str) -> Path:
         return self._once(f"reward_{name}.py", lambda p: (p.write_text(
@@ -336,6 +347,9 @@ def rewrite(argv: list[str], fx: Fixtures, out: Path) -> list[str]:
         elif name in REWARD_FILE_KEYS and value not in ("", "null") and (
                 "{VERL}" in value or not value.startswith(("/", "{HOME}", "~"))):  # a file of verl's repository
             value = str(fx.reward_file(values.get(name.rsplit(".", 1)[0] + ".name") or "compute_score"))
+        elif name == DATASET_CLASS_KEY and value not in ("", "null") and (
+                "{VERL}" in value or not value.startswith(("/", "{HOME}", "~"))):  # a file of verl's repository
+            value = str(fx.dataset_file(values.get("data.custom_cls.name") or "RLHFDataset"))
         elif name == "trainer.device":
             value = "cpu"
         elif OUTPUT_KEYS.search(name):

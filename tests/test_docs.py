@@ -316,6 +316,9 @@ ELIDED_TRAINER = [("Trainer(...,", "Trainer(**roles,")]
 RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/async.md", "from rlflow.rollout import FullyAsyncRollout, HFRollout"): [],
     ("docs/algorithms/cispo.md", "from rlflow.algorithms import CISPOLoss"): [],
+    ("docs/data.md", "import torch"): [],
+    ("docs/algorithms/pf_ppo.md", "import torch"): [],
+    ("docs/multi-turn.md", "import asyncio"): [],
     ("docs/algorithms/clip_cov.md", "from rlflow import GRPO, Batching, Trainer"): [],
     ("docs/algorithms/distillation.md", "from rlflow import GRPO, Batching, Loop, RunDir, Trainer"): [],
     ("docs/algorithms/dapo.md", "from rlflow import GRPO, Batching, FunctionReward, HFRollout, PPOLoss, Trainer"): [],

@@ -34,6 +34,7 @@ ALLOWED = {
     ("cli", "tasks.prepare"): "defers tensordict, tokenizers, torch, transformers",
     ("cli", "trainer.export"): BUSY,
     ("config.agent", "rollout.tools.config"): "defers tensordict, torch, transformers",
+    ("config.agent", "rollout.tools.functions"): "defers tensordict, torch, transformers",
     ("config.asynchronous", "algorithms"): "defers tensordict, torch",
     ("config.build", "algorithms"): BUSY,
     ("config.build", "models.checks"): BUSY,

@@ -133,7 +133,6 @@ KNOWN_GAPS = {
     "examples/grpo_trainer/run_deepseek_v4_flash_megatron.sh": "MoE routing replay",
     "examples/grpo_trainer/run_deepseek_v4_veomni.sh": "MoE routing replay",
     "examples/router_replay/run_qwen3_30b_a3b_megatron.sh": "MoE routing replay",
-    "examples/grpo_trainer/run_minicpm_o_2_6_fsdp.sh": "custom dataset classes",
     "examples/mtp_trainer/run_mimo_7b_mtp_megatron.sh": "multi-token prediction",
     "examples/mtp_trainer/run_mimo_7b_mtp_rl_vllm_sgl_megatron.sh": "multi-token prediction",
     "examples/tuning/lora/run_qwen3_30b_a3b_megatron.sh": "Megatron LoRA block",

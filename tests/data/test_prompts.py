@@ -99,3 +99,29 @@ def test_chat_template_kwargs_render_batches_and_the_length_filter():
     assert list(off.collate(off.train, tok)[K.PROMPT_TEXT]) == ["1+2=#:"]
     one = load_rows(rows[1:])[0]
     assert list(collate(one, tok, template_kwargs={"enable_thinking": False})[K.PROMPT_TEXT]) == ["1+2=#:"]
+
+
+class Reversed:
+    """A sampler of the training rows (PromptData(sampler=...)): the last row first; counts its passes."""
+
+    def __init__(self, rows):
+        self.n, self.passes = len(rows), 0
+
+    def __iter__(self):
+        self.passes += 1
+        return iter(range(self.n - 1, -1, -1))
+
+
+def test_a_users_sampler_orders_the_batches_and_resumes_mid_epoch(tokenizer):
+    rows = [{"prompt": f"{i}+{i}=", "ground_truth": str(2 * i)} for i in range(7)]
+    data = PromptData(rows, sampler=Reversed, shuffle=True)  # the sampler, not shuffle, decides
+    loader = data.loader(3, tokenizer)
+    drawn = [next(loader)[K.ROW_INDEX].tolist() for _ in range(3)]
+    assert drawn == [[6, 5, 4], [3, 2, 1], [6, 5, 4]]  # 7 rows: the last partial batch is dropped, as verl's loader
+    assert loader.sampler.passes == 2 and loader.state_dict() == {"epoch": 1, "index": 3}
+    state = data.loader(3, tokenizer)
+    state.load_state_dict({"epoch": 1, "index": 3})  # a checkpoint: the rest of the epoch again
+    assert next(state)[K.ROW_INDEX].tolist() == [3, 2, 1]
+    bad = PromptData(rows, sampler=lambda rows: iter([0, 1, 9]))
+    with pytest.raises(DataError, match=r"yielded 9, not a row index in \[0, 7\)"):
+        next(bad.loader(3, tokenizer))

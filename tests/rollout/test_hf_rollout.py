@@ -75,6 +75,32 @@ def test_stops_at_eos(tokenizer):
     assert list(out[K.RESPONSE_TEXT]) == [""] * 6
 
 
+def test_ignore_eos_generates_to_max_new_tokens(tokenizer):
+    """verl's rollout.ignore_eos: the same EOS-loving model runs every response to max_new_tokens, masked whole;
+    a stop token still ends it; both the tensor and the list paths of the engine."""
+    from rlflow.models.tiny import tiny_qwen2
+    from rlflow.rollout.engines.base import SamplingParams
+    from rlflow.rollout.engines.hf import HFEngine
+
+    model = tiny_qwen2(len(tokenizer), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    bias = torch.zeros(len(tokenizer))
+    bias[tokenizer.eos_token_id] = 100.0
+    model.lm_head.bias = torch.nn.Parameter(bias)
+    rollout = HFRollout(n=2, max_new_tokens=5, ignore_eos=True)
+    rollout.bind(model, tokenizer)
+    out = rollout(prompts(tokenizer))
+    assert out[K.RESPONSE_MASK].sum(-1).tolist() == [5] * 6
+    assert (out[K.RESPONSE_IDS] == tokenizer.eos_token_id).all()
+    engine = HFEngine(model, tokenizer)
+    (done,), = engine.generate([tokenizer("1+1=")["input_ids"]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert len(done.token_ids) == 4 and done.finish_reason == "length"
+    (stopped,), = engine.generate([tokenizer("1+1=")["input_ids"]], SamplingParams(
+        max_new_tokens=4, ignore_eos=True, stop_token_ids=(tokenizer.eos_token_id,)))
+    assert len(stopped.token_ids) == 1  # a stop token is still a stop
+
+
 def test_unbound_rollout_says_how_to_fix(tokenizer):
     with pytest.raises(RuntimeError, match="bind"):
         HFRollout(n=2)(prompts(tokenizer))

@@ -4,6 +4,7 @@ from rlflow.algorithms import advantages, functional
 from rlflow.algorithms.aggregate import Aggregation
 from rlflow.algorithms.correction import TruncatedIS
 from rlflow.algorithms.rejection import RejectionSampling
+from rlflow.algorithms.pf_ppo import PFPPO
 from rlflow.algorithms.bypass import BypassLoss, RolloutAsOld
 from rlflow.algorithms.mismatch import MismatchMetrics
 from rlflow.algorithms.estimators import (
@@ -46,4 +47,4 @@ __all__ = ["functional", "AdvantageEstimator", "GRPO", "GAE", "PPOLoss", "ValueL
 __all__ += ["policy_functional", "GSPOLoss", "CISPOLoss", "SAPOLoss", "ClipCovLoss", "KLCovLoss", "CovSelection",
             "GMPOLoss", "ReinforceLoss", "LOSS_MODES", "SPINLoss", "SPPOLoss", "NoAdvantage", "GroupWinRate",
             "UpdateReference", "GDPO", "DPPOTVLoss", "DPPOKLLoss", "RejectionSampling", "Aggregation",
-            "BypassLoss", "RolloutAsOld", "MismatchMetrics", "DistillationLoss", "PolicyGradientDistillationLoss"]
+            "BypassLoss", "RolloutAsOld", "MismatchMetrics", "DistillationLoss", "PolicyGradientDistillationLoss", "PFPPO"]

@@ -35,8 +35,9 @@ def agent_plan(cfg: VerlConfig, notes: list[str]) -> dict | None:
         raise NotSupportedError(f"{AGENT}.default_agent_loop", loop, "custom agent loops",
                                 f"rlflow has {', '.join(AGENT_LOOPS)}; write a Rollout (or subclass AgentLoop).")
     if not enable and loop != "tool_agent":
-        if tools_path or interaction_path:
-            raise ConfigError(f"{MT}.tool_config_path / interaction_config_path are set but {MT}.enable=False: "
+        if tools_path or interaction_path or cfg[f"{MT}.function_tool_path"]:
+            raise ConfigError(f"{MT}.tool_config_path / function_tool_path / interaction_config_path are set but "
+                              f"{MT}.enable=False: "
                               f"set {MT}.enable=True for multi-turn rollouts")
         return None
     fmt, side = cfg[f"{MT}.format"], cfg[f"{MT}.tool_response_truncate_side"]
@@ -61,6 +62,7 @@ def agent_plan(cfg: VerlConfig, notes: list[str]) -> dict | None:
         key = "tool_config_path" if tools_path and str(Path(tools_path).expanduser()) in str(e) \
             else "interaction_config_path"
         raise ConfigError(f"{MT}.{key}: {e}") from e
+    kwargs["tools"] += function_tools(cfg[f"{MT}.function_tool_path"], f"{MT}.function_tool_path", kwargs["tools"])
     if not kwargs["tools"] and kwargs["interaction"] is None:
         notes.append(f"{MT}.enable=True without tools or interactions: each sample is one model turn")
     names = ", ".join(t.name for t in kwargs["tools"]) or "none"
@@ -69,3 +71,23 @@ def agent_plan(cfg: VerlConfig, notes: list[str]) -> dict | None:
                  f"max_assistant_turns={kwargs['max_assistant_turns']}, max_user_turns={kwargs['max_user_turns']}); "
                  "data.max_response_length bounds each whole conversation")
     return kwargs
+
+
+def function_tools(path: str | None, key: str, others: list) -> list:
+    """The ``@function_tool`` tools of the file at ``key`` (none when unset); a name another tool has is an
+    error, as in verl."""
+    if not path:
+        return []
+    from rlflow.rollout.tools.functions import load_function_tools  # as rollout.tools.config above: defers torch
+
+    try:
+        tools = load_function_tools(path)
+    except Exception as e:  # noqa: BLE001 - the user's file: name the key and what it raised
+        raise ConfigError(f"{key}={path!r}: {type(e).__name__}: {e}") from e
+    if not tools:
+        raise ConfigError(f"{key}={path!r}: the file defines no @function_tool (from rlflow.rollout.tools import "
+                          "function_tool, or verl's verl.tools.function_tool)")
+    clash = sorted({t.name for t in tools} & {t.name for t in others})
+    if clash:
+        raise ConfigError(f"{key}={path!r}: the tool {clash[0]!r} is in multi_turn.tool_config_path too; rename one")
+    return tools

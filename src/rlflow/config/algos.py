@@ -20,7 +20,7 @@ A = "actor_rollout_ref.actor"
 RC = "algorithm.rollout_correction.rollout_is_"
 BYPASS, LOSS_TYPE = "algorithm.rollout_correction.bypass_mode", "algorithm.rollout_correction.loss_type"
 
-__all__ = ["ESTIMATOR_POOL", "KL_CTRL_POOL", "KL_IN_REWARD_KEYS", "bypass_loss", "companions", "loss_pool"]
+__all__ = ["ESTIMATOR_POOL", "KL_CTRL_POOL", "KL_IN_REWARD_KEYS", "bypass_loss", "companions", "loss_pool", "pf_ppo"]
 
 
 def loss_pool(cfg: VerlConfig) -> dict[str, Candidate]:
@@ -142,3 +142,24 @@ def bypass_loss(cfg: VerlConfig, loss_cls: type, notes: list[str]) -> tuple[type
     return cls, {"loss_type": loss_type, "weights": made.get(tables.ROLLOUT_IS),
                  "rejection": made.get(tables.ROLLOUT_RS)}
 
+
+
+PF = "algorithm.pf_ppo"
+
+
+def pf_ppo(cfg: VerlConfig, estimator_cls: type, notes: list[str]) -> list[tuple[type, dict]]:
+    """``algorithm.use_pf_ppo`` -> ``[(PFPPO, kwargs)]`` after the estimator; as in verl, only GAE resamples
+    (with another estimator the key changes nothing, and a note says so)."""
+    if not cfg["algorithm.use_pf_ppo"]:
+        return []
+    method, power = cfg[f"{PF}.reweight_method"], cfg[f"{PF}.weight_pow"]
+    if estimator_cls.__name__ != "GAE":
+        notes.append(f"algorithm.use_pf_ppo=True has no effect with algorithm.adv_estimator="
+                     f"{cfg['algorithm.adv_estimator']}: verl resamples by PF-PPO's weights only after GAE")
+        return []
+    cls = algorithm_class("PFPPO", "algorithm.use_pf_ppo", True)
+    if method not in ("pow", "max_min", "max_random"):
+        raise ConfigError(f"{PF}.reweight_method={method!r}: unknown; valid: pow, max_min, max_random")
+    if isinstance(power, bool) or not isinstance(power, (int, float)):
+        raise ConfigError(f"{PF}.weight_pow={power!r}: must be a number")
+    return [(cls, {"reweight_method": method, "weight_pow": float(power)})]

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlflow.config.distillation import check_routes
+from rlflow.config.data_classes import data_node, dataset_rows
 from rlflow.config.loading import ConfigError
 from rlflow.config.lora import make_lora
 from rlflow.config.plan import Plan
@@ -126,6 +127,12 @@ def build_data(plan: Plan, tokenizer, processor=None) -> PromptData:
     kw = dict(plan.data_kwargs)
     if processor is not None and kw.get("image_patch_size", 0) is None:  # verl: the processor's own patch size
         kw["image_patch_size"] = getattr(getattr(processor, "image_processor", None), "patch_size", 14)
+    if plan.dataset_cls is not None:  # data.custom_cls: the user's class reads the files; rlflow takes its rows
+        node, cap = data_node(plan.cfg), {"train": "train_max_samples", "val": "val_max_samples"}
+        for split in ("train", "val"):
+            if kw[split] is not None:
+                kw[split] = dataset_rows(plan.dataset_cls, kw[split], split, tokenizer, processor, node,
+                                         kw.get(cap[split]) or -1)
     if processor is None and kw.get("mm_processor_kwargs"):
         plan.notes.append(f"data.mm_processor_kwargs={kw['mm_processor_kwargs']!r} has no effect: "
                           f"{plan.model_path} has no processor (not a vision-language model)")
@@ -202,6 +209,32 @@ def build_policy(plan: Plan) -> Policy:
         if policy.processor is not None:  # a VLM's prompts are rendered by its processor
             policy.processor.chat_template = plan.chat_template
     return policy
+
+
+def build_reference(plan: Plan, policy: Policy) -> Policy:
+    """The frozen KL reference: a copy of the initial policy, or ``actor_rollout_ref.ref.model``'s weights with
+    the policy's tokenizer (the vocabularies must agree: its log-probs are of the policy's token ids)."""
+    if plan.ref_model_path is None:
+        return policy.reference()
+    from rlflow.models.checks import ModelFolderError, check_model_folder
+    from rlflow.models.critic import load_causal_lm
+
+    key = "actor_rollout_ref.ref.model"
+    path = local_model(plan.ref_model_path, key)
+    try:
+        check_model_folder(path, tokenizer=False)
+    except ModelFolderError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    with remote_code_errors(key, f"{TRUST}=True"):
+        model = load_causal_lm(path, plan.policy_kwargs.get("trust_remote_code", False)).eval().requires_grad_(False)
+    ours, theirs = (m.get_output_embeddings().weight.shape[0] for m in (policy.model, model))
+    if ours != theirs:
+        raise ConfigError(f"{key}={plan.ref_model_path}: its vocabulary has {theirs} tokens, the policy's "
+                          f"({plan.model_path}) {ours}; the reference scores the policy's token ids, so they must agree")
+    return Policy(model, policy.tokenizer, processor=policy.processor, temperature=policy.temperature,
+                  micro_batch_size=policy.micro_batch_size, max_tokens_per_micro_batch=policy.max_tokens_per_micro_batch,
+                  log_prob_key=K.REF_LOG_PROBS, entropy_key=None, remove_padding=policy.remove_padding,
+                  share_prompts=policy.share_prompts)
 
 
 def build_critic(plan: Plan) -> Critic:
@@ -318,10 +351,13 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
     reference = "auto"
     wants_ref = K.REF_LOG_PROBS in set(loss.in_keys) | set(estimator.in_keys)
     if wants_ref:  # its own scoring split (verl's ref.log_prob_*): a token budget only with its dynamic bsz on,
-        reference = policy.reference()  # else its micro size (unset: the policy's)
+        reference = build_reference(plan, policy)  # else its micro size (unset: the policy's)
         reference.max_tokens_per_micro_batch = plan.ref_max_tokens
         if plan.ref_max_tokens or plan.ref_micro_batch_size is not None:
             reference.micro_batch_size = plan.ref_micro_batch_size
+    elif plan.ref_model_path is not None:
+        plan.notes.append(f"actor_rollout_ref.ref.model={plan.ref_model_path} has no effect: nothing in this run reads "
+                          "reference log-probs (no KL loss or KL in the reward)")
     critic, value_loss = None, None
     if plan.critic_path is not None:
         from rlflow.algorithms import ValueLoss

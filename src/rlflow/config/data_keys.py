@@ -3,8 +3,9 @@
 - ``train_max_samples`` / ``val_max_samples``: use at most N rows of the files (-1, or any N <= 0: all),
   chosen as verl's ``RLHFDataset`` chooses them: with ``data.shuffle`` N distinct rows drawn by
   ``numpy.random.default_rng(data.seed)``, otherwise the first N; before any filtering.
-- ``tool_config_path`` (verl's default: ``multi_turn.tool_config_path``): the tools' schemas are rendered
-  into each chat prompt when ``filter_overlong_prompts`` measures it, as the agent loop renders it.
+- ``tool_config_path`` / ``function_tool_path`` (verl's defaults: their ``multi_turn.*`` keys): the tools'
+  schemas are rendered into each chat prompt when ``filter_overlong_prompts`` measures it, as the agent loop
+  renders it.
 - ``mm_processor_kwargs``: keyword arguments of every call of a vision-language model's processor on a row.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlflow.config.agent import function_tools
 from rlflow.config.loading import ConfigError, VerlConfig
 
 
@@ -26,17 +28,19 @@ def _max_samples(cfg: VerlConfig, key: str) -> int | None:
 
 def tool_schemas(cfg: VerlConfig, agent: dict | None) -> list[dict] | None:
     """The schemas of ``data.tool_config_path``'s tools (the agent loop's own tools when it is the same file)."""
-    path = cfg["data.tool_config_path"]
-    if not path:
+    path, functions = cfg["data.tool_config_path"], cfg["data.function_tool_path"]
+    if not path and not functions:
         return None
-    if agent and cfg["actor_rollout_ref.rollout.multi_turn.tool_config_path"] == path:
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    if agent and cfg[f"{mt}.tool_config_path"] == path and cfg[f"{mt}.function_tool_path"] == functions:
         return [t.schema for t in agent["tools"]]
     from rlflow.rollout.tools.config import ToolConfigError, load_tool_config
 
     try:
-        return [t.schema for t in load_tool_config(Path(path).expanduser())]
+        tools = load_tool_config(Path(path).expanduser()) if path else []
     except ToolConfigError as e:
         raise ConfigError(f"data.tool_config_path: {e}") from e
+    return [t.schema for t in tools + function_tools(functions, "data.function_tool_path", tools)]
 
 
 def data_extras(cfg: VerlConfig, agent: dict | None) -> dict:

@@ -21,8 +21,9 @@ import rlflow.rollout
 from rlflow import registry
 from rlflow.config import tables
 from rlflow.config.agent import agent_plan
-from rlflow.config.algos import bypass_loss, gdpo_keys, ESTIMATOR_POOL, companions, loss_pool
+from rlflow.config.algos import bypass_loss, gdpo_keys, ESTIMATOR_POOL, companions, loss_pool, pf_ppo
 from rlflow.config.asynchronous import async_plan, v1_async_plan
+from rlflow.config.data_classes import data_source_key, dataset_class, sampler_factory
 from rlflow.config.data_keys import data_extras
 from rlflow.config.devices import Devices, resolve_devices
 from rlflow.config.distillation import distillation_plan
@@ -89,6 +90,8 @@ class Plan:
     fully_async: dict | None = None        # FullyAsyncRollout's kwargs (trainer.v1.trainer_mode=*_async)
     determinism: dict | None = None        # full_determinism's kwargs (the *.full_determinism keys)
     critic_lora: dict | str | None = None  # the critic's LoRA, as lora (critic.model.lora_*)
+    dataset_cls: type | None = None        # data.custom_cls: the user's dataset class the rows come from
+    ref_model_path: str | None = None      # actor_rollout_ref.ref.model: the reference's own weights
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -234,6 +237,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
                              "loss_scale_factor": cfg[f"{C}.loss_scale_factor"]}
 
     before, after, kl_controller = companions(cfg, estimator_cls)
+    after += pf_ppo(cfg, estimator_cls, notes)  # last: it resamples whole rows, with their IS weights
     loss_cls, bypass = bypass_loss(cfg, registry.POLICY_LOSSES.resolve(cfg[f"{A}.policy_loss.loss_mode"]), notes)
     estimator_kwargs = class_kwargs(estimator_cls, ESTIMATOR_POOL, cfg)
     gdpo_keys(estimator_kwargs)
@@ -311,7 +315,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
                      "image_key": cfg["data.image_key"], "skip_bad_images": bad_images(cfg),
                      "image_patch_size": patch_size(cfg),
                      **({"chat_template_kwargs": template_kwargs} if template_kwargs else {}),
-                     **data_extras(cfg, agent)},
+                     **data_extras(cfg, agent), **data_source_key(cfg, notes),
+                     **({"sampler": s} if (s := sampler_factory(cfg, procs)) else {})},
         trainer_kwargs={
             "batch_size": bs, "mini_batch_size": mini, "micro_batch_size": micro, "ppo_epochs": ppo_epochs,
             **optimizer,
@@ -331,8 +336,28 @@ def make_plan(cfg: VerlConfig) -> Plan:
         overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), agent=agent,
         async_rollout=asynchronous, fully_async=fully_async, distillation=distill,
         determinism=determinism(cfg, notes, devices.accelerator),
-        critic_lora=critic_lora_argument(cfg, notes) if with_critic else None, notes=notes,
+        critic_lora=critic_lora_argument(cfg, notes) if with_critic else None,
+        dataset_cls=dataset_class(cfg, notes), ref_model_path=ref_model(cfg, notes), notes=notes,
     )
+
+
+def ref_model(cfg: VerlConfig, notes: list[str]) -> str | None:
+    """``actor_rollout_ref.ref.model``: a model folder or hub id (or ``{path: ...}``) for the frozen reference
+    in place of a copy of the initial policy; None when unset."""
+    key, value = "actor_rollout_ref.ref.model", cfg["actor_rollout_ref.ref.model"]
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"path"})
+        if unknown:
+            raise ConfigError(f"{key}.{unknown[0]}: the reference model takes only a path here (its tokenizer, "
+                              "precision and placement are the policy's)")
+        value = value.get("path")
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}={value!r}: must be a model folder or hub id (or {{path: ...}})")
+    notes.append(f"{key}={value}: the KL reference (when a KL loss or KL in the reward reads it) is this model, "
+                 "frozen and scored with the policy's tokenizer, not a copy of the initial policy")
+    return value
 
 
 def overlong_penalty(manager: str, manager_kwargs: dict, response_length: int) -> dict | None:

@@ -136,4 +136,9 @@ def rollout_plan(cfg: VerlConfig, devices: Devices, notes: list[str], n: int, te
               "max_new_tokens": cfg[f"{R}.response_length"], "do_sample": do_sample}
     if cls.__name__ in ENGINE_KWARGS:
         kwargs |= ENGINE_KWARGS[cls.__name__](cfg, devices, notes) | {"bucket_bytes": bucket_bytes(cfg)}
+    if cfg[f"{R}.ignore_eos"]:
+        if cls.__name__ != "HFRollout":
+            raise NotSupportedError(f"{R}.ignore_eos", True, f"generation past EOS with {cls.__name__}",
+                                    f"{R}.name=hf generates past EOS (HFRollout(ignore_eos=True)).")
+        kwargs["ignore_eos"] = True
     return cls, kwargs

@@ -68,16 +68,10 @@ OTHER_BACKENDS = "training strategies other than fsdp, fsdp2 and megatron"
 MULTI_TURN = "custom agent loops (agent_loop_config_path)"
 
 NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "data.custom_cls.path": ("custom dataset classes", _truthy),
-    "data.sampler.class_path": ("custom samplers (curriculum)", _truthy),
     "data.datagen.path": ("dynamic data generation", _truthy),
-    "data.reward_fn_key": ("reading data_source from another column", _not("data_source")),
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.model.use_liger": ("Liger kernels", _truthy),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
-    "actor_rollout_ref.ref.model": ("a reference model other than the initial policy", _truthy),
-    "actor_rollout_ref.rollout.ignore_eos": ("generation that ignores EOS", _truthy),
-    "actor_rollout_ref.rollout.over_sample_rate": ("rollout over-sampling", _truthy),
     "actor_rollout_ref.rollout.agent.agent_loop_config_path": (MULTI_TURN, _truthy),
     "actor_rollout_ref.rollout.agent.custom_async_server.path": ("custom async rollout servers", _truthy),
     "actor_rollout_ref.rollout.checkpoint_engine.backend": ("async weight update (checkpoint_engine)", _not("naive")),
@@ -86,7 +80,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
                                         "sources are scored without a server)", _truthy),
-    "algorithm.use_pf_ppo": ("PF-PPO", _truthy),
     "reward.reward_manager.source": ("reward-manager classes loaded from a file (verl's source=importlib; "
                                      "rlflow's managers: naive, prime, dapo, batch)", _not("register")),
     "trainer.default_hdfs_dir": ("HDFS checkpoints", _truthy),
@@ -169,6 +162,9 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": (
         "rlflow never re-tokenizes the model's turns, so there is nothing to check"),
     "actor_rollout_ref.rollout.agent.num_workers": "single-turn generation runs in one batch",
+    "actor_rollout_ref.rollout.over_sample_rate": ("verl 0.9 defines it (abort the last requests once (1 - rate) of "
+                                                   "them finished) but no code of verl reads it: every sample is "
+                                                   "generated to the end there, as here"),
     "actor_rollout_ref.rollout.trace.token2text": "rollout tracing is not supported yet",
     "actor_rollout_ref.rollout.skip_dump_dir": "only used with rollout.skip_rollout (replaying dumped rollouts), not "
                                                "supported yet",
@@ -221,7 +217,7 @@ INERT: dict[str, str] = {
     "reward.sandbox_fusion.max_concurrent": "code runs in rlflow's local sandbox (rlflow.rewards.code)",
     "reward.sandbox_fusion.memory_limit_mb": "code runs in rlflow's local sandbox; its limits are "
                                              "rlflow.rewards.code.DEFAULT_LIMITS (512 MiB)",
-    "algorithm.pf_ppo.*": _PF_RC_ONLY, "algorithm.filter_groups.metric": _FILTER_ONLY,
+    "algorithm.pf_ppo.*": "only used with algorithm.use_pf_ppo=True (and adv_estimator=gae)", "algorithm.filter_groups.metric": _FILTER_ONLY,
     "algorithm.filter_groups.max_num_gen_batches": _FILTER_ONLY,
     "algorithm.rollout_correction.rollout_is_threshold": "only used with algorithm.rollout_correction.rollout_is",
     "algorithm.rollout_correction.rollout_is_batch_normalize": "only used with algorithm.rollout_correction.rollout_is",
@@ -237,8 +233,6 @@ INERT: dict[str, str] = {
     "*.profiler": "profiling is not supported yet: the run goes on unprofiled", "*.profiler.*": "profiling is not supported yet: the run goes on unprofiled",
     "global_profiler": "profiling is not supported yet: the run goes on unprofiled", "global_profiler.*": "profiling is not supported yet: the run goes on unprofiled",
     "ray_kwargs": _RAY, "ray_kwargs.*": _RAY,
-    "data.custom_cls.name": "only used with data.custom_cls.path, not supported yet",
-    "data.sampler.class_name": "only used with data.sampler.class_path, not supported yet",
     "data.datagen.name": "only used with data.datagen.path, not supported yet",
     "actor_rollout_ref.rollout.agent.custom_async_server.name": "custom async rollout servers are not supported yet",
     "actor_rollout_ref.actor.megatron.*": _MEGATRON_ONLY,

@@ -144,8 +144,6 @@ _CRITIC_MEGATRON_LORA = ("verl's Megatron LoRA block on the critic (critic.model
 ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     **{f"{r}.optim.use_precision_aware_optimizer": ("Megatron's precision-aware optimizer (low-precision gradients "
                                                     "and Adam states)", _truthy) for r in _ROLES},
-    f"{ROLL}.multi_turn.function_tool_path": ("Python function tools (multi_turn.function_tool_path; rlflow's tools "
-                                              "come from multi_turn.tool_config_path)", _truthy),
     "*.qat.enable": ("quantization-aware training (qat.enable)", _truthy),
     "*.mtp.enable": ("multi-token prediction (mtp.enable)", _truthy),
     f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation)", _truthy),
@@ -206,8 +204,6 @@ RUN_INERT: dict[str, str] = {
     "skip.*": "only used with skip.*.enable=True (replaying dumped rollouts), not supported yet",
 }
 RUN_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "data.function_tool_path": ("@function_tool files (function_tool_path; rlflow's tools come from "
-                                "multi_turn.tool_config_path)", _truthy),
     "reward_model.reward_loop_source": ("custom reward-manager classes (reward_loop_source=importlib)",
                                         _not(None, "register")),
     "sandbox_fusion.url": (_SANDBOX, _truthy),

@@ -12,6 +12,7 @@ DATA_SOURCE = "data_source"  # non-tensor, B strings
 GROUND_TRUTH = "ground_truth"  # non-tensor, B
 EXTRA_INFO = "extra_info"  # non-tensor, B dicts
 PROMPT_TEXT = "prompt_text"  # non-tensor, B strings
+ROW_INDEX = "row_index"  # B, int64: the prompt's position in the training rows (with a user's sampler)
 RAW_PROMPT = "raw_prompt"  # non-tensor, B: the prompt as the data gave it (chat messages or a string)
 # vision-language prompts (rlflow.data.multimodal; verl's names)
 MULTI_MODAL_INPUTS = "multi_modal_inputs"  # non-tensor, B dicts of the processor's tensors ({} without images)

@@ -7,7 +7,8 @@ collated by :mod:`rlflow.data.multimodal`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import islice
 
 import torch
 from tensordict import TensorDict
@@ -110,6 +111,10 @@ class PromptLoader:
         self.data, self.batch_size, self.tokenizer = data, batch_size, tokenizer
         self.epoch, self.index = 0, 0
         self._cached_order: tuple = (None, [])
+        # a user's sampler (PromptData(sampler=...)): drawn from lazily, as a DataLoader does, so that what its
+        # update(batch) learns decides the batches drawn after it
+        self.sampler = data.sampler(data.train) if data.sampler is not None else None
+        self._draws: Iterator[int] | None = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -126,17 +131,50 @@ class PromptLoader:
         return self
 
     def __next__(self) -> TensorDict:
+        if self.sampler is not None:
+            return self._next_sampled()
         if self.index + self.batch_size > len(self.data.train):
             self.epoch, self.index = self.epoch + 1, 0
         order = self._order()[self.index : self.index + self.batch_size]
         self.index += self.batch_size
         return self.data.collate([self.data.train[i] for i in order], self.tokenizer)
 
+    def _next_sampled(self) -> TensorDict:
+        """The next ``batch_size`` indices of the user's sampler; a new epoch (a new ``iter(sampler)``) when it
+        runs out before a full batch (verl's loader drops the last partial batch too). The batch carries each
+        prompt's position in ``data.train`` (``row_index``) for the sampler's ``update(batch)``."""
+        if self._draws is None:
+            self._draws = iter(self.sampler)
+        order = list(islice(self._draws, self.batch_size))
+        if len(order) < self.batch_size:
+            self.epoch, self.index, self._draws = self.epoch + 1, 0, iter(self.sampler)
+            order = list(islice(self._draws, self.batch_size))
+            if len(order) < self.batch_size:
+                raise DataError(f"{self.data.train_name}: the sampler {type(self.sampler).__name__} yields {len(order)}"
+                                f" indices per epoch, fewer than a batch of {self.batch_size}")
+        bad = [i for i in order if not isinstance(i, int) or not 0 <= i < len(self.data.train)]
+        if bad:
+            raise DataError(f"{self.data.train_name}: the sampler {type(self.sampler).__name__} yielded {bad[0]!r}, not "
+                            f"a row index in [0, {len(self.data.train)})")
+        self.index += self.batch_size
+        batch = self.data.collate([self.data.train[i] for i in order], self.tokenizer)
+        batch[K.ROW_INDEX] = torch.tensor(order, dtype=torch.long)
+        return batch
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
+        state = {"epoch": self.epoch, "index": self.index}
+        if hasattr(self.sampler, "state_dict"):
+            state["sampler"] = self.sampler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        if self.sampler is not None:  # resume: this epoch's draws again, less those already trained on
+            if "sampler" in state and hasattr(self.sampler, "load_state_dict"):
+                self.sampler.load_state_dict(state["sampler"])
+            self._draws = iter(self.sampler)
+            for _ in islice(self._draws, self.index):
+                pass
 
 
 def select_rows(rows: list[dict], max_samples: int | None, shuffle: bool, seed: int | None) -> list[dict]:
@@ -183,6 +221,13 @@ class PromptData:
         tool_schemas: OpenAI function schemas rendered into chat prompts (``apply_chat_template(tools=...)``)
             when ``filter_overlong_prompts`` measures them, as an agent loop with these tools renders them.
         mm_processor_kwargs: keyword arguments of every ``processor(...)`` call on a row (vision-language).
+        data_source_key: the column read as each row's ``data_source`` (what the reward and the per-source
+            validation metrics go by); a row without it is an error naming the row.
+        sampler: ``sampler(train_rows) -> iterable of row indices`` (e.g. a ``torch.utils.data.Sampler`` class),
+            called once with the final training rows; it decides the order of the training prompts in place of
+            ``shuffle``. One with an ``update(batch)`` method (verl's curriculum samplers) is called by the
+            Trainer after each step with the step's batch; with ``state_dict`` / ``load_state_dict`` its state is
+            saved in checkpoints.
     """
 
     def __init__(self, train, val=None, *, prompt_key: str = "prompt", max_prompt_length: int | None = None,
@@ -191,13 +236,15 @@ class PromptData:
                  image_key: str = "images", skip_bad_images: bool = False, chat_template_kwargs: dict | None = None,
                  image_patch_size: int | None = None,
                  train_max_samples: int | None = None, val_max_samples: int | None = None,
-                 tool_schemas: list[dict] | None = None, mm_processor_kwargs: dict | None = None):
+                 tool_schemas: list[dict] | None = None, mm_processor_kwargs: dict | None = None,
+                 data_source_key: str = "data_source", sampler: Callable[[list[dict]], Iterable[int]] | None = None):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got '{truncation}'")
         if missing_ground_truth not in MISSING_GROUND_TRUTH:
             raise ValueError(f"missing_ground_truth must be one of {MISSING_GROUND_TRUTH}, got '{missing_ground_truth}'")
-        self.train, self.train_name = load_rows(train, prompt_key, image_key)
-        self.val, self.val_name = load_rows(val, prompt_key, image_key) if val is not None else ([], "")
+        self.train, self.train_name = load_rows(train, prompt_key, image_key, data_source_key)
+        self.val, self.val_name = load_rows(val, prompt_key, image_key, data_source_key) if val is not None else ([], "")
+        self.sampler, self.live_sampler = sampler, None
         self.train = select_rows(self.train, train_max_samples, shuffle, seed)
         self.val = select_rows(self.val, val_max_samples, shuffle, seed)
         self.tool_schemas, self.mm_processor_kwargs = tool_schemas, dict(mm_processor_kwargs or {})
@@ -259,7 +306,17 @@ class PromptData:
 
     def loader(self, batch_size: int, tokenizer) -> PromptLoader:
         self.filter_overlong(tokenizer)
-        return PromptLoader(self, batch_size, tokenizer)
+        loader = PromptLoader(self, batch_size, tokenizer)
+        self.live_sampler = loader.sampler
+        return loader
+
+    def batch_trained(self, batch: TensorDict) -> None:
+        """After a training step on ``batch``: a curriculum sampler (one with ``update``) learns from it, as
+        verl's trainer calls ``sampler.update(batch=batch)`` (here ``batch`` is rlflow's TensorDict: scores,
+        ``row_index``, ...)."""
+        update = getattr(self.live_sampler, "update", None)
+        if update is not None:
+            update(batch=batch)
 
     def val_batches(self, tokenizer, batch_size: int = 512) -> Iterator[TensorDict]:
         self.filter_overlong(tokenizer)

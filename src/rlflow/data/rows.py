@@ -19,13 +19,15 @@ class DataError(ValueError):
 
 
 def load_rows(source: str | Path | Sequence[dict], prompt_key: str = "prompt",
-              image_key: str = "images") -> tuple[list[dict], str]:
+              image_key: str = "images", data_source_key: str = "data_source") -> tuple[list[dict], str]:
     """Read rows from a parquet/json/jsonl file (with ``datasets``), a list of such files, or a list of dicts.
 
-    Returns the normalised rows and a name for error messages.
+    Returns the normalised rows and a name for error messages; ``data_source_key`` names the column read as
+    each row's ``data_source`` (verl's ``data.reward_fn_key``).
     """
     if isinstance(source, (list, tuple)) and source and all(isinstance(s, (str, Path)) for s in source):
-        parts = [load_rows(s, prompt_key, image_key) for s in source]  # several files: rows in order, one name
+        # several files: rows in order, one name
+        parts = [load_rows(s, prompt_key, image_key, data_source_key) for s in source]
         rows = [dict(r, index=i) for i, r in enumerate(r for part, _ in parts for r in part)]
         return rows, " + ".join(name for _, name in parts)
     if isinstance(source, (str, Path)):
@@ -48,7 +50,7 @@ def load_rows(source: str | Path | Sequence[dict], prompt_key: str = "prompt",
         raw, name = ds.to_list(), str(path)
     else:
         raw, name = list(source), "<in-memory rows>"
-    return [normalise_row(r, i, name, prompt_key, image_key) for i, r in enumerate(raw)], name
+    return [normalise_row(r, i, name, prompt_key, image_key, data_source_key) for i, r in enumerate(raw)], name
 
 
 @contextlib.contextmanager
@@ -63,7 +65,8 @@ def datasets_bars_off(datasets) -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def normalise_row(row: dict, index: int, name: str, prompt_key: str = "prompt", image_key: str = "images") -> dict:
+def normalise_row(row: dict, index: int, name: str, prompt_key: str = "prompt", image_key: str = "images",
+                  data_source_key: str = "data_source") -> dict:
     if not isinstance(row, dict) or prompt_key not in row or row[prompt_key] is None:
         raise DataError(f"{name}, row {index}: no '{prompt_key}' column (row: {str(row)[:200]})")
     prompt = row[prompt_key]
@@ -80,12 +83,15 @@ def normalise_row(row: dict, index: int, name: str, prompt_key: str = "prompt", 
         raise DataError(f"{name}, row {index}: 'reward_model' must be a mapping with a 'ground_truth' "
                         f"(got {type(reward_model).__name__})")
     ground_truth = row.get("ground_truth", reward_model.get("ground_truth"))
+    if data_source_key != "data_source" and data_source_key not in row:  # chosen by the user: it must be there
+        raise DataError(f"{name}, row {index}: no '{data_source_key}' column to read the data source from "
+                        f"(data_source_key / verl's data.reward_fn_key; columns: {', '.join(map(str, row))})")
     if isinstance(ground_truth, float) and ground_truth != ground_truth:  # NaN: pandas' missing value
         ground_truth = None
     out = {
         "prompt": prompt,
         "ground_truth": None if ground_truth is None else str(ground_truth),
-        "data_source": str(row.get("data_source") or "unknown"),
+        "data_source": str(row.get(data_source_key) or "unknown"),
         "extra_info": row.get("extra_info"),
         "index": index,
     }

@@ -20,6 +20,9 @@ class HFRollout(SingleTurnRollout):
     after an update is free; under FSDP2 the Trainer binds a full copy and
     ``sync_weights`` refreshes it in buckets.
 
+    ``ignore_eos=True`` generates past EOS, as vLLM's ``ignore_eos``: each response runs to ``max_new_tokens``
+    (or a ``stop_token_ids`` token), and the mask covers all of it.
+
     ``cache_implementation`` (e.g. ``"static"``) and ``compile`` (compiled decoding, on GPUs) are passed to
     :class:`~rlflow.rollout.engines.hf.HFEngine`; both off by default. Under the Trainer, sampling runs in the
     training precision (``precision="bf16-mixed"``: bf16 autocast, as the update).
@@ -30,7 +33,8 @@ class HFRollout(SingleTurnRollout):
     def __init__(self, n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  max_new_tokens: int = 512, do_sample: bool = True, seed: int | None = None,
                  stop_token_ids: tuple[int, ...] = (), bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 cache_implementation: str | None = None, compile: bool = False):
+                 cache_implementation: str | None = None, compile: bool = False, ignore_eos: bool = False):
+        self.ignore_eos = ignore_eos  # EOS ends nothing: every response runs to max_new_tokens (or a stop token)
         super().__init__(None, n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                          do_sample=do_sample, seed=seed, stop_token_ids=stop_token_ids,
                          bucket_bytes=bucket_bytes)

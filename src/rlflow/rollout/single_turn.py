@@ -50,6 +50,7 @@ class SingleTurnRollout(BatchModule):
     # whether the engine this class makes in bind() takes images (vision-language prompts); the verl entry
     # point refuses a vision-language model before training with a rollout that does not
     makes_image_engine: bool = False
+    ignore_eos: bool = False  # generation goes on past EOS (HFRollout(ignore_eos=True))
 
     def __init__(self, engine: Engine | None = None, n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = -1, max_new_tokens: int = 512, do_sample: bool = True, seed: int | None = None,
@@ -81,9 +82,12 @@ class SingleTurnRollout(BatchModule):
     @property
     def params(self) -> SamplingParams:
         """This rollout's options as engine-neutral sampling parameters."""
+        engine = getattr(self, "engine", None)  # None while __init__ validates
+        if self.ignore_eos and engine is not None and not getattr(engine, "supports_ignore_eos", False):
+            raise ValueError(f"ignore_eos: {type(engine).__name__} cannot generate past EOS here")
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               max_new_tokens=self.max_new_tokens, greedy=not self.do_sample, seed=self.seed,
-                              stop_token_ids=self.stop_token_ids)
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
 
     # ------------------------------------------------------------------ engine and weights
     def make_engine(self, model, tokenizer) -> Engine:

@@ -341,6 +341,7 @@ class Trainer:
         with contextlib.closing(self.experience(self.loader)) as experience:  # closing: cancels batches in flight
             for batch in islice(experience, max(total - self.global_step, 0)):  # islice: no batch past the last
                 metrics = self.learn(batch)
+                data.batch_trained(batch)  # a curriculum sampler learns from the step (PromptData(sampler=...))
                 if self.val_every and data.val and (self.global_step % self.val_every == 0 or self.global_step == total):
                     t0 = time.perf_counter()
                     metrics |= self.validate(data)

@@ -43,6 +43,8 @@ class SamplingParams:
         greedy: argmax decoding (``do_sample=False``); log-probs are then those of :math:`T = 1`.
         seed: makes one call's sampling reproducible (``None``: the engine's own random stream).
         stop_token_ids: tokens that end a completion besides the tokenizer's EOS (included in the completion).
+        ignore_eos: EOS does not end a completion (it runs to ``max_new_tokens`` or a ``stop_token_ids`` token),
+            as vLLM's ``ignore_eos``; engines that cannot (``supports_ignore_eos`` false) refuse it.
     """
 
     n: int = 1
@@ -53,6 +55,7 @@ class SamplingParams:
     greedy: bool = False
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self):
         if self.n < 1:

@@ -121,10 +121,17 @@ class HFEngine(Engine):
         self.cache_implementation = cache_implementation or ("static" if compile else None)
         self.compile = compile
 
+    supports_ignore_eos = True
+
     @property
     def eos_token_ids(self) -> list[int]:
         eos = self.tokenizer.eos_token_id
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def stops(self, params: SamplingParams) -> list[int]:
+        """The tokens that end a completion: EOS (unless ``params.ignore_eos``) and ``params.stop_token_ids``."""
+        eos = [] if params.ignore_eos else self.eos_token_ids
+        return eos + [t for t in params.stop_token_ids if t not in eos]
 
     @torch.no_grad()
     def generate_padded(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
@@ -135,11 +142,12 @@ class HFEngine(Engine):
         ``vision_inputs``: the rows' processor tensors, concatenated in row order (``rlflow.models.vision``).
         Rows with the same prompt (a prompt's samples) share its prefill (:func:`shared_prefill`; not with
         images, a static cache or compiled decoding)."""
-        stops = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
+        stops = self.stops(params)
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=not params.greedy,
             temperature=None, top_k=None, top_p=None,  # ours, in processors()
-            eos_token_id=stops or None, pad_token_id=self.tokenizer.pad_token_id, use_cache=True,
+            # None falls back to the model's generation config (its EOS); [] stops on nothing (ignore_eos)
+            eos_token_id=stops if params.ignore_eos else (stops or None), pad_token_id=self.tokenizer.pad_token_id, use_cache=True,
             cache_implementation=self.cache_implementation,
             compile_config=CompileConfig(fullgraph=False) if self.compile else None, disable_compile=not self.compile,
         )
@@ -185,7 +193,7 @@ class HFEngine(Engine):
         pad, device = self.tokenizer.pad_token_id, next(self.model.parameters()).device
         ids = ids.masked_fill(~real, pad).repeat_interleave(params.n, 0).to(device)  # as ``left_padded`` builds them
         response, log_probs = self.generate_padded(ids, real.long().repeat_interleave(params.n, 0).to(device), params)
-        stops = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
+        stops = self.stops(params)
         mask = response_mask_until_eos(response, stops or None)
         R = int(mask.sum(-1).max())  # rows that stopped are padded by generate; the longest completion sets R
         mask, valid = mask[:, :R], mask[:, :R].bool()
@@ -199,7 +207,7 @@ class HFEngine(Engine):
         if multi_modal is not None:  # each prompt's images once per sample, in row order
             vision = concat_inputs([(m.inputs if m else {}) for m in multi_modal for _ in range(params.n)], device)
         response, log_probs = self.generate_padded(ids, mask, params, vision)
-        stops = set(self.eos_token_ids) | set(params.stop_token_ids)
+        stops = set(self.stops(params))
         out: list[list[Completion]] = []
         for row, (tokens, lps) in enumerate(zip(response.tolist(), log_probs.tolist())):
             end = next((i + 1 for i, t in enumerate(tokens) if t in stops), None)
