@@ -9,31 +9,20 @@ import sys
 
 import pytest
 import torch
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-import rlflow.config.devices as devices
-from rlflow.config import ConfigError, load_config, make_plan
+from rlflow.config import ConfigError
 from rlflow.config.run import unused_notes
 from rlflow.trainer.main_ppo import main
 from rlflow.trainer.schedule import ParamSchedule, make_scheduler
 from tests.config.test_main_ppo import steps
-
-A, C = "actor_rollout_ref.actor", "critic"
-OPT = f"{A}.optim"
-
-
-@pytest.fixture(autouse=True)
-def no_gpus(monkeypatch):
-    monkeypatch.setattr(devices, "cuda_count", lambda: 0)
-
-
-def plan(tiny, *overrides):
-    return make_plan(load_config(tiny + list(overrides)))
+from tests.config.test_optim_keys import A, C, OPT, no_gpus, plan  # noqa: F401  (no_gpus: an autouse fixture)
 
 
 def megatron(steps, lr=1.0, init=0.0, min_lr=0.0, warmup=0, decay=None, style="constant", wsd=None,
              wsd_style="exponential", wd=(0.0, 0.0), wd_style="constant"):
-    """(lr, weight decay) at steps 0..steps-1 from megatron-core's scheduler, stepped once per step as verl does."""
+    """(lr, weight decay) at steps 0..steps-1 from megatron-core's scheduler, stepped once per step as verl does
+    (skipped where megatron-core is not installed: it comes with the `megatron` extra)."""
+    OptimizerParamScheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler").OptimizerParamScheduler
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
     sched = OptimizerParamScheduler(opt, init_lr=init, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup,
                                     lr_decay_steps=decay or steps, lr_decay_style=style, start_wd=wd[0], end_wd=wd[1],

@@ -16,26 +16,7 @@ from rlflow.rollout.engines.base import SamplingParams, hf_weight_buckets
 from rlflow.rollout.engines.hf import HFEngine
 from rlflow.rollout.fully_async import Sample, generate_chunk
 from tests.rollout.conftest import ENGINE_OPTIONS, requires_vllm
-
-
-def longer_is_better(solution_str, ground_truth):
-    return len(solution_str.strip()) / 4
-
-
-class Recorder:
-    """Every step's batch and the weights of every version (``weights[v]``)."""
-
-    def __init__(self):
-        self.batches, self.weights = [], []
-
-    def on_fit_start(self, trainer):
-        self.weights.append(copy.deepcopy(trainer.policy.model.state_dict()))
-
-    def on_rollout_end(self, trainer, batch):
-        self.batches.append(batch.clone())
-
-    def on_step_end(self, trainer, step, metrics):
-        self.weights.append(copy.deepcopy(trainer.policy.model.state_dict()))
+from tests.rollout.test_async_rollout import Recorder, longer_is_better  # every step's batch and weights
 
 
 def token_log_probs(model, prompt, tokens):
