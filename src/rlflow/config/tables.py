@@ -83,9 +83,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "reward.reward_manager.source": ("reward-manager classes loaded from a file (verl's source=importlib; "
                                      "rlflow's managers: naive, prime, dapo, batch)", _not("register")),
     "trainer.default_hdfs_dir": ("HDFS checkpoints", _truthy),
-    "async_training.trigger_parameter_sync_step": ("weight sync less often than every step", _not(1)),
-    "async_training.require_batches": ("training on several generated batches per step", _not(1)),
-    "async_training.partial_rollout": ("partial rollouts (generation interrupted by weight updates)", _truthy),
 }
 
 # ---------------------------------------------------------------------------------------------
