@@ -206,6 +206,12 @@ NOT_RUN.update({
                       "trainer.v1.sampler.max_off_policy_strategy=drop trainer.v1.colocate_async.num_warmup_batches=1"):
         "needs a model and data files; tests/config/test_async_keys.py::"
         "test_the_entry_point_trains_fully_async_and_v1_sync_is_the_synchronous_run runs the mode on the tiny ones",
+    ("docs/async.md", "python -m rlflow.trainer.main_ppo --config-name ppo_trainer async_training.partial_rollout=true "
+                      "async_training.staleness_threshold=0.5 async_training.trigger_parameter_sync_step=4 "
+                      "async_training.require_batches=1 data.train_batch_size=128 "
+                      "actor_rollout_ref.actor.ppo_mini_batch_size=32"):
+        "needs a model and data files; tests/config/test_async_keys.py::"
+        "test_the_entry_point_trains_verls_fully_async_recipe_keys runs the keys on the tiny ones",
     ("docs/async.md", "python benchmarks/async_rl.py --engine vllm"): BENCHMARK,
     ("benchmarks/README.md", "python benchmarks/async_rl.py"): BENCHMARK,
 })

@@ -127,3 +127,72 @@ def test_the_entry_point_trains_fully_async_and_v1_sync_is_the_synchronous_run(t
     drop = ("timing_s/", "perf/")
     same = [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows("v1")]
     assert same and same == [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows("legacy")]
+
+
+# verl's fully-async recipe (verl/experimental/fully_async_policy): partial_rollout, trigger_parameter_sync_step,
+# require_batches
+RECIPE = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]
+
+
+def test_partial_rollout_is_fully_async_with_the_staleness_threshold_as_the_generation_ahead():
+    p = plan("async_training.partial_rollout=true", "async_training.staleness_threshold=0.5")
+    assert p.fully_async == {"max_off_policy_threshold": None, "max_off_policy_strategy": "drop",
+                             "num_warmup_batches": 0.5}  # verl's (1 + threshold) batches ahead, no age bound
+    assert p.async_rollout is None
+    assert [(cls.__name__, kwargs["level"]) for cls, kwargs in p.after] == [("TruncatedIS", "token")]
+    assert any("async_training.partial_rollout=True: the Trainer gets rollout=FullyAsyncRollout(" in n for n in p.notes)
+    recipe = plan("async_training.partial_rollout=true", "async_training.max_engine_restarts=0").fully_async
+    assert recipe["num_warmup_batches"] == 0.1 and recipe["max_engine_restarts"] == 0  # the recipe's default bound
+    assert plan("async_training.partial_rollout=true", "async_training.staleness_threshold=2"
+                ).fully_async["num_warmup_batches"] == 2
+    sync = plan("async_training.partial_rollout=true", "async_training.staleness_threshold=0")
+    assert sync.fully_async is None and sync.async_rollout == {"max_staleness": 0}  # verl: no effect at 0
+    assert any("no effect" in n for n in sync.notes)
+    assert plan("async_training.partial_rollout=false", "async_training.staleness_threshold=1"
+                ).async_rollout == {"max_staleness": 1}  # verl's stale-samples mode without partial rollouts
+
+
+@pytest.mark.parametrize("overrides, error, message", [
+    (["async_training.staleness_threshold=-0.5"], ConfigError, r"staleness_threshold=-0.5: with .*partial_rollout"),
+    (["trainer.async_weight_update=true"], ConfigError, "two asynchronous modes"),
+    (["trainer.v1.trainer_mode=colocate_async"], ConfigError, "partial_rollout=True both ask"),
+    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"], NotSupportedError,
+     r"async_training.partial_rollout=True: fully asynchronous generation with dynamic sampling"),
+])
+def test_what_partial_rollouts_cannot_take_is_refused_naming_the_key(overrides, error, message):
+    with pytest.raises(error, match=message):
+        plan("async_training.partial_rollout=true", *overrides)
+
+
+def test_a_sync_cycle_of_trigger_x_require_mini_batches_is_one_step():
+    p = plan(*RECIPE, "async_training.trigger_parameter_sync_step=2", "async_training.require_batches=2")
+    assert p.trainer_kwargs["batch_size"] == 8 and p.trainer_kwargs["mini_batch_size"] == 2
+    assert any("synced once per step of data.train_batch_size=8 prompts = 2 x 2 mini-batches" in n for n in p.notes)
+    assert any("require_batches=4" in n for n in plan(*RECIPE, "async_training.require_batches=4").notes)
+    assert not any("trigger_parameter_sync_step" in n for n in plan(*RECIPE).notes)  # unset: nothing to say
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["async_training.trigger_parameter_sync_step=2"], r"every 2 x 1 x ppo_mini_batch_size = 4 prompts, rlflow once "
+                                                       r"per step of data.train_batch_size=8; set data.train_batch_size=4"),
+    (["async_training.require_batches=3"], "set data.train_batch_size=6"),
+    (["async_training.trigger_parameter_sync_step=0"], "trigger_parameter_sync_step=0: an integer >= 1"),
+    (["async_training.trigger_parameter_sync_step=4", "actor_rollout_ref.actor.ppo_epochs=2"],
+     "over each of the 4 local batches.*require_batches=4"),
+])
+def test_a_sync_cadence_rlflow_would_change_is_refused_naming_the_batch_size(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        plan(*RECIPE, *overrides)
+
+
+def test_the_entry_point_trains_verls_fully_async_recipe_keys(tiny, capsys, tmp_path):
+    """The recipe's four keys through ``main_ppo``: partial rollouts at most 1.5 batches ahead, a sync cycle of
+    2 x 1 mini-batches of 2 prompts = the step's 4 prompts; two steps trained, the second on stale samples at most."""
+    assert main(tiny + ["async_training.partial_rollout=true", "async_training.staleness_threshold=0.5",
+                        "async_training.trigger_parameter_sync_step=2", "async_training.require_batches=1",
+                        "trainer.logger=[console,file]"]) == 0
+    out = capsys.readouterr().out
+    assert "FullyAsyncRollout(" in out and "num_warmup_batches=0.5" in out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "training/off_policy/trajectory_spans/max" in r]
+    assert len(steps) == 2 and all("rollout_corr/rollout_is_mean" in r for r in steps)

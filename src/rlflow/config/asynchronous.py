@@ -17,6 +17,17 @@ verl 0.9's V1 asynchronous modes (``trainer.use_v1=True``, ``trainer.v1.trainer_
 ``separate_async``) are fully asynchronous with partial rollouts: the rollout is wrapped as
 ``FullyAsyncRollout(rollout, max_off_policy_threshold, max_off_policy_strategy, num_warmup_batches)`` from
 ``trainer.v1.sampler.*`` and ``trainer.v1.<mode>.num_warmup_batches`` (docs/async.md), with the same IS default.
+
+verl's fully-async recipe keys map onto the same two classes. ``async_training.partial_rollout=True`` (verl's mode
+"async stream pipeline with partial rollout") is ``FullyAsyncRollout(max_off_policy_threshold=None,
+num_warmup_batches=staleness_threshold)``: verl lets the rollouter generate at most ``(1 + staleness_threshold)``
+sync cycles' samples ahead of training and bounds nothing else, and that is the pacing of FullyAsyncRollout's
+warm-up batches without an age bound; fractions are allowed here (the recipe's default, 0.1, when the threshold
+is not set). verl: "partial_rollout only takes effect when staleness_threshold>0", so with 0 the run is the
+synchronous one. ``trigger_parameter_sync_step`` x ``require_batches`` x ``ppo_mini_batch_size`` prompts are
+trained between two weight syncs in verl; rlflow syncs once per step of ``data.train_batch_size`` prompts, so the
+keys are honoured when the batch is that product (verl's own advice for comparing with colocate), and refused
+otherwise, naming the batch size that makes them agree.
 """
 
 from __future__ import annotations
@@ -32,6 +43,51 @@ BYPASS = "algorithm.rollout_correction.bypass_mode"
 RESTARTS = "async_training.max_engine_restarts"  # rlflow's: the engine's process started again after it died
 USE_V1, MODE = "trainer.use_v1", "trainer.v1.trainer_mode"
 THRESHOLD, STRATEGY = "trainer.v1.sampler.max_off_policy_threshold", "trainer.v1.sampler.max_off_policy_strategy"
+PARTIAL = "async_training.partial_rollout"
+SYNC_STEP, REQUIRE = "async_training.trigger_parameter_sync_step", "async_training.require_batches"
+RECIPE_STALENESS = 0.1  # verl's fully_async_ppo_trainer.yaml: the bound partial rollouts get when it is not set
+MINI, EPOCHS = "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_epochs"
+
+
+def partial_rollouts(cfg: VerlConfig) -> bool:
+    """``async_training.partial_rollout=True`` with a staleness bound above 0 (verl: only then does it act)."""
+    return bool(cfg[PARTIAL]) and (not cfg.is_provided(STALENESS) or cfg[STALENESS] != 0)
+
+
+def alone(key: str, value, devices: Devices, dynamic_sampling: dict | None, what: str) -> None:
+    """What asynchronous generation cannot be combined with yet, refused naming the key that asked for it."""
+    if devices.processes > 1:
+        raise NotSupportedError(key, value, f"{what} with several training processes",
+                                "Run it on one process, or turn it off.")
+    if dynamic_sampling:
+        raise NotSupportedError(key, value, f"{what} with dynamic sampling (algorithm.filter_groups)",
+                                "Turn one of them off.")
+
+
+def sync_cadence(cfg: VerlConfig, notes: list[str]) -> None:
+    """verl's fully-async trainer syncs weights after ``trigger_parameter_sync_step`` local updates of
+    ``require_batches`` mini-batches each; rlflow after each step: the same when the batch is their product."""
+    trigger, require = cfg[SYNC_STEP], cfg[REQUIRE]  # read in every plan: both are honoured at their defaults (1)
+    if not (cfg.is_provided(SYNC_STEP) or cfg.is_provided(REQUIRE)):
+        return
+    for key in (SYNC_STEP, REQUIRE):
+        value = cfg[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}={value!r}: an integer >= 1")
+    mini, batch = cfg[MINI], cfg["data.train_batch_size"]
+    cycle = trigger * require * mini
+    if batch != cycle:
+        raise ConfigError(f"{SYNC_STEP}={trigger}, {REQUIRE}={require}: verl syncs the weights every {trigger} x "
+                          f"{require} x ppo_mini_batch_size = {cycle} prompts, rlflow once per step of "
+                          f"data.train_batch_size={batch}; set data.train_batch_size={cycle} to get verl's cadence")
+    if trigger > 1 and cfg[EPOCHS] > 1:
+        raise ConfigError(f"{SYNC_STEP}={trigger} with {EPOCHS}={cfg[EPOCHS]}: verl runs the epochs over each of "
+                          f"the {trigger} local batches, rlflow over the whole step's batch; set {EPOCHS}=1, or "
+                          f"{SYNC_STEP}=1 with {REQUIRE}={trigger * require} (the same cadence, epochs over the step)")
+    notes.append(f"{SYNC_STEP}={trigger}, {REQUIRE}={require}: the weights are synced once per step of "
+                 f"data.train_batch_size={batch} prompts = {trigger} x {require} mini-batches of {mini}, as verl's sync "
+                 "cycle; the step's batch is trained once it is complete (batch statistics such as advantage "
+                 "whitening and the logged metrics are over the step, not each local batch)")
 
 
 def async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: list, dynamic_sampling: dict | None
@@ -39,19 +95,18 @@ def async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: list,
     """AsyncRollout's kwargs, or None when the mode is off; appends the IS correction to ``after`` (the
     modules chained after the estimator) when the config leaves it unset."""
     switch, steps = cfg[SWITCH], cfg[STALENESS]
-    if not (switch or cfg.is_provided(STALENESS)):
-        return None
+    if not (switch or cfg.is_provided(STALENESS)) or partial_rollouts(cfg):
+        return None  # off, or partial rollouts: FullyAsyncRollout (v1_async_plan)
+    if cfg[PARTIAL]:
+        notes.append(f"{PARTIAL}=True with {STALENESS}=0: no effect (verl: partial rollouts act only with a "
+                     "threshold above 0); generation is synchronous, the engine in its own process")
     key = STALENESS if cfg.is_provided(STALENESS) else SWITCH
     if isinstance(steps, bool) or not isinstance(steps, (int, float)) or steps < 0 or steps != int(steps):
         raise ConfigError(f"{STALENESS}={steps!r}: rlflow generates whole batches ahead, so the bound is a whole "
                           "number of steps (0: synchronous, 1: one-step-off, the default; 2, ...); verl's fractional "
-                          "values allow part of a batch: round up for more overlap, down for fresher samples")
-    if devices.processes > 1:
-        raise NotSupportedError(key, cfg[key], "asynchronous generation with several training processes",
-                                "Run it on one process, or turn it off.")
-    if dynamic_sampling:
-        raise NotSupportedError(key, cfg[key], "asynchronous generation with dynamic sampling "
-                                "(algorithm.filter_groups)", "Turn one of them off.")
+                          "values allow part of a batch: round up for more overlap, down for fresher samples, or "
+                          f"set {PARTIAL}=True (fully asynchronous, where fractions are the generation ahead)")
+    alone(key, cfg[key], devices, dynamic_sampling, "asynchronous generation")
     correction(cfg, notes, after, key)
     notes.append(f"{key}: the Trainer gets rollout=AsyncRollout(rollout, max_staleness={int(steps)}) (the engine "
                  "runs beside the trainer; docs/async.md)")
@@ -64,17 +119,15 @@ def v1_async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: li
     """FullyAsyncRollout's kwargs for verl V1's asynchronous modes, or None (``sync``, or the legacy trainer)."""
     mode = cfg[MODE]
     if not cfg[USE_V1] or mode == "sync":
-        return None
+        return partial_plan(cfg, notes, devices, after, dynamic_sampling) if partial_rollouts(cfg) else None
+    if cfg[PARTIAL]:
+        raise ConfigError(f"{MODE}={mode!r} and {PARTIAL}=True both ask for fully asynchronous generation, from "
+                          f"verl's V1 trainer and its fully-async recipe; set one of them")
     if cfg[SWITCH] or cfg.is_provided(STALENESS):
         other = SWITCH if cfg[SWITCH] else STALENESS
         raise ConfigError(f"{MODE}={mode!r} and {other}={cfg[other]!r} choose two asynchronous modes: fully "
                           f"asynchronous with partial rollouts ({MODE}) or one-step-off ({other}); set one of them")
-    if devices.processes > 1:
-        raise NotSupportedError(MODE, mode, "fully asynchronous generation with several training processes",
-                                "Run it on one process, or use trainer_mode=sync.")
-    if dynamic_sampling:
-        raise NotSupportedError(MODE, mode, "fully asynchronous generation with dynamic sampling "
-                                "(algorithm.filter_groups)", "Turn one of them off.")
+    alone(MODE, mode, devices, dynamic_sampling, "fully asynchronous generation")
     threshold, strategy = cfg[THRESHOLD], cfg[STRATEGY]
     if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
         raise ConfigError(f"{THRESHOLD}={threshold!r}: an integer >= 1 (model versions from a prompt's first "
@@ -94,6 +147,28 @@ def v1_async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: li
                  + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ") (generation runs beside training with "
                  "partial rollouts; the engine in its own process or a server driven from a thread, in either mode; "
                  "docs/async.md)")
+    return kwargs
+
+
+def partial_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: list, dynamic_sampling: dict | None
+                 ) -> dict:
+    """FullyAsyncRollout's kwargs for verl's fully-async recipe with ``partial_rollout=True``."""
+    if cfg[SWITCH]:
+        raise ConfigError(f"{PARTIAL}=True and {SWITCH}=True choose two asynchronous modes: fully asynchronous with "
+                          f"partial rollouts ({PARTIAL}) or one-step-off ({SWITCH}); set one of them")
+    ahead = cfg[STALENESS] if cfg.is_provided(STALENESS) else RECIPE_STALENESS
+    if isinstance(ahead, bool) or not isinstance(ahead, (int, float)) or ahead < 0:
+        raise ConfigError(f"{STALENESS}={ahead!r}: with {PARTIAL}=True, the sync cycles' worth of samples generated "
+                          "ahead of training (verl's fraction, e.g. 0.1; whole numbers too), a number >= 0")
+    alone(PARTIAL, True, devices, dynamic_sampling, "fully asynchronous generation")
+    correction(cfg, notes, after, PARTIAL)
+    kwargs = {"max_off_policy_threshold": None, "max_off_policy_strategy": "drop", "num_warmup_batches": ahead}
+    if cfg.is_provided(RESTARTS):
+        kwargs["max_engine_restarts"] = int(cfg[RESTARTS])
+    source = "" if cfg.is_provided(STALENESS) else f", verl's recipe default for {STALENESS}"
+    notes.append(f"{PARTIAL}=True: the Trainer gets rollout=FullyAsyncRollout(rollout, "
+                 + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + f") (at most {1 + ahead} batches generated "
+                 f"ahead of training{source}; no age bound, as verl's recipe; docs/async.md)")
     return kwargs
 
 

@@ -22,7 +22,7 @@ from rlflow import registry
 from rlflow.config import tables
 from rlflow.config.agent import agent_plan
 from rlflow.config.algos import bypass_loss, gdpo_keys, ESTIMATOR_POOL, companions, loss_pool, pf_ppo
-from rlflow.config.asynchronous import async_plan, v1_async_plan
+from rlflow.config.asynchronous import async_plan, sync_cadence, v1_async_plan
 from rlflow.config.data_classes import data_source_key, dataset_class, sampler_factory
 from rlflow.config.data_keys import data_extras
 from rlflow.config.devices import Devices, resolve_devices
@@ -257,6 +257,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
     distill = distillation_plan(cfg, notes)
     if distill is not None:
         distill["loss_cls"] = getattr(rlflow.algorithms, distill.pop("loss"))
+    sync_cadence(cfg, notes)
     fully_async = v1_async_plan(cfg, notes, devices, after, sampling)
     asynchronous = async_plan(cfg, notes, devices, after, sampling)
     if agent and (asynchronous or fully_async):

@@ -67,6 +67,9 @@ def _not(*ok: Any) -> Callable[[Any], bool]:
 OTHER_BACKENDS = "training strategies other than fsdp, fsdp2 and megatron"
 MULTI_TURN = "custom agent loops (agent_loop_config_path)"
 
+_REPLAY = ("replaying dumped rollouts (verl's dumps are pickled verl DataProto objects, which need verl to read; "
+           "rlflow's trainer.rollout_data_dir writes decoded text without token ids or the sampler's log-probs, so "
+           "neither can stand in for generation)")
 NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "data.datagen.path": ("dynamic data generation", _truthy),
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
@@ -75,7 +78,7 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.rollout.agent.agent_loop_config_path": (MULTI_TURN, _truthy),
     "actor_rollout_ref.rollout.agent.custom_async_server.path": ("custom async rollout servers", _truthy),
     "actor_rollout_ref.rollout.checkpoint_engine.backend": ("async weight update (checkpoint_engine)", _not("naive")),
-    "actor_rollout_ref.rollout.skip_rollout": ("replaying dumped rollouts", _truthy),
+    "actor_rollout_ref.rollout.skip_rollout": (_REPLAY, _truthy),
     "actor_rollout_ref.rollout.trace.backend": ("rollout tracing", _truthy),
     "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
@@ -83,9 +86,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "reward.reward_manager.source": ("reward-manager classes loaded from a file (verl's source=importlib; "
                                      "rlflow's managers: naive, prime, dapo, batch)", _not("register")),
     "trainer.default_hdfs_dir": ("HDFS checkpoints", _truthy),
-    "async_training.trigger_parameter_sync_step": ("weight sync less often than every step", _not(1)),
-    "async_training.require_batches": ("training on several generated batches per step", _not(1)),
-    "async_training.partial_rollout": ("partial rollouts (generation interrupted by weight updates)", _truthy),
 }
 
 # ---------------------------------------------------------------------------------------------

@@ -209,7 +209,9 @@ RUN_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "sandbox_fusion.url": (_SANDBOX, _truthy),
     "trainer.v1.sampler.custom_sampler.path": ("custom replay-buffer samplers (trainer.v1.sampler.custom_sampler)",
                                                _truthy),
-    "skip.*.enable": ("replaying dumped rollouts (verl's skip.*)", _truthy),
+    "skip.*.enable": ("replaying dumped rollouts (verl's skip.*: its dumps are pickled verl DataProto objects, "
+                      "which need verl to read; rlflow's trainer.rollout_data_dir writes decoded text without token "
+                      "ids or the sampler's log-probs, so neither can stand in for generation)", _truthy),
 }
 
 # ------------------------------------------------------------------ verl's other engines and open blocks
