@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from rlflow import PPOLoss, Policy, Trainer
+from rlflow import Policy, PPOLoss, Trainer
 from rlflow.algorithms import GRPO, TruncatedIS
 from rlflow.module import Chain
 from rlflow.rewards import FunctionReward
