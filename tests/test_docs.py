@@ -214,6 +214,10 @@ NOT_RUN.update({
         "test_the_entry_point_trains_verls_fully_async_recipe_keys runs the keys on the tiny ones",
     ("docs/async.md", "python benchmarks/async_rl.py --engine vllm"): BENCHMARK,
     ("benchmarks/README.md", "python benchmarks/async_rl.py"): BENCHMARK,
+    ("docs/async.md", "python benchmarks/async_rl.py --workload long-tail"): BENCHMARK,
+    ("benchmarks/README.md", "python benchmarks/async_rl.py --workload long-tail"): BENCHMARK,
+    ("docs/async.md", "python scripts/async_learning.py"):
+        "trains the default job 6 times (about 8 minutes on 2 cores): a measurement, not a test",
 })
 
 NOT_RUN.update({
