@@ -93,8 +93,6 @@ def test_v1_async_modes_are_fully_async_with_verls_sampler_keys_and_truncated_is
     assert plan("trainer.v1.trainer_mode=colocate_async",
                 "trainer.v1.sampler.max_off_policy_threshold=null").fully_async["max_off_policy_threshold"] is None
     assert plan("trainer.use_v1=false", "trainer.v1.trainer_mode=colocate_async").fully_async is None  # verl's legacy
-    assert plan("trainer.v1.trainer_mode=colocate_async", "async_training.max_engine_restarts=0"
-                ).fully_async["max_engine_restarts"] == 0  # rlflow's key reaches FullyAsyncRollout too
 
 
 @pytest.mark.parametrize("overrides, error, message", [
@@ -141,8 +139,8 @@ def test_partial_rollout_is_fully_async_with_the_staleness_threshold_as_the_gene
     assert p.async_rollout is None
     assert [(cls.__name__, kwargs["level"]) for cls, kwargs in p.after] == [("TruncatedIS", "token")]
     assert any("async_training.partial_rollout=True: the Trainer gets rollout=FullyAsyncRollout(" in n for n in p.notes)
-    recipe = plan("async_training.partial_rollout=true", "async_training.max_engine_restarts=0").fully_async
-    assert recipe["num_warmup_batches"] == 0.1 and recipe["max_engine_restarts"] == 0  # the recipe's default bound
+    recipe = plan("async_training.partial_rollout=true").fully_async
+    assert recipe["num_warmup_batches"] == 0.1  # the recipe's default bound
     assert plan("async_training.partial_rollout=true", "async_training.staleness_threshold=2"
                 ).fully_async["num_warmup_batches"] == 2
     sync = plan("async_training.partial_rollout=true", "async_training.staleness_threshold=0")

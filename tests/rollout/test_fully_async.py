@@ -217,30 +217,21 @@ def test_a_stream_read_without_weight_pushes_keeps_going_at_threshold_one(model,
     assert all(b[K.POLICY_VERSION].tolist() == [0] * 8 for b in batches)
 
 
-@pytest.mark.parametrize("restarts", [0, 1])
-def test_a_dead_generation_process_is_restarted_or_fails_the_run_naming_it(model, tokenizer, addition_rows, restarts):
-    """The engine's process is killed: started again with the newest weights (max_engine_restarts=1: the stream
-    goes on, ``rollout/engine_restarts`` = 1), or (0) the next batch raises with the process and the signal; it
-    never hangs."""
+def test_a_dead_generation_process_fails_the_run_naming_it(model, tokenizer, addition_rows):
+    """The engine's process is killed: the next batch raises with the process and the signal, it does not hang
+    (no restart: it would be forked from the driver thread, which can deadlock in the child)."""
     import os
     import signal
 
     from rlflow.rollout.engines.process import EngineProcessError
 
-    rollout = FullyAsyncRollout(HFRollout(n=2, max_new_tokens=4), max_off_policy_threshold=2, chunk_tokens=1,
-                                max_engine_restarts=restarts)
+    rollout = FullyAsyncRollout(HFRollout(n=2, max_new_tokens=4), max_off_policy_threshold=2, chunk_tokens=1)
     rollout.bind(model, tokenizer)
     stream = rollout.stream(PromptData(addition_rows[0], seed=0).loader(4, tokenizer))
     try:
         next(stream)
         os.kill(rollout.engine.process.pid, signal.SIGKILL)
         rollout.sync_weights(model)
-        if restarts:
-            for _ in range(3):
-                batch = next(stream)
-                rollout.sync_weights(model)
-            assert batch.batch_size[0] == 8 and rollout.stats["rollout/engine_restarts"] == 1
-            return
         with pytest.raises(EngineProcessError, match=r"generation process \(pid \d+\) was killed by SIGKILL"):
             for _ in range(10):
                 next(stream)

@@ -11,7 +11,8 @@ generates whole batches ahead, so the value must be a whole number of steps: 0 (
 in its own process), 1 (one-step-off, the default), 2, ...
 
 ``async_training.max_engine_restarts`` (rlflow's key, default 2): how often a generation process that died
-is started again in one run (``ProcessEngine``; one-step-off and the V1 modes alike), before the run stops naming it.
+is started again in one run (``ProcessEngine``, one-step-off), before the run stops naming it; the fully asynchronous modes stop the run
+at the first death (their driver thread cannot fork a new process safely).
 
 verl 0.9's V1 asynchronous modes (``trainer.use_v1=True``, ``trainer.v1.trainer_mode=colocate_async`` or
 ``separate_async``) are fully asynchronous with partial rollouts: the rollout is wrapped as
@@ -141,8 +142,6 @@ def v1_async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: li
     correction(cfg, notes, after, MODE)
     kwargs = {"max_off_policy_threshold": threshold, "max_off_policy_strategy": strategy,
               "num_warmup_batches": warmup}
-    if cfg.is_provided(RESTARTS):
-        kwargs["max_engine_restarts"] = int(cfg[RESTARTS])
     notes.append(f"{MODE}={mode}: the Trainer gets rollout=FullyAsyncRollout(rollout, "
                  + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ") (generation runs beside training with "
                  "partial rollouts; the engine in its own process or a server driven from a thread, in either mode; "
@@ -163,8 +162,6 @@ def partial_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: lis
     alone(PARTIAL, True, devices, dynamic_sampling, "fully asynchronous generation")
     correction(cfg, notes, after, PARTIAL)
     kwargs = {"max_off_policy_threshold": None, "max_off_policy_strategy": "drop", "num_warmup_batches": ahead}
-    if cfg.is_provided(RESTARTS):
-        kwargs["max_engine_restarts"] = int(cfg[RESTARTS])
     source = "" if cfg.is_provided(STALENESS) else f", verl's recipe default for {STALENESS}"
     notes.append(f"{PARTIAL}=True: the Trainer gets rollout=FullyAsyncRollout(rollout, "
                  + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + f") (at most {1 + ahead} batches generated "

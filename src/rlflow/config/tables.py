@@ -226,8 +226,9 @@ INERT: dict[str, str] = {
     "algorithm.rollout_correction.*": _PF_RC_ONLY,
     "trainer.esi_redundant_time": "rlflow saves on save_freq and at the last step",
     "async_training.use_rollout_log_probs": "the sampler's log-probs are the behaviour policy of the IS correction",
-    "async_training.max_engine_restarts": ("only used with asynchronous generation (trainer.async_weight_update=true, "
-                                           "async_training.staleness_threshold or trainer.v1.trainer_mode=*_async)"),
+    "async_training.max_engine_restarts": ("only used with one-step-off generation (trainer.async_weight_update=true or "
+                                           "async_training.staleness_threshold); the fully asynchronous modes stop "
+                                           "the run when their engine's process dies"),
     "trainer.ray_wait_register_center_timeout": _RAY,
     "trainer.use_legacy_worker_impl": "rlflow has one worker implementation",
     "*.profiler": "profiling is not supported yet: the run goes on unprofiled", "*.profiler.*": "profiling is not supported yet: the run goes on unprofiled",

@@ -130,10 +130,10 @@ class FullyAsyncRollout(RolloutWrapper):
         num_warmup_batches: batches admitted ahead of the one the trainer waits for (verl's
             ``trainer.v1.colocate_async.num_warmup_batches``; fractions admit part of a batch).
         chunk_tokens: tokens generated per request between two chances to load new weights.
-        placement, start_method, threads, timeout, max_engine_restarts: as
-            :class:`~rlflow.rollout.async_rollout.AsyncRollout`'s (``timeout``: seconds the trainer waits without any
-            group completing before the run fails; a dead generation process is started again with the newest
-            weights and its unanswered chunks, ``rollout/engine_restarts``).
+        placement, start_method, threads, timeout: as :class:`~rlflow.rollout.async_rollout.AsyncRollout`'s
+            (``timeout``: seconds the trainer waits without any group completing before the run fails). A dead
+            generation process stops the run, naming it (``AsyncRollout`` starts one again; here the driver
+            thread would have to fork it, which can deadlock).
 
     Writes the wrapped rollout's keys and ``policy_version``, ``policy_version_max`` ([B] int64) and
     ``token_policy_version`` ([B, R] int64, -1 on padding). Validation (``with_options``) and a single call
@@ -142,8 +142,7 @@ class FullyAsyncRollout(RolloutWrapper):
 
     def __init__(self, rollout, max_off_policy_threshold: int | None = 8, max_off_policy_strategy: str = "drop", *,
                  num_warmup_batches: float = 1, chunk_tokens: int = 32, placement: str = "auto",
-                 start_method: str | None = None, threads: int | None = None, timeout: float = 3600.0,
-                 max_engine_restarts: int = 2):
+                 start_method: str | None = None, threads: int | None = None, timeout: float = 3600.0):
         threshold = max_off_policy_threshold
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
             raise ValueError(f"max_off_policy_threshold must be an integer >= 1 (versions from admission to training; "
@@ -167,7 +166,9 @@ class FullyAsyncRollout(RolloutWrapper):
         self.num_warmup_batches, self.chunk_tokens, self.timeout = num_warmup_batches, chunk_tokens, timeout
         self.placement = placement if placement != "auto" else (
             "thread" if getattr(rollout, "remote_engine", False) else "process")
-        self.process_options = {"start_method": start_method, "threads": threads, "max_restarts": max_engine_restarts}
+        # no restarts: a dead process would be forked again from the driver thread, and a fork beside other threads
+        # can deadlock in the child (seen: a hung suite); the first death stops the run, naming the process
+        self.process_options = {"start_method": start_method, "threads": threads, "max_restarts": 0}
         self.engine = None
         self.version, self.restored = 0, False
         self.batch_size: int | None = None
