@@ -84,16 +84,15 @@ def test_function_reward_in_processes_counts_timeouts_and_goes_on():
 
 
 def test_function_reward_in_processes_gives_up_on_a_batch_that_only_hangs():
-    """16 hanging calls on 2 processes, timeout 0.5 s: waves of time-outs would take 8 x 0.5 = 4 s; the batch
-    gives up when no call has answered for 2 x 0.5 s, kills the hung workers, and the run stops, saying why."""
+    """16 hanging calls on 2 processes, timeout 0.5 s: timing out in waves would kill and replace the two workers
+    8 times (16 restarts); the batch gives up when no call has answered for 2 x 0.5 s, after two waves (4 restarts),
+    and the run stops, saying why. Counted, not timed: a wall-clock bound failed on a loaded machine."""
     reward = FunctionReward(slow_or_crash, processes=2, timeout_s=0.5)
     try:
         reward(make_batch(["ab"]))  # the workers are started
-        start = time.monotonic()
         with pytest.raises(RewardError, match=r"every sample of the batch \(16 of 16\).*timed out after 0.5 s"):
             reward(make_batch(["hang"] * 16))
-        assert time.monotonic() - start < 3.0
-        assert reward._pool.restarts == 4  # two waves of two hung workers, killed and replaced
+        assert reward._pool.restarts == 4  # two waves of two hung workers, killed and replaced (not 8 waves)
         assert reward(make_batch(["abc"]))[K.SCORES].tolist() == [3.0]  # the pool still works
     finally:
         reward.close()
