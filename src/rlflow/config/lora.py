@@ -34,16 +34,7 @@ def lora_argument(cfg: VerlConfig, notes: list[str]) -> dict | str | None:
         raise NotSupportedError(on, cfg[on], "LoRA with the Megatron strategy",
                                 "Use actor_rollout_ref.actor.strategy=fsdp or fsdp2 with LoRA.")
     if adapter:
-        folder = Path(str(adapter)).expanduser()
-        if not (folder / "adapter_config.json").exists():
-            raise ConfigError(f"{M}.lora_adapter_path={adapter!r}: not a PEFT adapter folder (no adapter_config.json)")
-        shaped = [k for k in (f"{M}.lora_rank", *SEED_TO_VERL) if cfg.is_provided(k)]
-        for key in shaped:  # read: this note replaces the generic "has no effect" one
-            cfg[key]
-        if shaped:
-            notes.append(f"{M}.lora_adapter_path: the adapter's own adapter_config.json sets rank, alpha and targets; "
-                         f"ignored: {', '.join(shaped)}")
-        return str(folder)
+        return adapter_folder(cfg, notes, M, adapter, (f"{M}.lora_rank", *SEED_TO_VERL))
     if seed_on:
         values = {verl: cfg[seed] for seed, verl in SEED_TO_VERL.items()}
         for seed, verl in SEED_TO_VERL.items():
@@ -81,16 +72,8 @@ def critic_lora_argument(cfg: VerlConfig, notes: list[str]) -> dict | str | None
                                 adapter or rank, "LoRA on the critic with the Megatron strategy",
                                 "Use critic.strategy=fsdp or fsdp2 with LoRA.")
     if adapter:
-        folder = Path(str(adapter)).expanduser()
-        if not (folder / "adapter_config.json").exists():
-            raise ConfigError(f"{CM}.lora_adapter_path={adapter!r}: not a PEFT adapter folder (no adapter_config.json)")
-        shaped = [k for k in (f"{CM}.lora_rank", f"{CM}.lora_alpha", f"{CM}.target_modules") if cfg.is_provided(k)]
-        for key in shaped:  # read: this note replaces the generic "has no effect" one
-            cfg[key]
-        if shaped:
-            notes.append(f"{CM}.lora_adapter_path: the adapter's own adapter_config.json sets rank, alpha and targets; "
-                         f"ignored: {', '.join(shaped)}")
-        return str(folder)
+        shape = (f"{CM}.lora_rank", f"{CM}.lora_alpha", f"{CM}.target_modules")
+        return adapter_folder(cfg, notes, CM, adapter, shape)
     if not isinstance(rank, int):
         raise ConfigError(f"{CM}.lora_rank={rank!r}: LoRA rank must be a positive integer")
     from peft import LoraConfig
@@ -111,3 +94,18 @@ def make_lora(argument: dict | str | None):
     from peft import LoraConfig
 
     return LoraConfig(**argument)
+
+
+def adapter_folder(cfg, notes: list[str], model: str, adapter, shape_keys) -> str:
+    """A PEFT adapter folder named by ``{model}.lora_adapter_path`` (checked), with a note naming the shape keys the
+    user set, which the adapter's own adapter_config.json overrides."""
+    folder = Path(str(adapter)).expanduser()
+    if not (folder / "adapter_config.json").exists():
+        raise ConfigError(f"{model}.lora_adapter_path={adapter!r}: not a PEFT adapter folder (no adapter_config.json)")
+    shaped = [k for k in shape_keys if cfg.is_provided(k)]
+    for key in shaped:  # read: this note replaces the generic "has no effect" one
+        cfg[key]
+    if shaped:
+        notes.append(f"{model}.lora_adapter_path: the adapter's own adapter_config.json sets rank, alpha and targets; "
+                     f"ignored: {', '.join(shaped)}")
+    return str(folder)
