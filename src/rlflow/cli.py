@@ -14,6 +14,7 @@ import importlib
 import sys
 import time
 
+from rlflow.config.components import is_tree_file
 from rlflow.slurm import add_arguments as slurm_arguments, main as launch_slurm  # argparse only: no torch
 
 # default-job flag -> (flag, default, the key to use instead with a verl config, ... with a native recipe)
@@ -26,6 +27,10 @@ DEFAULT_JOB_FLAGS = {
     "task": ("--task", "addition", "actor_rollout_ref.model.path and data.train_files", "policy.path and data.train"),
     "max_staleness": ("--max-staleness", None, "async_training.staleness_threshold=K", "async_rollout.max_staleness=K"),
 }
+# default-job flag -> what sets it in a component tree (recipes/tree/default_job.yaml)
+TREE_KEYS = {"seed": "loop.seed=N (and policy.seed, data.seed)", "steps": "loop.max_steps=N", "run_dir": "run.path=DIR",
+             "no_progress": "loop.progress=false", "rollout": "rollout._target_=CLASS",
+             "task": "the policy and data nodes", "max_staleness": "rollout: {_target_: rlflow.rollout.AsyncRollout, ...}"}
 # --task -> (the module whose run() trains it, its run folder's prefix)
 TASK_JOBS = {"addition": ("rlflow.tasks.default_job", "default"), "vision": ("rlflow.tasks.vision_job", "vision"),
              "tools": ("rlflow.tasks.tool_job", "tools")}
@@ -119,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         return prepare_task([args.out_dir])
     if args.command == "train":
         args.overrides += extra
+        if not args.config and args.overrides and args.overrides[0].endswith((".yaml", ".yml")) and "=" not in args.overrides[0]:
+            args.config = args.overrides.pop(0)  # rlflow train RECIPE.yaml: as --config RECIPE.yaml
         if args.overrides or args.config_name or args.config_path or args.config:
             return _train_from_config(parser, args)
         if args.dry_run or args.show_config:
@@ -143,6 +150,8 @@ def _train_from_config(parser: argparse.ArgumentParser, args: argparse.Namespace
     for attr, (flag, default, verl_key, native_key) in DEFAULT_JOB_FLAGS.items():
         if getattr(args, attr) != default:
             key = native_key if args.config else verl_key
+            if args.config and is_tree_file(args.config):
+                key = TREE_KEYS[attr]
             parser.error(f"{flag} belongs to the default job; with a config, use {key}")
     from rlflow.config.run import main as run_config
 
