@@ -56,9 +56,11 @@ GROUP_TARGETS = {arg: f"rlflow.{cls.__name__}" for arg, cls in GROUPS.items()}  
 
 def is_tree(data: Any) -> bool:
     """A loaded YAML recipe is a component tree when its root or one of its top-level sections names a
-    ``_target_`` (verl's YAML has nested ``_target_`` nodes too, but is never read through here)."""
-    return isinstance(data, dict) and ("_target_" in data or any(
-        isinstance(v, dict) and "_target_" in v for v in data.values()))
+    ``_target_`` that is not verl's (verl's own YAML has ``critic: {_target_: verl.workers.config...}`` nodes)."""
+    if not isinstance(data, dict):
+        return False
+    targets = [data.get("_target_")] + [v.get("_target_") for v in data.values() if isinstance(v, dict)]
+    return any(isinstance(t, str) and not t.startswith("verl.") for t in targets)
 
 
 def is_tree_file(path: str | Path) -> bool:
@@ -71,7 +73,8 @@ def is_tree_file(path: str | Path) -> bool:
 
 def load(path: str | Path, overrides: list[str] | tuple = ()) -> dict:
     """The tree of a YAML file with ``key=value`` overrides applied (Hydra's syntax: ``loss.clip_ratio=0.3``,
-    ``+key=value`` to add, ``~key`` to delete; values are YAML), the Trainer's groups given their ``_target_``."""
+    ``+key=value`` to add, ``~key`` to delete; values are YAML, and ``loss={_target_: ..., ...}`` replaces the whole
+    node), the Trainer's groups given their ``_target_``."""
     path = Path(path).expanduser()
     try:
         cfg = OmegaConf.load(path)
@@ -88,7 +91,8 @@ def load(path: str | Path, overrides: list[str] | tuple = ()) -> dict:
         key, eq, value = item.lstrip("+").partition("=")
         if not eq or not key:
             raise ConfigError(f"{item}: an override is key=value (e.g. loss.clip_ratio=0.3)")
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{key}={value}"]))
+        parsed = OmegaConf.from_dotlist([f"value={value}"])["value"]  # YAML, with OmegaConf's floats (1e-3)
+        OmegaConf.update(cfg, key, parsed, merge=False, force_add=True)  # a node given whole replaces the old one
     tree = OmegaConf.to_container(cfg, resolve=True)
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: a recipe is a mapping of the Trainer's arguments, got {type(tree).__name__}")
@@ -168,32 +172,31 @@ def _walk(value: Any, path: str, base_dir, problems: list[ConfigError]) -> None:
 
 
 def _check_node(node: dict, path: str, base_dir, problems: list[ConfigError], root: bool = False) -> None:
+    """The node's own problems (its target, its keys against the signature), then its arguments' nodes'."""
     at = (lambda key: f"{path}.{key}" if path else key)
-    for key in node:
-        if key.startswith("_") and key.endswith("_") and key not in KEYWORDS:
-            problems.append(ConfigError(f"{at(key)}: not a Hydra keyword ({', '.join(KEYWORDS)})"))
+    unknown = [k for k in node if k.startswith("_") and k.endswith("_") and k not in KEYWORDS]
+    problems += [ConfigError(f"{at(k)}: not a Hydra keyword ({', '.join(KEYWORDS)})") for k in unknown]
+    names = [k for k in node if k not in KEYWORDS and k not in unknown]
+    args = node.get("_args_", [])
+    if not isinstance(args, list):
+        problems.append(ConfigError(f"{at('_args_')}: a list of positional arguments, got {args!r}"))
+        args = []
     try:
         target = locate(node["_target_"], at("_target_"), base_dir)
     except LookupError as e:
         problems.append(ConfigError(str(e)))
         target = None
-    args = node.get("_args_", [])
-    if not isinstance(args, list):
-        problems.append(ConfigError(f"{at('_args_')}: a list of positional arguments, got {args!r}"))
-        args = []
-    for i, item in enumerate(args):
-        _walk(item, f"{at('_args_')}[{i}]", base_dir, problems)
-    names = [k for k in node if k not in KEYWORDS]
-    for key in names:
-        _walk(node[key], at(key), base_dir, problems)
-    if target is None:
-        return
     if target in NAMERS and isinstance(node.get("path"), str):  # the object it names must exist too
         try:
             named(node["path"], at("path"), base_dir)
         except LookupError as e:
             problems.append(ConfigError(str(e)))
-    problems += _bind(target, node, names, len(args), path, root)
+    if target is not None:
+        problems += _bind(target, node, names, len(args), path, root)
+    for i, item in enumerate(args):
+        _walk(item, f"{at('_args_')}[{i}]", base_dir, problems)
+    for key in names:
+        _walk(node[key], at(key), base_dir, problems)
 
 
 def _bind(target: Callable, node: dict, names: list[str], n_args: int, path: str, root: bool) -> list[ConfigError]:
