@@ -148,3 +148,14 @@ def test_the_default_jobs_tree_trains_as_the_default_job(tmp_path):
         assert any(k.startswith("val-core/") for k in mine)
         assert {k: v for k, v in mine.items() if not k.startswith(TIMING) and k != "step"} == \
                {k: v for k, v in theirs.items() if not k.startswith(TIMING)}
+
+
+def test_the_pages_tree_and_python_are_the_recipe_and_its_dry_run(capsys):
+    """docs/config-tree.md shows recipes/tree/default_job.yaml and its dry run as they are (tests/test_docs.py runs
+    both blocks)."""
+    page = (ROOT / "docs" / "config-tree.md").read_text()
+    recipe = "".join(line for line in DEFAULT_TREE.read_text().splitlines(keepends=True) if not line.startswith("#"))
+    assert f"```yaml\n{recipe}```" in page
+    assert main(["train", str(DEFAULT_TREE), "--dry-run"]) == 0
+    code = capsys.readouterr().out.split("(nothing was built):\n\n", 1)[1]
+    assert f"```python\n{code.rstrip()}\n```" in page
