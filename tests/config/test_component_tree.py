@@ -159,3 +159,10 @@ def test_the_pages_tree_and_python_are_the_recipe_and_its_dry_run(capsys):
     assert main(["train", str(DEFAULT_TREE), "--dry-run"]) == 0
     code = capsys.readouterr().out.split("(nothing was built):\n\n", 1)[1]
     assert f"```python\n{code.rstrip()}\n```" in page
+
+
+def test_a_default_job_flag_with_a_tree_names_the_trees_key(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", str(DEFAULT_TREE), "--steps", "3"])
+    assert exc.value.code == 2
+    assert "--steps belongs to the default job; with a config, use loop.max_steps=N" in capsys.readouterr().err

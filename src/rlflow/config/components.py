@@ -41,6 +41,7 @@ from typing import Any, Callable
 import yaml
 from hydra.utils import get_class, get_method, get_object, instantiate
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from rlflow.config.errors import ConfigError, raise_problems
 from rlflow.registry import is_file_location, load_object, split_spec
@@ -91,9 +92,15 @@ def load(path: str | Path, overrides: list[str] | tuple = ()) -> dict:
         key, eq, value = item.lstrip("+").partition("=")
         if not eq or not key:
             raise ConfigError(f"{item}: an override is key=value (e.g. loss.clip_ratio=0.3)")
-        parsed = OmegaConf.from_dotlist([f"value={value}"])["value"]  # YAML, with OmegaConf's floats (1e-3)
-        OmegaConf.update(cfg, key, parsed, merge=False, force_add=True)  # a node given whole replaces the old one
-    tree = OmegaConf.to_container(cfg, resolve=True)
+        try:
+            parsed = OmegaConf.from_dotlist([f"value={value}"])["value"]  # YAML, with OmegaConf's floats (1e-3)
+            OmegaConf.update(cfg, key, parsed, merge=False, force_add=True)  # a node given whole replaces the old one
+        except (OmegaConfBaseException, yaml.YAMLError) as e:
+            raise ConfigError(f"{item}: cannot apply the override: {e}") from None
+    try:
+        tree = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:  # an ${interpolation} that does not resolve
+        raise ConfigError(f"{path}: {e}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: a recipe is a mapping of the Trainer's arguments, got {type(tree).__name__}")
     for arg, target in GROUP_TARGETS.items():  # optim: {lr: ...} means Optim(lr=...)
