@@ -3,8 +3,9 @@
 ``rlflow train`` with no arguments runs the default job. With verl-style overrides
 (``rlflow train algorithm.adv_estimator=grpo data.train_files=... ``), a verl YAML
 (``--config-path DIR --config-name NAME``) or a native recipe (``--config recipe.yaml``) it runs
-the same path as ``python -m rlflow.trainer.main_ppo``; ``--dry-run`` validates and explains a
-config without training.
+the same path as ``python -m rlflow.trainer.main_ppo``; a component-tree recipe (``rlflow train TREE.yaml``, YAML with
+``_target_`` nodes: docs/config-tree.md) is built by :mod:`rlflow.config.components_run`. ``--dry-run`` validates and
+explains a config without training.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--dry-run", action="store_true",
                        help="validate config and data, print what would be built, batch arithmetic and cost; stop")
     train.add_argument("--show-config", action="store_true", help="with --dry-run: also print the full resolved config")
-    train.add_argument("overrides", nargs="*", help="verl keys in Hydra syntax: key=value, +key=value, key=[a,b]")
+    train.add_argument("overrides", nargs="*", help="verl keys in Hydra syntax: key=value, +key=value, key=[a,b]; "
+                                                     "first, a recipe file may stand for --config (RECIPE.yaml)")
     export = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face folder",
                             description="Write a checkpoint's policy (config.json, safetensors weights, tokenizer) "
                                         "as a folder transformers' from_pretrained loads. Checkpoints are "
