@@ -386,10 +386,27 @@ RUN_COMMANDS = {
                            "actor_rollout_ref.model.path=/models/Qwen2.5-7B-Instruct "
                            "data.train_files=/data/gsm8k/train.parquet algorithm.adv_estimator=grpo"): "launch",
 }
+TREE_TRAINED = ("tests/config/test_component_tree.py::test_the_default_jobs_tree_trains_as_the_default_job trains the "
+                "default job's tree (2 steps)")
+NOT_RUN.update({
+    ("docs/config-tree.md", "loss: {_target_: my_losses.py:ScaledLoss, scale: 0.5}     # a file, relative to the recipe's folder"):
+        "a fragment naming the user's own files; tests/config/test_component_tree.py::"
+        "test_a_users_class_by_file_or_import_path_needs_no_config_code plugs in such a class by file and by import path",
+})
+RUN_PYTHON[("docs/config-tree.md", "from rlflow import Batching, FunctionReward, GRPO, HFRollout, Loop, Optim, PPOLoss, "
+                                   "RunDir, Trainer")] = [("max_steps=200", "max_steps=1"), ("val_every=40", "val_every=0")]
+RUN_COMMANDS.update({  # the training commands run as dry runs (every override checked); TREE_TRAINED trains
+    ("docs/config-tree.md", "rlflow train recipes/tree/default_job.yaml"): "tree",
+    ("docs/config-tree.md", "rlflow train recipes/tree/default_job.yaml loop.max_steps=50 rollout.n=4 "
+                            "loss._target_=rlflow.algorithms.GSPOLoss"): "tree",
+    ("docs/config-tree.md", "rlflow train recipes/tree/default_job.yaml --dry-run"): "tree",
+})
 RUN_YAML = {("docs/verl-compat.md", "policy: {path: models/qwen-0.5b}    # LoRA: {path: ..., lora: {r: 32, alpha: 64, "
                                     "target_modules: all-linear}}"): "native",  # a recipe
             ("docs/rewards.md", "reward_model:"): "verl",  # verl keys
-            ("docs/rewards.md", "reward:"): "verl"}  # verl 0.9's reward section
+            ("docs/rewards.md", "reward:"): "verl",  # verl 0.9's reward section
+            ("docs/config-tree.md", "policy:                       # the task's tiny model after the supervised "
+                                    "warm start (shipped for seeds 0-2)"): "tree"}  # a component tree
 
 
 def keyed() -> dict[tuple[str, str], Block]:
@@ -464,6 +481,11 @@ def test_yaml_block_loads_and_validates(key, tmp_path):
 
     (tmp_path / "config.yaml").write_text(KEYED[key].text)
     problems: list = []
+    if RUN_YAML[key] == "tree":
+        from rlflow.config import components
+
+        assert not components.check(components.load(tmp_path / "config.yaml"))
+        return
     if RUN_YAML[key] == "native":
         cfg = load_native(tmp_path / "config.yaml", problems=problems)
         assert cfg["algorithm.filter_groups.enable"] and cfg["algorithm.use_kl_in_reward"]
@@ -523,6 +545,17 @@ def test_recipe_commands_run_from_a_copy_of_the_repository(no_gpu, monkeypatch, 
     for key in sorted(k for k, v in RUN_COMMANDS.items() if v == "recipe"):
         assert main(argv_of(key[1])) == 0, key
     assert "Dry run: config and data are valid" in capsys.readouterr().out
+
+
+def test_tree_commands_check_and_dry_run(monkeypatch, capsys):
+    """The Config-tree page's commands from the repository root, the training ones as dry runs (TREE_TRAINED)."""
+    from rlflow.cli import main
+
+    monkeypatch.chdir(ROOT)
+    for key in sorted(k for k, v in RUN_COMMANDS.items() if v == "tree"):
+        argv = argv_of(key[1])
+        assert main(argv if "--dry-run" in argv else [*argv, "--dry-run"]) == 0, key
+    assert capsys.readouterr().out.count("is valid. The Python it builds") == 3
 
 
 def test_the_slurm_command_writes_a_valid_script(monkeypatch, tmp_path, capsys):

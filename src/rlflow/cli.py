@@ -3,8 +3,9 @@
 ``rlflow train`` with no arguments runs the default job. With verl-style overrides
 (``rlflow train algorithm.adv_estimator=grpo data.train_files=... ``), a verl YAML
 (``--config-path DIR --config-name NAME``) or a native recipe (``--config recipe.yaml``) it runs
-the same path as ``python -m rlflow.trainer.main_ppo``; ``--dry-run`` validates and explains a
-config without training.
+the same path as ``python -m rlflow.trainer.main_ppo``; a component-tree recipe (``rlflow train TREE.yaml``, YAML with
+``_target_`` nodes: docs/config-tree.md) is built by :mod:`rlflow.config.components_run`. ``--dry-run`` validates and
+explains a config without training.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib
 import sys
 import time
 
+from rlflow.config.components import is_tree_file
 from rlflow.slurm import add_arguments as slurm_arguments, main as launch_slurm  # argparse only: no torch
 
 # default-job flag -> (flag, default, the key to use instead with a verl config, ... with a native recipe)
@@ -26,6 +28,10 @@ DEFAULT_JOB_FLAGS = {
     "task": ("--task", "addition", "actor_rollout_ref.model.path and data.train_files", "policy.path and data.train"),
     "max_staleness": ("--max-staleness", None, "async_training.staleness_threshold=K", "async_rollout.max_staleness=K"),
 }
+# default-job flag -> what sets it in a component tree (recipes/tree/default_job.yaml)
+TREE_KEYS = {"seed": "loop.seed=N (and policy.seed, data.seed)", "steps": "loop.max_steps=N", "run_dir": "run.path=DIR",
+             "no_progress": "loop.progress=false", "rollout": "rollout._target_=CLASS",
+             "task": "the policy and data nodes", "max_staleness": "rollout: {_target_: rlflow.rollout.AsyncRollout, ...}"}
 # --task -> (the module whose run() trains it, its run folder's prefix)
 TASK_JOBS = {"addition": ("rlflow.tasks.default_job", "default"), "vision": ("rlflow.tasks.vision_job", "vision"),
              "tools": ("rlflow.tasks.tool_job", "tools")}
@@ -57,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--dry-run", action="store_true",
                        help="validate config and data, print what would be built, batch arithmetic and cost; stop")
     train.add_argument("--show-config", action="store_true", help="with --dry-run: also print the full resolved config")
-    train.add_argument("overrides", nargs="*", help="verl keys in Hydra syntax: key=value, +key=value, key=[a,b]")
+    train.add_argument("overrides", nargs="*", help="verl keys in Hydra syntax: key=value, +key=value, key=[a,b]; "
+                                                     "first, a recipe file may stand for --config (RECIPE.yaml)")
     export = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face folder",
                             description="Write a checkpoint's policy (config.json, safetensors weights, tokenizer) "
                                         "as a folder transformers' from_pretrained loads. Checkpoints are "
@@ -119,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         return prepare_task([args.out_dir])
     if args.command == "train":
         args.overrides += extra
+        if not args.config and args.overrides and args.overrides[0].endswith((".yaml", ".yml")) and "=" not in args.overrides[0]:
+            args.config = args.overrides.pop(0)  # rlflow train RECIPE.yaml: as --config RECIPE.yaml
         if args.overrides or args.config_name or args.config_path or args.config:
             return _train_from_config(parser, args)
         if args.dry_run or args.show_config:
@@ -143,6 +152,8 @@ def _train_from_config(parser: argparse.ArgumentParser, args: argparse.Namespace
     for attr, (flag, default, verl_key, native_key) in DEFAULT_JOB_FLAGS.items():
         if getattr(args, attr) != default:
             key = native_key if args.config else verl_key
+            if args.config and is_tree_file(args.config):
+                key = TREE_KEYS[attr]
             parser.error(f"{flag} belongs to the default job; with a config, use {key}")
     from rlflow.config.run import main as run_config
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from rlflow.config import components, components_run
 from rlflow.config.devices import check_launcher, resolve_devices
 from rlflow.config.key_notes import unused_notes  # also importable from here, as before
 from rlflow.config.loading import ConfigError, VerlConfig, load_config, raise_problems
@@ -197,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code. Config errors print one clear message and return 2."""
     started = time.perf_counter()
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.config and components.is_tree_file(args.config):  # a component tree (_target_ nodes): its own path
+        return components_run.main(args.config, args.overrides, args.dry_run, args.show_config, started)
     quiet_other_ranks()  # under torchrun: each warning and bar once (rank 0), not once per process
     try:
         cfg = load_and_check(args)  # before anything heavy: a config error comes back in about a second

@@ -42,6 +42,18 @@ ROLLOUTS = {"hf": lambda n, max_new_tokens: HFRollout(n=n, temperature=1.0, max_
             "vllm": vllm_rollout}
 
 
+def warm_started_policy(seed: int = 0, *, task: AdditionTask | None = None, temperature: float = 1.0, lora=None,
+                        progress: bool = False) -> Policy:
+    """The default job's policy: the task's tiny model after the supervised warm start (shipped for seeds 0-2)."""
+    model, tokenizer = warm_started_model(task or AdditionTask(), seed, progress=progress)
+    return Policy(model, tokenizer, temperature=temperature, lora=lora)
+
+
+def prompts(seed: int = 0, *, task: AdditionTask | None = None):
+    """The default job's prompts: the task's training split, and its held-out split for validation."""
+    return (task or AdditionTask()).data(seed)
+
+
 def build_trainer(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/default", *, task: AdditionTask | None = None,
                   batch_size: int = 32, n: int = 8, lr: float = 2e-4, progress: bool = True,
                   estimator=None, loss=None, reward=None, rollout: str = "hf", lora=None,
@@ -58,8 +70,7 @@ def build_trainer(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/d
     (``Chain(TruncatedIS(), GRPO())``, ``PPOLoss(is_weights=True)``).
     """
     task = task or AdditionTask()
-    model, tokenizer = warm_started_model(task, seed, progress=progress)
-    policy = Policy(model, tokenizer, temperature=1.0, lora=lora)
+    policy = warm_started_policy(seed, task=task, lora=lora, progress=progress)
     sampler = ROLLOUTS[rollout](n, task.max_new_tokens)
     if max_staleness is not None:
         sampler = AsyncRollout(sampler, max_staleness=max_staleness)
@@ -75,7 +86,7 @@ def build_trainer(seed: int = 0, steps: int = 200, run_dir: str | Path = "runs/d
         **with_groups(batch_size=batch_size, lr=lr, weight_decay=0.0, max_steps=steps, run_dir=run_dir, seed=seed,
                       progress=progress, **trainer_kwargs),
     )
-    return trainer, task.data(seed)
+    return trainer, prompts(seed, task=task)
 
 
 def plot_rewards(history: list[dict], path: Path, before: float | None = None) -> None:
