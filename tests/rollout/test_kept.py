@@ -107,6 +107,16 @@ def test_a_response_spanning_a_kept_update_switches_version_at_the_pause_with_th
         assert (wrong[after] - recorded[after]).abs().max() > 1e-3
 
 
+class Pauser:
+    """Freezes the server's requests (/pause?mode=keep) as soon as a batch is taken: the groups admitted for the
+    next batch then wait, mid-generation or before it, for the weights of the step being trained, which
+    FullyAsyncRollout loads with them kept (and resumes)."""
+
+    def on_rollout_end(self, trainer, batch):
+        self.engine = trainer.rollout.engine
+        self.engine.request("/pause?mode=keep&clear_cache=false", {})
+
+
 @requires_vllm
 def test_a_fully_async_run_through_a_server_keeps_its_requests_and_trains_every_prompt_once(
         vllm_server, vllm_model_dir, tmp_path, caplog):
@@ -114,15 +124,16 @@ def test_a_fully_async_run_through_a_server_keeps_its_requests_and_trains_every_
     recorded log-prob is that of the weights of the version it is labelled with (over the KV its request kept),
     versions never newer than the trainer's, and no prompt is trained twice."""
     policy = Policy.from_pretrained(vllm_model_dir)
-    recorder = Recorder()
-    rollout = FullyAsyncRollout(ServerRollout(vllm_server, n=2, max_new_tokens=24), max_off_policy_threshold=2,
+    recorder, pauser = Recorder(), Pauser()
+    rollout = FullyAsyncRollout(ServerRollout(vllm_server, n=2, max_new_tokens=48), max_off_policy_threshold=3,
                                 max_off_policy_strategy="wait")
     with caplog.at_level(logging.INFO, logger="rlflow.rollout.fully_async"):
-        trainer = make_trainer(policy.model, policy.tokenizer, tmp_path, rollout, steps=3, callbacks=[recorder])
+        trainer = make_trainer(policy.model, policy.tokenizer, tmp_path, rollout, steps=3, callbacks=[recorder, pauser])
         try:
             history = trainer.fit(PromptData(AdditionTask().splits()[0][:24], seed=0))
         finally:
             rollout.close()
+            pauser.engine.request("/resume", {})  # the session's server samples for the next tests
     assert rollout.partial_path == "keep" and "keep the requests in flight" in caplog.text
     assert len(history) == 3 and all("training/off_policy/trajectory_spans/max" in m for m in history)
     models = {}
