@@ -253,6 +253,9 @@ class ServerEngine(Engine):
             if None in versions:
                 raise ServerError(f"{self.url} did not say which weights sampled every token (weight_versions: "
                                   f"{choice.get('weight_versions')}, {len(ids)} tokens)")
+            if choice.get("finish_reason") == "abort":
+                raise ServerError(f"{self.url} aborted a request (another client's /abort_requests or /pause?mode="
+                                  "abort?): its samples are lost to this run")
             reason = "length" if choice.get("finish_reason") == "length" else "stop"
             out.append(Completion(list(ids), [float(c["logprob"]) for c in content], reason,
                                   extras={"token_versions": versions}))
@@ -277,8 +280,9 @@ class ServerEngine(Engine):
 
     def abort_kept(self, request_ids: list[str]) -> None:
         """Stop requests nobody will read (a stopped run)."""
-        if request_ids:
-            self.request("/abort_requests", {"request_ids": list(request_ids)}, retries=0)
+        if request_ids:  # vLLM 0.32 names a /inference/v1/generate request "generate-tokens-<ours>"
+            ids = [i for rid in request_ids for i in (rid, f"generate-tokens-{rid}")]
+            self.request("/abort_requests", {"request_ids": ids}, retries=0)
 
     def reload(self, folder: str) -> None:
         """vLLM (``VLLM_SERVER_DEV_MODE=1``): reload in place, then drop the prefix cache of the old weights."""
