@@ -92,6 +92,7 @@ def test_a_response_spanning_a_kept_update_switches_version_at_the_pause_with_th
         if spanning.extras["token_versions"][-1] == 1:
             break
     versions = spanning.extras["token_versions"]
+    assert 1 in versions, f"the streamed request ran to its end before each of 3 pauses: {versions}"
     switch = versions.index(1)
     assert 0 < switch < room and versions == [0] * switch + [1] * (room - switch)
     results.append([spanning])
