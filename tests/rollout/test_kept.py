@@ -18,6 +18,7 @@ from rlflow.rollout.engines.server import KEPT_PATH
 from rlflow.rollout.single_turn import unpadded
 from rlflow.tasks.addition import AdditionTask
 from tests.rollout.conftest import MAX_MODEL_LEN, requires_vllm
+from tests.rollout.fault_proxy import FaultProxy
 from tests.rollout.test_async_rollout import Recorder
 from tests.rollout.test_fully_async import make_trainer, perturbed
 
@@ -167,3 +168,22 @@ def test_an_engine_without_kept_requests_falls_back_to_chunks_and_says_so(model,
         assert rollout.partial_path == "chunks" and "by chunks of 32 tokens" in caplog.text
     finally:
         rollout.close()
+
+
+@requires_vllm
+def test_a_server_without_the_generate_endpoint_falls_back_to_chunks_and_says_why(vllm_server, vllm_model_dir, caplog):
+    """A vLLM server started without --enable-scale-out answers /inference/v1/generate with 403 (a proxy answers
+    so in front of the session's server): 'auto' takes chunks, naming the flag; 'keep' is refused, naming it."""
+    proxy = FaultProxy(vllm_server, lambda path, body, seen: 403 if path == KEPT_PATH else None)
+    policy = Policy.from_pretrained(vllm_model_dir)
+    try:
+        rollout = FullyAsyncRollout(ServerRollout(proxy.url, n=2, max_new_tokens=4))
+        with caplog.at_level(logging.INFO, logger="rlflow.rollout.fully_async"):
+            rollout.bind(policy.model, policy.tokenizer)
+        assert rollout.partial_path == "chunks" and "--enable-scale-out" in caplog.text
+        rollout.close()
+        refused = FullyAsyncRollout(ServerRollout(proxy.url, n=2, max_new_tokens=4), pause_mode="keep")
+        with pytest.raises(ValueError, match="pause_mode='keep'.*--enable-scale-out"):
+            refused.bind(policy.model, policy.tokenizer)
+    finally:
+        proxy.close()
