@@ -194,3 +194,14 @@ def test_the_entry_point_trains_verls_fully_async_recipe_keys(tiny, capsys, tmp_
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "training/off_policy/trajectory_spans/max" in r]
     assert len(steps) == 2 and all("rollout_corr/rollout_is_mean" in r for r in steps)
+
+
+def test_pause_mode_chooses_how_partial_rollouts_continue_a_request_and_a_bad_one_is_named():
+    """rlflow's async_training.pause_mode (verl has no key for it) reaches FullyAsyncRollout in both fully
+    asynchronous modes; unset, FullyAsyncRollout's own default (auto) holds."""
+    v1 = ["trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async"]
+    assert plan(*v1, "async_training.pause_mode=chunks").fully_async["pause_mode"] == "chunks"
+    assert plan("async_training.partial_rollout=true", "async_training.pause_mode=keep").fully_async["pause_mode"] == "keep"
+    assert "pause_mode" not in plan(*v1).fully_async
+    with pytest.raises(ConfigError, match="async_training.pause_mode='abort'.*auto, keep, chunks"):
+        plan(*v1, "async_training.pause_mode=abort")

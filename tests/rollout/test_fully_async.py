@@ -247,6 +247,7 @@ def test_a_dead_generation_process_fails_the_run_naming_it(model, tokenizer, add
     ({"num_warmup_batches": -1}, "num_warmup_batches"),
     ({"chunk_tokens": 0}, "chunk_tokens"),
     ({"placement": "gpu"}, "placement"),
+    ({"pause_mode": "abort"}, "pause_mode"),
 ])
 def test_bad_arguments_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):

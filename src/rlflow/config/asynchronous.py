@@ -19,6 +19,11 @@ verl 0.9's V1 asynchronous modes (``trainer.use_v1=True``, ``trainer.v1.trainer_
 ``FullyAsyncRollout(rollout, max_off_policy_threshold, max_off_policy_strategy, num_warmup_batches)`` from
 ``trainer.v1.sampler.*`` and ``trainer.v1.<mode>.num_warmup_batches`` (docs/async.md), with the same IS default.
 
+``async_training.pause_mode`` (rlflow's key; verl has none, it aborts and resends): how partial rollouts continue
+a request across a weight update, FullyAsyncRollout's ``pause_mode``: ``auto`` (the default: requests kept with
+vLLM's ``pause_generation(mode="keep")`` where the engine has it, a vLLM server; chunks elsewhere), ``keep``
+(refused where the engine lacks it) or ``chunks``.
+
 verl's fully-async recipe keys map onto the same two classes. ``async_training.partial_rollout=True`` (verl's mode
 "async stream pipeline with partial rollout") is ``FullyAsyncRollout(max_off_policy_threshold=None,
 num_warmup_batches=staleness_threshold)``: verl lets the rollouter generate at most ``(1 + staleness_threshold)``
@@ -45,6 +50,7 @@ RESTARTS = "async_training.max_engine_restarts"  # rlflow's: the engine's proces
 USE_V1, MODE = "trainer.use_v1", "trainer.v1.trainer_mode"
 THRESHOLD, STRATEGY = "trainer.v1.sampler.max_off_policy_threshold", "trainer.v1.sampler.max_off_policy_strategy"
 PARTIAL = "async_training.partial_rollout"
+PAUSE, PAUSE_MODES = "async_training.pause_mode", ("auto", "keep", "chunks")  # rlflow's: FullyAsyncRollout's pause_mode
 SYNC_STEP, REQUIRE = "async_training.trigger_parameter_sync_step", "async_training.require_batches"
 RECIPE_STALENESS = 0.1  # verl's fully_async_ppo_trainer.yaml: the bound partial rollouts get when it is not set
 MINI, EPOCHS = "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_epochs"
@@ -141,7 +147,7 @@ def v1_async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: li
         raise ConfigError(f"{warmup_key}={warmup!r}: a number of batches >= 0")
     correction(cfg, notes, after, MODE)
     kwargs = {"max_off_policy_threshold": threshold, "max_off_policy_strategy": strategy,
-              "num_warmup_batches": warmup}
+              "num_warmup_batches": warmup} | pause_mode(cfg)
     notes.append(f"{MODE}={mode}: the Trainer gets rollout=FullyAsyncRollout(rollout, "
                  + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ") (generation runs beside training with "
                  "partial rollouts; the engine in its own process or a server driven from a thread, in either mode; "
@@ -161,12 +167,23 @@ def partial_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: lis
                           "ahead of training (verl's fraction, e.g. 0.1; whole numbers too), a number >= 0")
     alone(PARTIAL, True, devices, dynamic_sampling, "fully asynchronous generation")
     correction(cfg, notes, after, PARTIAL)
-    kwargs = {"max_off_policy_threshold": None, "max_off_policy_strategy": "drop", "num_warmup_batches": ahead}
+    kwargs = {"max_off_policy_threshold": None, "max_off_policy_strategy": "drop",
+              "num_warmup_batches": ahead} | pause_mode(cfg)
     source = "" if cfg.is_provided(STALENESS) else f", verl's recipe default for {STALENESS}"
     notes.append(f"{PARTIAL}=True: the Trainer gets rollout=FullyAsyncRollout(rollout, "
                  + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + f") (at most {1 + ahead} batches generated "
                  f"ahead of training{source}; no age bound, as verl's recipe; docs/async.md)")
     return kwargs
+
+
+def pause_mode(cfg: VerlConfig) -> dict:
+    """FullyAsyncRollout's ``pause_mode`` from ``async_training.pause_mode`` (nothing when not set: its default)."""
+    if not cfg.is_provided(PAUSE):
+        return {}
+    if cfg[PAUSE] not in PAUSE_MODES:
+        raise ConfigError(f"{PAUSE}={cfg[PAUSE]!r}: choose from {', '.join(PAUSE_MODES)} (keep: requests kept across "
+                          "weight updates, vLLM's pause_generation(mode='keep'); chunks: partial rollouts by chunks)")
+    return {"pause_mode": cfg[PAUSE]}
 
 
 def correction(cfg: VerlConfig, notes: list[str], after: list, key: str) -> None:

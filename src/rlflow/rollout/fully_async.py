@@ -14,9 +14,13 @@ from a thread, as :class:`~rlflow.rollout.async_rollout.AsyncRollout` does) and 
   versions has, per token, the log-prob of the weights that sampled it (``rollout_log_probs``) and that
   version (``token_policy_version``); ``policy_version`` / ``policy_version_max`` are its oldest / newest.
   The importance-sampling correction (``TruncatedIS``, ``rlflow.algorithms.correction``) reads these per-token
-  log-probs, so it corrects each token against its own behaviour policy. (Chunking works with every engine; its
-  cost is one prefill of the prefix per chunk. vLLM's ``pause_generation(mode="keep")``, which keeps the KV cache
-  instead, is not used yet.)
+  log-probs, so it corrects each token against its own behaviour policy. Chunking works with every engine; its
+  cost is one prefill of the prefix per chunk.
+- **Requests kept across an update** (``pause_mode="keep"``, the default where the engine has it: a vLLM server
+  with ``/pause`` and ``/inference/v1/generate``, :mod:`rlflow.rollout.kept`): no chunks; each group is one
+  request, a push pauses the server with vLLM's ``mode="keep"`` (requests frozen, KV cache kept), loads the
+  weights and resumes, and vLLM reports which version sampled which token. The KV of the tokens before the pause
+  stays the old weights' (verl and vLLM accept it). ``bind`` logs which path is used (``partial_path``).
 - **Staleness per sample, in verl's terms.** A group admitted while the trainer's weights were version ``a`` and
   trained at version ``t`` has the *age* ``t - a + 1`` (verl's span from first generation to training; ``1``:
   trained on the weights it was admitted under). ``max_off_policy_threshold`` bounds it. Admission is paced so
@@ -43,6 +47,7 @@ so no prompt is lost or trained twice. One training process only.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import threading
 import time
@@ -58,10 +63,13 @@ from rlflow.rollout.async_rollout import PLACEMENTS
 from rlflow.rollout.engines.base import Completion, SamplingParams, hf_weight_buckets
 from rlflow.rollout.async_rollout import EngineFactory
 from rlflow.rollout.engines.process import EngineProcessError, ProcessEngine
+from rlflow.rollout.kept import drive_kept, keeps_requests
 from rlflow.rollout.single_turn import unpadded
 from rlflow.rollout.wrapper import RolloutWrapper, cat_batches
 
 STRATEGIES = ("drop", "wait")
+PAUSE_MODES = ("auto", "keep", "chunks")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -129,7 +137,10 @@ class FullyAsyncRollout(RolloutWrapper):
             ``trainer.v1.sampler.max_off_policy_strategy``).
         num_warmup_batches: batches admitted ahead of the one the trainer waits for (verl's
             ``trainer.v1.colocate_async.num_warmup_batches``; fractions admit part of a batch).
-        chunk_tokens: tokens generated per request between two chances to load new weights.
+        chunk_tokens: tokens generated per request between two chances to load new weights (the chunks path).
+        pause_mode: ``"keep"`` (requests kept across a weight update, vLLM's ``pause_generation(mode="keep")``;
+            refused at ``bind`` where the engine lacks it), ``"chunks"`` (partial rollouts by chunks, every
+            engine) or ``"auto"`` (``"keep"`` where the engine has it, else chunks). ``partial_path`` says which.
         placement, start_method, threads, timeout: as :class:`~rlflow.rollout.async_rollout.AsyncRollout`'s
             (``timeout``: seconds the trainer waits without any group completing before the run fails). A dead
             generation process stops the run, naming it (``AsyncRollout`` starts one again; here the driver
@@ -142,7 +153,8 @@ class FullyAsyncRollout(RolloutWrapper):
 
     def __init__(self, rollout, max_off_policy_threshold: int | None = 8, max_off_policy_strategy: str = "drop", *,
                  num_warmup_batches: float = 1, chunk_tokens: int = 32, placement: str = "auto",
-                 start_method: str | None = None, threads: int | None = None, timeout: float = 3600.0):
+                 start_method: str | None = None, threads: int | None = None, timeout: float = 3600.0,
+                 pause_mode: str = "auto"):
         threshold = max_off_policy_threshold
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
             raise ValueError(f"max_off_policy_threshold must be an integer >= 1 (versions from admission to training; "
@@ -156,6 +168,8 @@ class FullyAsyncRollout(RolloutWrapper):
             raise ValueError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         for needed in ("make_engine", "samples", "params", "bucket_bytes"):
             if not hasattr(rollout, needed):
                 raise TypeError(f"FullyAsyncRollout runs a single-turn rollout's engine (HFRollout, VLLMRollout, "
@@ -164,6 +178,7 @@ class FullyAsyncRollout(RolloutWrapper):
         self.out_keys = tuple(rollout.out_keys) + (K.POLICY_VERSION, K.POLICY_VERSION_MAX, K.TOKEN_POLICY_VERSION)
         self.threshold, self.strategy = threshold, max_off_policy_strategy
         self.num_warmup_batches, self.chunk_tokens, self.timeout = num_warmup_batches, chunk_tokens, timeout
+        self.pause_mode, self.partial_path = pause_mode, None  # "keep" or "chunks" once bound
         self.placement = placement if placement != "auto" else (
             "thread" if getattr(rollout, "remote_engine", False) else "process")
         # no restarts: a dead process would be forked again from the driver thread, and a fork beside other threads
@@ -200,12 +215,31 @@ class FullyAsyncRollout(RolloutWrapper):
                 raise ValueError(f"placement='thread' needs an engine with weights of its own (a server); "
                                  f"{type(self.rollout).__name__} generates with the trained module: use 'process'")
             self.engine = self.rollout.engine
-        else:
+        self.partial_path = self._choose_path()  # before a child process starts: a refusal leaves none behind
+        if self.placement != "thread":
             self.engine = ProcessEngine(EngineFactory(self.rollout), model, tokenizer, slots=2,
                                         uses_process_group=self.rollout.holds_own_weights, timeout=self.timeout,
                                         **self.process_options)
         self.version, self._engine_version, self.restored = 0, 0, False
         self._clear()
+
+    def _choose_path(self) -> str:
+        """``"keep"`` or ``"chunks"`` for the bound engine, said once (a ``pause_mode="keep"`` it lacks: refused)."""
+        if self.pause_mode == "chunks":
+            why = "pause_mode='chunks'"
+        elif self.placement != "thread":
+            why = (f"the engine runs in a child process ({type(self.rollout).__name__}): chunks reach it through "
+                   "generate and load_weights only")
+        else:
+            why = keeps_requests(self.engine)
+        if why is None:
+            log.info("FullyAsyncRollout: partial rollouts keep the requests in flight across weight updates "
+                     "(vLLM's pause_generation(mode='keep') at %s; no chunks)", getattr(self.engine, "url", "the engine"))
+            return "keep"
+        if self.pause_mode == "keep":
+            raise ValueError(f"FullyAsyncRollout(pause_mode='keep'): {why}; use pause_mode='auto' or 'chunks'")
+        log.info("FullyAsyncRollout: partial rollouts by chunks of %d tokens (%s)", self.chunk_tokens, why)
+        return "chunks"
 
     def close(self) -> None:
         """Stop the driver and the engine (and a server the wrapped rollout started)."""
@@ -422,47 +456,53 @@ class FullyAsyncRollout(RolloutWrapper):
             self._ready.clear()
 
     def _drive(self) -> None:
-        """Load pushed weights between chunks, admit prompts as the pacing allows, generate one chunk, repeat."""
-        params = self.rollout.params
         try:
-            while True:
-                with self._cond:
-                    while not self._stopping and self._weights is None and not self._active and not (
-                            self._queue and self.batch_size is not None and self._room() > 0):
-                        self._cond.wait()
-                    if self._stopping:
-                        return
-                    weights, self._weights = self._weights, None
-                    if weights is None:
-                        while self._queue and self._room() > 0:  # one group at a time, as the pacing allows
-                            group = self._queue.popleft()
-                            group.admitted = self.version
-                            self._active.append(group)
-                    live = [s for g in self._active for s in g.samples]
-                if weights is not None:
-                    version, pairs = weights
-                    if isinstance(self.engine, ProcessEngine):
-                        self.engine.load_weights([pairs], version=version)
-                    else:
-                        self.engine.load_weights([pairs])
-                    self._engine_version = version
-                    continue
-                generate_chunk(self.engine, live, params, self.chunk_tokens, self._engine_version)
-                with self._cond:
-                    done = [g for g in self._active if g.done]
-                    if done:
-                        self._active = [g for g in self._active if not g.done]
-                        self._ready += done
-                        self._cond.notify_all()
+            if self.partial_path == "keep":
+                drive_kept(self)
+            else:
+                self._drive_chunks()
         except BaseException as e:  # noqa: BLE001 - the trainer raises it from the next take
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
 
+    def _drive_chunks(self) -> None:
+        """Load pushed weights between chunks, admit prompts as the pacing allows, generate one chunk, repeat."""
+        params = self.rollout.params
+        while True:
+            with self._cond:
+                while not self._stopping and self._weights is None and not self._active and not (
+                        self._queue and self.batch_size is not None and self._room() > 0):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                weights, self._weights = self._weights, None
+                if weights is None:
+                    while self._queue and self._room() > 0:  # one group at a time, as the pacing allows
+                        group = self._queue.popleft()
+                        group.admitted = self.version
+                        self._active.append(group)
+                live = [s for g in self._active for s in g.samples]
+            if weights is not None:
+                version, pairs = weights
+                if isinstance(self.engine, ProcessEngine):
+                    self.engine.load_weights([pairs], version=version)
+                else:
+                    self.engine.load_weights([pairs])
+                self._engine_version = version
+                continue
+            generate_chunk(self.engine, live, params, self.chunk_tokens, self._engine_version)
+            with self._cond:
+                done = [g for g in self._active if g.done]
+                if done:
+                    self._active = [g for g in self._active if not g.done]
+                    self._ready += done
+                    self._cond.notify_all()
+
     def __repr__(self) -> str:
         return (f"FullyAsyncRollout({self.rollout!r}, max_off_policy_threshold={self.threshold}, "
                 f"max_off_policy_strategy={self.strategy!r}, num_warmup_batches={self.num_warmup_batches}, "
-                f"chunk_tokens={self.chunk_tokens}, placement={self.placement!r})")
+                f"chunk_tokens={self.chunk_tokens}, placement={self.placement!r}, pause_mode={self.pause_mode!r})")
 
 
 def _plain(row: TensorDict) -> dict:

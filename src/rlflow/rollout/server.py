@@ -10,6 +10,7 @@ the command line for vLLM's server with what rlflow needs (weight updates, log-p
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import shlex
 import subprocess
@@ -92,14 +93,25 @@ def vllm_server_command(model_dir: str | Path, port: int, *, host: str = "127.0.
     CUDA); ``"reload"``: from disk only.
 
     Run it with ``VLLM_SERVER_DEV_MODE=1`` in the environment so rlflow can send weights
-    (:data:`VLLM_SERVER_ENV` holds that and the in-process engine core setting)."""
+    (:data:`VLLM_SERVER_ENV` holds that and the in-process engine core setting). ``--enable-scale-out`` (where
+    the vLLM has it) opens ``/inference/v1/generate``, through which FullyAsyncRollout keeps requests across
+    weight updates (:mod:`rlflow.rollout.kept`)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", host,
            "--port", str(port), "--dtype", dtype, "--logprobs-mode", logprobs_mode, "--seed", str(seed),
            "--disable-log-stats", "--uvicorn-log-level", "warning",
            "--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching"]
     cmd += ["--max-model-len", str(max_model_len)] if max_model_len else []
     cmd += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)] if kv_cache_memory_bytes else []
+    cmd += ["--enable-scale-out"] if has_scale_out() else []
     return cmd + (["--enforce-eager"] if enforce_eager else []) + server_arguments(weight_transfer) + list(extra)
+
+
+def has_scale_out() -> bool:
+    """Whether the installed vLLM has ``--enable-scale-out`` (its ``entrypoints/scale_out``), found without
+    importing vLLM."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and any((Path(p) / "entrypoints" / "scale_out").is_dir()
+                                    for p in spec.submodule_search_locations or ())
 
 
 # Weight updates need the dev endpoints; one engine-core process instead of two starts ~30 s sooner on CPU.

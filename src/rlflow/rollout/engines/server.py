@@ -20,6 +20,17 @@ endpoint is refused with a message that says so.
 is before temperature (equal to what the Policy recomputes at ``T = 1``), ``processed_logprobs`` is after
 temperature *and* top-k/top-p truncation (equal when nothing is truncated). ``logprobs_mode`` tells the engine
 which one the server uses; a combination that cannot match the Policy gets a warning.
+
+**Requests kept across a weight update** (vLLM 0.32, for :class:`~rlflow.rollout.FullyAsyncRollout`):
+``submit_kept`` sends one prompt's ``n`` samples to ``POST /inference/v1/generate`` (token ids in and out; the
+server needs ``--enable-scale-out``); ``update_kept`` pauses the server with ``POST /pause?mode=keep`` (the
+requests in flight are frozen, their KV cache kept), loads the weights as ``load_weights`` does, labels them
+with rlflow's version (``/update_weight_version``) and resumes (``/resume``): the frozen requests go on under the
+new weights. vLLM reports per response which label's weights sampled which tokens (``weight_versions`` spans),
+so each token carries the version that sampled it, exactly, and its log-prob from those weights. The KV of the
+tokens before the pause stays the old weights' (not recomputed: verl and vLLM accept that). Requests are salted
+(``cache_salt``) with the version they were sent under, so a request sent after an update never reuses
+prefix-cache blocks of older weights (``/reset_prefix_cache`` cannot drop them while requests hold blocks).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import atexit
 import json
 import shutil
 import time
+import uuid
 import urllib.error
 import urllib.request
 import warnings
@@ -40,6 +52,7 @@ from rlflow.rollout.engines.errors import ServerError  # noqa: F401 - importable
 from rlflow.rollout.engines.weight_transfer import server_sender
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+KEPT_PATH = "/inference/v1/generate"  # vLLM's token-in/token-out endpoint: it reports weight_versions per response
 
 
 class ServerEngine(Engine):
@@ -189,6 +202,87 @@ class ServerEngine(Engine):
             self.reload(str(self.checkpoint_dir.resolve()))
         barrier()  # no process samples before the server holds the new weights
         return metrics | {"weight_sync/write_s": written - start, "weight_sync/load_s": time.perf_counter() - written}
+
+    # ------------------------------------------------------------------ requests kept across a weight update
+    def keep_unavailable(self) -> str | None:
+        """Why this server cannot keep requests across a weight update (``None``: it can): it needs vLLM's RL
+        endpoints (``/pause``, ``VLLM_SERVER_DEV_MODE=1``) and ``/inference/v1/generate`` (``--enable-scale-out``)."""
+        if not self.speaks_vllm_protocol:
+            return f"{type(self).__name__} has no /pause?mode=keep"
+        for path, payload, needs in (
+                ("/is_paused", None, "vLLM's RL endpoints (/pause, /resume: VLLM_SERVER_DEV_MODE=1)"),
+                (KEPT_PATH, {"token_ids": [0], "sampling_params": {"max_tokens": 1}},
+                 f"{KEPT_PATH} (vLLM >= 0.32 started with --enable-scale-out)")):
+            try:
+                self.request(path, payload, method="GET" if payload is None else "POST", retries=0)
+            except ServerError as e:
+                return f"the server at {self.url} has no {needs}: {str(e)[:200]}"
+        return None
+
+    def submit_kept(self, prompt: list[int], params: SamplingParams, version: int):
+        """One prompt's ``params.n`` samples as one request kept across weight updates: a future of
+        ``(request_id, answer)``, read with :meth:`kept_completions`."""
+        stops = list(self.eos_token_ids) + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
+        sampling = {"n": params.n, "max_tokens": params.max_new_tokens,
+                    "temperature": 0.0 if params.greedy else params.temperature, "top_p": params.top_p,
+                    "top_k": params.top_k, "logprobs": 0, "stop_token_ids": stops, "ignore_eos": params.ignore_eos,
+                    "skip_special_tokens": False, "detokenize": False}
+        if params.seed is not None:
+            sampling["seed"] = params.seed
+        rid = f"rlflow-{uuid.uuid4().hex}"
+        body = {"token_ids": list(prompt), "sampling_params": sampling, "request_id": rid,
+                "cache_salt": f"rlflow-v{version}"}  # no prefix-cache hit on blocks of other weights
+        return rid, self.pool.submit(self.request, KEPT_PATH, body)
+
+    def kept_completions(self, answer: dict) -> list[Completion]:
+        """A ``/inference/v1/generate`` answer -> its completions, each with ``extras["token_versions"]``: per
+        token, the version (the label ``update_kept`` gave) of the weights that sampled it."""
+        out = []
+        for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+            ids, content = choice["token_ids"] or [], (choice.get("logprobs") or {}).get("content") or []
+            if len(content) != len(ids):
+                raise ServerError(f"{self.url}{KEPT_PATH} returned {len(content)} log-probs for {len(ids)} tokens")
+            versions: list[int | None] = [None] * len(ids)
+            for span in choice.get("weight_versions") or []:
+                try:
+                    label = int(span["version"])
+                except ValueError:
+                    raise ServerError(f"{self.url} labelled tokens with weight version {span['version']!r}, not "
+                                      "one of rlflow's (another client updated its weights?)") from None
+                versions[span["start"]:span["end"]] = [label] * (span["end"] - span["start"])
+            if None in versions:
+                raise ServerError(f"{self.url} did not say which weights sampled every token (weight_versions: "
+                                  f"{choice.get('weight_versions')}, {len(ids)} tokens)")
+            if choice.get("finish_reason") == "abort":
+                raise ServerError(f"{self.url} aborted a request (another client's /abort_requests or /pause?mode="
+                                  "abort?): its samples are lost to this run")
+            reason = "length" if choice.get("finish_reason") == "length" else "stop"
+            out.append(Completion(list(ids), [float(c["logprob"]) for c in content], reason,
+                                  extras={"token_versions": versions}))
+        return out
+
+    def label_version(self, version: int) -> None:
+        """Name the server's current weights ``version`` (vLLM labels the tokens they sample with it)."""
+        self.request("/update_weight_version", {"new_version": str(version)})
+
+    def update_kept(self, buckets: WeightBuckets, version: int) -> dict[str, float]:
+        """Load weights with the requests in flight frozen, their KV cache kept (``/pause?mode=keep``), and
+        continue them under the new weights, labelled ``version``."""
+        start = time.perf_counter()
+        # clear_cache=false: with it, vLLM would preempt the frozen requests and recompute them instead
+        self.request("/pause?mode=keep&clear_cache=false", {})
+        try:
+            metrics = self.load_weights(buckets)
+            self.label_version(version)
+        finally:
+            self.request("/resume", {})
+        return metrics | {"weight_sync/paused_s": time.perf_counter() - start}
+
+    def abort_kept(self, request_ids: list[str]) -> None:
+        """Stop requests nobody will read (a stopped run)."""
+        if request_ids:  # vLLM 0.32 names a /inference/v1/generate request "generate-tokens-<ours>"
+            ids = [i for rid in request_ids for i in (rid, f"generate-tokens-{rid}")]
+            self.request("/abort_requests", {"request_ids": ids}, retries=0)
 
     def reload(self, folder: str) -> None:
         """vLLM (``VLLM_SERVER_DEV_MODE=1``): reload in place, then drop the prefix cache of the old weights."""
