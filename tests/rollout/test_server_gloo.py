@@ -2,8 +2,6 @@
 the server's worker join a gloo group, each bucket is broadcast beside its ``/update_weights`` call. The
 server was started for rlflow_shm; the same worker engine takes gloo (no second server start)."""
 
-import logging
-
 import pytest
 import torch
 
@@ -15,8 +13,7 @@ from tests.rollout.test_vllm import largest_difference, prompts
 
 
 @requires_vllm
-def test_weights_by_gloo_broadcast_and_the_servers_log_probs_follow(vllm_server, vllm_model_dir, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="rlflow.rollout.weight_transfer")
+def test_weights_by_gloo_broadcast_and_the_servers_log_probs_follow(vllm_server, vllm_model_dir, tmp_path, capsys):
     policy = Policy.from_pretrained(vllm_model_dir)
     rollout = ServerRollout(vllm_server, n=2, max_new_tokens=4, weight_transfer=GLOO,
                             checkpoint_dir=tmp_path / "weights", bucket_bytes=2**18)  # several buckets
@@ -35,7 +32,7 @@ def test_weights_by_gloo_broadcast_and_the_servers_log_probs_follow(vllm_server,
         assert rollout.engine.sender.backend == GLOO and rollout.engine.sender.rounds == 3  # bind + 2
         assert rollout.engine.request("/weight_info", method="GET") == {"weight_version": "3"}
         assert not (tmp_path / "weights").exists()  # nothing through the disk
-        said = [r.getMessage() for r in caplog.records]
-        assert any("weights go through backend rlflow_gloo" in line for line in said), said
+        said = capsys.readouterr().out
+        assert f"weights to the server at {vllm_server}: vLLM's weight-transfer protocol, backend rlflow_gloo" in said
     finally:
         rollout.close()

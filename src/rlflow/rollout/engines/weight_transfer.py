@@ -435,8 +435,8 @@ def server_sender(engine, requested: str | None) -> Sender | None:
         log.warning("%s does not take weights through vLLM's weight-transfer protocol (%s); weights go through "
                     "its reload from a checkpoint folder instead", where, answer[0])
         return None
-    if rank == 0:
-        log.info("%s: weights go through backend %s", where, sender.backend)
+    if rank == 0:  # printed: which path the weights take is what a user checks first when a sync is slow
+        print(f"[rlflow] weights to {where}: vLLM's weight-transfer protocol, backend {sender.backend}", flush=True)
         return sender
     return Sender(answer[1], HTTPClient(engine.request), rank=rank)
 
