@@ -22,11 +22,13 @@ import pytest
 
 pytest.importorskip("ray")
 
+from rlflow import Policy  # noqa: E402
 from rlflow.config.run import main as main_ppo  # noqa: E402
 from rlflow.launch.ray import RayLaunchError, check_gpu_nodes, run_workers  # noqa: E402
 
 from .launch import free_port  # noqa: E402
 from .test_multinode import job, metrics  # noqa: E402,F401  (job: the tiny verl job, a module fixture)
+from tests.rollout.conftest import write_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]  # the Ray workers import tests.distributed.ray_entry from here
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
@@ -169,7 +171,6 @@ def test_a_separate_rollout_pool_by_verls_keys_gets_weights_by_gloo(cluster, job
     a vLLM server actor on the other; each step's rollout log-probs equal the policy's (the server got every
     update, by gloo broadcast), and the server is stopped when the run ends."""
     pytest.importorskip("vllm")
-    from tests.rollout.conftest import write_model
 
     model = write_model(tmp_path / "model")  # vLLM's CPU attention needs head_dim 32: the engine tests' model
     run = tmp_path / "run"
@@ -188,9 +189,11 @@ def test_a_separate_rollout_pool_by_verls_keys_gets_weights_by_gloo(cluster, job
     assert pool and trainer and pool.group(2) != trainer.group(1), out[-6000:]  # on different Ray nodes
     assert f"weights to the server at {pool.group(1)}: vLLM's weight-transfer protocol, backend rlflow_gloo" in out
     steps = metrics(run)
+    nbytes = sum(p.numel() * p.element_size() for p in Policy.from_pretrained(model).model.parameters())
     assert sorted(steps) == [1, 2]
     for step in steps.values():  # step 2 samples with the weights step 1 trained: the update arrived
-        assert step["training/rollout_probs_diff_max"] < 1e-4 and step["weight_sync/gb"] > 0, step
+        assert step["training/rollout_probs_diff_max"] < 1e-4, step
+        assert step["weight_sync/gb"] == pytest.approx(nbytes / 1e9), step  # the parameters' bytes, no more
     assert "rollout pool: stopped 1 vLLM server(s)" in out
     with pytest.raises(OSError):  # stopped: nothing answers there any more
         urllib.request.urlopen(f"{pool.group(1)}/health", timeout=5)

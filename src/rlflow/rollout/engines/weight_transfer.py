@@ -420,8 +420,8 @@ def server_sender(engine, requested: str | None) -> Sender | None:
                 "nccl", GLOO) else 1
             try:
                 sender = Sender(backend, client, server_world_size=world, server_host=host)
-            except ServerError as e:  # the worker cannot read this machine's shared memory: another machine
-                if backend != SHM or "cannot read the trainer's shared memory" not in str(e) or requested != "auto":
+            except ServerError as e:  # it has the protocol (no 404) but refused the probe: another machine
+                if backend != SHM or e.status != 500 or requested != "auto":
                     raise
                 log.info("%s is not on this machine (%s): weights go by gloo broadcast (rlflow_gloo)", where,
                          str(e)[:200])
