@@ -25,6 +25,7 @@ pytest.importorskip("ray")
 from rlflow import Policy  # noqa: E402
 from rlflow.config.run import main as main_ppo  # noqa: E402
 from rlflow.launch.ray import RayLaunchError, check_gpu_nodes, run_workers  # noqa: E402
+from rlflow.launch.rollout_pool import pool_from_config  # noqa: E402
 
 from .launch import free_port  # noqa: E402
 from .test_multinode import job, metrics  # noqa: E402,F401  (job: the tiny verl job, a module fixture)
@@ -197,3 +198,19 @@ def test_a_separate_rollout_pool_by_verls_keys_gets_weights_by_gloo(cluster, job
     assert "rollout pool: stopped 1 vLLM server(s)" in out
     with pytest.raises(OSError):  # stopped: nothing answers there any more
         urllib.request.urlopen(f"{pool.group(1)}/health", timeout=5)
+
+
+def test_the_pools_keys_are_checked_before_anything_starts():
+    base = {"actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.model.path": "m", "data.max_prompt_length": 8,
+            "actor_rollout_ref.rollout.response_length": 4, "actor_rollout_ref.rollout.n_gpus_per_node": 8}
+    assert pool_from_config(base, use_gpu=True) is None  # rollout.nnodes=0: colocated
+    pool = pool_from_config({**base, "actor_rollout_ref.rollout.nnodes": 1,
+                             "actor_rollout_ref.rollout.tensor_model_parallel_size": 8}, use_gpu=True)
+    assert (pool.nnodes, pool.per_node, pool.tp, pool.servers_per_node(True)) == (1, 8, 8, 1)
+    assert pool.server["max_model_len"] == 12 and "--tensor-parallel-size" in pool.server["extra"]
+    for extra, said in (({"actor_rollout_ref.rollout.name": "hf"}, "runs vLLM servers; set actor_rollout_ref.rollout.name=vllm"),
+                        ({"actor_rollout_ref.rollout.server.url": "http://x:1"}, "set one or the other"),
+                        ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 3}, "not a multiple of"),
+                        ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 2}, "starts 4 vLLM servers, a fleet")):
+        with pytest.raises(ValueError, match=said):
+            pool_from_config({**base, "actor_rollout_ref.rollout.nnodes": 1, **extra}, use_gpu=True)

@@ -75,6 +75,10 @@ class Worker:
         return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "port": port, "pid": os.getpid()}
 
+    def prepare(self, modules: list[str]) -> None:
+        for name in modules:  # imports only: nothing reads the rank's environment yet
+            importlib.import_module(name)
+
     def run(self, entry: str, argv: list[str], env: dict[str, str]) -> int:
         os.environ.update(env)
         sys.argv = [entry, *argv]
@@ -173,14 +177,18 @@ def run_workers(address: str, nnodes: int, per_node: int, argv: list[str], use_g
         group = reserve(ray, nnodes, per_node, use_gpu, address, pool=pool)
         if pool is not None:  # the servers first: the training ranks get their URLs on the command line
             servers, places = rollout_pool.start_pool(ray, group, nnodes, pool, use_gpu)
-            print(f"[rlflow] rollout pool: {len(places)} vLLM server(s) on {pool.nnodes} node(s) of their own: "
-                  + ", ".join(f"{p['url']} ({p['node_id'][:8]})" for p in places), flush=True)
-            argv = rollout_pool.trainer_arguments(argv, places)
         actor = ray.remote(Worker)
         workers = [actor.options(num_cpus=1, num_gpus=1 if use_gpu else 0, scheduling_strategy=(
             PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank // per_node))).remote()
             for rank in range(nnodes * per_node)]
         where = ray.get([w.where.remote() for w in workers])
+        if pool is not None:  # the ranks import what they will need while the servers load (both take a while)
+            imported = [w.prepare.remote([entry, *rollout_pool.TRAINER_IMPORTS]) for w in workers]
+            rollout_pool.wait_pool(ray, servers)
+            ray.get(imported)
+            print(f"[rlflow] rollout pool: {len(places)} vLLM server(s) on {pool.nnodes} node(s) of their own: "
+                  + ", ".join(f"{p['url']} ({p['node_id'][:8]})" for p in places), flush=True)
+            argv = rollout_pool.trainer_arguments(argv, places)
         gpus = [[g for r in range(node * per_node, (node + 1) * per_node) for g in where[r]["gpus"]]
                 for node in range(nnodes)]
         print(f"[rlflow] {nnodes} node(s) x {per_node} worker(s) on the Ray cluster at {address}: "

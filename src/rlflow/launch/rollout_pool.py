@@ -9,8 +9,10 @@ holds the node's bundle (G GPUs on GPU, G CPUs on CPU) and starts a vLLM OpenAI 
 driver waits until every server answers ``/health`` (a server that exits first is named with the end of its
 log), then hands their URLs to the training ranks as ``actor_rollout_ref.rollout.server.url=[...]``: the
 Trainer builds its :class:`~rlflow.rollout.server.ServerRollout` fleet from them and does not know about Ray.
-Weights reach them by ``rlflow_gloo`` (buckets broadcast over a gloo group, the servers being on other
-machines by construction): ``actor_rollout_ref.rollout.server.weight_transfer``, unless the command sets it.
+Weights reach one server by ``rlflow_gloo`` (buckets broadcast over a gloo group, the server being on
+another machine by construction): ``actor_rollout_ref.rollout.server.weight_transfer``, unless the command
+sets it. Several servers are a fleet, which updates them through ``rollout.server.checkpoint_dir`` (a
+shared folder: required then).
 The servers stop when the run ends or fails (the driver stops them, and the actors end with its job).
 
 The actor builds the server's command line where it runs (``rlflow.rollout.server.vllm_server_command``,
@@ -30,6 +32,9 @@ import urllib.request
 from dataclasses import dataclass, field
 
 R = "actor_rollout_ref.rollout"
+# what a training rank of a pool imports anyway (torch, transformers, the server rollout), imported while
+# the servers start: on a 2-core CI machine about 15 s of the rank's start-up
+TRAINER_IMPORTS = ("rlflow.config.plan", "rlflow.rollout.server")
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,12 @@ def pool_from_config(flat: dict, use_gpu: bool) -> Pool | None:
                          "running: set one or the other")
     if use_gpu and per_node % tp:
         raise ValueError(f"{R}.n_gpus_per_node={per_node} is not a multiple of {R}.tensor_model_parallel_size={tp}")
+    servers = nnodes * (per_node // tp if use_gpu else 1)
+    if servers > 1 and not flat.get(f"{R}.server.checkpoint_dir"):
+        raise ValueError(f"{R}.nnodes={nnodes} x {R}.n_gpus_per_node={per_node} starts {servers} vLLM servers, a "
+                         f"fleet, which takes each update through a checkpoint folder every server reads (one gloo "
+                         f"group across a fleet is not built yet): set {R}.server.checkpoint_dir to a folder on a "
+                         "file system the rollout nodes share")
     kv = (flat.get(f"{R}.engine_kwargs.vllm") or {}).get("kv_cache_memory_bytes")
     max_len = flat.get(f"{R}.max_model_len") or (flat.get("data.max_prompt_length", 0) + flat.get(f"{R}.response_length", 0))
     seed = flat.get(f"{R}.seed") if flat.get(f"{R}.seed") is not None else flat.get("data.seed", 0)
@@ -132,9 +143,9 @@ class Server:
         return None if self.process is None else self.process.returncode
 
 
-def start_pool(ray, group, first_bundle: int, pool: Pool, use_gpu: bool, timeout: float = 900.0):
-    """Start the pool's servers in bundles ``first_bundle ...`` of ``group``, wait for their health; returns
-    ``(actors, places)`` (``places``: each server's url / ip / node_id / pid / log)."""
+def start_pool(ray, group, first_bundle: int, pool: Pool, use_gpu: bool):
+    """Start the pool's servers in bundles ``first_bundle ...`` of ``group`` (not waiting for them: see
+    :func:`wait_pool`); returns ``(actors, places)`` (``places``: each server's url / ip / node_id / pid / log)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     actor, per_node = ray.remote(Server), pool.servers_per_node(use_gpu)
@@ -143,12 +154,15 @@ def start_pool(ray, group, first_bundle: int, pool: Pool, use_gpu: bool, timeout
                                 group, placement_group_bundle_index=first_bundle + i // per_node)).remote()
               for i in range(pool.nnodes * per_node)]
     try:
-        places = ray.get([a.start.remote(pool.server) for a in actors])
-        ray.get([a.wait.remote(timeout) for a in actors])
+        return actors, ray.get([a.start.remote(pool.server) for a in actors])
     except Exception:
         stop_pool(ray, actors)
         raise
-    return actors, places
+
+
+def wait_pool(ray, actors, timeout: float = 900.0) -> None:
+    """Until every server answers ``/health``; the first that exits (or times out) raises, naming its log."""
+    ray.get([a.wait.remote(timeout) for a in actors])
 
 
 def stop_pool(ray, actors) -> None:

@@ -279,8 +279,7 @@ def register() -> None:
     if GLOO not in WeightTransferEngineFactory._registry:  # the same worker engine takes both (its docstring)
         WeightTransferEngineFactory.register_engine(GLOO, MODULE, "SharedMemoryWeightTransferEngine")
     if GLOO not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(GLOO, "rlflow.rollout.engines.weight_transfer_gloo",
-                                                     "GlooTrainerEngine")
+        WeightTransferTrainerFactory.register_engine(GLOO, weight_transfer_gloo.MODULE, "GlooTrainerEngine")
 
 
 def __getattr__(name: str):  # the factories' lazy loaders look the classes up by name
