@@ -165,8 +165,8 @@ def _trainer_classes():
                 totals["weight_sync/buckets"] += 1
                 if self.is_sender:
                     flat, layout = pack(bucket)
-                    beside(lambda: self.client.update_weights(layout), lambda: self.group.broadcast(flat, 0),
-                           "update_weights")
+                    beside(lambda layout=layout: self.client.update_weights(layout),
+                           lambda flat=flat: self.group.broadcast(flat, 0), "update_weights")
                     totals["weight_sync/gb"] += sum(t.numel() * t.element_size()
                                                     for t in {id(t): t for _, t in bucket}.values()) / 1e9
             if self.is_sender:
