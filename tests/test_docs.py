@@ -310,7 +310,7 @@ NOT_RUN.update({
     ("docs/multi-node.md", "python3 -m rlflow.trainer.main_ppo trainer.nnodes=2 trainer.n_gpus_per_node=8 "
                            "actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.nnodes=1 "
                            "actor_rollout_ref.rollout.n_gpus_per_node=8 "
-                           "actor_rollout_ref.rollout.tensor_model_parallel_size=2 ..."):
+                           "actor_rollout_ref.rollout.tensor_model_parallel_size=8 ..."):
         "needs a Ray cluster of 3 GPU nodes; " + RAY_TEST + "::test_a_separate_rollout_pool_by_verls_keys_gets_"
         "weights_by_gloo runs a pool of 1 CPU node beside 1 training node on 127.0.0.1",
     ("docs/multi-node.md", "torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 "
