@@ -307,6 +307,12 @@ NOT_RUN.update({
                            "trainer.n_gpus_per_node=1 trainer.device=cpu ..."):
         "a template ('...': the job's keys); " + RAY_TEST + "::test_ray_cluster_trains_resumes_and_equals_torchrun "
         "runs it on a tiny job",
+    ("docs/multi-node.md", "python3 -m rlflow.trainer.main_ppo trainer.nnodes=2 trainer.n_gpus_per_node=8 "
+                           "actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.nnodes=1 "
+                           "actor_rollout_ref.rollout.n_gpus_per_node=8 "
+                           "actor_rollout_ref.rollout.tensor_model_parallel_size=8 ..."):
+        "needs a Ray cluster of 3 GPU nodes; " + RAY_TEST + "::test_a_separate_rollout_pool_by_verls_keys_gets_"
+        "weights_by_gloo runs a pool of 1 CPU node beside 1 training node on 127.0.0.1",
     ("docs/multi-node.md", "torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 "
                            "--rdzv-id myjob -m rlflow.trainer.main_ppo trainer.nnodes=2 trainer.n_gpus_per_node=8 ..."):
         "needs 2 nodes of 8 GPUs; " + MULTINODE_TEST + " runs it with 2 agents of 1 CPU process on 127.0.0.1",

@@ -15,17 +15,21 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("ray")
 
+from rlflow import Policy  # noqa: E402
 from rlflow.config.run import main as main_ppo  # noqa: E402
-from rlflow.launch.ray import RayLaunchError, run_workers  # noqa: E402
+from rlflow.launch.ray import RayLaunchError, check_gpu_nodes, run_workers  # noqa: E402
+from rlflow.launch.rollout_pool import pool_from_config  # noqa: E402
 
 from .launch import free_port  # noqa: E402
 from .test_multinode import job, metrics  # noqa: E402,F401  (job: the tiny verl job, a module fixture)
+from tests.rollout.conftest import write_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]  # the Ray workers import tests.distributed.ray_entry from here
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
@@ -53,7 +57,8 @@ def test_several_nodes_without_a_cluster_fail_at_once_saying_how_to_start_one(jo
 def cluster():
     """Two Ray nodes on this machine (the CLI recipe of real-models-and-clusters.md), told apart by custom
     resources, in a temp dir of their own; stopped at the end by their process groups (not `ray stop`, which
-    stops every Ray node of the machine)."""
+    stops every Ray node of the machine). The worker node declares 2 GPUs, the head none (a CPU-only head
+    node, for the driver's GPU check; nothing here asks Ray for a GPU)."""
     temp = Path(tempfile.mkdtemp(prefix="rlflow-ray-"))  # short: Ray's socket paths have a length limit
     port, groups = free_port(), []
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
@@ -61,8 +66,8 @@ def cluster():
     try:
         for name, args in (("head", ["--head", f"--port={port}", "--include-dashboard=false",
                                      f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
-                                     f"--temp-dir={temp}"]),
-                           ("worker", [f"--address=127.0.0.1:{port}"])):
+                                     f"--temp-dir={temp}", "--num-gpus=0"]),
+                           ("worker", [f"--address=127.0.0.1:{port}", "--num-gpus=2"])):
             proc = subprocess.Popen([*RAY, "start", *args, *common, f"--resources={{\"node_{name}\": 1}}"],
                                     env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     start_new_session=True)  # its daemons stay in this process group
@@ -148,3 +153,64 @@ def test_a_job_larger_than_the_cluster_is_an_error_at_once(cluster):
         run_workers(cluster, 3, 1, ["raise"], entry="tests.distributed.ray_entry")
     with pytest.raises(RayLaunchError, match=r"no node of the Ray cluster at \S+ has 2 CPU\(s\)"):
         run_workers(cluster, 2, 2, ["raise"], entry="tests.distributed.ray_entry")
+
+
+def test_the_drivers_gpu_check_reads_the_clusters_resources_not_its_machines(cluster, job, tmp_path, capsys):
+    """The driver may run on a head node without a GPU (this machine has none): the cluster's nodes decide."""
+    check_gpu_nodes(cluster, 1, 2)  # the worker node's 2 GPUs
+    with pytest.raises(RayLaunchError, match=r"has 1 such node\(s\) \(GPUs per alive node: \[2, 0\], 2 in all\)"):
+        check_gpu_nodes(cluster, 2, 1)
+    assert main_ppo([*job, "trainer.device=cuda", "trainer.nnodes=2", "trainer.n_gpus_per_node=2",
+                     f"ray_kwargs.ray_init.address={cluster}", f"trainer.default_local_dir={tmp_path}/run"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"asks for 2 node(s) with 2 GPU(s) each, but the Ray cluster at {cluster} has 1 such node(s)" in err, err
+    assert "this machine has" not in err and not (tmp_path / "run").exists()
+
+
+def test_a_separate_rollout_pool_by_verls_keys_gets_weights_by_gloo(cluster, job, tmp_path):
+    """verl's standalone rollout keys (rollout.nnodes / rollout.n_gpus_per_node): the trainer on one Ray node,
+    a vLLM server actor on the other; each step's rollout log-probs equal the policy's (the server got every
+    update, by gloo broadcast), and the server is stopped when the run ends."""
+    pytest.importorskip("vllm")
+
+    model = write_model(tmp_path / "model")  # vLLM's CPU attention needs head_dim 32: the engine tests' model
+    run = tmp_path / "run"
+    args = [*(a for a in job if not a.startswith("actor_rollout_ref.model.path=")), f"actor_rollout_ref.model.path={model}",
+            "trainer.nnodes=1", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.enforce_eager=True",
+            "actor_rollout_ref.rollout.max_model_len=64",
+            "+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=134217728",
+            "trainer.total_training_steps=2", "trainer.save_freq=-1", f"trainer.default_local_dir={run}"]
+    done = ppo(args, timeout=600, RAY_ADDRESS=cluster)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    pool = re.search(r"rollout pool: 1 vLLM server\(s\) on 1 node\(s\) of their own: (http://\S+) \((\w+)\)", out)
+    trainer = re.search(r"1 node\(s\) x 1 worker\(s\) on the Ray cluster at \S+: node 0 = \S+ \((\w+)\)", out)
+    assert pool and trainer and pool.group(2) != trainer.group(1), out[-6000:]  # on different Ray nodes
+    assert f"weights to the server at {pool.group(1)}: vLLM's weight-transfer protocol, backend rlflow_gloo" in out
+    steps = metrics(run)
+    nbytes = sum(p.numel() * p.element_size() for p in Policy.from_pretrained(model).model.parameters())
+    assert sorted(steps) == [1, 2]
+    for step in steps.values():  # step 2 samples with the weights step 1 trained: the update arrived
+        assert step["training/rollout_probs_diff_max"] < 1e-4, step
+        assert step["weight_sync/gb"] == pytest.approx(nbytes / 1e9), step  # the parameters' bytes, no more
+    assert "rollout pool: stopped 1 vLLM server(s)" in out
+    with pytest.raises(OSError):  # stopped: nothing answers there any more
+        urllib.request.urlopen(f"{pool.group(1)}/health", timeout=5)
+
+
+def test_the_pools_keys_are_checked_before_anything_starts():
+    base = {"actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.model.path": "m", "data.max_prompt_length": 8,
+            "actor_rollout_ref.rollout.response_length": 4, "actor_rollout_ref.rollout.n_gpus_per_node": 8}
+    assert pool_from_config(base, use_gpu=True) is None  # rollout.nnodes=0: colocated
+    pool = pool_from_config({**base, "actor_rollout_ref.rollout.nnodes": 1,
+                             "actor_rollout_ref.rollout.tensor_model_parallel_size": 8}, use_gpu=True)
+    assert (pool.nnodes, pool.per_node, pool.tp, pool.servers_per_node(True)) == (1, 8, 8, 1)
+    assert pool.server["max_model_len"] == 12 and "--tensor-parallel-size" in pool.server["extra"]
+    for extra, said in (({"actor_rollout_ref.rollout.name": "hf"}, "runs vLLM servers; set actor_rollout_ref.rollout.name=vllm"),
+                        ({"actor_rollout_ref.rollout.server.url": "http://x:1"}, "set one or the other"),
+                        ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 3}, "not a multiple of"),
+                        ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 2}, "starts 4 vLLM servers, a fleet")):
+        with pytest.raises(ValueError, match=said):
+            pool_from_config({**base, "actor_rollout_ref.rollout.nnodes": 1, **extra}, use_gpu=True)

@@ -55,6 +55,17 @@ def resolve_devices(cfg: VerlConfig, notes: list[str], with_critic: bool, record
     if per_node < 1 or nnodes < 1:
         raise ConfigError(f"trainer.n_gpus_per_node={per_node}, trainer.nnodes={nnodes}: both must be >= 1")
     wants_gpu = device == "cuda" or (device == "auto" and (found > 0 or per_node > 1))
+    pool = (cfg.flat.get("actor_rollout_ref.rollout.nnodes") or 0) > 0
+    if wants_gpu and per_node > found and (nnodes > 1 or pool) and not under_torchrun():
+        # the driver of a Ray job: its workers run on the cluster's GPU nodes, not on this one (a head node
+        # without a GPU is common), so the cluster's resources are what must fit
+        address = ray_launch.find_cluster(cfg.flat.get("ray_kwargs.ray_init.address"))
+        if address is not None:
+            try:
+                ray_launch.check_gpu_nodes(address, nnodes, per_node)
+            except ray_launch.RayLaunchError as e:
+                raise ConfigError(str(e)) from None
+            found = per_node
     if wants_gpu and per_node > found:
         fix = (f"trainer.device=cpu trainer.n_gpus_per_node=1 (or keep trainer.n_gpus_per_node={per_node} "
                f"with trainer.device=cpu to run {per_node} CPU processes)"
@@ -100,11 +111,15 @@ def under_torchrun(env=os.environ) -> bool:
     return "LOCAL_RANK" in env and "WORLD_SIZE" in env
 
 
-def check_launcher(per_node: int, nnodes: int, env=os.environ, ray_address: str | None = None) -> str | None:
+def check_launcher(per_node: int, nnodes: int, env=os.environ, ray_address: str | None = None,
+                   rollout_nodes: int = 0) -> str | None:
     """Before anything loads: several nodes need a launcher on each node (torchrun) or a Ray cluster, and a
     torchrun job must be the size the config says (else every rank would train a different job, or wait
     forever for ranks that never come). Returns the Ray cluster's address when the run is to be placed on
-    one (``trainer.nnodes>1`` outside torchrun; ``ray_address``: ``ray_kwargs.ray_init.address``)."""
+    one (``trainer.nnodes>1`` outside torchrun, or a separate rollout pool, ``rollout_nodes`` =
+    ``actor_rollout_ref.rollout.nnodes`` > 0, with a cluster running; ``ray_address``:
+    ``ray_kwargs.ray_init.address``). A rollout pool without a cluster keeps verl's note: generation stays on
+    the training processes."""
     if under_torchrun(env):
         world, local = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
         if world != per_node * nnodes or local != per_node:
@@ -114,6 +129,8 @@ def check_launcher(per_node: int, nnodes: int, env=os.environ, ray_address: str 
                 f"trainer.nnodes={world // max(local, 1)} trainer.n_gpus_per_node={local} (or start torchrun with "
                 f"--nnodes {nnodes} --nproc_per_node {per_node})")
         return None
+    if rollout_nodes > 0 and nnodes == 1:
+        return ray_launch.find_cluster(ray_address, env)
     if nnodes > 1:
         address = ray_launch.find_cluster(ray_address, env)
         if address is not None:

@@ -120,7 +120,8 @@ def server_kwargs(cfg: VerlConfig, devices: Devices, notes: list[str]) -> dict:
         raise ConfigError(f"{s}.url lists {count} servers, so {s}.launch must be a list of {count} commands (null for "
                           f"a server already running), got {launch!r}")
     return {"url": urls, "launch": launch, "max_concurrency": cfg[f"{s}.max_concurrency"],
-            "timeout": cfg[f"{s}.timeout"], "retries": cfg[f"{s}.retries"], "checkpoint_dir": cfg[f"{s}.checkpoint_dir"]}
+            "timeout": cfg[f"{s}.timeout"], "retries": cfg[f"{s}.retries"], "checkpoint_dir": cfg[f"{s}.checkpoint_dir"],
+            "weight_transfer": cfg[f"{s}.weight_transfer"]}
 
 
 # the engine arguments of each rollout class, by class name

@@ -25,6 +25,7 @@ from rlflow.config.loading import ConfigError, VerlConfig, load_config, raise_pr
 from rlflow.config.native import NATIVE, load_native
 from rlflow.config.validate import validate
 from rlflow.config.verl_configs import bundled_name
+from rlflow.launch import rollout_pool
 from rlflow.launch.ray import RayLaunchError, run_workers  # light: Ray itself is imported where used
 from rlflow.logs import quiet_other_ranks
 from rlflow.trainer import checkpoint as ckpt
@@ -187,8 +188,14 @@ def launch_on_ray(cfg: VerlConfig, argv: list[str], address: str) -> int:
 
     The config was validated; the plan is made by each worker (as under torchrun), not here too."""
     devices = resolve_devices(cfg, [], with_critic=False, record=False)
+    use_gpu = devices.accelerator == "cuda"
     try:
-        return run_workers(address, devices.nnodes, devices.per_node, argv, use_gpu=devices.accelerator == "cuda")
+        pool = rollout_pool.pool_from_config(cfg.flat, use_gpu)  # rollout.nnodes>0: vLLM servers of their own
+    except ValueError as e:
+        print(f"rlflow: config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run_workers(address, devices.nnodes, devices.per_node, argv, use_gpu=use_gpu, pool=pool)
     except RayLaunchError as e:
         print(f"rlflow: {e}", file=sys.stderr)
         return 2
@@ -206,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster = None
         if not args.dry_run:  # several nodes: torchrun on each, or a Ray cluster; a torchrun job must match the config
             cluster = check_launcher(cfg.flat.get("trainer.n_gpus_per_node"), cfg.flat.get("trainer.nnodes"),
-                                     ray_address=cfg.flat.get("ray_kwargs.ray_init.address"))
+                                     ray_address=cfg.flat.get("ray_kwargs.ray_init.address"),
+                                     rollout_nodes=cfg.flat.get("actor_rollout_ref.rollout.nnodes") or 0)
         if cluster is not None:  # the driver of a Ray job: its workers make the plan (a torch import saved here)
             return launch_on_ray(cfg, sys.argv[1:] if argv is None else argv, cluster)
         from rlflow.config.plan import make_plan

@@ -49,8 +49,9 @@ _MLORA_ONLY = ("only used with model.lora.rank > 0 (verl's Megatron LoRA block),
                "keys are actor_rollout_ref.model.lora_rank / lora_alpha / target_modules")
 _TILED = ("a memory setting (TiledMLP computes the same MLP in slices); rlflow runs each MLP whole, and "
           "enable_gradient_checkpointing is its memory knob")
-_ROLLOUT_PLACE = ("placement of a separate rollout pool: rlflow generates on the training processes "
-                  "(trainer.n_gpus_per_node x trainer.nnodes), or on a server (rollout.server.url)")
+_ROLLOUT_PLACE = ("placement of a separate rollout pool: with a Ray cluster running, rollout.nnodes>0 starts vLLM "
+                  "servers on nodes of their own (docs/multi-node.md); without one, rlflow generates on the training "
+                  "processes (trainer.n_gpus_per_node x trainer.nnodes), or on a server (rollout.server.url)")
 
 ROLE_INERT: dict[str, str] = {
     # the optimizer: Megatron's scheduler and optimizer knobs (verl's Megatron tree)

@@ -15,8 +15,9 @@ Trainer already checkpoints, resumes and reports faults (:mod:`rlflow.trainer.wa
 what only it does here (finding nodes, reserving them, starting processes on them); the collectives stay
 torch.distributed's, as under torchrun. This is also how verl itself uses Ray (placement groups and actors).
 
-The rollout engines are colocated: each training process builds its own engine in its own process, as on
-one machine (verl's hybrid engine).
+The rollout engines are colocated by default: each training process builds its own engine in its own
+process, as on one machine (verl's hybrid engine). ``actor_rollout_ref.rollout.nnodes>0`` puts them in a
+separate pool of nodes instead, vLLM servers as Ray actors (:mod:`rlflow.launch.rollout_pool`).
 
 The driver waits for every worker. The first that dies (its actor died: killed, out of memory, ``os._exit``)
 or fails (an exception, a non-zero exit code) stops the others; the driver exits non-zero naming the rank and
@@ -31,6 +32,8 @@ import os
 import socket
 import sys
 import time
+
+from rlflow.launch import rollout_pool
 
 INSTALL = "pip install 'ray[default]==2.60.0'"  # rlflow's `ray` extra
 
@@ -72,6 +75,10 @@ class Worker:
         return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "port": port, "pid": os.getpid()}
 
+    def prepare(self, modules: list[str]) -> None:
+        for name in modules:  # imports only: nothing reads the rank's environment yet
+            importlib.import_module(name)
+
     def run(self, entry: str, argv: list[str], env: dict[str, str]) -> int:
         os.environ.update(env)
         sys.argv = [entry, *argv]
@@ -94,9 +101,34 @@ def worker_env(rank: int, node: int, nnodes: int, per_node: int, master: dict, g
     return {k: str(v) for k, v in env.items()}
 
 
-def reserve(ray, nnodes: int, per_node: int, use_gpu: bool, address: str, timeout: float = 120.0):
-    """A placement group of one bundle per node; a clear error at once if the cluster has too few nodes
-    for it, rather than a group that waits forever."""
+def check_gpu_nodes(address: str, nnodes: int, per_node: int) -> None:
+    """The driver's check of ``trainer.nnodes x trainer.n_gpus_per_node`` GPUs against the cluster's resources
+    (``ray.nodes()``, ``ray.cluster_resources()``), not this machine's: the driver may run on a head node
+    without a GPU. Raises :class:`RayLaunchError` naming what the cluster has."""
+    import ray
+
+    connected = ray.is_initialized()
+    if not connected:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    try:
+        gpus = sorted((int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"]), reverse=True)
+        total = int(ray.cluster_resources().get("GPU", 0))
+    finally:
+        if not connected:
+            ray.shutdown()
+    if sum(g >= per_node for g in gpus) < nnodes:
+        raise RayLaunchError(
+            f"trainer.nnodes={nnodes} trainer.n_gpus_per_node={per_node} asks for {nnodes} node(s) with {per_node} "
+            f"GPU(s) each, but the Ray cluster at {address} has {sum(g >= per_node for g in gpus)} such node(s) "
+            f"(GPUs per alive node: {gpus}, {total} in all); start GPU nodes with `ray start --address=HEAD:PORT "
+            f"--num-gpus={per_node}`, or lower trainer.nnodes / trainer.n_gpus_per_node")
+
+
+def reserve(ray, nnodes: int, per_node: int, use_gpu: bool, address: str, timeout: float = 120.0,
+            pool: rollout_pool.Pool | None = None):
+    """A placement group of one bundle per node (the training nodes', then the rollout pool's, all on
+    different nodes); a clear error at once if the cluster has too few nodes for it, rather than a group that
+    waits forever."""
     from ray.util.placement_group import placement_group
 
     bundle = {"CPU": per_node, "GPU": per_node} if use_gpu else {"CPU": per_node}
@@ -111,18 +143,28 @@ def reserve(ray, nnodes: int, per_node: int, use_gpu: bool, address: str, timeou
             f"trainer.nnodes={len(fit)}" if fit else
             f"trainer.nnodes={nnodes} trainer.n_gpus_per_node={per_node}: no node of the Ray cluster at {address} "
             f"has {what} (its nodes: {[dict(n['Resources']) for n in nodes]})")
-    group = placement_group([dict(bundle) for _ in range(nnodes)], strategy="STRICT_SPREAD")
+    bundles = [dict(bundle) for _ in range(nnodes)]
+    if pool is not None:
+        bundles += [rollout_pool.bundle(pool, use_gpu) for _ in range(pool.nnodes)]
+        if len(nodes) < len(bundles):
+            raise RayLaunchError(
+                f"trainer.nnodes={nnodes} plus actor_rollout_ref.rollout.nnodes={pool.nnodes} (a separate rollout "
+                f"pool, on nodes of its own) need {len(bundles)} nodes; the Ray cluster at {address} has "
+                f"{len(nodes)} alive: start more with `ray start --address=HEAD:PORT`, or lower rollout.nnodes")
+    group = placement_group(bundles, strategy="STRICT_SPREAD")
     if not group.wait(timeout):
         ray.util.remove_placement_group(group)
-        raise RayLaunchError(f"the Ray cluster at {address} did not free {nnodes} node(s) with {what} each within "
+        raise RayLaunchError(f"the Ray cluster at {address} did not free {len(bundles)} node(s) ({bundles}) within "
                              f"{timeout:.0f} s (other jobs hold them? `ray status` shows what is in use)")
     return group
 
 
 def run_workers(address: str, nnodes: int, per_node: int, argv: list[str], use_gpu: bool = False,
-                entry: str = "rlflow.trainer.main_ppo", env: dict[str, str] | None = None) -> int:
-    """Place ``nnodes x per_node`` workers running ``entry.main(argv)`` on the cluster at ``address``, wait for
-    them, return 0 when all returned 0; else stop the rest and return 1 after naming the rank and node."""
+                entry: str = "rlflow.trainer.main_ppo", env: dict[str, str] | None = None,
+                pool: rollout_pool.Pool | None = None) -> int:
+    """Place ``nnodes x per_node`` workers running ``entry.main(argv)`` on the cluster at ``address`` (and
+    the rollout ``pool``'s servers on nodes of their own, their URLs added to ``argv``), wait for them, return
+    0 when all returned 0; else stop the rest and return 1 after naming the rank and node."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -130,13 +172,23 @@ def run_workers(address: str, nnodes: int, per_node: int, argv: list[str], use_g
                                          "RLFLOW_HEARTBEAT_STARTUP") if k in os.environ}
     ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": {**passed, **(env or {})}} if (
         passed or env) else None)
+    servers = []
     try:
-        group = reserve(ray, nnodes, per_node, use_gpu, address)
+        group = reserve(ray, nnodes, per_node, use_gpu, address, pool=pool)
+        if pool is not None:  # the servers first: the training ranks get their URLs on the command line
+            servers, places = rollout_pool.start_pool(ray, group, nnodes, pool, use_gpu)
         actor = ray.remote(Worker)
         workers = [actor.options(num_cpus=1, num_gpus=1 if use_gpu else 0, scheduling_strategy=(
             PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank // per_node))).remote()
             for rank in range(nnodes * per_node)]
         where = ray.get([w.where.remote() for w in workers])
+        if pool is not None:  # the ranks import what they will need while the servers load (both take a while)
+            imported = [w.prepare.remote([entry, *rollout_pool.TRAINER_IMPORTS]) for w in workers]
+            rollout_pool.wait_pool(ray, servers)
+            ray.get(imported)
+            print(f"[rlflow] rollout pool: {len(places)} vLLM server(s) on {pool.nnodes} node(s) of their own: "
+                  + ", ".join(f"{p['url']} ({p['node_id'][:8]})" for p in places), flush=True)
+            argv = rollout_pool.trainer_arguments(argv, places)
         gpus = [[g for r in range(node * per_node, (node + 1) * per_node) for g in where[r]["gpus"]]
                 for node in range(nnodes)]
         print(f"[rlflow] {nnodes} node(s) x {per_node} worker(s) on the Ray cluster at {address}: "
@@ -149,6 +201,9 @@ def run_workers(address: str, nnodes: int, per_node: int, argv: list[str], use_g
         time.sleep(1.0)  # Ray forwards the workers' output from their log files every few 100 ms: the last
         return code      # lines (the run's summary) would be lost at shutdown
     finally:
+        if servers:
+            rollout_pool.stop_pool(ray, servers)
+            print(f"[rlflow] rollout pool: stopped {len(servers)} vLLM server(s)", flush=True)
         ray.shutdown()  # the placement group and the actors end with the driver's job
 
 

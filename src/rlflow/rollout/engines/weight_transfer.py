@@ -13,14 +13,16 @@ IPC, ...) need a GPU. This module registers one more, ``rlflow_shm``, that runs 
 - the worker maps the file (no copy), hands views of it to ``model.load_weights`` inside vLLM's layerwise
   reload (``start``/``finish``, as vLLM's IPC engine does), and the trainer unlinks it once the call returns.
 
-Why shared memory and not a gloo process group: the in-process engine lives in the trainer's own process
-(a two-rank group would need two threads of one process to rendezvous), and the server's ``update_weights``
-request only returns once the worker has received, so gloo would also need a concurrent broadcast beside
-every HTTP call (vLLM's NCCL pattern). A file in ``/dev/shm`` serves both with one code path; the price is
-that trainer and engine share a machine, which ``init_weight_transfer_engine`` checks (the worker reads a
-probe file the trainer wrote) so that a remote server falls back to the disk path with a message instead
-of failing at the first update. vLLM's base ``update_weights`` calls ``torch.accelerator.synchronize()``,
-which raises on a machine without an accelerator; this engine overrides it.
+Why shared memory first: the in-process engine lives in the trainer's own process (a two-rank group would
+need two threads of one process to rendezvous), and a file in ``/dev/shm`` is written once and mapped, not
+sent. The price is that trainer and engine share a machine, which ``init_weight_transfer_engine`` checks (the
+worker reads a probe file the trainer wrote). A server on another machine fails that check, and with
+``weight_transfer="auto"`` the trainer then moves to ``rlflow_gloo``
+(:mod:`rlflow.rollout.engines.weight_transfer_gloo`: the same buckets broadcast over a gloo group beside
+each ``update_weights`` call); the worker engine here takes both init infos, so the same server serves
+either. A server without the protocol falls back to the disk path with a message instead of failing at the
+first update. vLLM's base ``update_weights`` calls ``torch.accelerator.synchronize()``, which raises on a
+machine without an accelerator; this engine overrides it.
 
 A server creates its worker in a spawned engine process, where this process's registration does not exist:
 :func:`server_arguments` names :mod:`rlflow.rollout.engines.vllm_extension` as the worker extension, whose
@@ -37,10 +39,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import socket
 import tempfile
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +50,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from rlflow.rollout.engines import weight_transfer_gloo
 from rlflow.rollout.engines.checkpoint import distributed
 from rlflow.rollout.engines.errors import ServerError
+from rlflow.rollout.engines.weight_transfer_gloo import GLOO, join, unpack
 
 log = logging.getLogger("rlflow.rollout.weight_transfer")
 
@@ -115,25 +119,46 @@ def _worker_classes():
         token: str
 
     @dataclass
+    class GlooInitInfo(WeightTransferInitInfo):  # rlflow_gloo (weight_transfer_gloo): the group to join
+        master_address: str
+        master_port: int
+        world_size: int
+
+    @dataclass
     class SharedMemoryUpdateInfo(WeightTransferUpdateInfo):
-        path: str
         nbytes: int
         names: list[str]
         dtype_names: list[str]
         shapes: list[list[int]]
         offsets: list[int]
+        path: str | None = None  # None: the bytes come by broadcast over the gloo group
 
     class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, SharedMemoryUpdateInfo]):
-        """Receives buckets from files in shared memory (see the module docstring)."""
+        """Receives buckets from files in shared memory (see the module docstring), or by broadcast over a gloo
+        group with a trainer on another machine (the init info says which: ``rlflow_gloo``'s has an address)."""
 
         init_info_cls = SharedMemoryInitInfo
         update_info_cls = SharedMemoryUpdateInfo
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.ready, self.rounds, self.received_bytes = False, 0, 0
+            self.ready, self.rounds, self.received_bytes, self.gloo = False, 0, 0, None
 
-        def init_transfer_engine(self, init_info: SharedMemoryInitInfo) -> None:
+        def parse_init_info(self, init_dict: dict[str, Any]):
+            if "master_address" in init_dict:
+                try:
+                    return GlooInitInfo(**init_dict)
+                except TypeError as e:
+                    raise ValueError(f"Invalid init_info for rlflow_gloo: {e}") from e
+            return super().parse_init_info(init_dict)
+
+        def init_transfer_engine(self, init_info) -> None:
+            self.gloo = None  # a new trainer (or the same one again) replaces the last one's group
+            if isinstance(init_info, GlooInitInfo):
+                rank = 1 + self.parallel_config.rank  # the trainer is rank 0
+                self.gloo = join(init_info.master_address, init_info.master_port, rank, init_info.world_size)
+                self.ready = True
+                return
             try:
                 seen = Path(init_info.probe).read_text()
             except OSError as e:
@@ -156,16 +181,17 @@ def _worker_classes():
                 torch.accelerator.synchronize()
 
         def receive_weights(self, update_info: SharedMemoryUpdateInfo) -> None:
-            # MAP_PRIVATE: the views share the trainer's pages; layerwise reload may keep some until its layer is
-            # complete, which the mapping survives (the trainer's unlink only drops the name).
-            flat = torch.from_file(update_info.path, shared=False, size=update_info.nbytes, dtype=torch.uint8)
-            weights = []
-            for name, dtype, shape, offset in zip(update_info.names, update_info.dtype_names, update_info.shapes,
-                                                  update_info.offsets):
-                dtype = getattr(torch, dtype)
-                size = math.prod(shape) * dtype.itemsize
-                weights.append((name, flat[offset : offset + size].view(dtype).view(shape)))
-            self.model.load_weights(weights)
+            if update_info.path is None:  # rlflow_gloo: the trainer broadcasts the bucket while this call runs
+                if self.gloo is None:
+                    raise RuntimeError("rlflow_gloo weight transfer: no gloo group (init_weight_transfer_engine with "
+                                       "master_address first)")
+                flat = torch.empty(update_info.nbytes, dtype=torch.uint8)
+                self.gloo[1].broadcast(flat, 0).wait()
+            else:  # MAP_PRIVATE: the views share the trainer's pages; layerwise reload may keep some until its
+                # layer is complete, which the mapping survives (the trainer's unlink only drops the name).
+                flat = torch.from_file(update_info.path, shared=False, size=update_info.nbytes, dtype=torch.uint8)
+            self.model.load_weights(unpack(flat, update_info.names, update_info.dtype_names, update_info.shapes,
+                                           update_info.offsets))
             self.received_bytes += update_info.nbytes
 
         def finish_weight_update(self) -> None:
@@ -175,7 +201,7 @@ def _worker_classes():
             self.rounds += 1
 
         def shutdown(self) -> None:
-            self.ready = False
+            self.ready, self.gloo = False, None
 
     @dataclass
     class SharedMemoryTrainerInitInfo(TrainerInitInfo):
@@ -250,6 +276,10 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(SHM, MODULE, "SharedMemoryWeightTransferEngine")
     if SHM not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(SHM, MODULE, "SharedMemoryTrainerEngine")
+    if GLOO not in WeightTransferEngineFactory._registry:  # the same worker engine takes both (its docstring)
+        WeightTransferEngineFactory.register_engine(GLOO, MODULE, "SharedMemoryWeightTransferEngine")
+    if GLOO not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(GLOO, weight_transfer_gloo.MODULE, "GlooTrainerEngine")
 
 
 def __getattr__(name: str):  # the factories' lazy loaders look the classes up by name
@@ -327,12 +357,16 @@ class BucketSource:
 class Sender:
     """Sends buckets through one backend: ``send(buckets, weight_version)`` -> ``weight_sync/*`` metrics."""
 
-    def __init__(self, backend: str, client, *, rank: int = 0, server_world_size: int = 1, address: str = "127.0.0.1"):
+    def __init__(self, backend: str, client, *, rank: int = 0, server_world_size: int = 1, address: str = "127.0.0.1",
+                 server_host: str = "127.0.0.1"):
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
         self.backend, self.rounds = backend, 0
         if backend == SHM:
             info, self.source = _worker_classes()[2](rank=rank), None
+        elif backend == GLOO:  # buckets as payload-less broadcasts: no WeightSource either
+            info, self.source = weight_transfer_gloo.GlooTrainerInitInfo(
+                rank=rank, server_host=server_host, server_world_size=server_world_size), None
         else:  # vLLM's GPU engines replay a WeightSource each round
             from vllm.distributed.weight_transfer.base import WeightSource
 
@@ -350,7 +384,7 @@ class Sender:
                 info = NCCLTrainerInitInfo(rank=rank, master_address=address, master_port=port,
                                            world_size=1 + server_world_size)
             else:
-                raise ValueError(f"weight_transfer={backend!r}: rlflow drives 'rlflow_shm', 'ipc' and 'nccl'")
+                raise ValueError(f"weight_transfer={backend!r}: rlflow drives 'rlflow_shm', 'rlflow_gloo', 'ipc' and 'nccl'")
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self.source)
 
     def send(self, buckets) -> dict[str, float]:
@@ -376,21 +410,34 @@ def server_sender(engine, requested: str | None) -> Sender | None:
     if backend is None:
         return None
     rank = dist.get_rank() if distributed() else 0
-    reason = [None]
+    host = urllib.parse.urlsplit(engine.url).hostname or "127.0.0.1"
+    answer = [None, backend]  # (why not, the backend used): rank 0 decides, every rank follows
     if rank == 0:
+        client = HTTPClient(lambda path, payload: engine.request(path, payload, retries=0))
         try:  # one attempt each: a refusal here is an answer, not a fault to retry
-            client = HTTPClient(lambda path, payload: engine.request(path, payload, retries=0))
-            world = engine.request("/get_world_size", method="GET", retries=0)["world_size"] if backend == "nccl" else 1
-            sender = Sender(backend, client, server_world_size=world)
+            world = engine.request("/get_world_size", method="GET", retries=0)["world_size"] if backend in (
+                "nccl", GLOO) else 1
+            try:
+                sender = Sender(backend, client, server_world_size=world, server_host=host)
+            except ServerError as e:  # it has the protocol (no 404) but refused the probe: another machine
+                if backend != SHM or e.status != 500 or requested != "auto":
+                    raise
+                log.info("%s is not on this machine (%s): weights go by gloo broadcast (rlflow_gloo)", where,
+                         str(e)[:200])
+                world = engine.request("/get_world_size", method="GET", retries=0)["world_size"]
+                sender, answer[1] = Sender(GLOO, client, server_world_size=world, server_host=host), GLOO
         except (ServerError, ValueError, KeyError, TypeError) as e:
-            reason = [str(e)[:300]]
+            answer[0] = str(e)[:300]
     if distributed():
-        dist.broadcast_object_list(reason, src=0)
-    if reason[0] is not None:
+        dist.broadcast_object_list(answer, src=0)
+    if answer[0] is not None:
         log.warning("%s does not take weights through vLLM's weight-transfer protocol (%s); weights go through "
-                    "its reload from a checkpoint folder instead", where, reason[0])
+                    "its reload from a checkpoint folder instead", where, answer[0])
         return None
-    return sender if rank == 0 else Sender(backend, HTTPClient(engine.request), rank=rank)
+    if rank == 0:  # printed: which path the weights take is what a user checks first when a sync is slow
+        print(f"[rlflow] weights to {where}: vLLM's weight-transfer protocol, backend {sender.backend}", flush=True)
+        return sender
+    return Sender(answer[1], HTTPClient(engine.request), rank=rank)
 
 
 def server_arguments(weight_transfer: str | None) -> list[str]:
@@ -404,4 +451,5 @@ def server_arguments(weight_transfer: str | None) -> list[str]:
 
     backend = ("nccl" if torch.cuda.is_available() else SHM) if weight_transfer == "auto" else weight_transfer
     extension = ["--worker-extension-cls", "rlflow.rollout.engines.vllm_extension.WeightTransferExtension"]
-    return ["--weight-transfer-config", json.dumps({"backend": backend})] + (extension if backend == SHM else [])
+    return ["--weight-transfer-config", json.dumps({"backend": backend})] + (
+        extension if backend in (SHM, GLOO) else [])
