@@ -331,6 +331,7 @@ for _block in BLOCKS:  # the two agents on one machine: a template ('...') the m
 ELIDED_TRAINER = [("Trainer(...,", "Trainer(**roles,")]
 RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/async.md", "from rlflow.rollout import FullyAsyncRollout, HFRollout"): [],
+    ("docs/async.md", "from rlflow.algorithms import GRPO, BypassLoss, RolloutAsOld"): [],
     ("docs/algorithms/cispo.md", "from rlflow.algorithms import CISPOLoss"): [],
     ("docs/data.md", "import torch"): [],
     ("docs/algorithms/pf_ppo.md", "import torch"): [],

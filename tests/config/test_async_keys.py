@@ -137,7 +137,6 @@ def test_partial_rollout_is_fully_async_with_the_staleness_threshold_as_the_gene
     assert p.fully_async == {"max_off_policy_threshold": None, "max_off_policy_strategy": "drop",
                              "num_warmup_batches": 0.5}  # verl's (1 + threshold) batches ahead, no age bound
     assert p.async_rollout is None
-    assert [(cls.__name__, kwargs["level"]) for cls, kwargs in p.after] == [("TruncatedIS", "token")]
     assert any("async_training.partial_rollout=True: the Trainer gets rollout=FullyAsyncRollout(" in n for n in p.notes)
     recipe = plan("async_training.partial_rollout=true").fully_async
     assert recipe["num_warmup_batches"] == 0.1  # the recipe's default bound
@@ -183,6 +182,22 @@ def test_a_sync_cadence_rlflow_would_change_is_refused_naming_the_batch_size(ove
         plan(*RECIPE, *overrides)
 
 
+def test_partial_rollouts_correct_as_verls_fully_async_recipe_bypass_mode_unless_the_config_says_otherwise():
+    """verl's fully_async_ppo_trainer.yaml sets bypass_mode=True (PPO-clip against the sampler's log-probs, no
+    old-log-prob pass); on the default job it learned more than decoupled truncated IS (docs/async.md)."""
+    p = plan("async_training.partial_rollout=true", "async_training.staleness_threshold=0.5")
+    assert p.loss_cls.__name__ == "BypassLoss" and p.loss_kwargs["loss_type"] == "ppo_clip"
+    assert [cls.__name__ for cls, _ in p.before] == ["RolloutAsOld"] and not p.after
+    assert any("bypass_mode=True (verl's fully-async recipe default" in n for n in p.notes)
+    decoupled = plan("async_training.partial_rollout=true", "algorithm.rollout_correction.bypass_mode=false")
+    assert decoupled.loss_cls.__name__ == "PPOLoss" and decoupled.loss_kwargs["is_weights"]
+    assert [(cls.__name__, kwargs["level"]) for cls, kwargs in decoupled.after] == [("TruncatedIS", "token")]
+    for other in (["async_training.partial_rollout=true", "async_training.staleness_threshold=0"],  # synchronous
+                  ["trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async"],  # verl V1: bypass_mode=false
+                  ["async_training.staleness_threshold=1"]):  # one-step-off
+        assert plan(*other).loss_cls.__name__ == "PPOLoss", other
+
+
 def test_the_entry_point_trains_verls_fully_async_recipe_keys(tiny, capsys, tmp_path):
     """The recipe's four keys through ``main_ppo``: partial rollouts at most 1.5 batches ahead, a sync cycle of
     2 x 1 mini-batches of 2 prompts = the step's 4 prompts; two steps trained, the second on stale samples at most."""
@@ -193,7 +208,7 @@ def test_the_entry_point_trains_verls_fully_async_recipe_keys(tiny, capsys, tmp_
     assert "FullyAsyncRollout(" in out and "num_warmup_batches=0.5" in out
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "training/off_policy/trajectory_spans/max" in r]
-    assert len(steps) == 2 and all("rollout_corr/rollout_is_mean" in r for r in steps)
+    assert len(steps) == 2 and all("rollout_corr/k3_kl" in r for r in steps)  # bypass mode: the loss's metrics
 
 
 def test_pause_mode_chooses_how_partial_rollouts_continue_a_request_and_a_bad_one_is_named():

@@ -12,6 +12,7 @@ from rlflow.config import tables
 from rlflow.algorithms.bypass import LOSS_TYPES
 from rlflow.algorithms.correction import parse_is_threshold
 from rlflow.algorithms.rejection import parse_rs
+from rlflow.config.asynchronous import bypass_mode
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.optim import first_set
 from rlflow.config.resolve import Candidate, class_kwargs, fill, instantiate, key, resolve_class
@@ -90,7 +91,7 @@ def companions(cfg: VerlConfig, estimator_cls: type) -> tuple[list, list, tuple 
                               cfg["algorithm.adv_estimator"])
         before.append((cls, class_kwargs(cls, {"rollout": fill("rollout"), "reward": fill("reward")}, cfg)))
     corrections = rollout_correction(cfg)
-    if cfg[BYPASS]:  # the sampler's log-probs are the old ones; the loss corrects (bypass_loss), not the chain
+    if bypass_mode(cfg):  # the sampler's log-probs are the old ones; the loss corrects (bypass_loss), not the chain
         before.insert(0, (algorithm_class(tables.BYPASS, BYPASS, True), {}))
     else:
         after += corrections
@@ -125,7 +126,7 @@ def bypass_loss(cfg: VerlConfig, loss_cls: type, notes: list[str]) -> tuple[type
     """verl's bypass mode replaces the policy loss with its own (``loss_mode=bypass_mode``, as verl's
     ``apply_bypass_mode`` does): ``(BypassLoss, its fixed kwargs)``; without bypass mode ``(loss_cls, None)``."""
     mode = cfg[f"{A}.policy_loss.loss_mode"]
-    if not cfg[BYPASS]:
+    if not bypass_mode(cfg):
         if loss_cls.__name__ == tables.BYPASS_LOSS:
             raise ConfigError(f"{A}.policy_loss.loss_mode=bypass_mode needs {BYPASS}=True (verl's loss reads the "
                               "sampler's log-probs as the old ones, which only bypass mode provides)")

@@ -61,6 +61,14 @@ def partial_rollouts(cfg: VerlConfig) -> bool:
     return bool(cfg[PARTIAL]) and (not cfg.is_provided(STALENESS) or cfg[STALENESS] != 0)
 
 
+def bypass_mode(cfg: VerlConfig) -> bool:
+    """``algorithm.rollout_correction.bypass_mode``, or where the config leaves it unset and asks for verl's
+    fully-async recipe with partial rollouts, that recipe's value: True (``fully_async_ppo_trainer.yaml``; PPO's
+    clipped ratio against the sampler's log-probs). On the default job it learned more than decoupled truncated
+    IS (docs/async.md, ``scripts/async_learning.py``)."""
+    return bool(cfg[BYPASS]) if cfg.is_provided(BYPASS) or not partial_rollouts(cfg) else True
+
+
 def alone(key: str, value, devices: Devices, dynamic_sampling: dict | None, what: str) -> None:
     """What asynchronous generation cannot be combined with yet, refused naming the key that asked for it."""
     if devices.processes > 1:
@@ -188,8 +196,10 @@ def pause_mode(cfg: VerlConfig) -> dict:
 
 def correction(cfg: VerlConfig, notes: list[str], after: list, key: str) -> None:
     """Truncated IS against the sampler's log-probs unless the config sets the correction (or bypass mode)."""
-    if cfg[BYPASS]:  # the loss corrects against the sampler (rlflow.algorithms.bypass); nothing to add here
-        notes.append(f"{key} with {BYPASS}=True: the loss's ratio (or its IS weights) is taken against the "
+    if bypass_mode(cfg):  # the loss corrects against the sampler (rlflow.algorithms.bypass); nothing to add here
+        recipe = "" if cfg.is_provided(BYPASS) else (" (verl's fully-async recipe default; set it to false for "
+                                                     "decoupled truncated importance sampling)")
+        notes.append(f"{key} with {BYPASS}=True{recipe}: the loss's ratio (or its IS weights) is taken against the "
                      "sampler's log-probs, which correct for the stale weights")
     elif not cfg.is_provided(IS_LEVEL) and not any(cls.__name__ == tables.ROLLOUT_IS for cls, _ in after):
         import rlflow.algorithms
