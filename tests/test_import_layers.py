@@ -75,8 +75,6 @@ ALLOWED = {
     ("rollout.tools.config", "rollout.agent.interaction"): BUSY,
     ("rollout.tools.config", "rollout.tools.base"): BUSY,
     ("rollout.vllm", "rollout.engines.vllm"): BUSY,
-    ("rollout.weight_sync", "models.policy"): BUSY,
-    ("rollout.weight_sync", "rollout.engines.base"): BUSY,
     ("strategies.megatron.strategy", "models.critic"): "defers tensordict, transformers",
     ("strategies.megatron.strategy", "models.logprobs"): "defers transformers",
     ("tasks.shapes", "models.policy"): "defers transformers",
