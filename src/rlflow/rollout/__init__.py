@@ -9,7 +9,7 @@ from rlflow.rollout.single_turn import SingleTurnRollout
 
 from rlflow.rollout.async_rollout import AsyncRollout
 from rlflow.rollout.fully_async import FullyAsyncRollout
-from rlflow.rollout.dynamic_sampling import DynamicSampling
+from rlflow.rollout.stream import DynamicSampling
 from rlflow.rollout.reference_responses import WithReferenceResponses
 from rlflow.rollout.agent import AgentLoop
 
