@@ -27,7 +27,6 @@ _spec.loader.exec_module(graph)
 
 # Reasons for imports not cut yet (each a debt: cut it and delete its line).
 BUSY = "not cut yet: the importing file is being rewritten on another branch (cli.py, config/build.py, rollout/, trainer/)"
-CIRCLE = "hides a circle inside rewards/ (the imported module imports this one at the top, through rewards/__init__)"
 
 # (importing module, imported module) without the "rlflow." prefix -> why the import sits inside a function
 ALLOWED = {
@@ -60,10 +59,6 @@ ALLOWED = {
     ("config.verl_megatron", "strategies.megatron.model"): "defers lightning, torch",
     ("models.policy", "models.lora"): "defers peft",
     ("models.critic", "models.lora"): "defers peft",
-    ("rewards.combine", "rewards.function"): CIRCLE,
-    ("rewards.dispatch", "rewards.code"): CIRCLE,
-    ("rewards.dispatch", "rewards.geo3k"): CIRCLE,
-    ("rewards.function", "rewards.pool"): CIRCLE,
     ("rewards.model", "strategies"): "defers lightning",
     ("strategies.megatron.strategy", "models.critic"): "defers tensordict, transformers",
     ("strategies.megatron.strategy", "models.logprobs"): "defers transformers",
