@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlflow.trainer.checkpoint import latest_checkpoint
+
 if TYPE_CHECKING:  # torch loads only once a checkpoint is known to exist: a wrong path is reported at once
     import torch
 
@@ -27,8 +29,6 @@ class ExportError(ValueError):
 
 def check_checkpoint(checkpoint: Path) -> None:
     """Fail with a message naming ``checkpoint`` unless it is a ``global_step_N`` folder of a run."""
-    from rlflow.trainer.checkpoint import latest_checkpoint
-
     if not checkpoint.exists():
         raise ExportError(f"checkpoint folder {checkpoint} does not exist")
     if not checkpoint.is_dir():
