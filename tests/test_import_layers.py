@@ -29,7 +29,7 @@ _spec.loader.exec_module(graph)
 # (importing module, imported module) without the "rlflow." prefix -> why the import sits inside a function.
 # Every entry defers a third-party package, for one of four reasons: the CLI and the config checks report every
 # problem before torch loads (cli, config.*); `rlflow export` / checkpoint paths are checked before torch loads
-# (trainer.checkpoint); PEFT loads only for a LoRA model (models.*); Lightning and transformers only where a
+# (trainer.training_state); PEFT loads only for a LoRA model (models.*); Lightning and transformers only where a
 # strategy or a model is really built (rewards.model, strategies.megatron, tasks.shapes).
 ALLOWED = {
     ("cli", "config.run"): "defers omegaconf, yaml",  # rlflow --help and the default job start 0.6 s sooner
@@ -56,8 +56,8 @@ ALLOWED = {
     ("strategies.megatron.strategy", "models.logprobs"): "defers transformers",
     ("tasks.shapes", "models.policy"): "defers transformers",
     ("tasks.shapes", "models.tiny_vlm"): "defers tokenizers, transformers",
-    ("trainer.checkpoint", "models.policy"): "defers tensordict, torch, transformers",
-    ("trainer.checkpoint", "strategies"): "defers lightning, torch",
+    ("trainer.training_state", "models.policy"): "defers tensordict, torch, transformers",
+    ("trainer.training_state", "strategies"): "defers lightning, torch",
 }
 
 
@@ -136,6 +136,9 @@ def test_a_deferral_defers_what_it_says():
     ("rlflow.tasks.export", "rlflow.tasks.prepare", "export_task"),
     ("rlflow.strategies.megatron.export", "rlflow.strategies.megatron.weight_buckets", "WeightExporter"),
     ("rlflow.strategies.megatron.checkpoint", "rlflow.strategies.megatron.sharded_checkpoint", "ShardedCheckpoint"),
+    ("rlflow.trainer.checkpoint", "rlflow.trainer.training_state", "resume"),
+    ("rlflow.trainer.export", "rlflow.trainer.hf_export", "export_hf"),
+    ("rlflow.rollout.engines.checkpoint", "rlflow.rollout.engines.weights_on_disk", "write_checkpoint"),
 ])
 def test_a_renamed_module_keeps_its_old_path_with_a_warning(old, new, name):
     with pytest.warns(DeprecationWarning, match=new):

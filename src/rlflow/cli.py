@@ -16,7 +16,7 @@ import time
 
 from rlflow.models.gguf import gguf_to_folder, smollm2_folder
 from rlflow.slurm import add_arguments as slurm_arguments, main as launch_slurm  # argparse only: no torch
-from rlflow.trainer.export import ExportError, export_hf
+from rlflow.trainer.hf_export import ExportError, export_hf
 
 # default-job flag -> (flag, default, the key to use instead with a verl config, ... with a native recipe)
 DEFAULT_JOB_FLAGS = {

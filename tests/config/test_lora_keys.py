@@ -70,7 +70,7 @@ def test_seed_keys_train_with_the_adapter_and_its_reference(tiny, model_dir, tmp
     assert L.is_lora(trainer.policy.model) and isinstance(trainer.reference, AdapterDisabledReference)
     assert trainer.policy.model.peft_config["default"].r == 4
     assert len(trainer.fit(data)) == 2
-    from rlflow.trainer.export import export_hf
+    from rlflow.trainer.hf_export import export_hf
 
     from safetensors.torch import load_file, save_file
 

@@ -142,7 +142,7 @@ def test_merged_weight_buckets(options, tokenizer):
 
 def test_checkpoints_hold_the_adapter_resume_exactly_and_export(tokenizer, tmp_path, prompts):
     from rlflow.cli import main as cli_main
-    from rlflow.trainer.export import ExportError, export_hf
+    from rlflow.trainer.hf_export import ExportError, export_hf
 
     folder = tmp_path / "base"
     tiny_model(tokenizer).save_pretrained(folder)

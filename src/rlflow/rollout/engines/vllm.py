@@ -42,7 +42,7 @@ from torch import nn
 
 from rlflow.models.hf_config import apply_overrides
 from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets, counted
-from rlflow.rollout.engines.checkpoint import model_folder, shared_temp_dir, write_checkpoint, writes_checkpoints
+from rlflow.rollout.engines.weights_on_disk import model_folder, shared_temp_dir, write_checkpoint, writes_checkpoints
 from rlflow.rollout.engines.weight_transfer import LLMClient, Sender, choose_backend
 from rlflow.rollout.weight_sync import update_buckets
 

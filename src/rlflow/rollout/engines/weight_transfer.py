@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from rlflow.rollout.engines.checkpoint import distributed
+from rlflow.rollout.engines.weights_on_disk import distributed
 from rlflow.rollout.engines.errors import ServerError
 
 log = logging.getLogger("rlflow.rollout.weight_transfer")
