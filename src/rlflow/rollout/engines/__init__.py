@@ -11,4 +11,3 @@ from rlflow.rollout.engines.server import ServerEngine
 from rlflow.rollout.engines.vllm import VLLMEngine
 
 __all__ = ["Completion", "Engine", "MultiModalPrompt", "SamplingParams", "HFEngine", "VLLMEngine", "ServerEngine", "FleetEngine"]
-

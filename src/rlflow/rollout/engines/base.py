@@ -178,4 +178,3 @@ def counted(buckets: WeightBuckets, totals: dict[str, float]) -> Iterator[tuple[
         unique = {id(t): t for _, t in bucket}.values()
         totals["weight_sync/gb"] = totals.get("weight_sync/gb", 0.0) + sum(t.numel() * t.element_size() for t in unique) / 1e9
         yield from bucket
-
