@@ -16,7 +16,9 @@ import sys
 import time
 
 from rlflow.config.components import is_tree_file
+from rlflow.models.gguf import gguf_to_folder, smollm2_folder
 from rlflow.slurm import add_arguments as slurm_arguments, main as launch_slurm  # argparse only: no torch
+from rlflow.trainer.hf_export import ExportError, export_hf
 
 # default-job flag -> (flag, default, the key to use instead with a verl config, ... with a native recipe)
 DEFAULT_JOB_FLAGS = {
@@ -100,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
         return launch_slurm(args)
     if args.command == "export":
-        from rlflow.trainer.export import ExportError, export_hf
-
         try:
             print(f"exported to {export_hf(args.checkpoint, args.out_dir, args.base_model)}")
         except ExportError as e:
@@ -109,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "get-model":
-        from rlflow.models.gguf import gguf_to_folder, smollm2_folder
-
         log = lambda line: print(line, file=sys.stderr)  # noqa: E731  stdout is the folder alone, for $(...)
         if args.model == "smollm2":
             folder = smollm2_folder(args.out, log=log)

@@ -7,7 +7,7 @@ import pytest
 
 import rlflow.config.devices as devices
 from rlflow.config import load_config, make_plan
-from rlflow.trainer import checkpoint as ckpt
+from rlflow.trainer import training_state as ckpt
 from rlflow.trainer.generations import DumpGenerations, LogValidationGenerations
 from rlflow.trainer.main_ppo import main
 

@@ -11,6 +11,7 @@ from rlflow.config.dryrun import dry_run
 from rlflow.config.native import load_native
 from rlflow.config.run import unused_notes
 from rlflow.models import lora as L
+from rlflow.models.policy import AdapterDisabledReference
 
 M, SEED = "actor_rollout_ref.model", "actor_rollout_ref.actor.lora"
 BASE = ["actor_rollout_ref.model.path=m", "data.train_files=t.parquet", "trainer.device=cpu", "trainer.n_gpus_per_node=1"]
@@ -66,10 +67,10 @@ def test_seed_keys_train_with_the_adapter_and_its_reference(tiny, model_dir, tmp
     assert not problems and "lora=LoraConfig(r=4, lora_alpha=8, target_modules='all-linear'" in report
     assert "trainable" in report and "the reference is the model with its adapter off" in report
     trainer, data = build_trainer(p)
-    assert L.is_lora(trainer.policy.model) and isinstance(trainer.reference, L.AdapterDisabledReference)
+    assert L.is_lora(trainer.policy.model) and isinstance(trainer.reference, AdapterDisabledReference)
     assert trainer.policy.model.peft_config["default"].r == 4
     assert len(trainer.fit(data)) == 2
-    from rlflow.trainer.export import export_hf
+    from rlflow.trainer.hf_export import export_hf
 
     from safetensors.torch import load_file, save_file
 

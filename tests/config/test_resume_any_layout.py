@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import rlflow.config.devices as devices
-from rlflow.trainer import checkpoint as ckpt
-from rlflow.trainer.export import load_policy_state
+from rlflow.trainer import training_state as ckpt
+from rlflow.trainer.hf_export import load_policy_state
 from rlflow.trainer.main_ppo import main
 
 # Scores that differ between prompts and responses, so every step has a gradient to compare.

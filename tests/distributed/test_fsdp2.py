@@ -70,7 +70,7 @@ def test_export_writes_a_plain_hf_folder(single_process, launched, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlflow.cli import main as cli_main
-    from rlflow.trainer.export import export_hf
+    from rlflow.trainer.hf_export import export_hf
 
     reference, out = single_process
     sharded, sharded_dir = launched["fsdp2"]

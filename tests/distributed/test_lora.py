@@ -19,7 +19,7 @@ def test_lora_fsdp2_two_processes_equal_one(tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from rlflow.models.tiny import tiny_qwen2
-    from rlflow.trainer.export import export_hf
+    from rlflow.trainer.hf_export import export_hf
 
     trainer, data, record = build(str(tmp_path / "one"), "auto", steps=2, devices=1, lora=1)
     trainer.fit(data)

@@ -139,7 +139,7 @@ def test_megatron_checkpoint_exports_to_hugging_face(two, tmp_path):
     """``rlflow export`` reads a Megatron checkpoint (written at tensor parallel 2) like an FSDP2 one."""
     from transformers import AutoModelForCausalLM
 
-    from rlflow.trainer.export import export_hf
+    from rlflow.trainer.hf_export import export_hf
 
     out, results = two
     exported = AutoModelForCausalLM.from_pretrained(export_hf(out / "tp/global_step_3", tmp_path / "hf"))

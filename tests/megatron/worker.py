@@ -294,7 +294,7 @@ def refuse(out: Path) -> dict:
 
     trainer, _, _ = build(str(out / "refuse"), MegatronStrategy(pipeline_parallel=2), devices=world_size(),
                           kind="llama")
-    from rlflow.trainer.checkpoint import CheckpointError
+    from rlflow.trainer.training_state import CheckpointError
 
     try:
         trainer.load(out / "tp/global_step_1")

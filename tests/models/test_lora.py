@@ -14,6 +14,7 @@ from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, PromptData,
 from rlflow.data import keys as K
 from rlflow.data.prompts import collate, load_rows
 from rlflow.models import lora as L
+from rlflow.models.policy import AdapterDisabledReference
 from rlflow.models.tiny import tiny_qwen2
 from rlflow.trainer.options import with_groups
 
@@ -73,7 +74,7 @@ def test_reference_is_the_base_model_without_a_copy(tokenizer, tmp_path, prompts
                                                       init_lora_weights=False))  # B != 0: the adapter changes outputs
     trainer = trainer_for(policy, tmp_path)
     reference = trainer.reference
-    assert isinstance(reference, L.AdapterDisabledReference) and reference.model is policy.model
+    assert isinstance(reference, AdapterDisabledReference) and reference.model is policy.model
     assert reference.module is policy.module  # the policy's own (set-up) module: no second copy of the weights
     rollout = HFRollout(n=2, max_new_tokens=4)
     rollout.bind(policy.model, tokenizer)
@@ -141,7 +142,7 @@ def test_merged_weight_buckets(options, tokenizer):
 
 def test_checkpoints_hold_the_adapter_resume_exactly_and_export(tokenizer, tmp_path, prompts):
     from rlflow.cli import main as cli_main
-    from rlflow.trainer.export import ExportError, export_hf
+    from rlflow.trainer.hf_export import ExportError, export_hf
 
     folder = tmp_path / "base"
     tiny_model(tokenizer).save_pretrained(folder)

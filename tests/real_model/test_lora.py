@@ -8,7 +8,8 @@ from peft import LoraConfig
 
 from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss, PromptData, Trainer, Batching, Loop, Optim, RunDir
 from rlflow.data import keys as K
-from rlflow.models.lora import AdapterDisabledReference, hf_name
+from rlflow.models.lora import hf_name
+from rlflow.models.policy import AdapterDisabledReference
 from tests.real_model.helpers import chat_batch, chat_rows
 
 QUESTIONS = ("Name a color.", "Write a haiku about the sea.")

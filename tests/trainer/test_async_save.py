@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from rlflow.trainer import checkpoint as ckpt
+from rlflow.trainer import training_state as ckpt
 
 from .helpers import make_trainer
 

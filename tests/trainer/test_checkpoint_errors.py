@@ -12,7 +12,7 @@ import torch
 
 from rlflow.cli import main as cli_main
 from rlflow.models.tiny import tiny_qwen2
-from rlflow.trainer import checkpoint as ckpt
+from rlflow.trainer import training_state as ckpt
 
 from .helpers import make_trainer, params
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlflow.trainer import checkpoint as ckpt
+from rlflow.trainer import training_state as ckpt
 from rlflow.trainer.generations import DumpGenerations, LogValidationGenerations, pick_samples
 
 from .helpers import make_trainer, params

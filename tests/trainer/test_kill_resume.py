@@ -19,8 +19,8 @@ import time
 import pytest
 import torch
 
-from rlflow.trainer import checkpoint as ckpt
-from rlflow.trainer.export import load_policy_state
+from rlflow.trainer import training_state as ckpt
+from rlflow.trainer.hf_export import load_policy_state
 
 from .helpers import comparable, make_trainer
 

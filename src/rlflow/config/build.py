@@ -10,6 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
+from rlflow.algorithms import GreedyBaseline, ValueLoss
 from rlflow.config.distillation import check_routes
 from rlflow.config.data_classes import data_node, dataset_rows
 from rlflow.config.loading import ConfigError
@@ -20,11 +21,17 @@ from rlflow.config.reward_fn import check_data_sources
 from rlflow.config.rewards import build_reward as make_reward
 from rlflow.data import keys as K
 from rlflow.data.prompts import DataError, PromptData
-from rlflow.models.critic import Critic
+from rlflow.models.checks import ModelFolderError, check_model_folder, check_tokenizer, enable_activation_checkpointing
+from rlflow.models.critic import Critic, load_causal_lm
+from rlflow.models.hf_config import OverrideError, load_config
+from rlflow.models.hub import ModelNotFoundError, locate_model
 from rlflow.models.policy import Policy
 from rlflow.models.teacher import Teacher
+from rlflow.models.vision import load_processor
+from rlflow.module import Chain
 from rlflow.rewards import OverlongPenalty
 from rlflow.rollout import AsyncRollout, FullyAsyncRollout
+from rlflow.rollout.agent import AgentLoop
 from rlflow.rollout.stream import Experience, FilterGroups
 from rlflow.trainer.loggers import make_loggers
 from rlflow.trainer.options import groups
@@ -34,8 +41,6 @@ from rlflow.trainer.trainer import Trainer
 def local_model(path: str, key: str) -> str:
     """What transformers should load for the model at ``key``: a local folder, a cached hub model when
     offline, or the hub id itself when the hub is reachable (see :mod:`rlflow.models.hub`)."""
-    from rlflow.models.hub import ModelNotFoundError, locate_model
-
     try:
         return locate_model(path, key).path
     except ModelNotFoundError as e:
@@ -55,8 +60,6 @@ def model_files(plan: Plan) -> dict[str, str]:
 def load_tokenizer(plan: Plan):
     """The policy's tokenizer alone (the dry run needs no weights)."""
     from transformers import AutoTokenizer
-
-    from rlflow.models.checks import ModelFolderError, check_tokenizer
 
     kw = plan.policy_kwargs
     trust = kw.get("tokenizer_trust_remote_code", kw.get("trust_remote_code", False))
@@ -78,8 +81,6 @@ def load_tokenizer(plan: Plan):
 def load_vision_processor(plan: Plan):
     """The processor of an image-text-to-text model folder (its images' size bounds from ``data.min/max_pixels``),
     else ``None``; no weights are read."""
-    from rlflow.models.vision import load_processor
-
     files, kw = model_files(plan), plan.policy_kwargs
     if getattr(policy_config(plan), "vision_config", None) is None:
         return None
@@ -97,8 +98,6 @@ TRUST_TOKENIZER = f"{TRUST}=True, or data.trust_remote_code=True for the tokeniz
 def remote_code_errors(path_key: str, trust_key: str, override_key: str | None = None):
     """transformers' refusal to run a folder's own code, and a config override it cannot take, as a
     :class:`ConfigError` naming the verl key that changes it."""
-    from rlflow.models.hf_config import OverrideError
-
     try:
         yield
     except OverrideError as e:
@@ -112,8 +111,6 @@ def remote_code_errors(path_key: str, trust_key: str, override_key: str | None =
 
 def policy_config(plan: Plan):
     """The policy's transformers config (``model.hf_config_path`` when set) with its overrides (no weights read)."""
-    from rlflow.models.hf_config import load_config
-
     kw, key = plan.policy_kwargs, "actor_rollout_ref.model"
     with remote_code_errors(f"{key}.path", f"{TRUST}=True", f"{key}.override_config"):
         return load_config(model_files(plan)["config_path"], kw.get("override_config"),
@@ -177,8 +174,6 @@ def warmup_steps(plan: Plan, total: int) -> int:
 
 def critic_config(plan: Plan):
     """The critic's transformers config with its overrides (no weights read)."""
-    from rlflow.models.hf_config import load_config
-
     kw, key = plan.critic_kwargs, "critic.model"
     with remote_code_errors(f"{key}.path", f"{key}.trust_remote_code=True", f"{key}.override_config"):
         config = kw.get("config_path") and local_model(kw["config_path"], f"{key}.hf_config_path")
@@ -187,8 +182,6 @@ def critic_config(plan: Plan):
 
 
 def build_policy(plan: Plan) -> Policy:
-    from rlflow.models.checks import ModelFolderError
-
     key = "actor_rollout_ref.model"
     files, kwargs = model_files(plan), dict(plan.policy_kwargs)
     kwargs |= {k: files[k] for k in ("tokenizer_path", "config_path") if k in kwargs}
@@ -216,9 +209,6 @@ def build_reference(plan: Plan, policy: Policy) -> Policy:
     the policy's tokenizer (the vocabularies must agree: its log-probs are of the policy's token ids)."""
     if plan.ref_model_path is None:
         return policy.reference()
-    from rlflow.models.checks import ModelFolderError, check_model_folder
-    from rlflow.models.critic import load_causal_lm
-
     key = "actor_rollout_ref.ref.model"
     path = local_model(plan.ref_model_path, key)
     try:
@@ -238,9 +228,6 @@ def build_reference(plan: Plan, policy: Policy) -> Policy:
 
 
 def build_critic(plan: Plan) -> Critic:
-    from rlflow.models.checks import ModelFolderError, check_model_folder
-    from rlflow.models.critic import load_causal_lm
-
     kw = dict(plan.critic_kwargs)
     path = local_model(plan.critic_path, "critic.model.path")
     try:
@@ -253,8 +240,6 @@ def build_critic(plan: Plan) -> Critic:
     with remote_code_errors("critic.model.path", "critic.model.trust_remote_code=True", "critic.model.override_config"):
         model = load_causal_lm(path, trust, overrides, config_path=config)
     if kw.pop("gradient_checkpointing"):
-        from rlflow.models.checks import enable_activation_checkpointing
-
         enable_activation_checkpointing(model, {"use_reentrant": False})
     return Critic(model, **kw, lora=make_lora(plan.critic_lora))
 
@@ -280,9 +265,6 @@ def build_estimator(plan: Plan, rollout, loss) -> tuple:
     """The estimator, chained with the modules around it: ``Chain(KLInReward(...), GRPO(), loss.selection())``,
     and the stages of the experience stream among them (ReMax's ``GreedyBaseline`` generates: a stage of its own,
     after DAPO's ``FilterGroups`` when ``algorithm.filter_groups`` is on)."""
-    from rlflow.algorithms import GreedyBaseline
-    from rlflow.module import Chain
-
     estimator = instantiate(plan.estimator_cls, plan.estimator_kwargs, "algorithm.*")
     made = {"rollout": rollout, "reward": build_reward(plan)}  # a reward of its own (its stats)
     if plan.kl_controller:
@@ -339,8 +321,6 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
     loss = instantiate(plan.loss_cls, plan.loss_kwargs, "actor_rollout_ref.actor.*")
     rollout = instantiate(plan.rollout_cls, plan.rollout_kwargs, "actor_rollout_ref.rollout.*")
     if plan.agent is not None:  # multi-turn: the agent loop samples each turn with the rollout's engine
-        from rlflow.rollout.agent import AgentLoop
-
         rollout = instantiate(AgentLoop, {"rollout": rollout, **plan.agent}, "actor_rollout_ref.rollout.multi_turn.*")
     if plan.async_rollout is not None:  # generation beside training (trainer.async_weight_update)
         rollout = instantiate(AsyncRollout, {"rollout": rollout, **plan.async_rollout}, "async_training.*")
@@ -360,8 +340,6 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
                           "reference log-probs (no KL loss or KL in the reward)")
     critic, value_loss = None, None
     if plan.critic_path is not None:
-        from rlflow.algorithms import ValueLoss
-
         critic = build_critic(plan)
         value_loss = instantiate(ValueLoss, plan.value_loss_kwargs, "critic.cliprange_value / critic.loss_agg_mode")
     run_dir = Path(plan.trainer_kwargs["run_dir"]).expanduser()

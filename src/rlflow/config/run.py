@@ -28,8 +28,8 @@ from rlflow.config.verl_configs import bundled_name
 from rlflow.launch import rollout_pool
 from rlflow.launch.ray import RayLaunchError, run_workers  # light: Ray itself is imported where used
 from rlflow.logs import quiet_other_ranks
-from rlflow.trainer import checkpoint as ckpt
-from rlflow.trainer.checkpoint import CheckpointError  # light: the checkpoint module imports torch where used
+from rlflow.trainer import training_state as ckpt
+from rlflow.trainer.training_state import CheckpointError  # light: the checkpoint module imports torch where used
 from rlflow.trainer.determinism import full_determinism  # light too
 
 if TYPE_CHECKING:

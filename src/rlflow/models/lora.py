@@ -7,7 +7,7 @@ Its forward computes ``x W^T + s * (x A^T) B^T`` with ``s = alpha / r`` (rsLoRA:
 What rlflow builds on that:
 
 - **the reference for free**: the KL anchor is the same model with the adapter switched off
-  (:class:`AdapterDisabledReference`, PEFT's ``disable_adapter``), never a second copy of the weights;
+  (:class:`~rlflow.models.policy.AdapterDisabledReference`, PEFT's ``disable_adapter``), never a second copy of the weights;
 - **trainable-only state**: :func:`keep_trainable_state_only` makes the policy module's ``state_dict``
   hold the adapter alone, so a checkpoint saves what changes (the base weights are the model folder's);
 - **merged weights for generation engines**: :func:`merged_weight_buckets` yields ``W' = W + s B A``
@@ -29,10 +29,7 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.lora import Linear as LoraLinear
 from torch import Tensor, nn
 
-from rlflow.data import keys as K
-from rlflow.models.policy import Policy
-from rlflow.rollout.engines.base import tied_aliases
-from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES, gather_full, tensor_buckets
+from rlflow.weights import DEFAULT_BUCKET_BYTES, gather_full, tensor_buckets, tied_aliases
 
 ADAPTER_DIR = "lora_adapter"  # a checkpoint's adapter config (verl's name)
 
@@ -71,34 +68,6 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def merged_copy(model: PeftModel) -> nn.Module:
     """A plain transformers model with the adapter merged in (PEFT's ``merge_and_unload`` on a copy)."""
     return copy.deepcopy(model).merge_and_unload()
-
-
-# ---------------------------------------------------------------- the reference
-class AdapterDisabledReference(Policy):
-    """The KL reference of a LoRA policy: the policy's own module, scored with the adapter off.
-
-    Nothing is copied: :attr:`module` is the policy's (as the strategy wrapped it), and scoring runs
-    under ``PeftModel.disable_adapter()``, so the log-probs are the base model's. Writes ``ref_log_probs``.
-    """
-
-    def __init__(self, policy: Policy, micro_batch_size: int | None = None,
-                 max_tokens_per_micro_batch: int | None = None):
-        # no module of its own (Policy.__init__ would build one): the policy's is used, see `module`
-        self.source = policy
-        self.model, self.tokenizer = policy.model, policy.tokenizer
-        self.micro_batch_size = micro_batch_size if micro_batch_size is not None else policy.micro_batch_size
-        self.max_tokens_per_micro_batch = (max_tokens_per_micro_batch if max_tokens_per_micro_batch is not None
-                                           else policy.max_tokens_per_micro_batch)
-        self.log_prob_key, self.entropy_key = K.REF_LOG_PROBS, None
-        self.remove_padding = policy.remove_padding
-
-    @property
-    def module(self) -> nn.Module:
-        return self.source.module
-
-    def log_probs(self, batch):
-        with self.model.disable_adapter():
-            return super().log_probs(batch)
 
 
 # ---------------------------------------------------------------- what a checkpoint holds

@@ -195,7 +195,7 @@ class Policy(BatchModule):
         tokens = max_tokens_per_micro_batch if max_tokens_per_micro_batch is not None \
             else self.max_tokens_per_micro_batch
         if lora_module(self.model) is not None:
-            return lora_module(self.model).AdapterDisabledReference(self, micro, tokens)
+            return AdapterDisabledReference(self, micro, tokens)
         frozen = copy.deepcopy(self.model).eval().requires_grad_(False)
         return Policy(
             frozen,
@@ -216,6 +216,33 @@ class Policy(BatchModule):
         sends the merged weights of the adapted layers)."""
         lora = lora_module(self.model)
         return lora.merged_copy(self.model) if lora is not None else copy.deepcopy(self.model)
+
+
+class AdapterDisabledReference(Policy):
+    """The KL reference of a LoRA policy: the policy's own module, scored with the adapter off.
+
+    Nothing is copied: :attr:`module` is the policy's (as the strategy wrapped it), and scoring runs
+    under ``PeftModel.disable_adapter()``, so the log-probs are the base model's. Writes ``ref_log_probs``.
+    """
+
+    def __init__(self, policy: Policy, micro_batch_size: int | None = None,
+                 max_tokens_per_micro_batch: int | None = None):
+        # no module of its own (Policy.__init__ would build one): the policy's is used, see `module`
+        self.source = policy
+        self.model, self.tokenizer = policy.model, policy.tokenizer
+        self.micro_batch_size = micro_batch_size if micro_batch_size is not None else policy.micro_batch_size
+        self.max_tokens_per_micro_batch = (max_tokens_per_micro_batch if max_tokens_per_micro_batch is not None
+                                           else policy.max_tokens_per_micro_batch)
+        self.log_prob_key, self.entropy_key = K.REF_LOG_PROBS, None
+        self.remove_padding = policy.remove_padding
+
+    @property
+    def module(self) -> nn.Module:
+        return self.source.module
+
+    def log_probs(self, batch):
+        with self.model.disable_adapter():
+            return super().log_probs(batch)
 
 
 def lora_module(model):

@@ -29,6 +29,7 @@ from tensordict import TensorDict
 from rlflow import roles
 from rlflow.data.keys import RM_SCORES, SCORES
 from rlflow.rewards.base import Reward
+from rlflow.rewards.function import FunctionReward
 
 COUNTERS = ("reward/errors", "reward/timeouts", "reward/non_finite")
 
@@ -38,8 +39,6 @@ def as_reward(part: Reward | Callable[..., Any], **function_kwargs: Any) -> Rewa
     if isinstance(part, Reward):
         return part
     if callable(part):
-        from rlflow.rewards.function import FunctionReward
-
         return FunctionReward(part, **function_kwargs)
     raise TypeError(f"a reward must be a Reward or a callable, got {type(part).__name__}")
 

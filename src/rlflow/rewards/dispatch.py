@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlflow.rewards import gsm8k, math, math_dapo
+from rlflow.rewards import code, geo3k, gsm8k, math, math_dapo  # geo3k imports its grader (mathruler) when called
 
 GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
@@ -64,12 +64,8 @@ def default_compute_score(
     if data_source in DAPO_SOURCES or str(data_source).startswith(DAPO_PREFIX):
         return math_dapo.compute_score(solution_str, ground_truth)
     if data_source in CODE_SOURCES:
-        from rlflow.rewards import code  # imported here: only code data needs the sandbox
-
         return code.compute_score(solution_str, ground_truth)
     if data_source in GEO3K_SOURCES:
-        from rlflow.rewards import geo3k  # its grader (mathruler) is an optional dependency
-
         return float(geo3k.compute_score(solution_str, ground_truth))
     if data_source in ADDITION_SOURCES:
         return exact_match(solution_str, str(ground_truth))

@@ -61,6 +61,7 @@ from tensordict import TensorDict
 from rlflow.data.keys import (DATA_SOURCE, EXTRA_INFO, GROUND_TRUTH, PROMPT_TEXT, RESPONSE_IDS, RESPONSE_MASK,
                               RESPONSE_TEXT, RM_SCORES)
 from rlflow.rewards.base import GAVE_UP, Reward, RewardError, RewardWarning, column, run_calls
+from rlflow.rewards.pool import WorkerPool
 
 FORMS = ("verl", "sample", "batch", "trl")
 BATCH_FORMS = ("batch", "trl")
@@ -128,8 +129,6 @@ class FunctionReward(Reward):
             self.in_keys = (*self.in_keys, RM_SCORES)
         self.processes, self.start_method, self._pool = processes, start_method, None
         if processes:
-            from rlflow.rewards.pool import WorkerPool
-
             self._pool = WorkerPool(self._call, processes, start_method=start_method)
 
     def __repr__(self) -> str:

@@ -35,6 +35,7 @@ import torch
 from tensordict import TensorDict
 
 from rlflow.data import keys as K
+from rlflow.models.policy import lora_module
 from rlflow.rollout.engines.base import hf_weight_buckets
 from rlflow.rollout.engines.process import ProcessEngine
 from rlflow.rollout.engines.threaded import ThreadedEngine
@@ -130,8 +131,6 @@ class AsyncRollout(RolloutWrapper):
                 and torch.distributed.get_world_size() > 1:
             raise NotImplementedError("AsyncRollout runs with one training process for now; with several, use the "
                                       "synchronous rollout (or a server rollout per process)")
-        from rlflow.models.policy import lora_module
-
         if lora_module(model) is not None and self.rollout.holds_own_weights:  # pushes carry PEFT names here
             raise NotImplementedError(f"AsyncRollout with a LoRA policy runs the transformers engine (HFRollout) for "
                                       f"now; {type(self.rollout).__name__} needs merged weights, which its "

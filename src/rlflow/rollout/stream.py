@@ -26,6 +26,7 @@ the reward's (summed or averaged over the scoring rounds of the batch) and the s
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 import warnings
 from collections import defaultdict, deque
@@ -39,9 +40,9 @@ from rlflow.data.nontensor import to_device
 from rlflow.phases import phase
 from rlflow.roles import Reward, Rollout, optional
 from rlflow.rollout.async_rollout import AsyncRollout
-from rlflow.rollout.dynamic_sampling import DynamicSampling, first_groups, group_metric, informative_rows, merge_stats
+from rlflow.rollout.dynamic_sampling import first_groups, group_metric, informative_rows, merge_stats
 from rlflow.rollout.reference_responses import WithReferenceResponses, add_reference_rows
-from rlflow.rollout.wrapper import cat_batches
+from rlflow.rollout.wrapper import RolloutWrapper, cat_batches
 
 WHERE = ("engine", "samples", "scored")
 
@@ -153,6 +154,76 @@ class FilterGroups(Stage):
 
     def __repr__(self):
         return f"FilterGroups(metric={self.metric!r}, max_gen_batches={self.max_gen_batches})"
+
+
+class DynamicSampling(RolloutWrapper):
+    """Rollout + reward with group filtering, one call per step (deprecated in the Trainer: use the
+    ``FilterGroups`` stage; ``Trainer(rollout=DynamicSampling(...), reward=None)`` still runs, as that stage).
+
+    On a batch of ``P`` prompts: roll out (``n`` samples each) and score; keep the groups whose
+    ``metric`` is not identical across their samples (a single-sample group is kept, as in verl);
+    while fewer than ``P`` groups are kept, take the next prompt batch from the loader given to
+    :meth:`bind_prompts` and repeat. The first ``P`` kept groups are
+    returned, in order, with ``group`` renumbered ``0..P-1``; the rows stay contiguous per group.
+
+    Args:
+        rollout: the sampler (e.g. ``HFRollout(n=16)``).
+        reward: scores the samples (e.g. ``OverlongPenalty(FunctionReward(...), ...)``).
+        metric: ``"score"`` (the ``scores`` key), ``"seq_reward"`` (``token_rewards`` summed) or the name of
+            a column of ``reward.extras`` (e.g. ``"acc"``, verl's usual choice).
+        max_gen_batches: generation rounds allowed per step (verl ``max_num_gen_batches``); reaching it
+            without enough groups raises ``RuntimeError``.
+
+    ``stats``: ``dapo/num_gen_batches``, ``dapo/kept_group_frac`` (kept / generated groups, before the
+    cut to ``P``), ``dapo/gen_score_mean`` (mean score over every generated sample: the unfiltered
+    batch reward, since the kept batch's ``critic/score/mean`` is biased towards 0.5), and the reward's
+    own stats (error counts summed over rounds).
+
+    Several processes: each rank filters its own shard of every prompt batch it pulls (the loader is
+    drawn identically on every rank) and may need a different number of rounds.
+    """
+
+    def __init__(self, rollout, reward, metric: str = "score", max_gen_batches: int = 10):
+        if max_gen_batches < 1:
+            raise ValueError(f"max_gen_batches must be >= 1, got {max_gen_batches}")
+        super().__init__(rollout)
+        self.reward, self.metric, self.max_gen_batches = reward, metric, max_gen_batches
+        self.in_keys = tuple(rollout.in_keys)
+        self.out_keys = tuple(dict.fromkeys(tuple(rollout.out_keys) + tuple(reward.out_keys)))
+        self.loader = None
+        self.stats: dict[str, float] = {}
+
+    def bind_prompts(self, loader) -> None:
+        """Where further prompt batches come from: an iterator of prompt batches (``next(loader)``)."""
+        self.loader = loader
+
+    def group_metric(self, batch: TensorDict) -> torch.Tensor:
+        """The [B] per-sample values that must differ within a group for it to be kept."""
+        return group_metric(batch, self.metric, self.reward)
+
+    def _next_prompts(self, like: TensorDict) -> TensorDict:
+        if self.loader is None:
+            raise RuntimeError("DynamicSampling needs more prompts than one batch: call bind_prompts(loader) "
+                               "(Trainer.fit does) before using it outside the Trainer")
+        batch = next(self.loader)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+            per = batch.batch_size[0] // world
+            batch = batch[rank * per : (rank + 1) * per]
+        return batch.to(like[K.PROMPT_IDS].device)
+
+    def forward(self, prompts: TensorDict) -> TensorDict:
+        """The stream's ``FilterGroups`` stage over this batch, then the loader's (see the class docstring)."""
+        experience = Experience(self.rollout, self.reward, [FilterGroups(self.metric, self.max_gen_batches)])
+        more = (self._next_prompts(prompts) for _ in itertools.count())
+        with contextlib.closing(experience(itertools.chain([prompts], more))) as stream:
+            batch = next(stream)
+        self.stats = {k: v for k, v in experience.metrics.items() if not k.startswith("timing_s/")}
+        return batch
+
+    def __repr__(self) -> str:
+        return (f"DynamicSampling({self.rollout!r}, {self.reward!r}, metric={self.metric!r}, "
+                f"max_gen_batches={self.max_gen_batches})")
 
 
 class ReferenceResponses(Stage):

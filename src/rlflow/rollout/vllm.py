@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 from rlflow.rollout.engines.base import Engine
-from rlflow.rollout.engines.vllm import INSTALL_HINT
+from rlflow.rollout.engines.vllm import INSTALL_HINT, shared_engine
 from rlflow.rollout.single_turn import SingleTurnRollout
 from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES
 
@@ -64,6 +64,4 @@ class VLLMRollout(SingleTurnRollout):
     def make_engine(self, model, tokenizer) -> Engine:
         if self.engine is not None:
             return self.engine
-        from rlflow.rollout.engines.vllm import shared_engine
-
         return shared_engine(model, tokenizer, **self.engine_options)

@@ -106,7 +106,7 @@ class RunDir:
 
     Args:
         path: the folder (verl's ``trainer.default_local_dir``): the loggers' files, and the checkpoints as
-            ``path/global_step_N`` with ``path/latest_checkpointed_iteration.txt`` (``rlflow.trainer.checkpoint``).
+            ``path/global_step_N`` with ``path/latest_checkpointed_iteration.txt`` (``rlflow.trainer.training_state``).
             Checked to be writable before the first step.
         save_every: a checkpoint every N steps and at the last (0: none).
         resume: ``None``, ``"auto"`` (the latest checkpoint in ``path``, if any) or a ``global_step_N`` folder of

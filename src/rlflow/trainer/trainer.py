@@ -28,7 +28,7 @@ from rlflow.rollout.stream import Experience, PromptStream
 from rlflow.strategies import resolve_strategy, shards_parameters
 from rlflow.logs import quiet_other_ranks
 from rlflow.threads import choose_threads
-from rlflow.trainer import checkpoint as ckpt, numerics, validation
+from rlflow.trainer import numerics, training_state as ckpt, validation
 from rlflow.trainer.batching import micro_batches, shuffled_mini_batches, split_rows
 from rlflow.trainer.callbacks import with_defaults
 from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_sum, reduce_metrics,
@@ -371,7 +371,7 @@ class Trainer:
         return self.run_dir
 
     def save(self) -> Path:
-        """Write a checkpoint of this step (see :func:`rlflow.trainer.checkpoint.save`), then call the callbacks'
+        """Write a checkpoint of this step (see :func:`rlflow.trainer.training_state.save`), then call the callbacks'
         ``on_save(trainer=, global_step=, checkpoint_dir=)``."""
         path = ckpt.save(self)
         self.fabric.call("on_save", trainer=self, global_step=self.global_step, checkpoint_dir=str(path))

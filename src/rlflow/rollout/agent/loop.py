@@ -30,6 +30,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from rlflow.data import keys as K
+from rlflow.data.nontensor import column
 from rlflow.module import BatchModule
 from rlflow.rollout.agent.batching import DirectRequests, TurnBatcher, run_sync
 from rlflow.rollout.agent.chat import ChatFormat
@@ -37,6 +38,7 @@ from rlflow.rollout.agent.interaction import Interaction
 from rlflow.rollout.agent.trajectory import Trajectory, summarize
 from rlflow.rollout.single_turn import unpadded
 from rlflow.rollout.tools.base import Tool, ToolError, ToolResult
+from rlflow.rollout.tools.config import load_interaction_config, load_tool_config
 from rlflow.rollout.tools.parsers import ToolCall, tool_parser
 
 TRUNCATE_SIDES = ("left", "right", "middle")
@@ -96,8 +98,6 @@ class AgentLoop(BatchModule):
                  tool_response_truncate_side: str = "middle", max_response_tokens: int | None = None,
                  tool_timeout_s: float | None = None, concurrent_requests: bool = False,
                  template_kwargs: dict | None = None):
-        from rlflow.rollout.tools.config import load_interaction_config, load_tool_config
-
         if isinstance(tools, (str, bytes)) or hasattr(tools, "__fspath__"):
             tools = load_tool_config(tools)
         self.tools: dict[str, Tool] = {}
@@ -385,6 +385,4 @@ class AgentLoop(BatchModule):
 def _column(batch: TensorDict, key: str, size: int) -> list:
     if key not in batch.keys():
         return [None] * size
-    from rlflow.rewards.base import column
-
     return column(batch, key)

@@ -4,7 +4,7 @@ An engine takes token-id prompts (no padding) and engine-neutral :class:`Samplin
 each prompt, ``n`` :class:`Completion` s carrying the sampled token ids and the sampler's log-prob of each
 one. Engines that hold their own copy of the weights (an in-process vLLM, a server) receive the trained
 weights through :meth:`Engine.load_weights` as size-bounded buckets of ``(name, tensor)`` pairs in Hugging
-Face naming (``rlflow.rollout.weight_sync.full_weight_buckets`` makes them from any strategy's parameters).
+Face naming (``rlflow.weights.full_weight_buckets`` makes them from any strategy's parameters).
 
 The log-prob contract: for the token :math:`y_t` sampled after context :math:`c_t`,
 
@@ -24,9 +24,9 @@ import asyncio
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from torch import Tensor, nn
+from torch import Tensor
 
-from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES, full_weight_buckets
+from rlflow.weights import hf_weight_buckets, tied_aliases  # noqa: F401  (exported here too: engines use them)
 
 WeightBuckets = Iterable[list[tuple[str, Tensor]]]
 
@@ -178,26 +178,3 @@ def counted(buckets: WeightBuckets, totals: dict[str, float]) -> Iterator[tuple[
         unique = {id(t): t for _, t in bucket}.values()
         totals["weight_sync/gb"] = totals.get("weight_sync/gb", 0.0) + sum(t.numel() * t.element_size() for t in unique) / 1e9
         yield from bucket
-
-
-def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
-    """``{name: [other names of the same parameter]}``, e.g. ``lm_head.weight`` for tied embeddings."""
-    first: dict[int, str] = {}
-    aliases: dict[str, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            aliases.setdefault(first[id(param)], []).append(name)
-        else:
-            first[id(param)] = name
-    return aliases
-
-
-def hf_weight_buckets(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, Tensor]]]:
-    """:func:`~rlflow.rollout.weight_sync.full_weight_buckets` with every tied alias added to its bucket.
-
-    ``named_parameters`` lists a tied parameter once (``model.embed_tokens.weight``); an engine that reloads
-    in place (vLLM) restores the head from its own stale copy unless ``lm_head.weight`` arrives too.
-    """
-    aliases = tied_aliases(model)
-    for bucket in full_weight_buckets(model, bucket_bytes):
-        yield [pair for name, tensor in bucket for pair in [(name, tensor)] + [(a, tensor) for a in aliases.get(name, ())]]

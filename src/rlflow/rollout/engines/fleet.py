@@ -41,7 +41,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch.distributed as dist
 
 from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets
-from rlflow.rollout.engines.checkpoint import distributed, shared_temp_dir, write_checkpoint, writes_checkpoints
+from rlflow.rollout.engines.weights_on_disk import distributed, shared_temp_dir, write_checkpoint, writes_checkpoints
 from rlflow.rollout.engines.server import RETRY_STATUS, ServerEngine, ServerError
 
 

@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets
-from rlflow.rollout.engines.checkpoint import barrier, shared_temp_dir, write_checkpoint, writes_checkpoints
+from rlflow.rollout.engines.weights_on_disk import barrier, shared_temp_dir, write_checkpoint, writes_checkpoints
 from rlflow.rollout.engines.errors import ServerError  # noqa: F401 - importable from here, as before
 from rlflow.rollout.engines.weight_transfer import server_sender
 

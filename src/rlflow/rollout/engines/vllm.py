@@ -40,8 +40,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rlflow.models.hf_config import apply_overrides
 from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets, counted
-from rlflow.rollout.engines.checkpoint import model_folder, shared_temp_dir, write_checkpoint, writes_checkpoints
+from rlflow.rollout.engines.weights_on_disk import model_folder, shared_temp_dir, write_checkpoint, writes_checkpoints
 from rlflow.rollout.engines.weight_transfer import LLMClient, Sender, choose_backend
 from rlflow.rollout.weight_sync import update_buckets
 
@@ -174,8 +175,6 @@ class VLLMEngine(Engine):
         path = str(path)
         self.config = AutoConfig.from_pretrained(path, trust_remote_code=bool(engine_kwargs.get("trust_remote_code")))
         if engine_kwargs.get("hf_overrides"):  # the policy's config overrides, which vLLM applies too
-            from rlflow.models.hf_config import apply_overrides
-
             apply_overrides(self.config, dict(engine_kwargs["hf_overrides"]), "hf_overrides")
         if getattr(self.config, "vision_config", None) is not None:
             raise NotImplementedError(

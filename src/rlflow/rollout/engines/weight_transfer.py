@@ -51,9 +51,9 @@ from typing import Any, ClassVar
 import torch
 
 from rlflow.rollout.engines import weight_transfer_gloo
-from rlflow.rollout.engines.checkpoint import distributed
 from rlflow.rollout.engines.errors import ServerError
 from rlflow.rollout.engines.weight_transfer_gloo import GLOO, join, unpack
+from rlflow.rollout.engines.weights_on_disk import distributed
 
 log = logging.getLogger("rlflow.rollout.weight_transfer")
 

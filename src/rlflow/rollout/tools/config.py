@@ -27,6 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rlflow.rollout.agent.interaction import Interaction
+from rlflow.rollout.tools.base import Tool
+
 # verl class -> rlflow class path (None: not available, with the reason)
 VERL_CLASSES: dict[str, str | tuple[None, str]] = {
     "verl.tools.gsm8k_tool.Gsm8kTool": "rlflow.rollout.tools.gsm8k:Gsm8kTool",
@@ -94,8 +97,6 @@ def _entries(path: str | Path, key: str) -> tuple[list, str]:
 
 def load_tool_config(path: str | Path) -> list:
     """The tools of a verl tool YAML file, built as ``cls(config=..., tool_schema=...)``."""
-    from rlflow.rollout.tools.base import Tool
-
     entries, name = _entries(path, "tools")
     tools, seen = [], set()
     for i, entry in enumerate(entries):
@@ -123,8 +124,6 @@ def load_tool_config(path: str | Path) -> list:
 
 def load_interaction_config(path: str | Path) -> dict:
     """``{name: interaction}`` from a verl interaction YAML file (``cls(config)`` each)."""
-    from rlflow.rollout.agent.interaction import Interaction
-
     entries, name = _entries(path, "interaction")
     out = {}
     for i, entry in enumerate(entries):
