@@ -33,6 +33,7 @@ _spec.loader.exec_module(graph)
 # strategy or a model is really built (rewards.model, strategies.megatron, tasks.shapes).
 ALLOWED = {
     ("cli", "config.run"): "defers omegaconf, yaml",  # rlflow --help and the default job start 0.6 s sooner
+    ("cli", "config.components"): "defers hydra, omegaconf, yaml",  # as config.run: only a config needs them
     ("cli", "tasks.prepare"): "defers tensordict, tokenizers, torch, transformers",
     ("config.agent", "rollout.tools.config"): "defers tensordict, torch, transformers",
     ("config.agent", "rollout.tools.functions"): "defers tensordict, torch, transformers",

@@ -15,7 +15,6 @@ import importlib
 import sys
 import time
 
-from rlflow.config.components import is_tree_file
 from rlflow.models.gguf import gguf_to_folder, smollm2_folder
 from rlflow.slurm import add_arguments as slurm_arguments, main as launch_slurm  # argparse only: no torch
 from rlflow.trainer.hf_export import ExportError, export_hf
@@ -147,13 +146,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train_from_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Forward to the verl entry point; the default job's flags have config keys instead."""
+    from rlflow.config.components import is_tree_file
+    from rlflow.config.run import main as run_config
+
     for attr, (flag, default, verl_key, native_key) in DEFAULT_JOB_FLAGS.items():
         if getattr(args, attr) != default:
             key = native_key if args.config else verl_key
             if args.config and is_tree_file(args.config):
                 key = TREE_KEYS[attr]
             parser.error(f"{flag} belongs to the default job; with a config, use {key}")
-    from rlflow.config.run import main as run_config
 
     argv = [*(["--config-path", args.config_path] if args.config_path else []),
             *(["--config-name", args.config_name] if args.config_name else []),
