@@ -136,8 +136,6 @@ KNOWN_GAPS = {
     "examples/mtp_trainer/run_mimo_7b_mtp_megatron.sh": "multi-token prediction",
     "examples/mtp_trainer/run_mimo_7b_mtp_rl_vllm_sgl_megatron.sh": "multi-token prediction",
     "examples/tuning/lora/run_qwen3_30b_a3b_megatron.sh": "Megatron LoRA block",
-    # its default loss_mode=forward_kl_topk needs the student's full-vocabulary log-probs in the update
-    "examples/on_policy_distillation_trainer/run_qwen3_8b_megatron.sh": "top-k forward-KL distillation",
 }
 
 

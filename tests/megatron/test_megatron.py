@@ -83,14 +83,15 @@ def assert_same_run(got: dict, ref: dict, steps, atol=5e-5) -> None:
 
 def test_converted_models_equal_transformers_at_tensor_parallel_2(two):
     """Qwen2 (tied, q/k/v biases), Qwen3 (q/k norms) and Llama (untied): logits (gathered over the vocabulary
-    for the check), log-probs and entropy (vocabulary-parallel) and the gradients of a loss of both."""
+    for the check), log-probs, entropy and the log-probs of a teacher's top-k tokens (vocabulary-parallel), and
+    the gradients of a loss of the three."""
     results = two[1]["convert"]
     difference, zeros = results["qwen2"]["remove_padding"]  # verl's use_remove_padding: zeros after each response
     assert difference < 1e-5 and zeros
     assert set(results) == {"qwen2", "qwen3", "llama"}
     for kind, r in results.items():
         assert r["logits"] < 1e-5 * max(1.0, r["logits_scale"]), (kind, r["logits"])
-        assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5, (kind, r)
+        assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5 and r["topk_log_probs"] < 1e-5, (kind, r)
         assert r["grad_names"] and r["grad"] < 1e-5 * r["grad_scale"], (kind, r["grad"], r["grad_scale"])
         # weight export: transformers' names, the original weights, 4 KiB buckets (a bigger tensor goes alone)
         assert r["exported_names"] and r["exported"] == 0.0, kind
@@ -101,7 +102,7 @@ def test_pipeline_parallel_gradients_equal_transformers(two):
     """Pipeline parallel 2: log-probs, entropy and every parameter's gradient (each on its stage; Qwen2's tied
     embedding is used on both stages and its two gradients add up) equal transformers'."""
     for kind, r in two[1]["convert_pp"].items():
-        assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5, (kind, r)
+        assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5 and r["topk_log_probs"] < 1e-5, (kind, r)
         assert r["grad_names"] and r["grad"] < 1e-5 * r["grad_scale"], (kind, r["grad"], r["grad_scale"])
 
 

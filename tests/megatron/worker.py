@@ -7,8 +7,8 @@ Each scenario writes ``OUT/<scenario>.pt`` on rank 0. Several run in one launch 
 more than most scenarios. Scenarios:
 
 - ``convert``: Qwen2 (tied, q/k/v bias), Qwen3 (q/k norms) and Llama (untied) built in code, converted at
-  the launch's tensor parallel size: logits (gathered for the check only), log-probs, entropy and the
-  gradients of a loss of both against transformers'. ``convert_pp``: the same at pipeline parallel 2
+  the launch's tensor parallel size: logits (gathered for the check only), log-probs, entropy, the log-probs of
+  a distillation teacher's top-k tokens, and the gradients of a loss of the three against transformers'. ``convert_pp``: the same at pipeline parallel 2
   (log-probs, entropy and every stage's gradients).
 - ``train_tp``, ``train_pp``: a few GRPO steps (per-prompt seeded sampling, a KL and an entropy term,
   two optimizer steps per RL step) under tensor / pipeline parallel 2 (the launch's size); metrics and
@@ -175,7 +175,8 @@ def convert(out: Path, accelerator: str = "cpu", layer_spec: str = "local", pipe
     prompt_mask[0, :2] = 0  # left padding
     prompt_ids[0, :2] = 0
     response_ids = torch.randint(3, 47, (3, 5))
-    inputs = [t.to(fabric.device) for t in (prompt_ids, prompt_mask, response_ids, torch.randn(3, 5, 2))]
+    topk_ids = torch.randint(0, 47, (3, 5, 4))  # a distillation teacher's top-k (forward_kl_topk), both vocab halves
+    inputs = [t.to(fabric.device) for t in (prompt_ids, prompt_mask, response_ids, torch.randn(3, 5, 6), topk_ids)]
     results = {kind: compare(fabric, kind, *inputs) for kind in ("qwen2", "qwen3", "llama")}
     fabric.strategy.teardown()
     return results
@@ -187,7 +188,7 @@ def convert_pp(out: Path) -> dict:
     return convert(out, pipeline=True)
 
 
-def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights) -> dict:
+def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights, topk_ids) -> dict:
     from megatron.core import parallel_state as ps
 
     from rlflow.strategies.megatron.weight_buckets import gather_full
@@ -197,8 +198,8 @@ def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights) -> dic
 
     world = world_size()
     hf = tiny_model(kind, seed=3).to(fabric.device)
-    lp, ent = TokenLogProbs(hf)(prompt_ids, prompt_mask, response_ids)
-    ((lp * weights[..., 0]).sum() + (ent * weights[..., 1]).sum()).backward()
+    lp, ent, topk = TokenLogProbs(hf)(prompt_ids, prompt_mask, response_ids, topk_ids=topk_ids)
+    ((lp * weights[..., 0]).sum() + (ent * weights[..., 1]).sum() + (topk * weights[..., 2:]).sum()).backward()
     hf_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], 1)
@@ -209,8 +210,8 @@ def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights) -> dic
     # the weights as the engines receive them: 4 KiB buckets in transformers' names
     buckets = [[(n, t.clone()) for n, t in b] for b in shell.weight_buckets(4096)]
     exported = {n: t for b in buckets for n, t in b}
-    lp2, ent2 = module(prompt_ids, prompt_mask, response_ids)
-    fabric.backward((lp2 * weights[..., 0]).sum() + (ent2 * weights[..., 1]).sum())
+    lp2, ent2, topk2 = module(prompt_ids, prompt_mask, response_ids, topk_ids=topk_ids)
+    fabric.backward((lp2 * weights[..., 0]).sum() + (ent2 * weights[..., 1]).sum() + (topk2 * weights[..., 2:]).sum())
     megatron = module._forward_module
     reduce_gradients(list(megatron.parameters()))  # the strategy's reduction, which divides by the world size
     for p in megatron.parameters():
@@ -226,6 +227,7 @@ def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights) -> dic
         "grad_scale": max(g.abs().max().item() for g in hf_grads.values()),
         "grad_names": sorted({n for names, _ in stages for n in names}) == sorted(hf_grads),
         "log_probs": (lp2 - lp).abs().max().item(), "entropy": (ent2 - ent).abs().max().item(),
+        "topk_log_probs": (topk2 - topk).abs().max().item(),
     }
     if ps.get_pipeline_model_parallel_world_size() > 1:
         return grad_check

@@ -168,6 +168,7 @@ class Trainer:
     def check_chain(self) -> None:
         """Fail now, naming key and module, if some role reads a key nothing writes."""
         provided_by_update = {K.LOG_PROBS, K.ENTROPY} | ({K.OLD_LOG_PROBS} if not self.needs_old_log_probs else set())
+        provided_by_update |= {K.TOPK_LOG_PROBS} if K.TEACHER_TOPK_IDS in self.loss.in_keys else set()
         old = ("policy", self.policy if self.needs_old_log_probs else None)
         chain = self.experience.keyed() + [("reference", self.reference), old, ("critic", self.critic),
                                            ("estimator", self.estimator)]
@@ -271,8 +272,13 @@ class Trainer:
         The loss of each micro-batch is normalised by its mini-batch's token and
         sequence counts, so the accumulated gradient does not depend on the micro-batch size.
         """
+        wants_topk = K.TOPK_LOG_PROBS in self.loss.in_keys  # top-k distillation: the teacher's tokens, same pass
+
         def micro_loss(micro: TensorDict, agg: Aggregation):
-            log_probs, entropy = self.policy.log_probs(micro)
+            if wants_topk:
+                log_probs, entropy, micro[K.TOPK_LOG_PROBS] = self.policy.log_probs(micro, micro[K.TEACHER_TOPK_IDS])
+            else:
+                log_probs, entropy = self.policy.log_probs(micro)
             micro[K.LOG_PROBS], micro[K.ENTROPY] = log_probs, entropy
             if K.OLD_LOG_PROBS not in micro.keys():  # one update per batch: the policy before it is the old one
                 self.mismatch.add(micro.set(K.OLD_LOG_PROBS, log_probs.detach()))
