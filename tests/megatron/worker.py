@@ -19,6 +19,8 @@ more than most scenarios. Scenarios:
 - ``critic_pp``: PPO with a critic at pipeline parallel 2; ``reward_model_tp``: a reward model scores the
   samples at tensor parallel 2 (held whole on every rank).
 - ``train_tp_dp``: tensor parallel 2 x data parallel 2 (4 processes).
+- ``dist_ckpt``: a Megatron dist checkpoint (verl's ``use_dist_checkpointing``) written at tensor parallel 2, loaded
+  at pipeline parallel 2 and tensor parallel 1; a Trainer starting from it; another model's refused.
 """
 
 from __future__ import annotations
@@ -358,8 +360,57 @@ def gpu_distopt(out: Path) -> dict:
             "default": run_training(out / "default", MegatronStrategy(tensor_parallel=ws), steps=2, accelerator="cuda")}
 
 
+def dist_ckpt(out: Path) -> dict:
+    """A Megatron dist checkpoint (megatron-core's dist_checkpointing) written at tensor parallel 2 from one model,
+    loaded at pipeline parallel 2 and at tensor parallel 1 (x data parallel 2) into another model's shell: the
+    log-probs are the first model's. A Trainer whose policy and reference start from it sends those weights to its
+    engine before the first rollout; a checkpoint of another architecture is refused."""
+    import lightning as L
+
+    from rlflow.strategies.megatron import MegatronStrategy, dist_checkpoint
+
+    world, folder = world_size(), out / "dist_ckpt"
+    torch.manual_seed(1)
+    prompt_ids, response_ids = torch.randint(3, 40, (3, 6)), torch.randint(3, 47, (3, 5))
+    prompt_mask = torch.ones_like(prompt_ids)
+    source = tiny_model("qwen2", seed=3)
+    with torch.no_grad():
+        expected, _ = TokenLogProbs(source)(prompt_ids, prompt_mask, response_ids)
+
+    def fabric_for(**strategy):
+        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=MegatronStrategy(**strategy))
+        fabric.launch()
+        return fabric
+
+    fabric = fabric_for(tensor_parallel=2)
+    dist_checkpoint.save(fabric.setup_module(TokenLogProbs(tiny_model("qwen2", seed=3)))._forward_module, folder)
+    fabric.strategy.teardown()
+    result = {"files": sorted(p.name for p in folder.iterdir())}
+    for name, layout in (("pp2", {"pipeline_parallel": 2}), ("tp1", {})):
+        fabric = fabric_for(**layout, dist_checkpoints={"policy": str(folder)})
+        module = fabric.setup_module(TokenLogProbs(tiny_model("qwen2", seed=7)))  # other weights, replaced by the folder's
+        with torch.no_grad():
+            result[name] = (module(prompt_ids, prompt_mask, response_ids)[0] - expected).abs().max().item()
+        if name == "tp1":  # another architecture (q/k norms the folder lacks)
+            try:
+                fabric.setup_module(TokenLogProbs(tiny_model("qwen3", seed=7)))
+                result["refused"] = None
+            except ValueError as e:
+                result["refused"] = str(e)
+        fabric.strategy.teardown()
+    trainer, _, _ = build(str(out / "dist_trainer"), MegatronStrategy(
+        tensor_parallel=2, dist_checkpoints={"policy": str(folder), "reference": str(folder)}), devices=world)
+    engine = dict(trainer.rollout.model.named_parameters())
+    result["engine"] = max((engine[n].detach() - p).abs().max().item() for n, p in source.named_parameters())
+    with torch.no_grad():
+        ref = trainer.reference.module(prompt_ids, prompt_mask, response_ids)[0]
+    result["reference"] = (ref - expected).abs().max().item()
+    trainer.fabric.strategy.teardown()
+    return result
+
+
 SCENARIOS = {f.__name__: f for f in (convert, convert_pp, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp,
-                                     reward_model_tp, train_tp_dp, verl_entry, gpu_te, gpu_distopt)}
+                                     reward_model_tp, train_tp_dp, verl_entry, gpu_te, gpu_distopt, dist_ckpt)}
 
 def run(out: Path, names) -> None:
     """The scenarios in order; rank 0 saves each one's result as ``OUT/<name>.pt``."""

@@ -146,6 +146,8 @@ class Trainer:
         trainable = [p for p in self.policy.module.parameters() if p.requires_grad]  # with LoRA: the adapter only
         self.optimizer = self.fabric.setup_optimizers(make_opt(trainable))
         self.rollout.bind(self.fabric.to_device(engine_model), policy.tokenizer)
+        if getattr(self.fabric.strategy, "loaded_policy_weights", False):  # a Megatron dist checkpoint, not engine_model's
+            self.rollout.sync_weights(policy.model)
         self.experience.precision = self.generation_precision
         # A LoRA reference is the policy's own module with the adapter off: set up once, with the policy.
         if self.reference is not None and self.reference.model is not policy.model:
