@@ -216,7 +216,7 @@ def packed_log_probs(
     else:
         def score(hidden: Tensor, index: Tensor) -> Tensor:
             lp, ent = head_log_probs(hidden, ids[index], head, temperature, chunk_tokens)
-            return torch.cat([lp.reshape(ent.shape[0], -1), ent[:, None]], dim=-1)
+            return torch.cat([lp[:, None] if lp.dim() == 1 else lp, ent[:, None]], dim=-1)  # n x (J + 1)
 
         out = sequence_parallel_outputs(lm, packed, score, sp_group)
         logps, ents = out[:, :-1].reshape(-1, *scored.shape[2:]), out[:, -1]
