@@ -161,8 +161,7 @@ def dist_checkpoints(cfg: VerlConfig, notes: list[str], with_critic: bool,
 def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, accelerator: str, with_critic: bool):
     """The strategy of a verl config that asks for Megatron (see the module docstring)."""
     # rlflow.strategies imports Lightning and torch: not before a Megatron run is planned (validation stays light)
-    from rlflow.strategies.megatron import MegatronStrategy, ParallelLayout
-    from rlflow.strategies.megatron.dist_checkpoint import check_folder
+    from rlflow.strategies.megatron import MegatronStrategy, ParallelLayout, check_dist_checkpoint
 
     for role in ("critic",) if with_critic else ():
         if cfg[f"{role}.strategy"] != "megatron":
@@ -187,7 +186,7 @@ def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, acceler
                                 "Transformer Engine", "It needs a GPU with transformer_engine installed.")
     overrides = _notes(cfg, notes, on_cpu, layout, spec)
     optimizer = optimizer_overrides(cfg, notes, on_cpu)
-    folders, prefix = dist_checkpoints(cfg, notes, with_critic, check_folder)
+    folders, prefix = dist_checkpoints(cfg, notes, with_critic, check_dist_checkpoint)
     try:
         return MegatronStrategy(tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline,
                                 context_parallel=layout.context, expert_parallel=layout.expert,
