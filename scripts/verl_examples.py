@@ -219,7 +219,7 @@ class Fixtures:
 
     def model(self, kind: str) -> Path:
         makers = {"text": text_model, "image": vision_model, "reward": reward_model,
-                  "adapter": lambda p: lora_adapter(p, self.model("text"))}
+                  "adapter": lambda p: lora_adapter(p, self.model("text")), "dist": dist_checkpoint_folder}
         return self._once(kind, makers[kind])
 
     def data(self, source: str, kind: str, split: str, rows: int) -> Path:
@@ -268,6 +268,16 @@ def reward_model(folder: Path) -> Path:
     tok = char_tokenizer()
     tiny_qwen2_reward_model(len(tok), num_layers=1, intermediate_size=64, **SIZES).save_pretrained(folder)
     tok.save_pretrained(folder)
+    return folder
+
+
+def dist_checkpoint_folder(folder: Path) -> Path:
+    """A stand-in for a Megatron dist checkpoint folder: megatron-core's ``metadata.json`` only (as its
+    ``dist_checkpointing.save`` writes it). A dry run checks the folder and reads no weights; writing real ones
+    would need megatron-core and a process group (``tests/megatron/test_megatron.py`` loads real ones)."""
+    folder.mkdir(parents=True)
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1, '
+                                          '"common_backend": "torch", "common_backend_version": 1}')
     return folder
 
 
@@ -336,6 +346,8 @@ def rewrite(argv: list[str], fx: Fixtures, out: Path) -> list[str]:
             value = str(fx.model("image" if vision else "text"))
         elif name.endswith("lora_adapter_path") and value not in ("", "null"):
             value = str(fx.model("adapter"))
+        elif name.endswith("megatron.dist_checkpointing_path") and value not in ("", "null"):
+            value = str(fx.model("dist"))
         elif name in DATA_KEYS:
             items, is_list = split_list(value)
             split = "train" if name == "data.train_files" else "test"

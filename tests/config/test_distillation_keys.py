@@ -85,8 +85,30 @@ def test_several_teachers_are_routed_by_data_source(tiny, model_dir, teacher_dir
         build_trainer(make_plan(load_config(tiny + other)))
 
 
+def test_forward_kl_topk_trains_with_the_teachers_top_k(tiny, teacher_dir, tmp_path, capsys):
+    """verl's Megatron distillation script's loss (run_qwen3_8b_megatron.sh: forward_kl_topk, supervised, topk and
+    log_prob_min_clamp as it sets them): the teacher writes its top-k, the loss reads the student's log-probs of them."""
+    topk = single(teacher_dir) + [f"{L}.loss_mode=forward_kl_topk", f"{L}.use_policy_gradient=False", f"{L}.topk=8"]
+    assert main(tiny + topk + ["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"Teacher.from_pretrained({str(teacher_dir)!r}, top_k=8)" in out
+    assert ("DistillationLoss(rl_loss=None, kind='forward_kl_topk', coef=1.0, max_clamp=10.0, agg='token-mean', "
+            "loss_scale_factor=None, log_prob_min_clamp=-10.0)") in out
+    assert "topk" not in "".join(line for line in out.splitlines() if "has no effect" in line)
+    assert main(tiny + topk + ["trainer.logger=[console,file]"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "distillation/loss" in r]
+    assert len(steps) == 2 and all(0 < r["distillation/teacher_mass"] <= 1 + 1e-5 for r in steps)
+    assert all(r["distillation/loss"] > 0 and 0 < r["distillation/student_mass"] < 1 for r in steps)
+    # as a reward verl warns that the top-k signal is mostly unused: so does rlflow
+    assert main(tiny + topk + [f"{L}.use_policy_gradient=True", "--dry-run"]) == 0
+    assert "top-k distributional signal is largely unused" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("overrides, error, message", [
-    ([f"{L}.loss_mode=forward_kl_topk", f"{L}.use_policy_gradient=False"], NotSupportedError, "top-k forward-KL"),
+    ([f"{L}.loss_mode=forward_kl_topk", f"{L}.topk=0"], ConfigError, "topk=0: loss_mode=forward_kl_topk needs"),
+    ([f"{L}.loss_mode=forward_kl_topk", f"{L}.topk=null"], ConfigError, "a positive integer"),
+    ([f"{L}.loss_mode=forward_kl_topk", f"{L}.log_prob_min_clamp=low"], ConfigError, "log_prob_min_clamp='low'"),
     ([f"{L}.use_policy_gradient=False"], ConfigError, "backpropagating k1 is incorrect"),
     ([f"{L}.policy_loss_mode=gspo"], ConfigError, "only 'vanilla'"),
     ([f"{D}.teacher_key=ability", f"+{D}.teacher_models.a.key=x", f"+{D}.teacher_models.a.model_path=m",

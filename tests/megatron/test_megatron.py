@@ -4,7 +4,8 @@ One launch of two ranks forked from this process (``forked.py``: no fresh interp
 rlflow or megatron-core per rank) runs every two-process check: conversion and gradients at tensor
 parallel 2 and at pipeline parallel 2, GRPO steps at tensor parallel 2 and pipeline parallel 2, a
 checkpoint written at tensor parallel 2 resumed at pipeline parallel 2, a checkpoint of another model
-refused, expert parallel 2 on a Qwen3-MoE-shaped model, PPO with a critic at pipeline parallel 2, a
+refused, a Megatron dist checkpoint (verl's use_dist_checkpointing) written at tensor parallel 2 loaded at pipeline
+parallel 2 and tensor parallel 1, expert parallel 2 on a Qwen3-MoE-shaped model, PPO with a critic at pipeline parallel 2, a
 reward model scoring at tensor parallel 2, and the verl entry point. A second launch runs tensor
 parallel 2 x data parallel 2 on four processes. The one-process references are the plain Hugging Face
 runs of the same modules, in this process.
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.skipif(not megatron_available(),
                                 reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
 TWO_PROCESSES = ("convert", "convert_pp", "train_tp", "train_pp", "resume_pp", "refuse", "moe_ep", "critic_pp",
-                 "reward_model_tp", "verl_entry")
+                 "reward_model_tp", "verl_entry", "dist_ckpt")
 METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "critic/score/mean")
 
 
@@ -83,25 +84,38 @@ def assert_same_run(got: dict, ref: dict, steps, atol=5e-5) -> None:
 
 def test_converted_models_equal_transformers_at_tensor_parallel_2(two):
     """Qwen2 (tied, q/k/v biases), Qwen3 (q/k norms) and Llama (untied): logits (gathered over the vocabulary
-    for the check), log-probs and entropy (vocabulary-parallel) and the gradients of a loss of both."""
+    for the check), log-probs, entropy and the log-probs of a teacher's top-k tokens (vocabulary-parallel), and
+    the gradients of a loss of the three."""
     results = two[1]["convert"]
     difference, zeros = results["qwen2"]["remove_padding"]  # verl's use_remove_padding: zeros after each response
     assert difference < 1e-5 and zeros
     assert set(results) == {"qwen2", "qwen3", "llama"}
     for kind, r in results.items():
         assert r["logits"] < 1e-5 * max(1.0, r["logits_scale"]), (kind, r["logits"])
-        assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5, (kind, r)
+        assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5 and r["topk_log_probs"] < 1e-5, (kind, r)
         assert r["grad_names"] and r["grad"] < 1e-5 * r["grad_scale"], (kind, r["grad"], r["grad_scale"])
         # weight export: transformers' names, the original weights, 4 KiB buckets (a bigger tensor goes alone)
         assert r["exported_names"] and r["exported"] == 0.0, kind
         assert len(r["buckets"]) > 5 and all(size <= 4096 or count == 1 for count, size in r["buckets"]), r["buckets"]
 
 
+def test_a_dist_checkpoint_written_at_tensor_parallel_2_loads_at_pipeline_parallel_2_and_tensor_parallel_1(two):
+    """verl's use_dist_checkpointing: megatron-core's dist_checkpointing saves and loads over gloo on CPU (with the
+    two workarounds of strategies/megatron/cpu.py); the log-probs after loading are those of the model saved (into
+    a shell with other weights), at another layout. A Trainer starting from it sends its weights to the engine
+    before the first rollout, the reference starts from it too, and another architecture's checkpoint is refused."""
+    r = two[1]["dist_ckpt"]
+    assert "metadata.json" in r["files"] and sum(f.endswith(".distcp") for f in r["files"]) >= 2
+    assert r["pp2"] < 1e-5 and r["tp1"] < 1e-5, r
+    assert r["engine"] == 0.0 and r["reference"] < 1e-5, r
+    assert "does not match the model (KeyError" in r["refused"] and "q_layernorm" in r["refused"], r["refused"]
+
+
 def test_pipeline_parallel_gradients_equal_transformers(two):
     """Pipeline parallel 2: log-probs, entropy and every parameter's gradient (each on its stage; Qwen2's tied
     embedding is used on both stages and its two gradients add up) equal transformers'."""
     for kind, r in two[1]["convert_pp"].items():
-        assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5, (kind, r)
+        assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5 and r["topk_log_probs"] < 1e-5, (kind, r)
         assert r["grad_names"] and r["grad"] < 1e-5 * r["grad_scale"], (kind, r["grad"], r["grad_scale"])
 
 

@@ -70,8 +70,6 @@ def test_inconsistent_megatron_keys_are_errors(overrides, message):
 def test_model_parallel_sizes_without_megatron_and_unsupported_keys_are_errors():
     with pytest.raises(ConfigError, match="needs actor_rollout_ref.actor.strategy=megatron"):
         plan(f"{A}.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2")
-    with pytest.raises(NotSupportedError, match="starting from a Megatron dist checkpoint"):
-        plan(f"{A}.strategy=megatron", f"{A}.megatron.use_dist_checkpointing=true")
     with pytest.raises(NotSupportedError, match="context parallelism without Transformer Engine"):
         plan(f"{A}.strategy=megatron", f"{A}.megatron.context_parallel_size=2", "trainer.n_gpus_per_node=2")
     with pytest.raises(NotSupportedError, match="training strategies other than fsdp, fsdp2 and megatron"):
@@ -173,3 +171,37 @@ def test_seed_70b_snippet_dry_runs_with_parallel_arithmetic(seventy_b, capsys):
     for pattern in expected:
         assert re.search(pattern, out), pattern
     assert not (seventy_b / "run").exists()
+
+
+def test_dist_checkpoint_keys_name_the_folders_each_role_starts_from(tmp_path):
+    """verl's use_dist_checkpointing + dist_checkpointing_path (actor, ref, critic) -> MegatronStrategy's
+    dist_checkpoints (tests/megatron/test_megatron.py loads one); the folder is checked before anything runs."""
+    folder = tmp_path / "mcore"
+    folder.mkdir()
+    (folder / "metadata.json").write_text("{}")
+    R = "actor_rollout_ref.ref.megatron"
+    both = [f"{A}.strategy=megatron", f"{A}.megatron.use_dist_checkpointing=True",
+            f"{A}.megatron.dist_checkpointing_path={folder}", f"{R}.use_dist_checkpointing=True",
+            f"{R}.dist_checkpointing_path={folder}"]
+    p = plan(*both)
+    strategy = p.trainer_kwargs["strategy"]
+    assert strategy.dist_checkpoints == {"policy": str(folder), "reference": str(folder)}
+    assert f"dist_checkpoints={strategy.dist_checkpoints!r}" in repr(strategy)
+    notes = "\n".join(p.notes)
+    assert "start from Megatron dist checkpoints" in notes and "has no effect in rlflow" not in notes
+    # the reference alone keeps the Hugging Face weights unless its own key is set; a path alone does nothing (verl)
+    p = plan(f"{A}.strategy=megatron", f"{A}.megatron.use_dist_checkpointing=True",
+             f"{A}.megatron.dist_checkpointing_path={folder}", f"{R}.dist_checkpointing_path={folder}")
+    assert p.trainer_kwargs["strategy"].dist_checkpoints == {"policy": str(folder)}
+    assert f"{R}.dist_checkpointing_path='{folder}' has no effect without" in "\n".join(p.notes)
+    (tmp_path / "hf").mkdir()
+    for overrides, message in [
+        ([f"{A}.megatron.use_dist_checkpointing=True"], "needs actor_rollout_ref.actor.megatron.dist_checkpointing_path"),
+        ([f"{A}.megatron.use_dist_checkpointing=True", f"{A}.megatron.dist_checkpointing_path={tmp_path}/none"],
+         "dist_checkpointing_path='.*none': no such folder"),
+        ([f"{A}.megatron.use_dist_checkpointing=True", f"{A}.megatron.dist_checkpointing_path={tmp_path}/hf"],
+         "is not a Megatron dist checkpoint"),
+        (both + [f"{R}.dist_checkpointing_prefix=module."], "with one key prefix"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            plan(f"{A}.strategy=megatron", *overrides)

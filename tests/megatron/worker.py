@@ -7,8 +7,8 @@ Each scenario writes ``OUT/<scenario>.pt`` on rank 0. Several run in one launch 
 more than most scenarios. Scenarios:
 
 - ``convert``: Qwen2 (tied, q/k/v bias), Qwen3 (q/k norms) and Llama (untied) built in code, converted at
-  the launch's tensor parallel size: logits (gathered for the check only), log-probs, entropy and the
-  gradients of a loss of both against transformers'. ``convert_pp``: the same at pipeline parallel 2
+  the launch's tensor parallel size: logits (gathered for the check only), log-probs, entropy, the log-probs of
+  a distillation teacher's top-k tokens, and the gradients of a loss of the three against transformers'. ``convert_pp``: the same at pipeline parallel 2
   (log-probs, entropy and every stage's gradients).
 - ``train_tp``, ``train_pp``: a few GRPO steps (per-prompt seeded sampling, a KL and an entropy term,
   two optimizer steps per RL step) under tensor / pipeline parallel 2 (the launch's size); metrics and
@@ -19,6 +19,8 @@ more than most scenarios. Scenarios:
 - ``critic_pp``: PPO with a critic at pipeline parallel 2; ``reward_model_tp``: a reward model scores the
   samples at tensor parallel 2 (held whole on every rank).
 - ``train_tp_dp``: tensor parallel 2 x data parallel 2 (4 processes).
+- ``dist_ckpt``: a Megatron dist checkpoint (verl's ``use_dist_checkpointing``) written at tensor parallel 2, loaded
+  at pipeline parallel 2 and tensor parallel 1; a Trainer starting from it; another model's refused.
 """
 
 from __future__ import annotations
@@ -175,7 +177,8 @@ def convert(out: Path, accelerator: str = "cpu", layer_spec: str = "local", pipe
     prompt_mask[0, :2] = 0  # left padding
     prompt_ids[0, :2] = 0
     response_ids = torch.randint(3, 47, (3, 5))
-    inputs = [t.to(fabric.device) for t in (prompt_ids, prompt_mask, response_ids, torch.randn(3, 5, 2))]
+    topk_ids = torch.randint(0, 47, (3, 5, 4))  # a distillation teacher's top-k (forward_kl_topk), both vocab halves
+    inputs = [t.to(fabric.device) for t in (prompt_ids, prompt_mask, response_ids, torch.randn(3, 5, 6), topk_ids)]
     results = {kind: compare(fabric, kind, *inputs) for kind in ("qwen2", "qwen3", "llama")}
     fabric.strategy.teardown()
     return results
@@ -187,7 +190,7 @@ def convert_pp(out: Path) -> dict:
     return convert(out, pipeline=True)
 
 
-def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights) -> dict:
+def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights, topk_ids) -> dict:
     from megatron.core import parallel_state as ps
 
     from rlflow.strategies.megatron.weight_buckets import gather_full
@@ -197,8 +200,8 @@ def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights) -> dic
 
     world = world_size()
     hf = tiny_model(kind, seed=3).to(fabric.device)
-    lp, ent = TokenLogProbs(hf)(prompt_ids, prompt_mask, response_ids)
-    ((lp * weights[..., 0]).sum() + (ent * weights[..., 1]).sum()).backward()
+    lp, ent, topk = TokenLogProbs(hf)(prompt_ids, prompt_mask, response_ids, topk_ids=topk_ids)
+    ((lp * weights[..., 0]).sum() + (ent * weights[..., 1]).sum() + (topk * weights[..., 2:]).sum()).backward()
     hf_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], 1)
@@ -209,8 +212,8 @@ def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights) -> dic
     # the weights as the engines receive them: 4 KiB buckets in transformers' names
     buckets = [[(n, t.clone()) for n, t in b] for b in shell.weight_buckets(4096)]
     exported = {n: t for b in buckets for n, t in b}
-    lp2, ent2 = module(prompt_ids, prompt_mask, response_ids)
-    fabric.backward((lp2 * weights[..., 0]).sum() + (ent2 * weights[..., 1]).sum())
+    lp2, ent2, topk2 = module(prompt_ids, prompt_mask, response_ids, topk_ids=topk_ids)
+    fabric.backward((lp2 * weights[..., 0]).sum() + (ent2 * weights[..., 1]).sum() + (topk2 * weights[..., 2:]).sum())
     megatron = module._forward_module
     reduce_gradients(list(megatron.parameters()))  # the strategy's reduction, which divides by the world size
     for p in megatron.parameters():
@@ -226,6 +229,7 @@ def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights) -> dic
         "grad_scale": max(g.abs().max().item() for g in hf_grads.values()),
         "grad_names": sorted({n for names, _ in stages for n in names}) == sorted(hf_grads),
         "log_probs": (lp2 - lp).abs().max().item(), "entropy": (ent2 - ent).abs().max().item(),
+        "topk_log_probs": (topk2 - topk).abs().max().item(),
     }
     if ps.get_pipeline_model_parallel_world_size() > 1:
         return grad_check
@@ -356,8 +360,57 @@ def gpu_distopt(out: Path) -> dict:
             "default": run_training(out / "default", MegatronStrategy(tensor_parallel=ws), steps=2, accelerator="cuda")}
 
 
+def dist_ckpt(out: Path) -> dict:
+    """A Megatron dist checkpoint (megatron-core's dist_checkpointing) written at tensor parallel 2 from one model,
+    loaded at pipeline parallel 2 and at tensor parallel 1 (x data parallel 2) into another model's shell: the
+    log-probs are the first model's. A Trainer whose policy and reference start from it sends those weights to its
+    engine before the first rollout; a checkpoint of another architecture is refused."""
+    import lightning as L
+
+    from rlflow.strategies.megatron import MegatronStrategy, dist_checkpoint
+
+    world, folder = world_size(), out / "dist_ckpt"
+    torch.manual_seed(1)
+    prompt_ids, response_ids = torch.randint(3, 40, (3, 6)), torch.randint(3, 47, (3, 5))
+    prompt_mask = torch.ones_like(prompt_ids)
+    source = tiny_model("qwen2", seed=3)
+    with torch.no_grad():
+        expected, _ = TokenLogProbs(source)(prompt_ids, prompt_mask, response_ids)
+
+    def fabric_for(**strategy):
+        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=MegatronStrategy(**strategy))
+        fabric.launch()
+        return fabric
+
+    fabric = fabric_for(tensor_parallel=2)
+    dist_checkpoint.save(fabric.setup_module(TokenLogProbs(tiny_model("qwen2", seed=3)))._forward_module, folder)
+    fabric.strategy.teardown()
+    result = {"files": sorted(p.name for p in folder.iterdir())}
+    for name, layout in (("pp2", {"pipeline_parallel": 2}), ("tp1", {})):
+        fabric = fabric_for(**layout, dist_checkpoints={"policy": str(folder)})
+        module = fabric.setup_module(TokenLogProbs(tiny_model("qwen2", seed=7)))  # other weights, replaced by the folder's
+        with torch.no_grad():
+            result[name] = (module(prompt_ids, prompt_mask, response_ids)[0] - expected).abs().max().item()
+        if name == "tp1":  # another architecture (q/k norms the folder lacks)
+            try:
+                fabric.setup_module(TokenLogProbs(tiny_model("qwen3", seed=7)))
+                result["refused"] = None
+            except ValueError as e:
+                result["refused"] = str(e)
+        fabric.strategy.teardown()
+    trainer, _, _ = build(str(out / "dist_trainer"), MegatronStrategy(
+        tensor_parallel=2, dist_checkpoints={"policy": str(folder), "reference": str(folder)}), devices=world)
+    engine = dict(trainer.rollout.model.named_parameters())
+    result["engine"] = max((engine[n].detach() - p).abs().max().item() for n, p in source.named_parameters())
+    with torch.no_grad():
+        ref = trainer.reference.module(prompt_ids, prompt_mask, response_ids)[0]
+    result["reference"] = (ref - expected).abs().max().item()
+    trainer.fabric.strategy.teardown()
+    return result
+
+
 SCENARIOS = {f.__name__: f for f in (convert, convert_pp, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp,
-                                     reward_model_tp, train_tp_dp, verl_entry, gpu_te, gpu_distopt)}
+                                     reward_model_tp, train_tp_dp, verl_entry, gpu_te, gpu_distopt, dist_ckpt)}
 
 def run(out: Path, names) -> None:
     """The scenarios in order; rank 0 saves each one's result as ``OUT/<name>.pt``."""

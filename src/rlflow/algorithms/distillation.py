@@ -8,6 +8,11 @@ the update. The per-token distillation loss is a single-sample estimate of the r
 "On-Policy Distillation", 2025), with verl's estimator names (``functional.kl_penalty``: ``k1`` = ``logp - logp_T``,
 ``k2``/``mse``, ``k3``/``low_var_kl``, ``abs``), clamped to ``[-loss_max_clamp, loss_max_clamp]``.
 
+``kind="forward_kl_topk"`` (verl's ``loss_mode=forward_kl_topk``) is the forward KL over the teacher's top-k tokens
+instead (:func:`forward_kl_topk_losses`): the teacher stage writes its ``k`` most likely tokens at every response
+position (``Teacher(top_k=k)``) and the update scores the student's log-probs of those tokens from its
+full-vocabulary log-softmax, in the same head pass as the sampled token's (``topk_log_probs``).
+
 Two ways to learn from it (verl ``distillation_loss.use_policy_gradient``), one class each:
 
 - :class:`DistillationLoss`: backpropagate it as a supervised loss, ``agg(d)`` (verl's ``use_policy_gradient=False``;
@@ -35,9 +40,11 @@ from rlflow.algorithms.losses import (
     _require,
     _to_floats,
 )
-from rlflow.data.keys import LOG_PROBS, OLD_LOG_PROBS, RESPONSE_MASK, TEACHER_LOG_PROBS
+from rlflow.data.keys import (LOG_PROBS, OLD_LOG_PROBS, RESPONSE_MASK, TEACHER_LOG_PROBS, TEACHER_TOPK_IDS,
+                              TEACHER_TOPK_LOG_PROBS, TOPK_LOG_PROBS)
 
 KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+TOPK = "forward_kl_topk"  # the forward KL over the teacher's top-k tokens (not a single-token estimator)
 
 
 def distillation_losses(log_probs: Tensor, teacher_log_probs: Tensor, kind: str = "k3",
@@ -53,32 +60,59 @@ def distillation_losses(log_probs: Tensor, teacher_log_probs: Tensor, kind: str 
     return d if max_clamp is None else d.clamp(-max_clamp, max_clamp)
 
 
+def forward_kl_topk_losses(topk_log_probs: Tensor, teacher_topk_log_probs: Tensor, min_clamp: float | None = None,
+                           max_clamp: float | None = None) -> Tensor:
+    """Per-token forward KL over the teacher's top-k tokens [B, R], as verl's ``forward_kl_topk``:
+    ``sum_i p_i (log p_i - log q_i)`` over the ``k`` tokens, with ``log p`` the teacher's and ``log q`` the student's
+    full-vocabulary log-probs of them (not renormalised over the ``k``), both clamped below at ``min_clamp`` (verl
+    ``log_prob_min_clamp``), then clamped at 0 (the ``k`` tokens' masses do not sum to 1, so the sum can be
+    negative) and to ``[-max_clamp, max_clamp]`` (``loss_max_clamp``).
+
+    topk_log_probs: the student's [B, R, k]; teacher_topk_log_probs: the teacher's, of the same tokens [B, R, k].
+    """
+    if topk_log_probs.shape != teacher_topk_log_probs.shape:
+        raise ValueError(f"forward_kl_topk: the student's top-k log-probs {tuple(topk_log_probs.shape)} and the "
+                         f"teacher's {tuple(teacher_topk_log_probs.shape)} differ in shape")
+    q, p = topk_log_probs.float(), teacher_topk_log_probs.float()
+    if min_clamp is not None:
+        q, p = q.clamp_min(min_clamp), p.clamp_min(min_clamp)
+    d = (p.exp() * (p - q)).sum(-1).clamp_min(0.0)
+    return d if max_clamp is None else d.clamp(-max_clamp, max_clamp)
+
+
 class DistillationLoss:
     """Supervised on-policy distillation: ``rl_loss + coef * agg(d)`` (``d``: :func:`distillation_losses`).
 
     Args:
         rl_loss: the RL loss it is added to (``PPOLoss`` or a variant), or ``None`` to distil alone.
-        kind: the KL estimator (``KINDS``); ``k1``/``kl`` only with :class:`PolicyGradientDistillationLoss`.
+        kind: the KL estimator (``KINDS``; ``k1``/``kl`` only with :class:`PolicyGradientDistillationLoss`), or
+            ``"forward_kl_topk"`` (:func:`forward_kl_topk_losses`; needs ``Teacher(top_k=k)`` in the stages).
         coef: the distillation term's weight (verl ``distillation_loss_coef``).
         max_clamp: ``d`` is clamped to ``[-max_clamp, max_clamp]`` (verl ``loss_max_clamp``).
         agg, loss_scale_factor: the aggregation mode and its ``norm_length`` (verl ``loss_agg_mode``).
+        log_prob_min_clamp: ``forward_kl_topk`` only: both sides' top-k log-probs are clamped below at it (verl's
+            key of that name; ``None``: no clamp).
 
     Stats: ``distillation/loss`` (this call's share, summed over micro-batches), ``distillation/abs_loss`` (the mean
-    ``|d|`` over this call's tokens), with the RL loss's own.
+    ``|d|`` over this call's tokens), with the RL loss's own; ``forward_kl_topk`` adds ``distillation/student_mass``
+    and ``distillation/teacher_mass``, the mean probability mass of the teacher's top-k tokens under each.
     """
 
     out_keys: tuple[str, ...] = ()
 
     def __init__(self, rl_loss: PPOLoss | None = None, kind: str = "k3", coef: float = 1.0,
-                 max_clamp: float | None = None, agg: str = "token-mean", loss_scale_factor: float | None = None):
-        if kind not in KINDS:
-            raise ValueError(f"unknown distillation loss {kind!r}; valid: {list(KINDS)}")
+                 max_clamp: float | None = None, agg: str = "token-mean", loss_scale_factor: float | None = None,
+                 log_prob_min_clamp: float | None = None):
+        if kind not in KINDS + (TOPK,):
+            raise ValueError(f"unknown distillation loss {kind!r}; valid: {list(KINDS + (TOPK,))}")
         self.check_kind(kind)
         if max_clamp is not None and not max_clamp > 0:
             raise ValueError(f"max_clamp must be > 0, got {max_clamp}")
+        if log_prob_min_clamp is not None and kind != TOPK:
+            raise ValueError(f"log_prob_min_clamp is only read by kind={TOPK!r} (got kind={kind!r})")
         Aggregation(agg)  # an unknown mode fails now
         self.rl_loss, self.kind, self.coef, self.max_clamp = rl_loss, kind, coef, max_clamp
-        self.agg, self.loss_scale_factor = agg, loss_scale_factor
+        self.agg, self.loss_scale_factor, self.log_prob_min_clamp = agg, loss_scale_factor, log_prob_min_clamp
 
     def check_kind(self, kind: str) -> None:
         if kind in ("k1", "kl"):
@@ -88,7 +122,8 @@ class DistillationLoss:
 
     @property
     def in_keys(self) -> tuple[str, ...]:
-        own = (LOG_PROBS, TEACHER_LOG_PROBS, RESPONSE_MASK)
+        own = ((LOG_PROBS, TOPK_LOG_PROBS, TEACHER_TOPK_LOG_PROBS, TEACHER_TOPK_IDS, RESPONSE_MASK) if self.kind == TOPK
+               else (LOG_PROBS, TEACHER_LOG_PROBS, RESPONSE_MASK))
         rl = tuple(k for k in self.rl_loss.in_keys if k not in own) if self.rl_loss is not None else ()
         return own + rl
 
@@ -100,10 +135,17 @@ class DistillationLoss:
         _require(self, batch)
         agg = _aggregation(self, aggregation, None, None, "__call__")
         mask = batch[RESPONSE_MASK]
-        per_token = distillation_losses(batch[LOG_PROBS], batch[TEACHER_LOG_PROBS], self.kind, self.max_clamp)
+        stats = {}
+        if self.kind == TOPK:
+            student, teacher = batch[TOPK_LOG_PROBS], batch[TEACHER_TOPK_LOG_PROBS]
+            per_token = forward_kl_topk_losses(student, teacher, self.log_prob_min_clamp, self.max_clamp)
+            stats = {"distillation/student_mass": F.masked_mean(student.detach().float().exp().sum(-1), mask),
+                     "distillation/teacher_mass": F.masked_mean(teacher.float().exp().sum(-1), mask)}
+        else:
+            per_token = distillation_losses(batch[LOG_PROBS], batch[TEACHER_LOG_PROBS], self.kind, self.max_clamp)
         distill, term_stats = self.term(batch, per_token, agg)
-        stats = {"distillation/loss": distill.detach(),
-                 "distillation/abs_loss": F.masked_mean(per_token.detach().abs(), mask)}
+        stats |= {"distillation/loss": distill.detach(),
+                  "distillation/abs_loss": F.masked_mean(per_token.detach().abs(), mask)}
         stats |= {f"distillation/{k}": v for k, v in term_stats.items()}
         total, summed = self.coef * distill, {"distillation/loss"}
         if self.rl_loss is not None:
@@ -113,8 +155,9 @@ class DistillationLoss:
         return LossOutput(total, _to_floats(stats), frozenset(summed))
 
     def __repr__(self) -> str:
+        clamp = f", log_prob_min_clamp={self.log_prob_min_clamp!r}" if self.log_prob_min_clamp is not None else ""
         return (f"{type(self).__name__}(rl_loss={self.rl_loss!r}, kind={self.kind!r}, coef={self.coef!r}, "
-                f"max_clamp={self.max_clamp!r}, agg={self.agg!r})")
+                f"max_clamp={self.max_clamp!r}, agg={self.agg!r}{clamp})")
 
 
 class PolicyGradientDistillationLoss(DistillationLoss):
@@ -129,8 +172,9 @@ class PolicyGradientDistillationLoss(DistillationLoss):
 
     def __init__(self, rl_loss: PPOLoss | None = None, kind: str = "k1", coef: float = 1.0,
                  max_clamp: float | None = None, agg: str = "token-mean", loss_scale_factor: float | None = None,
-                 clip_ratio: float = 0.2, clip_ratio_low: float | None = None, clip_ratio_high: float | None = None):
-        super().__init__(rl_loss, kind, coef, max_clamp, agg, loss_scale_factor)
+                 clip_ratio: float = 0.2, clip_ratio_low: float | None = None, clip_ratio_high: float | None = None,
+                 log_prob_min_clamp: float | None = None):
+        super().__init__(rl_loss, kind, coef, max_clamp, agg, loss_scale_factor, log_prob_min_clamp)
         self.clip_low = clip_ratio if clip_ratio_low is None else clip_ratio_low
         self.clip_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
 
@@ -149,4 +193,5 @@ class PolicyGradientDistillationLoss(DistillationLoss):
         return agg(loss, batch[RESPONSE_MASK]), stats
 
 
-__all__ = ["KINDS", "DistillationLoss", "PolicyGradientDistillationLoss", "distillation_losses"]
+__all__ = ["KINDS", "TOPK", "DistillationLoss", "PolicyGradientDistillationLoss", "distillation_losses",
+           "forward_kl_topk_losses"]

@@ -300,8 +300,9 @@ def with_distillation(plan: Plan, policy: Policy, loss, stages: list) -> tuple:
                               f"({plan.model_path}); distillation needs one vocabulary")
         return t
 
-    teachers = Teacher({k: load(t) for k, t in d["teachers"].items()}, route_key=d["route_key"]) if d["route_key"] \
-        else Teacher(load(d["teachers"]))
+    top_k = d.get("top_k")
+    teachers = (Teacher({k: load(t) for k, t in d["teachers"].items()}, route_key=d["route_key"], top_k=top_k)
+                if d["route_key"] else Teacher(load(d["teachers"]), top_k=top_k))
     distill = instantiate(d["loss_cls"], {"rl_loss": loss if d["rl"] else None, **d["loss_kwargs"]},
                           "distillation.distillation_loss.*")
     return distill, [*stages, teachers]

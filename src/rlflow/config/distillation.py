@@ -14,8 +14,10 @@ What verl does with it, and rlflow the same way:
 
 verl serves its teachers from inference servers of their own (``inference.*``, ``num_replicas``, ``n_gpus_per_node``,
 ``nnodes``); rlflow's teacher scores with transformers in the training processes, as the reference does, so those
-keys get a note (``verl_0_9_keys``). ``forward_kl_topk`` is refused: it needs the student's full-vocabulary log-probs
-at the teacher's top-k tokens in the update, which rlflow's scoring pass (sampled tokens only) does not compute yet.
+keys get a note (``verl_0_9_keys``).
+- ``loss_mode=forward_kl_topk``: the teacher stage writes its ``topk`` most likely tokens per position
+  (``Teacher(top_k=topk)``) and the loss is the forward KL over them (``kind="forward_kl_topk"``, with
+  ``log_prob_min_clamp``), backpropagated or (verl warns: the top-k signal is then mostly unused) as a reward.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ D, L = "distillation", "distillation.distillation_loss"
 DEFAULT = "teacher_model"  # verl's single-teacher entry
 # rlflow.algorithms.distillation.KINDS, spelled out: validation imports this module without torch (a test compares)
 KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+TOPK = "forward_kl_topk"  # rlflow.algorithms.distillation.TOPK
 
 
 def loss_problems(get: Callable[[str], Any]) -> list[ConfigError]:
@@ -37,12 +40,10 @@ def loss_problems(get: Callable[[str], Any]) -> list[ConfigError]:
     if not get(f"{D}.enabled"):
         return []
     mode, pg = get(f"{L}.loss_mode"), bool(get(f"{L}.use_policy_gradient"))
-    if mode == "forward_kl_topk":
-        return [NotSupportedError(f"{L}.loss_mode", mode, "top-k forward-KL distillation (the student's "
-                                  "full-vocabulary log-probs at the teacher's top-k tokens)",
-                                  "Use loss_mode=k1 with use_policy_gradient=True (verl's scripts' default) or k3.")]
+    if mode == TOPK:
+        return _topk_problems(get)
     if mode not in KINDS:
-        return [ConfigError(f"{L}.loss_mode={mode!r}: choose one of {list(KINDS)} (or forward_kl_topk, not in rlflow)")]
+        return [ConfigError(f"{L}.loss_mode={mode!r}: choose one of {list(KINDS + (TOPK,))}")]
     if not pg and mode in ("k1", "kl"):
         return [ConfigError(f"{L}.loss_mode={mode} with use_policy_gradient=False: backpropagating k1 is incorrect, "
                             "its gradient does not depend on the teacher's log-probs (verl refuses it too); use k3, or "
@@ -51,6 +52,20 @@ def loss_problems(get: Callable[[str], Any]) -> list[ConfigError]:
         return [ConfigError(f"{L}.policy_loss_mode={get(f'{L}.policy_loss_mode')!r}: only 'vanilla' (dual-clip PPO) "
                             "is supported with use_policy_gradient=True, as in verl")]
     return []
+
+
+def _topk_problems(get: Callable[[str], Any]) -> list[ConfigError]:
+    topk, clamp = get(f"{L}.topk"), get(f"{L}.log_prob_min_clamp")
+    problems = []
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        problems.append(ConfigError(f"{L}.topk={topk!r}: loss_mode={TOPK} needs the number of the teacher's most "
+                                    "likely tokens to compare, a positive integer (verl's default 128)"))
+    if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, (int, float))):
+        problems.append(ConfigError(f"{L}.log_prob_min_clamp={clamp!r}: a number (a log-prob, e.g. -10.0) or null"))
+    if get(f"{L}.use_policy_gradient") and get(f"{L}.policy_loss_mode") != "vanilla":
+        problems.append(ConfigError(f"{L}.policy_loss_mode={get(f'{L}.policy_loss_mode')!r}: only 'vanilla' "
+                                    "(dual-clip PPO) is supported with use_policy_gradient=True, as in verl"))
+    return problems
 
 
 def teachers(cfg: VerlConfig, notes: list[str]) -> tuple[dict, str | None]:
@@ -104,11 +119,19 @@ def distillation_plan(cfg: VerlConfig, notes: list[str]) -> dict | None:
     kwargs = {"kind": mode, "coef": cfg[f"{L}.distillation_loss_coef"] if rl else 1.0,
               "max_clamp": cfg[f"{L}.loss_max_clamp"], "agg": cfg["actor_rollout_ref.actor.loss_agg_mode"],
               "loss_scale_factor": cfg["actor_rollout_ref.actor.loss_scale_factor"]}
+    top_k = None
+    if mode == TOPK:
+        top_k = cfg[f"{L}.topk"]
+        kwargs["log_prob_min_clamp"] = cfg[f"{L}.log_prob_min_clamp"]
+        if pg:  # verl prints the same warning
+            notes.append(f"{L}.loss_mode={TOPK} with use_policy_gradient=True: the update then uses only the "
+                         "sampled token's log-prob gradient, so the top-k distributional signal is largely unused; "
+                         "verl recommends use_policy_gradient=False for it")
     if pg:
         kwargs |= {k: cfg[f"{L}.{k}"] for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")}
     paths, route_key = teachers(cfg, notes)
     return {"loss": "PolicyGradientDistillationLoss" if pg else "DistillationLoss", "loss_kwargs": kwargs,
-            "rl": rl, "teachers": paths, "route_key": route_key}
+            "rl": rl, "teachers": paths, "route_key": route_key, "top_k": top_k}
 
 
 def check_routes(distillation: dict | None, sources: set[str], where: str) -> None:

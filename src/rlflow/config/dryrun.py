@@ -62,6 +62,7 @@ def stages_text(plan: Plan) -> str | None:
         d = plan.distillation
         paths = ({k: t["path"] for k, t in d["teachers"].items()} if d["route_key"] else d["teachers"]["path"])
         routed = f", route_key={d['route_key']!r}" if d["route_key"] else ""
+        routed += f", top_k={d['top_k']}" if d.get("top_k") else ""
         stages.append(f"Teacher.from_pretrained({paths!r}{routed})")
     return f"[{', '.join(stages)}]" if stages else None
 

@@ -179,10 +179,10 @@ RUN_INERT: dict[str, str] = {
         "discarded); rlflow's DynamicSampling generates one data.train_batch_size batch at a time, as verl's default 1"),
     "distillation.*": "only used with distillation.enabled=True",
     **{f"distillation.{k}": _TEACHER_PLACE for k in ("n_gpus_per_node", "nnodes")},
-    "distillation.distillation_loss.topk": "only used with distillation_loss.loss_mode=forward_kl_topk (refused)",
+    "distillation.distillation_loss.topk": "only used with distillation_loss.loss_mode=forward_kl_topk",
     "distillation.distillation_loss.log_prob_min_clamp": (
-        "verl clamps the top-k log-probs of loss_mode=forward_kl_topk with it (refused); the single-token "
-        "estimators (k1, k3, ...) do not read it, there as in verl"),
+        "only used with distillation_loss.loss_mode=forward_kl_topk (it clamps the top-k log-probs); the "
+        "single-token estimators (k1, k3, ...) do not read it, there as in verl"),
     "distillation.distillation_loss.distillation_loss_coef": (
         "only used with distillation_loss.use_task_rewards=True (the distillation term alone has weight 1, as in verl)"),
     **{f"distillation.distillation_loss.{k}": "only used with distillation_loss.use_policy_gradient=True"

@@ -14,7 +14,8 @@ changes nothing here.
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.report import gib, line
@@ -89,10 +90,6 @@ def _notes(cfg: VerlConfig, notes: list[str], on_cpu: bool, layout: ParallelLayo
         notes.append(f"{M}.use_distributed_optimizer=True (verl's default): each rank keeps the full optimizer state "
                      "of its shards (the Trainer's AdamW); Megatron's distributed optimizer is opt-in from Python "
                      "(MegatronStrategy(distributed_optimizer=True), GPUs, no checkpoints yet)")
-    if cfg[f"{M}.use_dist_checkpointing"] or cfg[f"{M}.dist_checkpointing_path"]:
-        raise NotSupportedError(f"{M}.use_dist_checkpointing", True, "starting from a Megatron dist checkpoint",
-                                "rlflow converts actor_rollout_ref.model.path (a Hugging Face folder) at start.")
-    cfg[f"{M}.dist_checkpointing_prefix"]
     if cfg[f"{M}.override_ddp_config"] or cfg[f"{M}.override_mcore_model_config"]:
         notes.append(f"{M}.override_ddp_config / override_mcore_model_config: Megatron's DDP wrapper and model "
                      "builder are not used (rlflow reduces gradients itself and builds the model from the Hugging "
@@ -119,10 +116,52 @@ def _notes(cfg: VerlConfig, notes: list[str], on_cpu: bool, layout: ParallelLayo
     return overrides
 
 
+DIST_ROLES = {A: "policy", "actor_rollout_ref.ref": "reference", "critic": "critic"}  # verl role -> strategy role
+
+
+def dist_checkpoints(cfg: VerlConfig, notes: list[str], with_critic: bool,
+                     check_folder: Callable[[str, str], Path]) -> tuple[dict[str, str], str]:
+    """``*.megatron.use_dist_checkpointing`` + ``dist_checkpointing_path`` -> ``MegatronStrategy(dist_checkpoints=...,
+    dist_checkpoint_prefix=...)``: the roles that start from a Megatron dist checkpoint instead of
+    ``actor_rollout_ref.model.path``'s weights (which still give the architecture), as in verl. The folder is
+    checked now (``check_folder``: :func:`rlflow.strategies.megatron.dist_checkpoint.check_folder`, passed in by the
+    caller, which imports the strategies late); a path without ``use_dist_checkpointing`` is ignored by verl, and
+    gets a note here."""
+    folders, prefixes = {}, {}
+    for verl_role, role in DIST_ROLES.items():
+        key = f"{verl_role}.megatron"
+        use, path, prefix = (cfg[f"{key}.{k}"] for k in ("use_dist_checkpointing", "dist_checkpointing_path",
+                                                          "dist_checkpointing_prefix"))
+        if not use:
+            if path:
+                notes.append(f"{key}.dist_checkpointing_path={path!r} has no effect without "
+                             f"{key}.use_dist_checkpointing=True (as in verl)")
+            continue
+        if role == "critic" and not with_critic:
+            notes.append(f"{key}.use_dist_checkpointing=True has no effect: this run has no critic")
+            continue
+        if not path:
+            raise ConfigError(f"{key}.use_dist_checkpointing=True needs {key}.dist_checkpointing_path: the folder of "
+                              "the Megatron dist checkpoint to start from (verl's converter_hf_to_mcore.py writes one)")
+        try:
+            folders[role] = str(check_folder(path, f"{key}.dist_checkpointing_path"))
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+        prefixes[f"{key}.dist_checkpointing_prefix"] = prefix or ""
+    if len(set(prefixes.values())) > 1:
+        raise ConfigError(f"{', '.join(f'{k}={v!r}' for k, v in prefixes.items())}: rlflow reads every role's dist "
+                          "checkpoint with one key prefix; set them equal")
+    if folders:
+        notes.append(f"use_dist_checkpointing: {sorted(folders)} start from Megatron dist checkpoints; rlflow's own "
+                     "checkpoints (trainer.save_freq) stay its sharded format in transformers' names (resumable at "
+                     "any layout, rlflow export), not verl's model/dist_ckpt folders")
+    return folders, next(iter(prefixes.values()), "")
+
+
 def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, accelerator: str, with_critic: bool):
     """The strategy of a verl config that asks for Megatron (see the module docstring)."""
     # rlflow.strategies imports Lightning and torch: not before a Megatron run is planned (validation stays light)
-    from rlflow.strategies.megatron import MegatronStrategy, ParallelLayout
+    from rlflow.strategies.megatron import MegatronStrategy, ParallelLayout, check_dist_checkpoint
 
     for role in ("critic",) if with_critic else ():
         if cfg[f"{role}.strategy"] != "megatron":
@@ -147,11 +186,13 @@ def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, acceler
                                 "Transformer Engine", "It needs a GPU with transformer_engine installed.")
     overrides = _notes(cfg, notes, on_cpu, layout, spec)
     optimizer = optimizer_overrides(cfg, notes, on_cpu)
+    folders, prefix = dist_checkpoints(cfg, notes, with_critic, check_dist_checkpoint)
     try:
         return MegatronStrategy(tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline,
                                 context_parallel=layout.context, expert_parallel=layout.expert,
                                 sequence_parallel=layout.sequence_parallel, layer_spec=spec,
-                                transformer_overrides=overrides, optimizer_overrides=optimizer)
+                                transformer_overrides=overrides, optimizer_overrides=optimizer,
+                                dist_checkpoints=folders, dist_checkpoint_prefix=prefix)
     except ValueError as e:
         raise ConfigError(f"{A}.optim.override_optimizer_config: {e}") from None
 

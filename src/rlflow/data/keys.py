@@ -46,6 +46,9 @@ ENTROPY = "entropy"  # B x R
 OLD_LOG_PROBS = "old_log_probs"  # B x R, the policy before this step's updates
 REF_LOG_PROBS = "ref_log_probs"  # B x R, the frozen reference
 TEACHER_LOG_PROBS = "teacher_log_probs"  # B x R, a distillation teacher's (rlflow.models.teacher)
+TEACHER_TOPK_LOG_PROBS = "teacher_topk_log_probs"  # B x R x k, the teacher's k most likely tokens' log-probs
+TEACHER_TOPK_IDS = "teacher_topk_ids"  # B x R x k, those tokens' ids
+TOPK_LOG_PROBS = "topk_log_probs"  # B x R x k, the policy's log-probs of the teacher's top-k (under autograd)
 VALUES = "values"  # B x R, the critic
 OLD_VALUES = "old_values"  # B x R, the critic before this step's updates
 

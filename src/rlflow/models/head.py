@@ -36,11 +36,12 @@ def auto_chunk_tokens(vocab_size: int, budget_bytes: int = LOGITS_CHUNK_BYTES) -
 
 
 def _chunk_log_probs(hidden: Tensor, head: nn.Module, ids: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """``ids``: ``n x J`` (``J`` tokens scored per position)."""
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
     log_z = torch.logsumexp(logits, dim=-1)
-    chosen = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - log_z
+    chosen = logits.gather(-1, ids) - log_z[:, None]
     # entropy = log Z - sum softmax(z) * z
     entropy = log_z - (F.softmax(logits, dim=-1) * logits).sum(-1)
     return chosen, entropy
@@ -65,17 +66,23 @@ class ChunkedHeadLogProbs(torch.autograd.Function):
               \qquad \frac{\partial L}{\partial h} = \frac{1}{T} \frac{\partial L}{\partial z} W,
               \qquad \frac{\partial L}{\partial W} = \frac{1}{T} \frac{\partial L}{\partial z}^{\top} h.
 
-    Shapes: hidden ``N x H``, weight ``V x H``, ids ``N`` -> log-probs, entropy ``N`` (float32). The matrix products
-    run in ``compute_dtype`` (the autocast dtype under mixed precision, as ``head(hidden)`` would), the softmax in
-    float32; the weight's gradient is accumulated over chunks in float32.
+    Several tokens per position (``ids`` ``N x J``: the sampled token and a distillation teacher's top-k) give
+    :math:`\partial L / \partial z_v = \sum_j g_{\ell_j} (\delta_{v y_j} - p_v) - \ldots`, the same pass.
+
+    Shapes: hidden ``N x H``, weight ``V x H``, ids ``N`` (or ``N x J``) -> log-probs ``N`` (``N x J``), entropy ``N``
+    (float32). The matrix products run in ``compute_dtype`` (the autocast dtype under mixed precision, as
+    ``head(hidden)`` would), the softmax in float32; the weight's gradient is accumulated over chunks in float32.
     """
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, chunk: int,
                 compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        ctx.flat = ids.dim() == 1  # one token per position: log-probs ``N``
+        ids = ids[:, None] if ctx.flat else ids
         n = hidden.shape[0]
-        log_probs = hidden.new_empty(n, dtype=torch.float32)
-        entropy, log_z = torch.empty_like(log_probs), torch.empty_like(log_probs)
+        log_probs = hidden.new_empty(ids.shape, dtype=torch.float32)
+        entropy = hidden.new_empty(n, dtype=torch.float32)
+        log_z = torch.empty_like(entropy)
         w = weight.to(compute_dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, chunk):
@@ -83,19 +90,20 @@ class ChunkedHeadLogProbs(torch.autograd.Function):
                 if temperature != 1.0:
                     z.div_(temperature)
                 lz = torch.logsumexp(z, dim=-1)
-                log_probs[s : s + chunk] = z.gather(-1, ids[s : s + chunk, None]).squeeze(-1) - lz
+                log_probs[s : s + chunk] = z.gather(-1, ids[s : s + chunk]) - lz[:, None]
                 p = (z - lz[:, None]).exp_()
                 entropy[s : s + chunk] = lz - torch.linalg.vecdot(p, z)
                 log_z[s : s + chunk] = lz
         ctx.save_for_backward(hidden, weight, ids, log_z, entropy)
         ctx.temperature, ctx.chunk, ctx.compute_dtype = temperature, chunk, compute_dtype
-        return log_probs, entropy
+        return (log_probs[:, 0] if ctx.flat else log_probs), entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs: Tensor | None, grad_entropy: Tensor | None):
         hidden, weight, ids, log_z, entropy = ctx.saved_tensors
         n, T, cd = hidden.shape[0], ctx.temperature, ctx.compute_dtype
-        g_lp = grad_log_probs if grad_log_probs is not None else torch.zeros_like(log_z)
+        g_lp = grad_log_probs if grad_log_probs is not None else torch.zeros(ids.shape, device=log_z.device)
+        g_lp = g_lp[:, None] if g_lp.dim() == 1 else g_lp
         g_h = grad_entropy if grad_entropy is not None else torch.zeros_like(log_z)
         w = weight.to(cd)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -108,11 +116,11 @@ class ChunkedHeadLogProbs(torch.autograd.Function):
                 if T != 1.0:
                     z.div_(T)
                 lz, ent = log_z[s : s + ctx.chunk, None], entropy[s : s + ctx.chunk, None]
-                gl, ge = g_lp[s : s + ctx.chunk, None].float(), g_h[s : s + ctx.chunk, None].float()
+                gl, ge = g_lp[s : s + ctx.chunk].float(), g_h[s : s + ctx.chunk, None].float()
                 p = (z - lz).exp_()
-                # z <- dL/dz = p * (-g_l - g_H (log p + H)) + g_l at the chosen token; log p = z - log Z
-                z.sub_(lz).add_(ent).mul_(-ge).sub_(gl).mul_(p)
-                z.scatter_add_(1, ids[s : s + ctx.chunk, None], gl)
+                # z <- dL/dz = p * (-sum_j g_lj - g_H (log p + H)) + g_lj at each token y_j; log p = z - log Z
+                z.sub_(lz).add_(ent).mul_(-ge).sub_(gl.sum(-1, keepdim=True)).mul_(p)
+                z.scatter_add_(1, ids[s : s + ctx.chunk], gl)
                 if T != 1.0:
                     z.div_(T)
                 grad_z = z.to(cd)
@@ -125,9 +133,13 @@ class ChunkedHeadLogProbs(torch.autograd.Function):
 
 def head_log_probs(hidden: Tensor, ids: Tensor, head: nn.Module, temperature: float = 1.0,
                    chunk_tokens: int | None = None) -> tuple[Tensor, Tensor]:
-    """Log-probs and entropy of ``ids`` (``N``) from hidden states ``N x H``, the LM head in chunks of
-    ``chunk_tokens`` positions (default: :func:`auto_chunk_tokens` of the head's vocabulary); see the module
-    docstring for the two ways a chunk is computed."""
+    """Log-probs and entropy of ``ids`` (``N``, or ``N x J`` for several tokens per position: log-probs ``N x J``)
+    from hidden states ``N x H``, the LM head in chunks of ``chunk_tokens`` positions (default:
+    :func:`auto_chunk_tokens` of the head's vocabulary); see the module docstring for the two ways a chunk is
+    computed."""
+    if ids.dim() == 1:
+        logps, ents = head_log_probs(hidden, ids[:, None], head, temperature, chunk_tokens)
+        return logps[:, 0], ents
     if chunk_tokens is None:
         chunk_tokens = auto_chunk_tokens(getattr(head, "out_features", None) or head.weight.shape[0])
     if ids.shape[0] and _plain_linear(head):
@@ -145,5 +157,28 @@ def head_log_probs(hidden: Tensor, ids: Tensor, head: nn.Module, temperature: fl
         ents.append(ent)
     if not logps:  # no position: keep the graph connected to the backbone
         empty = hidden.sum(-1)[:0].float()
-        return empty, empty
+        return empty[:, None].expand(0, ids.shape[1]), empty
     return torch.cat(logps), torch.cat(ents)
+
+
+@torch.no_grad()
+def head_top_k(hidden: Tensor, ids: Tensor, head: nn.Module, k: int, temperature: float = 1.0,
+               chunk_tokens: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """A distillation teacher's pass: the log-prob of ``ids`` (``N``) and the ``k`` most likely tokens' log-probs and
+    ids (``N x k`` each, most likely first) under the full-vocabulary log-softmax, chunk by chunk, without grad."""
+    if chunk_tokens is None:
+        chunk_tokens = auto_chunk_tokens(getattr(head, "out_features", None) or head.weight.shape[0])
+    chosen, top_lp, top_ids = [], [], []
+    for start in range(0, ids.shape[0], chunk_tokens):
+        logits = head(hidden[start : start + chunk_tokens]).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        chosen.append(logp.gather(-1, ids[start : start + chunk_tokens, None])[:, 0])
+        values, indices = logp.topk(k, dim=-1)
+        top_lp.append(values)
+        top_ids.append(indices)
+    if not chosen:
+        return (hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros(0, k, dtype=torch.float32),
+                ids.new_zeros(0, k))
+    return torch.cat(chosen), torch.cat(top_lp), torch.cat(top_ids)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from rlflow.models import ulysses
 from rlflow.models.head import (LOGITS_CHUNK_BYTES, ChunkedHeadLogProbs, auto_chunk_tokens,  # noqa: F401  (here before)
-                                head_log_probs, position_ids_from_mask)
+                                head_log_probs, head_top_k, position_ids_from_mask)
 from rlflow.models.packing import packed_log_probs, packed_response_hidden_states
 from rlflow.models.shared_prompt import can_share, distinct_prompts, shared_prompt_hidden_states
 from rlflow.models.vision import is_multimodal, padded_hidden_states
@@ -56,21 +56,41 @@ class TokenLogProbs(nn.Module):
         self.sp_group = enable_sequence_parallel(self.lm, group, self.remove_padding)
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                response_mask: Tensor | None = None, multi_modal: list[dict] | None = None) -> tuple[Tensor, Tensor]:
+                response_mask: Tensor | None = None, multi_modal: list[dict] | None = None,
+                topk_ids: Tensor | None = None) -> tuple[Tensor, ...]:
         """Shapes: prompt ``B x P`` (left-padded), response ``B x R`` -> log-probs, entropy ``B x R``.
 
         ``multi_modal``: for a vision-language model, each row's processor outputs (``rlflow.models.vision``).
+        ``topk_ids`` (``B x R x k``, a distillation teacher's top-k tokens): also return the log-probs of those
+        tokens, ``B x R x k``, from the same head pass (the full-vocabulary log-softmax is never kept).
         """
+        scored = response_ids if topk_ids is None else torch.cat([response_ids[..., None], topk_ids], dim=-1)
         if self.remove_padding:
-            return packed_log_probs(self.lm, prompt_ids, prompt_mask, response_ids, response_mask,
-                                    temperature=self.temperature, chunk_tokens=self.chunk_tokens,
-                                    pack_length=self.pack_length, sp_group=self.sp_group, multi_modal=multi_modal)
-        hidden = response_hidden_states(self.lm, prompt_ids, prompt_mask, response_ids, multi_modal=multi_modal,
-                                        share_prompts=self.share_prompts)
+            logps, ents = packed_log_probs(self.lm, prompt_ids, prompt_mask, response_ids, response_mask,
+                                           temperature=self.temperature, chunk_tokens=self.chunk_tokens,
+                                           pack_length=self.pack_length, sp_group=self.sp_group,
+                                           multi_modal=multi_modal, scored_ids=scored)
+        else:
+            hidden = response_hidden_states(self.lm, prompt_ids, prompt_mask, response_ids, multi_modal=multi_modal,
+                                            share_prompts=self.share_prompts)
+            B, R, H = hidden.shape
+            logps, ents = head_log_probs(hidden.reshape(B * R, H), scored.reshape(B * R, *scored.shape[2:]),
+                                         self.lm.get_output_embeddings(), self.temperature, self.chunk_tokens)
+            logps, ents = logps.view(*scored.shape), ents.view(B, R)
+        return (logps, ents) if topk_ids is None else (logps[..., 0], ents, logps[..., 1:])
+
+    @torch.no_grad()
+    def top_k(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, k: int,
+              response_mask: Tensor | None = None, multi_modal: list[dict] | None = None) -> tuple[Tensor, ...]:
+        """A distillation teacher's scoring: the response tokens' log-probs ``B x R`` and the ``k`` most likely
+        tokens' log-probs and ids at each response position, ``B x R x k`` each (the full-vocabulary
+        log-softmax, not renormalised over the ``k``; verl's teacher ``topk`` log-probs)."""
+        hidden = response_hidden_states(self.lm, prompt_ids, prompt_mask, response_ids, response_mask,
+                                        self.remove_padding, self.pack_length, multi_modal, self.share_prompts)
         B, R, H = hidden.shape
-        logps, ents = head_log_probs(hidden.reshape(B * R, H), response_ids.reshape(B * R),
-                                     self.lm.get_output_embeddings(), self.temperature, self.chunk_tokens)
-        return logps.view(B, R), ents.view(B, R)
+        chosen, top_lp, top_ids = head_top_k(hidden.reshape(B * R, H), response_ids.reshape(B * R),
+                                             self.lm.get_output_embeddings(), k, self.temperature, self.chunk_tokens)
+        return chosen.view(B, R), top_lp.view(B, R, k), top_ids.view(B, R, k)
 
 
 def enable_sequence_parallel(lm: nn.Module, group, remove_padding: bool):

@@ -197,22 +197,27 @@ def packed_log_probs(
     lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
     response_mask: Tensor | None = None, *, temperature: float = 1.0, chunk_tokens: int | None = None,
     pack_length: int | None = None, sp_group=None, multi_modal: list[dict] | None = None,
+    scored_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``TokenLogProbs`` on packed sequences: log-probs and entropy ``B x R`` (0 after each response's end).
 
     The LM head runs in chunks over the ``N`` kept positions only, checkpointed under autograd.
     ``sp_group``: split the sequence over that process group (``rlflow.models.ulysses``).
     ``multi_modal``: the rows' vision inputs (``rlflow.models.vision``).
+    ``scored_ids``: the tokens to score, ``B x R x J`` (log-probs then ``B x R x J``); default: the responses'.
     """
     packed = pack_batch(lm, prompt_ids, prompt_mask, response_ids, response_mask, pack_length, multi_modal)
-    ids = response_ids.reshape(-1)[packed.dst]
+    scored = response_ids if scored_ids is None else scored_ids
+    ids = scored.reshape(prompt_ids.shape[0] * response_ids.shape[1], *scored.shape[2:])[packed.dst]
     head = lm.get_output_embeddings()
     if sp_group is None:
         logps, ents = head_log_probs(packed_hidden_states(lm, packed, multi_modal), ids, head, temperature,
                                      chunk_tokens)
     else:
         def score(hidden: Tensor, index: Tensor) -> Tensor:
-            return torch.stack(head_log_probs(hidden, ids[index], head, temperature, chunk_tokens), dim=-1)
+            lp, ent = head_log_probs(hidden, ids[index], head, temperature, chunk_tokens)
+            return torch.cat([lp[:, None] if lp.dim() == 1 else lp, ent[:, None]], dim=-1)  # n x (J + 1)
 
-        logps, ents = sequence_parallel_outputs(lm, packed, score, sp_group).unbind(-1)
+        out = sequence_parallel_outputs(lm, packed, score, sp_group)
+        logps, ents = out[:, :-1].reshape(-1, *scored.shape[2:]), out[:, -1]
     return unpack(logps, packed), unpack(ents, packed)

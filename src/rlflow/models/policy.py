@@ -163,12 +163,14 @@ class Policy(BatchModule):
         check_tokenizer(tokenizer, source=str(tokens))
         return cls(model, tokenizer, processor=processor, **kwargs)
 
-    def log_probs(self, batch: TensorDict) -> tuple[Tensor, Tensor]:
+    def log_probs(self, batch: TensorDict, topk_ids: Tensor | None = None) -> tuple[Tensor, ...]:
         """Log-probs and entropy of ``batch``'s response tokens (``B x R`` each), under the caller's grad mode.
 
-        Rows of a vision-language batch are scored with their images (``multi_modal_inputs``).
+        Rows of a vision-language batch are scored with their images (``multi_modal_inputs``). ``topk_ids``
+        (``B x R x k``: a distillation teacher's top-k tokens) adds a third output, the log-probs of those
+        tokens (``B x R x k``), from the same pass.
         """
-        extra = {}
+        extra = {} if topk_ids is None else {"topk_ids": topk_ids}
         if K.MULTI_MODAL_INPUTS in batch.keys():
             extra["multi_modal"] = per_row(batch, K.MULTI_MODAL_INPUTS)
         mask = (batch.get(K.RESPONSE_MASK, None),) if self.remove_padding else ()
@@ -185,6 +187,19 @@ class Policy(BatchModule):
             entropy = torch.cat([ent for _, ent in parts])
             batch[self.entropy_key] = entropy if restore is None else entropy[restore]
         return batch
+
+    @torch.no_grad()
+    def top_k(self, batch: TensorDict, k: int) -> tuple[Tensor, Tensor, Tensor]:
+        """A distillation teacher's pass (``rlflow.models.teacher``), split as :meth:`forward`: the response tokens'
+        log-probs ``B x R`` and the ``k`` most likely tokens' log-probs and ids at each position, ``B x R x k``."""
+        pieces, restore = scoring_pieces(batch, self.micro_batch_size, self.max_tokens_per_micro_batch)
+        parts = []
+        for mb in pieces:
+            extra = {"multi_modal": per_row(mb, K.MULTI_MODAL_INPUTS)} if K.MULTI_MODAL_INPUTS in mb.keys() else {}
+            parts.append(self.module.top_k(mb[K.PROMPT_IDS], mb[K.PROMPT_MASK], mb[K.RESPONSE_IDS], k,
+                                           mb.get(K.RESPONSE_MASK, None), **extra))
+        outs = [torch.cat(column) for column in zip(*parts)]
+        return tuple(o if restore is None else o[restore] for o in outs)
 
     def reference(self, micro_batch_size: int | None = None,
                   max_tokens_per_micro_batch: int | None = None) -> "Policy":

@@ -146,6 +146,8 @@ class Trainer:
         trainable = [p for p in self.policy.module.parameters() if p.requires_grad]  # with LoRA: the adapter only
         self.optimizer = self.fabric.setup_optimizers(make_opt(trainable))
         self.rollout.bind(self.fabric.to_device(engine_model), policy.tokenizer)
+        if getattr(self.fabric.strategy, "loaded_policy_weights", False):  # a Megatron dist checkpoint, not engine_model's
+            self.rollout.sync_weights(policy.model)
         self.experience.precision = self.generation_precision
         # A LoRA reference is the policy's own module with the adapter off: set up once, with the policy.
         if self.reference is not None and self.reference.model is not policy.model:
@@ -168,6 +170,7 @@ class Trainer:
     def check_chain(self) -> None:
         """Fail now, naming key and module, if some role reads a key nothing writes."""
         provided_by_update = {K.LOG_PROBS, K.ENTROPY} | ({K.OLD_LOG_PROBS} if not self.needs_old_log_probs else set())
+        provided_by_update |= {K.TOPK_LOG_PROBS} if K.TEACHER_TOPK_IDS in getattr(self.loss, "in_keys", ()) else set()
         old = ("policy", self.policy if self.needs_old_log_probs else None)
         chain = self.experience.keyed() + [("reference", self.reference), old, ("critic", self.critic),
                                            ("estimator", self.estimator)]
@@ -271,8 +274,13 @@ class Trainer:
         The loss of each micro-batch is normalised by its mini-batch's token and
         sequence counts, so the accumulated gradient does not depend on the micro-batch size.
         """
+        wants_topk = K.TOPK_LOG_PROBS in getattr(self.loss, "in_keys", ())  # top-k distillation: the teacher's tokens
+
         def micro_loss(micro: TensorDict, agg: Aggregation):
-            log_probs, entropy = self.policy.log_probs(micro)
+            if wants_topk:
+                log_probs, entropy, micro[K.TOPK_LOG_PROBS] = self.policy.log_probs(micro, micro[K.TEACHER_TOPK_IDS])
+            else:
+                log_probs, entropy = self.policy.log_probs(micro)
             micro[K.LOG_PROBS], micro[K.ENTROPY] = log_probs, entropy
             if K.OLD_LOG_PROBS not in micro.keys():  # one update per batch: the policy before it is the old one
                 self.mismatch.add(micro.set(K.OLD_LOG_PROBS, log_probs.detach()))

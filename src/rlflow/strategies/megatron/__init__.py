@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from rlflow.strategies.megatron.dist_checkpoint import check_folder as check_dist_checkpoint
 from rlflow.strategies.megatron.layout import ParallelLayout
 from rlflow.strategies.megatron.strategy import MegatronStrategy
 
@@ -25,4 +26,5 @@ def megatron_available() -> bool:
     return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
 
-__all__ = ["MegatronStrategy", "ParallelLayout", "megatron_available", "MEGATRON_CORE_VERSION"]
+__all__ = ["MegatronStrategy", "ParallelLayout", "check_dist_checkpoint", "megatron_available",
+           "MEGATRON_CORE_VERSION"]

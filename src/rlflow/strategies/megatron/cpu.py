@@ -16,6 +16,11 @@ process when this was measured (``shared/reference/backends-on-cpu.md``).
 4. ``moe.moe_utils`` refers to ``te_general_gemm`` when Transformer Engine is missing without
    defining it (a ``NameError`` in the router): the name is defined as ``None``, which is what
    megatron's check ``te_general_gemm is not None`` expects.
+5. ``dist_checkpointing``'s writer (:mod:`.dist_checkpoint`) copies each tensor "to the CPU" with
+   ``non_blocking=True`` and then calls ``torch.cuda.synchronize()`` (``filesystem_async.preload_tensors``;
+   on CPU: "Torch not compiled with CUDA enabled"): that module's ``torch.cuda.synchronize()`` is a no-op.
+6. The writer's last step broadcasts a failure flag created on ``torch.cuda.current_device()``
+   (``state_dict_saver.save_state_dict_async_finalize``): that module gets the same ``torch`` as item 3.
 
 Three more CUDA defaults are never reached because rlflow passes explicit inputs (see
 :mod:`~rlflow.strategies.megatron.model`): the causal mask (an explicit boolean mask), the rotary
@@ -31,11 +36,14 @@ import types
 
 import torch
 
-PATCHED_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.transformer.moe.router")
+PATCHED_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.transformer.moe.router",
+                   "megatron.core.dist_checkpointing.strategies.filesystem_async",
+                   "megatron.core.dist_checkpointing.strategies.state_dict_saver")
 
 
 class _CPUCuda:
-    """``torch.cuda`` whose ``current_device()`` is the CPU."""
+    """``torch.cuda`` whose ``current_device()`` is the CPU and whose ``synchronize()`` does nothing (there is
+    no CUDA stream to wait for)."""
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -44,9 +52,13 @@ class _CPUCuda:
     def current_device() -> torch.device:
         return torch.device("cpu")
 
+    @staticmethod
+    def synchronize(device=None) -> None:
+        return None
+
 
 class _TorchOnCPU(types.ModuleType):
-    """``torch`` as seen by one Megatron module: only ``torch.cuda.current_device()`` differs."""
+    """``torch`` as seen by one Megatron module: only ``torch.cuda.current_device()`` and ``synchronize()`` differ."""
 
     cuda = _CPUCuda()
 

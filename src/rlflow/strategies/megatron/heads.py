@@ -42,11 +42,12 @@ def vocab_parallel_log_probs(logits: Tensor, local_ids: Tensor, group=None) -> t
 
     Args:
         logits: ``N x V_local`` float32 (temperature already applied).
-        local_ids: ``N`` chosen token ids minus this rank's first column (outside ``[0, V_local)``: another rank's).
+        local_ids: ``N`` chosen token ids minus this rank's first column (outside ``[0, V_local)``: another rank's),
+            or ``N x J`` for several tokens per position (a distillation teacher's top-k besides the sampled one).
         group: the tensor-parallel group (``None``: Megatron's).
 
     Returns:
-        log-probs and entropy, ``N`` each.
+        log-probs (shaped as ``local_ids``) and entropy ``N``.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_sum
@@ -60,11 +61,12 @@ def vocab_parallel_log_probs(logits: Tensor, local_ids: Tensor, group=None) -> t
     exp = shifted.exp()
     partition = reduce_sum(exp.sum(-1), group)
     weighted = reduce_sum((exp * shifted).sum(-1), group)
-    mine = (local_ids >= 0) & (local_ids < logits.shape[-1])
-    chosen = reduce_sum(shifted.gather(-1, local_ids.clamp(0, logits.shape[-1] - 1)[:, None]).squeeze(-1) * mine,
-                        group)
+    ids = local_ids[:, None] if local_ids.dim() == 1 else local_ids
+    mine = (ids >= 0) & (ids < logits.shape[-1])
+    chosen = reduce_sum(shifted.gather(-1, ids.clamp(0, logits.shape[-1] - 1)) * mine, group)
     log_z = partition.log()
-    return chosen - log_z, log_z - weighted / partition
+    log_probs = chosen - log_z[:, None]
+    return (log_probs[:, 0] if local_ids.dim() == 1 else log_probs), log_z - weighted / partition
 
 
 @dataclass
@@ -156,30 +158,38 @@ class MegatronLogProbs(nn.Module):
         self.remove_padding = remove_padding
 
     def _chunk(self, hidden: Tensor, ids: Tensor) -> Tensor:
+        """``ids``: ``n x J`` -> ``n x (J + 1)``: the ``J`` log-probs, then the entropy."""
         logits = self.lm.logits(hidden).float()
         if self.temperature != 1.0:
             logits = logits / self.temperature
-        return torch.stack(vocab_parallel_log_probs(logits, ids - self.lm.vocab_start), dim=-1)
+        log_probs, entropy = vocab_parallel_log_probs(logits, ids - self.lm.vocab_start)
+        return torch.cat([log_probs, entropy[:, None]], dim=-1)
 
-    def _head(self, hidden: Tensor, predict: Tensor, response_ids: Tensor) -> Tensor:
-        states, ids = _response_states(hidden, predict), response_ids.reshape(-1)
+    def _head(self, hidden: Tensor, predict: Tensor, scored: Tensor) -> Tensor:
+        states, ids = _response_states(hidden, predict), scored.reshape(predict.numel(), -1)
         parts = []
         for start in range(0, ids.shape[0], self.chunk_tokens):  # the head's logits are recomputed in the backward
             h, i = states[start : start + self.chunk_tokens], ids[start : start + self.chunk_tokens]
             grad = torch.is_grad_enabled() and h.requires_grad
             parts.append(checkpoint(self._chunk, h, i, use_reentrant=False) if grad else self._chunk(h, i))
-        out = torch.cat(parts) if parts else states.sum(-1, keepdim=True)[:0].float().expand(0, 2)
-        return out.view(*response_ids.shape, 2)
+        width = ids.shape[1] + 1
+        out = torch.cat(parts) if parts else states.sum(-1, keepdim=True)[:0].float().expand(0, width)
+        return out.view(*predict.shape, width)
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                response_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Shapes: prompt ``B x P`` (left-padded), response ``B x R`` -> log-probs, entropy ``B x R``."""
+                response_mask: Tensor | None = None, topk_ids: Tensor | None = None) -> tuple[Tensor, ...]:
+        """Shapes: prompt ``B x P`` (left-padded), response ``B x R`` -> log-probs, entropy ``B x R``; with
+        ``topk_ids`` (``B x R x k``) also their log-probs ``B x R x k``, as ``TokenLogProbs``."""
         B, R = response_ids.shape
+        scored = response_ids[..., None] if topk_ids is None else torch.cat([response_ids[..., None], topk_ids], -1)
+        width = scored.shape[-1] + 1
         tokens = _tokens(self.lm, prompt_ids, prompt_mask, response_ids)
         out = run_stages(self.lm, tokens.ids, lambda h: self._head(self.lm.full_sequence(h), tokens.predict,
-                                                                     response_ids), (B, R, 2))
+                                                                     scored), (B, R, width))
         out = _trailing_zeros(out, response_mask, self.remove_padding)
-        return out[..., 0], out[..., 1]
+        if topk_ids is None:
+            return out[..., 0], out[..., -1]
+        return out[..., 0], out[..., -1], out[..., 1:-1]
 
 
 class MegatronValueModel(nn.Module):

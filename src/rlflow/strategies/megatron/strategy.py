@@ -32,6 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from rlflow.models.checks import activation_checkpointing
+from rlflow.strategies.megatron import dist_checkpoint
 from rlflow.strategies.megatron.cpu import CPUWorkarounds
 from rlflow.strategies.megatron.distopt import DistributedOptimizer, check_overrides
 from rlflow.strategies.megatron.grads import clip_, global_grad_norm, reduce_gradients
@@ -43,6 +44,7 @@ from rlflow.strategies.megatron.slots import check_coverage, lm_slots, load_from
 from rlflow.strategies.megatron.weight_buckets import WeightExporter
 
 LAYER_SPECS = ("local", "transformer_engine")
+DIST_ROLES = dist_checkpoint.ROLES
 
 
 def _identity(module, _mesh):
@@ -63,13 +65,23 @@ class MegatronStrategy(ModelParallelStrategy):
         optimizer_overrides: extra megatron-core ``OptimizerConfig`` fields for the distributed optimizer (verl's
             ``optim.override_optimizer_config``: ``optimizer_cpu_offload``, ``optimizer_offload_fraction``, ...);
             an unknown field is a ``ValueError`` naming it.
+        dist_checkpoints: ``{role: folder}`` of Megatron dist checkpoints (:mod:`.dist_checkpoint`; verl's
+            ``use_dist_checkpointing`` / ``dist_checkpointing_path``) that roles start from instead of their Hugging
+            Face weights: ``"policy"`` (the trained ``TokenLogProbs``), ``"reference"`` (a frozen one), ``"critic"``.
+            The Hugging Face model still gives the architecture and names; the Trainer then sends the loaded
+            policy weights to its generation engine before the first rollout.
+        dist_checkpoint_prefix: the key prefix inside those folders (verl's ``dist_checkpointing_prefix``).
         timeout: how long a rank waits in a collective before giving up.
     """
 
     def __init__(self, tensor_parallel: int = 1, pipeline_parallel: int = 1, *, context_parallel: int = 1,
                  expert_parallel: int = 1, sequence_parallel: bool = False, layer_spec: str = "local",
                  distributed_optimizer: bool = False, transformer_overrides: dict | None = None,
-                 optimizer_overrides: dict | None = None, timeout: timedelta = timedelta(minutes=10)):
+                 optimizer_overrides: dict | None = None, dist_checkpoints: dict[str, str] | None = None,
+                 dist_checkpoint_prefix: str = "", timeout: timedelta = timedelta(minutes=10)):
+        unknown = sorted(set(dist_checkpoints or {}) - set(DIST_ROLES))
+        if unknown:
+            raise ValueError(f"dist_checkpoints: unknown role {unknown[0]!r}; roles: {list(DIST_ROLES)}")
         if layer_spec not in LAYER_SPECS:
             raise ValueError(f"layer_spec={layer_spec!r}: choose from {LAYER_SPECS}")
         if sequence_parallel and tensor_parallel > 1 and layer_spec == "local":
@@ -86,6 +98,9 @@ class MegatronStrategy(ModelParallelStrategy):
         self.optimizer_overrides = {}
         if optimizer_overrides:
             self.optimizer_overrides = check_overrides(optimizer_overrides)
+        self.dist_checkpoints = {role: str(path) for role, path in (dist_checkpoints or {}).items()}
+        self.dist_checkpoint_prefix = dist_checkpoint_prefix
+        self.loaded_policy_weights = False  # the policy started from a dist checkpoint: its engine needs them
         self._converted: list[nn.Module] = []  # the Megatron modules set up, for the distributed optimizer
         self._cpu_workarounds = None
         self._reduced: set[int] = set()  # optimizers whose gradients were reduced since the last backward
@@ -97,7 +112,8 @@ class MegatronStrategy(ModelParallelStrategy):
             ("context_parallel", self.layout.context), ("expert_parallel", self.layout.expert)) if v > 1)
         extra = (", sequence_parallel=True" if self.layout.sequence_parallel else "") + (
             f", layer_spec={self.layer_spec!r}" if self.layer_spec != "local" else "") + (
-            ", distributed_optimizer=True" if self.distributed_optimizer else "")
+            ", distributed_optimizer=True" if self.distributed_optimizer else "") + (
+            f", dist_checkpoints={self.dist_checkpoints!r}" if self.dist_checkpoints else "")
         return f"MegatronStrategy({sizes or 'tensor_parallel=1'}{extra})"
 
     @property
@@ -173,7 +189,12 @@ class MegatronStrategy(ModelParallelStrategy):
                 module.value_head = None  # not on this pipeline stage
 
         check_coverage(converted, module_slots(converted))
-        if not any(p.requires_grad for p in hf_model.parameters()):
+        trained = any(p.requires_grad for p in hf_model.parameters())
+        role = "critic" if isinstance(module, ValueHeadModel) else "policy" if trained else "reference"
+        if role in self.dist_checkpoints:  # verl's use_dist_checkpointing: megatron-core's weights over the HF ones
+            dist_checkpoint.load(converted, self.dist_checkpoints[role], self.dist_checkpoint_prefix)
+            self.loaded_policy_weights |= role == "policy"
+        if not trained:
             converted.requires_grad_(False)  # a frozen reference stays frozen
         # Fabric keeps the module it was given as the "original" (its parameters() and attribute lookups go
         # there): its Hugging Face model is replaced by the Megatron shard so both views hold the same weights.
