@@ -263,6 +263,7 @@ class FleetEngine(Engine):
         for server in self.servers:
             server.close()
         self.probes.shutdown(wait=False, cancel_futures=True)
+        self.broadcast = None  # its gloo group and store (the servers' workers drop theirs at the next init)
         if self.own_dir and self.checkpoint_dir is not None and writes_checkpoints():
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
             self.checkpoint_dir = None
