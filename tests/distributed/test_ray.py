@@ -25,7 +25,7 @@ pytest.importorskip("ray")
 from rlflow import Policy  # noqa: E402
 from rlflow.config.run import main as main_ppo  # noqa: E402
 from rlflow.launch.ray import RayLaunchError, check_gpu_nodes, run_workers  # noqa: E402
-from rlflow.launch.rollout_pool import pool_from_config  # noqa: E402
+from rlflow.launch.rollout_pool import pool_from_config, trainer_arguments  # noqa: E402
 
 from .launch import free_port  # noqa: E402
 from .test_multinode import job, metrics  # noqa: E402,F401  (job: the tiny verl job, a module fixture)
@@ -208,9 +208,16 @@ def test_the_pools_keys_are_checked_before_anything_starts():
                              "actor_rollout_ref.rollout.tensor_model_parallel_size": 8}, use_gpu=True)
     assert (pool.nnodes, pool.per_node, pool.tp, pool.servers_per_node(True)) == (1, 8, 8, 1)
     assert pool.server["max_model_len"] == 12 and "--tensor-parallel-size" in pool.server["extra"]
+    fleet = pool_from_config({**base, "actor_rollout_ref.rollout.nnodes": 2}, use_gpu=False)  # gloo: no folder
+    assert fleet.nnodes * fleet.servers_per_node(False) == 2
+    places = [{"url": "http://a:1"}, {"url": "http://b:2"}]
+    assert trainer_arguments(["x=1"], places)[-2:] == ["actor_rollout_ref.rollout.server.url=[http://a:1,http://b:2]",
+                                                       "actor_rollout_ref.rollout.server.weight_transfer=rlflow_gloo"]
+    assert trainer_arguments(["actor_rollout_ref.rollout.server.weight_transfer=reload"], places)[-1].endswith("b:2]")
     for extra, said in (({"actor_rollout_ref.rollout.name": "hf"}, "runs vLLM servers; set actor_rollout_ref.rollout.name=vllm"),
                         ({"actor_rollout_ref.rollout.server.url": "http://x:1"}, "set one or the other"),
                         ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 3}, "not a multiple of"),
-                        ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 2}, "starts 4 vLLM servers, a fleet")):
+                        ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
+                          "actor_rollout_ref.rollout.server.weight_transfer": "reload"}, "starts 4 vLLM servers, a fleet")):
         with pytest.raises(ValueError, match=said):
             pool_from_config({**base, "actor_rollout_ref.rollout.nnodes": 1, **extra}, use_gpu=True)

@@ -21,6 +21,7 @@ from rlflow.rollout import ServerRollout
 from rlflow.rollout.engines import SamplingParams
 from rlflow.rollout.engines.fleet import FleetEngine
 from rlflow.rollout.engines.server import ServerEngine, ServerError
+from rlflow.rollout.engines.weight_transfer_gloo import GLOO
 from rlflow.tasks.addition import AdditionTask, exact_match
 from tests.rollout.conftest import free_port, requires_vllm
 from tests.rollout.fault_proxy import FaultProxy
@@ -133,11 +134,50 @@ def test_a_server_that_misses_an_update_samples_nothing_until_it_has_it(vllm_ser
         bad.close()
 
 
+def written_bytes() -> int:
+    """What this process has written to files and sockets so far (``wchar``: gloo's sends are writes)."""
+    return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["wchar"])
+
+
+@requires_vllm
+def test_a_fleet_takes_each_bucket_by_one_gloo_broadcast(vllm_server, doomed_vllm_server, vllm_model_dir, tmp_path):
+    """Two real servers and the trainer in one gloo group of three ranks: both servers' log-probs follow the
+    policy's after each update, and what the trainer process writes per update is one copy of the parameters,
+    not one per server. Nothing goes through the disk. (Before the kill test, which ends the second server.)"""
+    policy = Policy.from_pretrained(vllm_model_dir)
+    rollout = ServerRollout([vllm_server, doomed_vllm_server.url], n=2, max_new_tokens=4, weight_transfer=GLOO,
+                            checkpoint_dir=tmp_path / "weights", bucket_bytes=2**18)  # several buckets
+    try:
+        rollout.bind(policy.model, policy.tokenizer)
+        probe = prompts(policy.tokenizer)
+        nbytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+        for _ in range(2):
+            with torch.no_grad():
+                for p in policy.model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            assert largest_difference(policy(rollout(probe))) > 1e-2  # stale: the test can tell
+            before = written_bytes()
+            metrics = rollout.sync_weights(policy.model)
+            written = written_bytes() - before
+            assert nbytes <= written < 1.5 * nbytes, (written, nbytes)  # two servers by two sends: >= 2 * nbytes
+            assert metrics["weight_sync/gb"] == pytest.approx(nbytes / 1e9) and metrics["weight_sync/buckets"] > 1
+            assert metrics["weight_sync/broadcast_gb"] < 1.01 * nbytes / 1e9
+            assert metrics["rollout/servers_synced"] == 2 and metrics["weight_sync/groups_built"] == 1
+            assert largest_difference(policy(rollout(probe))) < 1e-4
+            assert rollout.stats["rollout/server0/requests"] == rollout.stats["rollout/server1/requests"] == 2
+        for member in rollout.engine.servers:  # bind + 2 updates, on each server
+            assert member.request("/weight_info", method="GET") == {"weight_version": "3"}
+        assert not (tmp_path / "weights").exists()
+    finally:
+        rollout.close()
+
+
 @requires_vllm
 def test_a_run_survives_a_server_killed_mid_generation(vllm_server, doomed_vllm_server, vllm_model_dir, tmp_path):
     """GRPO through two real servers; the second is killed (SIGKILL) when its third request arrives, in
     step 2 with requests in flight. The run finishes, every step has all its samples, the metrics show the
-    failover and the dead server out, and the survivor's log-probs follow the policy's."""
+    failover and the dead server out, and the survivor's log-probs follow the policy's. Weights go by gloo:
+    the update after step 2 builds the group again over the survivor alone."""
     policy = Policy.from_pretrained(vllm_model_dir)
     state = {"completions": 0}
 
@@ -152,7 +192,7 @@ def test_a_run_survives_a_server_killed_mid_generation(vllm_server, doomed_vllm_
     # the proxy only sees the requests to count them; the server behind it is really killed
     front = FaultProxy(doomed_vllm_server.url, kill_at_third)
     rollout = ServerRollout([vllm_server, front.url], n=4, max_new_tokens=4, retries=1, backoff=0.05,
-                            health_interval=0.2, health_timeout=3.0, checkpoint_dir=tmp_path / "weights")
+                            health_interval=0.2, health_timeout=3.0, weight_transfer=GLOO)
     train, _, _ = AdditionTask().splits()
     trainer = Trainer(
         policy=policy, rollout=rollout, reward=FunctionReward(exact_match), estimator=GRPO(), loss=PPOLoss(),
@@ -168,6 +208,7 @@ def test_a_run_survives_a_server_killed_mid_generation(vllm_server, doomed_vllm_
         assert first["rollout/server1/requests"] == 2
         assert killed["rollout/failovers"] >= 1 and killed["rollout/servers_healthy"] == 1
         assert killed["rollout/servers_synced"] == 1  # the dead server missed the update after step 2
+        assert [h["weight_sync/groups_built"] for h in history] == [1, 2, 2]  # bind's group, then the survivor's
         assert after["rollout/server1/requests"] == 0 and after["rollout/server0/requests"] == 4
         assert largest_difference(policy(rollout(prompts(policy.tokenizer)))) < 1e-4
     finally:

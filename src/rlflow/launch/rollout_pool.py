@@ -9,10 +9,12 @@ holds the node's bundle (G GPUs on GPU, G CPUs on CPU) and starts a vLLM OpenAI 
 driver waits until every server answers ``/health`` (a server that exits first is named with the end of its
 log), then hands their URLs to the training ranks as ``actor_rollout_ref.rollout.server.url=[...]``: the
 Trainer builds its :class:`~rlflow.rollout.server.ServerRollout` fleet from them and does not know about Ray.
-Weights reach one server by ``rlflow_gloo`` (buckets broadcast over a gloo group, the server being on
-another machine by construction): ``actor_rollout_ref.rollout.server.weight_transfer``, unless the command
-sets it. Several servers are a fleet, which updates them through ``rollout.server.checkpoint_dir`` (a
-shared folder: required then).
+Weights reach the servers by ``rlflow_gloo`` (the servers being on other machines by construction): one
+gloo group over the trainer's rank 0 and every server's workers, each bucket passed down it once
+(:class:`~rlflow.rollout.engines.weight_transfer_gloo.FleetBroadcast` for several servers, a fleet):
+``actor_rollout_ref.rollout.server.weight_transfer``, unless the command sets another backend. A fleet
+with ``weight_transfer=reload`` (or another backend) takes its updates through
+``rollout.server.checkpoint_dir`` (a shared folder: required then).
 The servers stop when the run ends or fails (the driver stops them, and the actors end with its job).
 
 The actor builds the server's command line where it runs (``rlflow.rollout.server.vllm_server_command``,
@@ -32,6 +34,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 R = "actor_rollout_ref.rollout"
+GLOO = "rlflow_gloo"  # weight_transfer_gloo.GLOO, not imported: that module imports torch, which the driver does not
 # what a training rank of a pool imports anyway (torch, transformers, the server rollout), imported while
 # the servers start: on a 2-core CI machine about 15 s of the rank's start-up
 TRAINER_IMPORTS = ("rlflow.config.plan", "rlflow.rollout.server")
@@ -67,11 +70,13 @@ def pool_from_config(flat: dict, use_gpu: bool) -> Pool | None:
     if use_gpu and per_node % tp:
         raise ValueError(f"{R}.n_gpus_per_node={per_node} is not a multiple of {R}.tensor_model_parallel_size={tp}")
     servers = nnodes * (per_node // tp if use_gpu else 1)
-    if servers > 1 and not flat.get(f"{R}.server.checkpoint_dir"):
+    transfer = flat.get(f"{R}.server.weight_transfer") or "auto"
+    if servers > 1 and transfer not in ("auto", GLOO) and not flat.get(f"{R}.server.checkpoint_dir"):
         raise ValueError(f"{R}.nnodes={nnodes} x {R}.n_gpus_per_node={per_node} starts {servers} vLLM servers, a "
-                         f"fleet, which takes each update through a checkpoint folder every server reads (one gloo "
-                         f"group across a fleet is not built yet): set {R}.server.checkpoint_dir to a folder on a "
-                         "file system the rollout nodes share")
+                         f"fleet, which with {R}.server.weight_transfer={transfer} takes each update through a "
+                         f"checkpoint folder every server reads: set {R}.server.checkpoint_dir to a folder on a file "
+                         f"system the rollout nodes share, or leave weight_transfer unset ({GLOO}: one gloo group "
+                         "over the trainer and every server, no folder)")
     kv = (flat.get(f"{R}.engine_kwargs.vllm") or {}).get("kv_cache_memory_bytes")
     max_len = flat.get(f"{R}.max_model_len") or (flat.get("data.max_prompt_length", 0) + flat.get(f"{R}.response_length", 0))
     seed = flat.get(f"{R}.seed") if flat.get(f"{R}.seed") is not None else flat.get("data.seed", 0)
@@ -177,10 +182,13 @@ def stop_pool(ray, actors) -> None:
 
 
 def trainer_arguments(argv: list[str], places: list[dict]) -> list[str]:
-    """The training ranks' command line: the servers' URLs, and weights by gloo unless the command chose."""
+    """The training ranks' command line: the servers' URLs, and weights by gloo unless the command chose
+    another backend (``auto`` picks gloo for a server on another machine anyway, and a fleet takes gloo or
+    the disk)."""
     urls = ",".join(p["url"] for p in places)
     extra = [f"{R}.server.url=[{urls}]"]
-    if not any(a.split("=", 1)[0].lstrip("+") == f"{R}.server.weight_transfer" for a in argv):
-        extra.append(f"{R}.server.weight_transfer=rlflow_gloo")
+    chosen = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+") == f"{R}.server.weight_transfer"]
+    if not chosen or chosen[-1].strip("'\"") == "auto":
+        extra.append(f"{R}.server.weight_transfer={GLOO}")
     return [*argv, *extra]
 

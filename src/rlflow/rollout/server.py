@@ -133,7 +133,8 @@ class ServerRollout(SingleTurnRollout):
             for a fleet, a list with one command (or ``None``: already running) per URL.
         health_interval, health_timeout: a fleet's health checks (see ``FleetEngine``).
         model, max_concurrency, timeout, retries, backoff, checkpoint_dir, logprobs_mode, weight_transfer: see
-            :class:`~rlflow.rollout.engines.server.ServerEngine`.
+            :class:`~rlflow.rollout.engines.server.ServerEngine`. A fleet takes ``weight_transfer="rlflow_gloo"``
+            (one gloo broadcast per bucket to all its servers) or, for any other value, ``checkpoint_dir``.
     """
 
     holds_own_weights = True
@@ -158,7 +159,8 @@ class ServerRollout(SingleTurnRollout):
                                    backoff=backoff, checkpoint_dir=checkpoint_dir, logprobs_mode=logprobs_mode,
                                    weight_transfer=weight_transfer)
         self.fleet_options = dict(max_concurrency=max_concurrency, health_interval=health_interval,
-                                  health_timeout=health_timeout, checkpoint_dir=checkpoint_dir)
+                                  health_timeout=health_timeout, checkpoint_dir=checkpoint_dir,
+                                  weight_transfer=weight_transfer)
         self.server: ServerProcess | None = None
         self.fleet_servers: list[ServerProcess] = []
 

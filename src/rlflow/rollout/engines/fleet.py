@@ -11,11 +11,19 @@ ignored. Results are kept by prompt index and only the answer of a prompt's curr
 so every prompt's ``n`` samples come back exactly once, in order, whichever server sampled them.
 
 **Weights.** ``load_weights`` writes the buckets once, as a checkpoint folder (``checkpoint_dir``, which
-every server must be able to read), then asks each server to reload it (the member's own ``reload``). A
-server that cannot take the update is taken out as *stale*: it never samples with old weights. A server
-taken out for any reason comes back only after it holds the newest weights: at the next update, or, in a
-single-process run, at the start of the next call once it answers its health check again (it is reloaded
-first; a restarted server would otherwise sample with the weights it started from). In a multi-process run
+every server must be able to read), then asks each server to reload it (the member's own ``reload``). With
+``weight_transfer="rlflow_gloo"`` no folder is written: global rank 0 and the workers of every server that
+answers ``/health`` form one gloo group and each bucket is broadcast once to all of them, every server's
+``/update_weights`` running in a thread meanwhile
+(:class:`~rlflow.rollout.engines.weight_transfer_gloo.FleetBroadcast`); when the servers that answer are
+not the group's members, the group is built again over them (new port). A server that cannot take the
+update is taken out as *stale*: it never samples with old weights. A server taken out for any reason comes
+back only after it holds the newest weights: at the next update, or, in a single-process run through a
+folder, at the start of the next call once it answers its health check again (it is reloaded first; a
+restarted server would otherwise sample with the weights it started from). By gloo the bytes exist only
+during an update, so a returning server rejoins at the next update. A server that fails *during* a gloo
+round fails it for every server of the round (each holds part of the buckets, which are not kept to be sent
+again): all are taken out until the next update, and with none left the update raises. In a multi-process run
 every process keeps its own view of which servers answer, but which servers hold the newest weights is
 decided by global rank 0 at each update and shared, so no process samples from a stale server; a returning
 server is reloaded only at an update there (all processes must agree on it). A server out that still does
@@ -43,6 +51,7 @@ import torch.distributed as dist
 from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets
 from rlflow.rollout.engines.weights_on_disk import distributed, shared_temp_dir, write_checkpoint, writes_checkpoints
 from rlflow.rollout.engines.server import RETRY_STATUS, ServerEngine, ServerError
+from rlflow.rollout.engines.weight_transfer_gloo import GLOO, FleetBroadcast
 
 
 class FleetEngine(Engine):
@@ -54,12 +63,14 @@ class FleetEngine(Engine):
         health_interval: seconds between health probes of a server with requests in flight.
         health_timeout: seconds a health probe may take before the server counts as hung.
         checkpoint_dir: where weights are written for the servers to reload (default: a temporary folder).
+        weight_transfer: ``"rlflow_gloo"``: weights by one gloo broadcast to every server (no folder); anything
+            else: through ``checkpoint_dir``.
     """
 
     holds_own_weights = True
 
     def __init__(self, servers: list[ServerEngine], *, max_concurrency: int = 64, health_interval: float = 1.0,
-                 health_timeout: float = 10.0, checkpoint_dir=None):
+                 health_timeout: float = 10.0, checkpoint_dir=None, weight_transfer: str | None = None):
         if len(servers) < 1:
             raise ValueError("a fleet needs at least one server")
         if max_concurrency < 1 or health_interval <= 0 or health_timeout <= 0:
@@ -76,6 +87,7 @@ class FleetEngine(Engine):
         self.lock = threading.Lock()  # weights and server states: a reload never races a re-sync
         self.probes = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="rlflow-fleet-health")
         self.stats: dict[str, float] = {}
+        self.gloo, self.broadcast = weight_transfer == GLOO, None  # rlflow_gloo: global rank 0's FleetBroadcast
 
     # ------------------------------------------------------------------ health
     def usable(self) -> list[int]:
@@ -98,7 +110,7 @@ class FleetEngine(Engine):
         """Servers out that answer again rejoin after reloading the newest weights (single-process runs only:
         in a multi-process run the processes must agree, so they rejoin at the next update)."""
         out = [i for i, reason in enumerate(self.out_reason) if reason]
-        if not out or distributed():
+        if not out or distributed() or (self.gloo and self.version):  # by gloo, weights come only with an update
             return
         with self.lock:
             fresh = self.reload if self.version else (lambda i: "" if self.healthy(i) else "no answer")
@@ -188,16 +200,21 @@ class FleetEngine(Engine):
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, buckets: WeightBuckets) -> dict[str, float]:
-        """Write the buckets once, then have every server reload them; a server that misses it is taken out."""
+        """Send the buckets to every server (one gloo broadcast, or a folder written once that each reloads);
+        a server that misses the update is taken out."""
         start = time.perf_counter()
         with self.lock:
-            if self.checkpoint_dir is None:
-                self.checkpoint_dir = shared_temp_dir("rlflow-fleet-weights-")
-            metrics = write_checkpoint(buckets, self.checkpoint_dir)
-            written = time.perf_counter()
-            errors = [""] * len(self.servers)
-            if writes_checkpoints():
-                errors = list(self.probes.map(self.reload, range(len(self.servers))))
+            errors, metrics, written = [""] * len(self.servers), {}, start
+            if self.gloo:
+                errors, metrics = self.broadcast_weights(buckets)
+            else:
+                if self.checkpoint_dir is None:
+                    self.checkpoint_dir = shared_temp_dir("rlflow-fleet-weights-")
+                metrics = write_checkpoint(buckets, self.checkpoint_dir)
+                written = time.perf_counter()
+                metrics["weight_sync/write_s"] = written - start
+                if writes_checkpoints():
+                    errors = list(self.probes.map(self.reload, range(len(self.servers))))
             if distributed():  # rank 0's view decides, so that no process samples from a stale server
                 shared = [errors]
                 dist.broadcast_object_list(shared, src=0)
@@ -212,8 +229,24 @@ class FleetEngine(Engine):
                     self.out_reason[i] = ""
             if not self.usable():
                 raise self.nobody_left()
-        return metrics | {"weight_sync/write_s": written - start, "weight_sync/load_s": time.perf_counter() - written,
+        return metrics | {"weight_sync/load_s": time.perf_counter() - written,
                           "rollout/servers_synced": float(len(self.usable()))}
+
+    def broadcast_weights(self, buckets: WeightBuckets) -> tuple[list[str], dict[str, float]]:
+        """rlflow_gloo: global rank 0 sends the buckets by one broadcast each to the servers that answer
+        ``/health`` now (a dead one is left out before the round, and the group is built again without it);
+        the other processes only iterate the buckets (gathering sharded weights is collective)."""
+        if (dist.get_rank() if distributed() else 0) != 0:
+            for _ in buckets:
+                pass
+            return [""] * len(self.servers), {}
+        if self.broadcast is None:
+            self.broadcast = FleetBroadcast(self.servers)
+        answers = list(self.probes.map(self.healthy, range(len(self.servers))))
+        errors = ["" if ok else f"no answer to GET /health within {self.health_timeout:g} s" for ok in answers]
+        sent, metrics = self.broadcast.send([i for i, ok in enumerate(answers) if ok], buckets, str(self.version + 1))
+        return [e or s for e, s in zip(errors, sent)], metrics | {
+            "weight_sync/groups_built": float(self.broadcast.groups_built)}
 
     def reload(self, i: int) -> str:
         """Have server ``i`` reload the newest weights (its own ``reload``); why it could not (``""``: done).
@@ -230,6 +263,7 @@ class FleetEngine(Engine):
         for server in self.servers:
             server.close()
         self.probes.shutdown(wait=False, cancel_futures=True)
+        self.broadcast = None  # its gloo group and store (the servers' workers drop theirs at the next init)
         if self.own_dir and self.checkpoint_dir is not None and writes_checkpoints():
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
             self.checkpoint_dir = None

@@ -52,7 +52,7 @@ import torch
 
 from rlflow.rollout.engines import weight_transfer_gloo
 from rlflow.rollout.engines.errors import ServerError
-from rlflow.rollout.engines.weight_transfer_gloo import GLOO, join, unpack
+from rlflow.rollout.engines.weight_transfer_gloo import GLOO, join, relay, unpack
 from rlflow.rollout.engines.weights_on_disk import distributed
 
 log = logging.getLogger("rlflow.rollout.weight_transfer")
@@ -123,6 +123,7 @@ def _worker_classes():
         master_address: str
         master_port: int
         world_size: int
+        rank_offset: int = 1  # this server's first rank: 1 alone, after the servers before it in a fleet's group
 
     @dataclass
     class SharedMemoryUpdateInfo(WeightTransferUpdateInfo):
@@ -155,7 +156,7 @@ def _worker_classes():
         def init_transfer_engine(self, init_info) -> None:
             self.gloo = None  # a new trainer (or the same one again) replaces the last one's group
             if isinstance(init_info, GlooInitInfo):
-                rank = 1 + self.parallel_config.rank  # the trainer is rank 0
+                rank = init_info.rank_offset + self.parallel_config.rank  # the trainer is rank 0
                 self.gloo = join(init_info.master_address, init_info.master_port, rank, init_info.world_size)
                 self.ready = True
                 return
@@ -186,7 +187,7 @@ def _worker_classes():
                     raise RuntimeError("rlflow_gloo weight transfer: no gloo group (init_weight_transfer_engine with "
                                        "master_address first)")
                 flat = torch.empty(update_info.nbytes, dtype=torch.uint8)
-                self.gloo[1].broadcast(flat, 0).wait()
+                relay(self.gloo[1], flat)  # from the rank before, on to the rank after
             else:  # MAP_PRIVATE: the views share the trainer's pages; layerwise reload may keep some until its
                 # layer is complete, which the mapping survives (the trainer's unlink only drops the name).
                 flat = torch.from_file(update_info.path, shared=False, size=update_info.nbytes, dtype=torch.uint8)

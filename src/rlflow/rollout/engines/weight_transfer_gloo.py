@@ -12,6 +12,12 @@ trainer's shared memory and so its machine). It follows vLLM's NCCL engine, over
   (names, dtypes, shapes, offsets) is the ``update_weights`` payload; the HTTP call only returns once the
   worker has received, so the trainer makes it from a thread while it broadcasts the bucket (vLLM's NCCL
   pattern), and an HTTP error ends the wait at once instead of leaving the broadcast to time out.
+- the bucket goes down the group as a chain (:func:`relay`: rank 0 -> 1 -> 2 ..., in 4 MiB pieces), so it
+  leaves the trainer once however many workers receive it; gloo's own broadcast (a binomial tree) sent two
+  copies from the trainer to two servers, measured;
+- a fleet of servers is one group too (:class:`FleetBroadcast`: each server's workers after the previous
+  server's, its ``rank_offset``), every server's ``/update_weights`` made from a thread of its own while the
+  trainer sends; the group is built again over the servers left when one is taken out.
 
 The worker side is ``rlflow_shm``'s engine (:mod:`rlflow.rollout.engines.weight_transfer`), which takes
 either init info: a server started for shared memory also takes gloo, so the trainer can move to gloo when
@@ -27,6 +33,7 @@ import math
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -38,6 +45,7 @@ GLOO = "rlflow_gloo"
 MODULE = "rlflow.rollout.engines.weight_transfer_gloo"
 ALIGN = 64  # every tensor starts on a 64-byte boundary, so a uint8 view can be viewed as any dtype
 TIMEOUT_S = 600.0  # a broadcast that waits longer than this has lost its receiver
+PIECE = 4 * 2**20  # a bucket goes down the chain in pieces: each hop passes one on while the next arrives
 
 
 def address_towards(host: str) -> str:
@@ -62,6 +70,23 @@ def join(address: str, port: int, rank: int, world_size: int, timeout: float = T
     wait = datetime.timedelta(seconds=timeout)
     store = dist.TCPStore(address, port, world_size, is_master=rank == 0, wait_for_workers=False, timeout=wait)
     return store, dist.ProcessGroupGloo(dist.PrefixStore(GLOO, store), rank, world_size, wait)
+
+
+def relay(group, flat: torch.Tensor) -> None:
+    """Broadcast ``flat`` from rank 0 down the chain 0 -> 1 -> ... -> size - 1: each rank receives every piece
+    from the rank before it and passes it to the rank after, so the bytes leave each rank (the trainer
+    included) once whatever the group's size. gloo's own broadcast is a binomial tree whose root sends
+    log2(size) copies: measured, 2 copies of the weights from the trainer to a fleet of 2 servers."""
+    rank, size = group.rank(), group.size()
+    sends = []
+    for start in range(0, flat.numel(), PIECE):
+        piece = flat[start : start + PIECE]
+        if rank > 0:
+            group.recv([piece], rank - 1, 0).wait()
+        if rank + 1 < size:
+            sends.append(group.send([piece], rank + 1, 0))
+    for work in sends:
+        work.wait()
 
 
 def pack(bucket) -> tuple[torch.Tensor, dict]:
@@ -90,41 +115,137 @@ def unpack(flat: torch.Tensor, names, dtype_names, shapes, offsets) -> list[tupl
     return out
 
 
-def beside(call: Callable[[], object], collective: Callable[[], object], what: str):
-    """Run the HTTP ``call`` in a thread while this thread runs ``collective`` (which returns a gloo ``Work``
-    or blocks); the first error of either is raised, so a refused call does not leave the collective waiting."""
-    failed: list[BaseException] = []
+class CallsFailed(Exception):
+    """Some of :func:`beside`'s calls failed (or hung): ``failures`` maps each one's index to its error."""
 
+    def __init__(self, failures: dict[int, BaseException]):
+        super().__init__("; ".join(f"call {k}: {e}" for k, e in sorted(failures.items())))
+        self.failures = failures
+
+
+def beside(call, collective: Callable[[], object], what: str):
+    """Run the HTTP ``call`` (or each of a list of calls) in a thread while this thread runs ``collective``
+    (which returns a gloo ``Work`` or blocks); the first error is raised, so a refused call does not leave the
+    collective waiting. With a list, the error is a :class:`CallsFailed` naming which calls failed (a call still
+    running when the collective times out counts as failed: its server did not receive)."""
+    calls = call if isinstance(call, list) else [call]
+    failed: dict = {}  # call index (or "collective") -> its error
     result: list = []
 
-    def run(fn, into):
+    def run(fn, into, key):
         try:
             into.append(fn())
         except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
-            failed.append(e)
+            failed.setdefault(key, e)
 
-    thread = threading.Thread(target=run, args=(call, []), name=f"rlflow-gloo-{what}", daemon=True)
-    thread.start()
-    joined = threading.Thread(target=run, args=(collective, result), daemon=True)
-    joined.start()  # a group's constructor blocks until every rank has joined: a thread too, to watch `call`
+    def error():
+        if not isinstance(call, list):
+            return next(iter(failed.values()))
+        calls_failed = {k: e for k, e in failed.items() if k != "collective"}
+        return CallsFailed(calls_failed) if calls_failed else failed["collective"]
+
+    threads = [threading.Thread(target=run, args=(fn, [], k), name=f"rlflow-gloo-{what}", daemon=True)
+               for k, fn in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    joined = threading.Thread(target=run, args=(collective, result, "collective"), daemon=True)
+    joined.start()  # a group's constructor blocks until every rank has joined: a thread too, to watch the calls
     while joined.is_alive() and not failed:
         joined.join(0.05)
     if failed:
-        raise failed[0]
+        raise error()
     work = result[0] if result else None
     deadline = time.monotonic() + TIMEOUT_S
     while isinstance(work, dist.Work) and not work.is_completed():
         if failed:
-            raise failed[0]
+            raise error()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rlflow_gloo {what}: the server's workers did not receive within {TIMEOUT_S:.0f} s")
+            hung = TimeoutError(f"rlflow_gloo {what}: the server's workers did not receive within {TIMEOUT_S:.0f} s")
+            if isinstance(call, list):
+                raise CallsFailed({k: hung for k, t in enumerate(threads) if t.is_alive()} or {0: hung})
+            raise hung
         time.sleep(0.002)
     if isinstance(work, dist.Work):
         work.wait()
-    thread.join()
+    for thread in threads:
+        thread.join()
     if failed:
-        raise failed[0]
+        raise error()
     return result[0]
+
+
+class FleetBroadcast:
+    """Rank 0's side of ``rlflow_gloo`` over a fleet: one gloo group of the trainer (rank 0) and every member's
+    workers (member ``ids[k]``'s after those of the members before it: its ``rank_offset``), one broadcast per
+    bucket reaching them all while each member's ``/update_weights`` runs in a thread of its own, so a bucket
+    leaves the trainer once, not once per server.
+
+    ``send(ids, buckets, version)`` updates members ``ids`` (indices into ``members``, the fleet's
+    :class:`~rlflow.rollout.engines.server.ServerEngine` s); when ``ids`` differ from the group's members (a
+    server was taken out, or came back) the group is built again over them, on a new port. It returns, per
+    member, why it missed the update (``""``: it has it). A member that fails during a round fails the round for
+    every member (the others hold part of the buckets); the group is then dropped, to be built at the next round.
+    """
+
+    def __init__(self, members):
+        self.members = members
+        self.store = self.group = None
+        self.joined: tuple[int, ...] = ()  # the members in the group, in rank order
+        self.worlds: dict[int, int] = {}  # member -> its workers (asked once)
+        self.groups_built, self.broadcasts, self.sent_bytes = 0, 0, 0  # over all rounds
+
+    def ask(self, i: int, path: str, payload: dict):
+        return self.members[i].request(path, payload, retries=0)  # one attempt: the broadcast cannot be replayed
+
+    def build(self, ids: tuple[int, ...]) -> None:
+        self.store = self.group = None
+        self.joined = ()
+        for i in ids:
+            if i not in self.worlds:
+                self.worlds[i] = int(self.members[i].request("/get_world_size", method="GET", retries=0)["world_size"])
+        host = urllib.parse.urlsplit(self.members[ids[0]].url).hostname or "127.0.0.1"
+        address = address_towards(host)
+        port, world = free_port(address), 1 + sum(self.worlds[i] for i in ids)
+        offsets = [1 + sum(self.worlds[j] for j in ids[:k]) for k in range(len(ids))]
+        calls = [lambda i=i, off=off: self.ask(i, "/init_weight_transfer_engine", {"init_info": {
+            "master_address": address, "master_port": port, "world_size": world, "rank_offset": off}})
+            for i, off in zip(ids, offsets)]
+        self.store, self.group = beside(calls, lambda: join(address, port, 0, world), "init")
+        self.joined, self.groups_built = tuple(ids), self.groups_built + 1
+
+    def send(self, ids, buckets, version: str) -> tuple[list[str], dict[str, float]]:
+        """Update members ``ids`` with ``buckets``: ``(errors per member, weight_sync/* metrics)``."""
+        ids, errors = tuple(ids), [""] * len(self.members)
+        totals = {"weight_sync/buckets": 0.0, "weight_sync/gb": 0.0, "weight_sync/broadcast_gb": 0.0}
+        buckets = iter(buckets)
+        try:
+            if not ids:
+                raise RuntimeError("no server to update")
+            if ids != self.joined:
+                self.build(ids)
+            beside([lambda i=i: self.ask(i, "/start_weight_update", {}) for i in ids], lambda: None, "start")
+            for bucket in buckets:
+                flat, layout = pack(bucket)
+                beside([lambda i=i, layout=layout: self.ask(i, "/update_weights", {"update_info": layout}) for i in ids],
+                       lambda flat=flat: relay(self.group, flat), "update_weights")
+                self.broadcasts, self.sent_bytes = self.broadcasts + 1, self.sent_bytes + flat.numel()
+                totals["weight_sync/buckets"] += 1
+                totals["weight_sync/broadcast_gb"] += flat.numel() / 1e9  # what left the trainer, padding included
+                totals["weight_sync/gb"] += sum(t.numel() * t.element_size()
+                                                for t in {id(t): t for _, t in bucket}.values()) / 1e9
+            beside([lambda i=i: self.ask(i, "/finish_weight_update", {"weight_version": version}) for i in ids],
+                   lambda: None, "finish")
+            beside([lambda i=i: self.ask(i, "/reset_prefix_cache", {}) for i in ids], lambda: None, "reset")
+        except Exception as e:  # noqa: BLE001 - named per member; the fleet takes them out
+            failures = e.failures if isinstance(e, CallsFailed) else {}
+            for k, i in enumerate(ids):
+                why = failures.get(k)
+                errors[i] = f"rlflow_gloo: {why}" if why is not None else f"rlflow_gloo round failed: {str(e)[:300]}"
+            self.store = self.group = None
+            self.joined = ()
+            for _ in buckets:  # every process iterates the buckets (gathering sharded weights is collective)
+                pass
+        return errors, totals
 
 
 @functools.cache
@@ -166,7 +287,7 @@ def _trainer_classes():
                 if self.is_sender:
                     flat, layout = pack(bucket)
                     beside(lambda layout=layout: self.client.update_weights(layout),
-                           lambda flat=flat: self.group.broadcast(flat, 0), "update_weights")
+                           lambda flat=flat: relay(self.group, flat), "update_weights")
                     totals["weight_sync/gb"] += sum(t.numel() * t.element_size()
                                                     for t in {id(t): t for _, t in bucket}.values()) / 1e9
             if self.is_sender:
