@@ -52,7 +52,7 @@ import torch
 
 from rlflow.rollout.engines import weight_transfer_gloo
 from rlflow.rollout.engines.errors import ServerError
-from rlflow.rollout.engines.weight_transfer_gloo import GLOO, join, relay, unpack
+from rlflow.rollout.engines.weight_transfer_gloo import GLOO, join, relay, send_buckets, unpack
 from rlflow.rollout.engines.weights_on_disk import distributed
 
 log = logging.getLogger("rlflow.rollout.weight_transfer")
@@ -227,16 +227,7 @@ def _worker_classes():
             return engine
 
         def send_weights(self, buckets=(), weight_version: str | None = None) -> dict[str, float]:
-            totals = {"weight_sync/buckets": 0.0, "weight_sync/gb": 0.0}
-            if self.is_sender:
-                self.client.start_weight_update()
-            for bucket in buckets:
-                totals["weight_sync/buckets"] += 1
-                if self.is_sender:
-                    totals["weight_sync/gb"] += self._send_bucket(bucket) / 1e9
-            if self.is_sender:
-                self.client.finish_weight_update(weight_version)
-            return totals
+            return send_buckets(self, buckets, weight_version, self._send_bucket)
 
         def _send_bucket(self, bucket) -> int:
             layout, offsets, nbytes = {}, [], 0

@@ -248,6 +248,22 @@ class FleetBroadcast:
         return errors, totals
 
 
+def send_buckets(engine, buckets, weight_version: str | None, send_bucket) -> dict[str, float]:
+    """A trainer engine's ``send_weights``: vLLM's start / update per bucket / finish calls, made by the sender
+    alone with ``send_bucket(bucket) -> bytes``; every rank iterates the buckets (gathering sharded weights is
+    collective). Shared by this module's engine and ``rlflow_shm``'s."""
+    totals = {"weight_sync/buckets": 0.0, "weight_sync/gb": 0.0}
+    if engine.is_sender:
+        engine.client.start_weight_update()
+    for bucket in buckets:
+        totals["weight_sync/buckets"] += 1
+        if engine.is_sender:
+            totals["weight_sync/gb"] += send_bucket(bucket) / 1e9
+    if engine.is_sender:
+        engine.client.finish_weight_update(weight_version)
+    return totals
+
+
 @functools.cache
 def _trainer_classes():
     """The trainer-side engine, defined on first use (it subclasses vLLM's base)."""
@@ -279,20 +295,12 @@ def _trainer_classes():
             return engine
 
         def send_weights(self, buckets=(), weight_version: str | None = None) -> dict[str, float]:
-            totals = {"weight_sync/buckets": 0.0, "weight_sync/gb": 0.0}
-            if self.is_sender:
-                self.client.start_weight_update()
-            for bucket in buckets:
-                totals["weight_sync/buckets"] += 1
-                if self.is_sender:
-                    flat, layout = pack(bucket)
-                    beside(lambda layout=layout: self.client.update_weights(layout),
-                           lambda flat=flat: relay(self.group, flat), "update_weights")
-                    totals["weight_sync/gb"] += sum(t.numel() * t.element_size()
-                                                    for t in {id(t): t for _, t in bucket}.values()) / 1e9
-            if self.is_sender:
-                self.client.finish_weight_update(weight_version)
-            return totals
+            return send_buckets(self, buckets, weight_version, self._send_bucket)
+
+        def _send_bucket(self, bucket) -> int:
+            flat, layout = pack(bucket)
+            beside(lambda: self.client.update_weights(layout), lambda: relay(self.group, flat), "update_weights")
+            return sum(t.numel() * t.element_size() for t in {id(t): t for _, t in bucket}.values())
 
     return GlooTrainerEngine, GlooTrainerInitInfo
 
