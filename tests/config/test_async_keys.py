@@ -6,6 +6,7 @@ import pytest
 
 import rlflow.config.devices as devices
 from rlflow.config import ConfigError, NotSupportedError, load_config, make_plan
+from rlflow.config.key_notes import unused_notes
 from rlflow.trainer.main_ppo import main
 
 BASE = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.model.path=m", "data.train_files=t.parquet",
@@ -220,3 +221,6 @@ def test_pause_mode_chooses_how_partial_rollouts_continue_a_request_and_a_bad_on
     assert "pause_mode" not in plan(*v1).fully_async
     with pytest.raises(ConfigError, match="async_training.pause_mode='abort'.*auto, keep, chunks"):
         plan(*v1, "async_training.pause_mode=abort")
+    noted = [n for n in unused_notes(plan("async_training.pause_mode=keep").cfg) if "pause_mode" in n]
+    assert noted and "only used with the fully asynchronous modes" in noted[0]  # a synchronous run says so
+    assert not [n for n in unused_notes(plan(*v1, "async_training.pause_mode=keep").cfg) if "pause_mode" in n]

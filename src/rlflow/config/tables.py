@@ -229,6 +229,8 @@ INERT: dict[str, str] = {
     "async_training.max_engine_restarts": ("only used with one-step-off generation (trainer.async_weight_update=true or "
                                            "async_training.staleness_threshold); the fully asynchronous modes stop "
                                            "the run when their engine's process dies"),
+    "async_training.pause_mode": ("only used with the fully asynchronous modes (async_training.partial_rollout=True, "
+                                  "or trainer.use_v1=True with trainer.v1.trainer_mode=colocate_async|separate_async)"),
     "trainer.ray_wait_register_center_timeout": _RAY,
     "trainer.use_legacy_worker_impl": "rlflow has one worker implementation",
     "*.profiler": "profiling is not supported yet: the run goes on unprofiled", "*.profiler.*": "profiling is not supported yet: the run goes on unprofiled",
