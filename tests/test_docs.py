@@ -338,6 +338,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/multi-turn.md", "import asyncio"): [],
     ("docs/algorithms/clip_cov.md", "from rlflow import GRPO, Batching, Trainer"): [],
     ("docs/algorithms/distillation.md", "from rlflow import GRPO, Batching, Loop, RunDir, Trainer"): [],
+    ("docs/algorithms/distillation.md", "import torch"): [],
     ("docs/algorithms/dapo.md", "from rlflow import GRPO, Batching, FunctionReward, HFRollout, PPOLoss, Trainer"): [],
     ("docs/algorithms/dppo.md", "from rlflow.algorithms import DPPOTVLoss, DPPOKLLoss"): [],
     ("docs/algorithms/drgrpo.md", "from rlflow.algorithms import DrGRPO, PPOLoss"): ELIDED_TRAINER,
