@@ -21,6 +21,20 @@ from tests.rollout.test_vllm import largest_difference, prompts
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def synced_updates(policy, rollout, sync, times=2):
+    """Perturb the policy ``times`` times: each time the rollout's log-probs must be stale before ``sync()`` and the
+    policy's after it; yields what ``sync()`` returned (the update's metrics)."""
+    probe = prompts(policy.tokenizer)
+    for _ in range(times):
+        with torch.no_grad():
+            for p in policy.model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        assert largest_difference(policy(rollout(probe))) > 1e-2  # stale: the test can tell
+        result = sync()
+        assert largest_difference(policy(rollout(probe))) < 1e-4
+        yield result
+
+
 @requires_vllm
 def test_weights_by_gloo_broadcast_and_the_servers_log_probs_follow(vllm_server, vllm_model_dir, tmp_path, capsys):
     policy = Policy.from_pretrained(vllm_model_dir)
@@ -28,15 +42,8 @@ def test_weights_by_gloo_broadcast_and_the_servers_log_probs_follow(vllm_server,
                             checkpoint_dir=tmp_path / "weights", bucket_bytes=2**18)  # several buckets
     try:
         rollout.bind(policy.model, policy.tokenizer)
-        probe = prompts(policy.tokenizer)
         nbytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())
-        for _ in range(2):
-            with torch.no_grad():
-                for p in policy.model.parameters():
-                    p.add_(torch.randn_like(p) * 0.05)
-            assert largest_difference(policy(rollout(probe))) > 1e-2  # stale: the test can tell
-            metrics = rollout.sync_weights(policy.model)
-            assert largest_difference(policy(rollout(probe))) < 1e-4
+        for metrics in synced_updates(policy, rollout, lambda: rollout.sync_weights(policy.model)):
             assert metrics["weight_sync/gb"] == pytest.approx(nbytes / 1e9) and metrics["weight_sync/buckets"] > 1
         assert rollout.engine.sender.backend == GLOO and rollout.engine.sender.rounds == 3  # bind + 2
         assert rollout.engine.request("/weight_info", method="GET") == {"weight_version": "3"}

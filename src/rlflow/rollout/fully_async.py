@@ -492,12 +492,16 @@ class FullyAsyncRollout(RolloutWrapper):
                 self._engine_version = version
                 continue
             generate_chunk(self.engine, live, params, self.chunk_tokens, self._engine_version)
-            with self._cond:
-                done = [g for g in self._active if g.done]
-                if done:
-                    self._active = [g for g in self._active if not g.done]
-                    self._ready += done
-                    self._cond.notify_all()
+            self._hand_over_finished()
+
+    def _hand_over_finished(self) -> None:
+        """Move the groups whose samples have all finished from in flight to ready, waking the trainer."""
+        with self._cond:
+            done = [g for g in self._active if g.done]
+            if done:
+                self._active = [g for g in self._active if not g.done]
+                self._ready += done
+                self._cond.notify_all()
 
     def __repr__(self) -> str:
         return (f"FullyAsyncRollout({self.rollout!r}, max_off_policy_threshold={self.threshold}, "

@@ -72,12 +72,7 @@ def drive_kept(fa) -> None:
                     sample.tokens, sample.log_probs = list(completion.token_ids), list(completion.log_probs)
                     sample.versions, sample.finish = list(completion.extras["token_versions"]), completion.finish_reason
             if answered:
-                with fa._cond:
-                    done = [g for g in fa._active if g.done]
-                    if done:
-                        fa._active = [g for g in fa._active if not g.done]
-                        fa._ready += done
-                        fa._cond.notify_all()
+                fa._hand_over_finished()
     finally:  # a stopped run: its groups go back to the queue, so nobody reads these answers
         unread = [rid for future, (rid, _) in pending.items() if not future.done()]
         try:
