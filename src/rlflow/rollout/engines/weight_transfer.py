@@ -52,14 +52,13 @@ import torch
 
 from rlflow.rollout.engines import weight_transfer_gloo
 from rlflow.rollout.engines.errors import ServerError
-from rlflow.rollout.engines.weight_transfer_gloo import GLOO, join, relay, send_buckets, unpack
+from rlflow.rollout.engines.weight_transfer_gloo import GLOO, join, pack, relay, send_buckets, unique_bytes, unpack
 from rlflow.rollout.engines.weights_on_disk import distributed
 
 log = logging.getLogger("rlflow.rollout.weight_transfer")
 
 SHM = "rlflow_shm"
 MODULE = "rlflow.rollout.engines.weight_transfer"
-ALIGN = 64  # every tensor starts on a 64-byte boundary, so a uint8 view can be viewed as any dtype
 
 
 def shm_directory() -> Path:
@@ -230,32 +229,20 @@ def _worker_classes():
             return send_buckets(self, buckets, weight_version, self._send_bucket)
 
         def _send_bucket(self, bucket) -> int:
-            layout, offsets, nbytes = {}, [], 0
-            for _, t in bucket:  # a tied tensor under several names is written once
-                if id(t) not in layout:
-                    layout[id(t)] = nbytes
-                    nbytes += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
             path = shm_directory() / f"rlflow-wt-{os.getpid()}-{uuid.uuid4().hex}"
-            try:
+
+            def mapped(nbytes: int) -> torch.Tensor:  # the bucket's bytes in shared memory, not in this process
                 with open(path, "wb") as f:
-                    f.truncate(max(nbytes, 1))
-                flat = torch.from_file(str(path), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
-                written = set()
-                for _, t in bucket:
-                    offsets.append(layout[id(t)])
-                    if id(t) not in written:
-                        size = t.numel() * t.element_size()
-                        target = flat[layout[id(t)] : layout[id(t)] + size].view(t.dtype).view(t.shape)
-                        target.copy_(t.detach())
-                        written.add(id(t))
+                    f.truncate(nbytes)
+                return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+            try:
+                flat, layout = pack(bucket, mapped)
                 del flat
-                info = {"path": str(path), "nbytes": max(nbytes, 1), "names": [n for n, _ in bucket],
-                        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                        "shapes": [list(t.shape) for _, t in bucket], "offsets": offsets}
-                self.client.update_weights(info)
+                self.client.update_weights({"path": str(path), **layout})
             finally:
                 path.unlink(missing_ok=True)
-            return sum(t.numel() * t.element_size() for t in {id(t): t for _, t in bucket}.values())
+            return unique_bytes(bucket)
 
     return SharedMemoryWeightTransferEngine, SharedMemoryTrainerEngine, SharedMemoryTrainerInitInfo
 
@@ -333,9 +320,7 @@ class BucketSource:
     def set(self, buckets) -> dict[str, float]:
         buckets = list(buckets)
         self.pairs = [pair for bucket in buckets for pair in bucket]
-        unique = {id(t): t for _, t in self.pairs}.values()
-        return {"weight_sync/buckets": float(len(buckets)),
-                "weight_sync/gb": sum(t.numel() * t.element_size() for t in unique) / 1e9}
+        return {"weight_sync/buckets": float(len(buckets)), "weight_sync/gb": unique_bytes(self.pairs) / 1e9}
 
     def metadata(self):
         from vllm.distributed.weight_transfer.base import ParamMeta

@@ -89,14 +89,20 @@ def relay(group, flat: torch.Tensor) -> None:
         work.wait()
 
 
-def pack(bucket) -> tuple[torch.Tensor, dict]:
-    """One bucket (``[(name, tensor), ...]``) -> a flat byte tensor and its layout (the update payload)."""
+def unique_bytes(bucket) -> int:
+    """The bytes of a bucket's tensors, a tensor tied under several names counted once."""
+    return sum(t.numel() * t.element_size() for t in {id(t): t for _, t in bucket}.values())
+
+
+def pack(bucket, alloc=lambda n: torch.empty(n, dtype=torch.uint8)) -> tuple[torch.Tensor, dict]:
+    """One bucket (``[(name, tensor), ...]``) -> a flat byte tensor from ``alloc(nbytes)`` (memory; ``rlflow_shm``
+    maps a file) holding each tensor 64-byte aligned, and its layout (the update payload)."""
     where, nbytes = {}, 0
     for _, t in bucket:  # a tied tensor under several names is sent once
         if id(t) not in where:
             where[id(t)] = nbytes
             nbytes += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    flat = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    flat = alloc(max(nbytes, 1))
     for t in {id(t): t for _, t in bucket}.values():
         start = where[id(t)]
         flat[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t.detach())
@@ -231,8 +237,7 @@ class FleetBroadcast:
                 self.broadcasts, self.sent_bytes = self.broadcasts + 1, self.sent_bytes + flat.numel()
                 totals["weight_sync/buckets"] += 1
                 totals["weight_sync/broadcast_gb"] += flat.numel() / 1e9  # what left the trainer, padding included
-                totals["weight_sync/gb"] += sum(t.numel() * t.element_size()
-                                                for t in {id(t): t for _, t in bucket}.values()) / 1e9
+                totals["weight_sync/gb"] += unique_bytes(bucket) / 1e9
             beside([lambda i=i: self.ask(i, "/finish_weight_update", {"weight_version": version}) for i in ids],
                    lambda: None, "finish")
             beside([lambda i=i: self.ask(i, "/reset_prefix_cache", {}) for i in ids], lambda: None, "reset")
@@ -300,7 +305,7 @@ def _trainer_classes():
         def _send_bucket(self, bucket) -> int:
             flat, layout = pack(bucket)
             beside(lambda: self.client.update_weights(layout), lambda: relay(self.group, flat), "update_weights")
-            return sum(t.numel() * t.element_size() for t in {id(t): t for _, t in bucket}.values())
+            return unique_bytes(bucket)
 
     return GlooTrainerEngine, GlooTrainerInitInfo
 
