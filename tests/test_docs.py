@@ -284,6 +284,7 @@ WORKFLOW1_RUN = (f"trains 10 steps (5-10 minutes on 2 cores; the page's figures)
 NOT_RUN.update({
     ("docs/workflow1.md", "recipes/workflow1/run.sh"): WORKFLOW1_RUN,
     ("docs/workflow1.md", "ROLLOUT=hf recipes/workflow1/run.sh"): WORKFLOW1_RUN,
+    ("README.md", 'pip install -e ".[gguf]" && ROLLOUT=hf recipes/workflow1/run.sh'): WORKFLOW1_RUN,
     ("docs/workflow1.md", "python recipes/workflow1/prepare_data.py --out runs/workflow1/data"):
         f"{WORKFLOW1_TEST}::test_data_script_writes_the_seeds_layout runs the script and checks what it writes",
 })
