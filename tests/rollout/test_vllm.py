@@ -55,7 +55,7 @@ def test_engine_start_leaves_the_host_process_alone(vllm_engine):
 def test_log_probs_equal_the_policys(vllm_engine, vllm_model_dir, options):
     """The sampler's log-probs are log_softmax(logits / T) before top-k/top-p truncation: the policy's."""
     policy, rollout = bound(vllm_model_dir, n=3, max_new_tokens=6, **options)
-    assert rollout.engine is vllm_engine[0]  # one engine for the session
+    assert rollout.engine.llm is vllm_engine[0].llm  # one engine for the session
     batch = policy(rollout(prompts(policy.tokenizer)))
     assert batch.batch_size[0] == 12 and batch[K.GROUP].tolist() == [i for i in range(4) for _ in range(3)]
     mask, pad = batch[K.RESPONSE_MASK], policy.tokenizer.pad_token_id
@@ -169,7 +169,7 @@ def test_trainer_runs_grpo_through_vllm(vllm_engine, vllm_model_dir, tmp_path):
         estimator=GRPO(), loss=PPOLoss(), optim=Optim(lr=1e-2), batching=Batching(batch_size=4),
         loop=Loop(max_steps=2, val_every=2, progress=False), run=RunDir(path=tmp_path, loggers=()),
     )
-    assert trainer.rollout.model is policy.model and trainer.rollout.engine is vllm_engine[0]
+    assert trainer.rollout.model is policy.model and trainer.rollout.engine.llm is vllm_engine[0].llm
     history = trainer.fit(PromptData(train[:16], val=test[:8], seed=0))
     nbytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())
     for metrics in history:
