@@ -391,7 +391,7 @@ class FullyAsyncRollout(RolloutWrapper):
                              ("trajectory_staleness_worst", worst)):
             stats |= {f"training/off_policy/{name}/{how}": float(getattr(values, how)())
                       for how in ("mean", "max", "min")}
-        self.stats = dict(getattr(self.engine, "stats", {}) or {}) | stats | {
+        self.stats = dict(self.engine.stats) | stats | {
             "async/staleness_mean": float(worst.mean()), "async/staleness_max": float(worst.max()),
             "async/partial_frac": float((spans > 1).float().mean()), "async/dropped_groups": float(dropped),
             "async/in_flight_groups": float(in_flight), "async/policy_version": float(self.version),

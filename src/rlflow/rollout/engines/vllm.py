@@ -172,7 +172,7 @@ class VLLMEngine(Engine):
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                              enable_chunked_prefill=enable_chunked_prefill, free_cache_engine=free_cache_engine,
                              seed=seed, weight_transfer=weight_transfer) | engine_kwargs
-        self.shared, self.llm, self.loaded_from = shared, None, None
+        self.shared, self.llm, self.loaded_from, self.pool_key = shared, None, None, None
         if model is not None:
             self.bind(model, tokenizer)
 
@@ -325,10 +325,10 @@ class VLLMEngine(Engine):
     def close(self) -> None:
         """Shut the engine down. In a multi-process run vLLM shares the trainer's process group, which its
         shutdown would destroy: there the engine is only dropped."""
-        llm, self.llm = getattr(self, "llm", None), None
+        llm, self.llm = self.llm, None
         if llm is None:
             return
-        _POOL.pop(getattr(self, "pool_key", None), None)
+        _POOL.pop(self.pool_key, None)
         if self.folder is not None and writes_checkpoints():
             shutil.rmtree(self.folder, ignore_errors=True)
         shares_world = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
