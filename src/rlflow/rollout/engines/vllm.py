@@ -355,13 +355,6 @@ def pool_key(model: nn.Module, tokenizer, settings: dict) -> str:
                       default=str)
 
 
-def shared_engine(model: nn.Module, tokenizer, **options) -> VLLMEngine:
-    """The process's engine for ``model``'s config and these options, started on first use."""
-    engine = VLLMEngine(shared=True, **options)
-    engine.bind(model, tokenizer)
-    return engine
-
-
 @atexit.register
 def _close_all() -> None:
     for engine in list(_POOL.values()):
