@@ -197,7 +197,8 @@ class GreedyBaseline(BatchModule):
 
     @property
     def in_keys(self) -> tuple[str, ...]:
-        produced = set(self.rollout.out_keys if self.rollout is not None else ())  # both None until the stream fills them
+        # rollout and reward are None until the experience stream fills them in
+        produced = set(self.rollout.out_keys if self.rollout is not None else ())
         extra = tuple(k for k in (self.reward.in_keys if self.reward is not None else ()) if k not in produced)
         return tuple(dict.fromkeys((PROMPT_IDS, PROMPT_MASK, GROUP) + extra))
 

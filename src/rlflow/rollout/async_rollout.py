@@ -156,7 +156,7 @@ class AsyncRollout(RolloutWrapper):
             self.engine = ProcessEngine(EngineFactory(self.rollout), model, tokenizer, slots=self.max_staleness + 1,
                                         uses_process_group=self.rollout.holds_own_weights, timeout=self.timeout,
                                         **self.process_options)
-        self.rollout.sample_with(self.engine, model, tokenizer)  # validation copies (with_options) sample through it too
+        self.rollout.sample_with(self.engine, model, tokenizer)  # validation copies (with_options) use it too
         self.engine.loaded_from = model
         self.version, self.restored = 0, False
         self.in_flight.clear()

@@ -1,5 +1,5 @@
-"""ServerRollout: the single-turn rollout sampling from an OpenAI-compatible server: ``SingleTurnRollout(ServerEngine(url))``
-with the engine's options among its own.
+"""ServerRollout: the single-turn rollout sampling from an OpenAI-compatible server:
+``SingleTurnRollout(ServerEngine(url))`` with the engine's options among its own.
 
 ``ServerRollout(url)`` talks to a server that is already running (vLLM's OpenAI server, SGLang, ...);
 ``ServerRollout(url, launch="command ...")`` starts it at ``bind``, waits until it answers, and stops it when the

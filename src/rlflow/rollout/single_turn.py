@@ -93,8 +93,8 @@ class SingleTurnRollout(BatchModule):
             raise TypeError("SingleTurnRollout: give the sampling options either as sampling=SamplingParams(...) "
                             "or as keywords (n=..., temperature=...), not both")
         if engine is not None and not isinstance(engine, Engine):
-            raise TypeError(f"engine ({type(engine).__name__}) is not an rlflow.rollout.engines.Engine: subclass it and "
-                            "write generate (and bind, load_weights as needed); the base gives the rest its default")
+            raise TypeError(f"engine ({type(engine).__name__}) is not an rlflow.rollout.engines.Engine: subclass "
+                            "it and write generate (and bind, load_weights as needed); the base gives the rest")
         self.engine = engine
         self.sampling = sampling or options
         self.params  # an engine that cannot honour the options is refused now, not at the first rollout

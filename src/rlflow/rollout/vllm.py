@@ -18,9 +18,9 @@ class VLLMRollout(SingleTurnRollout):
     Same contract as :class:`~rlflow.rollout.hf.HFRollout` (left-padded prompts in; responses, mask, the
     sampler's log-probs, group ids and text out). ``bind(model, tokenizer)`` (the Trainer calls it) starts the
     engine from the model's config (one engine per model shape and options per process, shared by rollouts
-    bound to models of that shape: ``VLLMEngine(shared=True)``) and loads the model's weights into it; ``sync_weights`` sends every
-    update, gathered bucket by bucket (FSDP2 shards too), then resets vLLM's prefix cache. The engine holds
-    its own weights, so the Trainer never copies a sharded model for it.
+    bound to models of that shape: ``VLLMEngine(shared=True)``) and loads the model's weights into it;
+    ``sync_weights`` sends every update, gathered bucket by bucket (FSDP2 shards too), then resets vLLM's prefix
+    cache. The engine holds its own weights, so the Trainer never copies a sharded model for it.
 
     Args:
         n, temperature, top_p, top_k, max_new_tokens, do_sample, seed, stop_token_ids, bucket_bytes: as ``HFRollout``.

@@ -160,7 +160,7 @@ class AgentLoop(RolloutWrapper):
         if self._chat is None or self._chat.tokenizer is not self.tokenizer:
             schemas = [t.schema for t in self.tools.values()]
             self._chat = ChatFormat(self.tokenizer, schemas, self.template_kwargs)
-            self.parser.bind(self.tokenizer, schemas)  # vLLM's parsers read the tokenizer's special tokens and the tools
+            self.parser.bind(self.tokenizer, schemas)  # vLLM's parsers read the special tokens and the tools
         return self._chat
 
     # ------------------------------------------------------------------ the rollout
