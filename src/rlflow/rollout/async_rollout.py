@@ -82,15 +82,16 @@ class AsyncRollout(RolloutWrapper):
     """Runs a single-turn rollout's engine beside the trainer, up to ``max_staleness`` batches ahead.
 
     Args:
-        rollout: the rollout whose engine samples (``HFRollout``, ``VLLMRollout``, ``ServerRollout``, or a
-            ``SingleTurnRollout`` with an engine); its sampling options and batch layout are used as they are.
+        rollout: the single-turn rollout whose engine samples (``HFRollout``, ``VLLMRollout``, ``ServerRollout``, or a
+            ``SingleTurnRollout`` with any engine: a copy of it is bound in the child process); its sampling options
+            and batch layout are used as they are.
         max_staleness: batches generated ahead of training, which is also the most versions a sample may lag
             the policy it trains (``0``: synchronous, in the engine's process; ``1``: one-step-off).
         placement: ``"process"`` runs the engine in a child process
             (:class:`~rlflow.rollout.engines.process.ProcessEngine`); ``"thread"`` drives an engine that
             already runs elsewhere from a background thread (a server:
             :class:`~rlflow.rollout.engines.threaded.ThreadedEngine`); ``"auto"`` picks ``"thread"`` for
-            server rollouts and ``"process"`` otherwise.
+            an engine that samples elsewhere (``engine.remote``: a server) and ``"process"`` otherwise.
         start_method, threads: for the child process (see ``ProcessEngine``; default fork, one thread).
         timeout: seconds a batch may take before the run fails (a child that stops answering).
         max_engine_restarts: times a child process that died is started again in the run, with the newest
