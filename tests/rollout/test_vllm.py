@@ -50,6 +50,27 @@ def test_engine_start_leaves_the_host_process_alone(vllm_engine):
 
 
 @requires_vllm
+def test_an_engine_built_without_a_model_joins_the_running_one_at_bind(vllm_engine, vllm_model_dir):
+    """VLLMEngine(...) holds options only; bind starts vLLM or, shared, joins the process's engine for the model's
+    config and options: the same vLLM, sampling what the session's engine samples (seeded)."""
+    from rlflow.rollout.engines import SamplingParams, VLLMEngine
+
+    policy = Policy.from_pretrained(vllm_model_dir)
+    options = {k: v for k, v in ENGINE_OPTIONS.items() if k != "engine_seed"}
+    late = VLLMEngine(shared=True, seed=ENGINE_OPTIONS["engine_seed"], free_cache_engine=True, **options)
+    with pytest.raises(RuntimeError, match="VLLMEngine has not started"):
+        late.generate([[1, 2]], SamplingParams())
+    late.bind(policy.model, policy.tokenizer)
+    assert late.llm is vllm_engine[0].llm
+    late.load_weights([list(policy.model.named_parameters())])  # the session's engine may hold another model's
+    late.loaded_from = policy.model  # as a rollout's sync_weights records it (the engine is shared)
+    ids = [policy.tokenizer(t)["input_ids"] for t in PROMPTS]
+    params = SamplingParams(n=2, max_new_tokens=5, seed=3)
+    a, b = late.generate(ids, params), vllm_engine[0].generate(ids, params)
+    assert [[c.token_ids for c in per] for per in a] == [[c.token_ids for c in per] for per in b]
+
+
+@requires_vllm
 @pytest.mark.parametrize("options", [dict(temperature=1.0), dict(temperature=0.6, top_k=7, top_p=0.8),
                                      dict(do_sample=False)], ids=["T1", "T0.6-topk-topp", "greedy"])
 def test_log_probs_equal_the_policys(vllm_engine, vllm_model_dir, options):
