@@ -367,6 +367,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/experience.md", "from rlflow import GRPO, Batching, FunctionReward, HFRollout, Loop, PPOLoss, RunDir, Trainer"): [],
     ("docs/metrics.md", "from rlflow import GRPO, PPOLoss"): ELIDED_TRAINER,
     ("docs/rollout-engines.md", "from rlflow.rollout import ServerRollout"): [],  # connects only at bind
+    ("docs/rollout-engines.md", "import copy"): [],
     ("docs/performance.md", "policy = Policy(model, tokenizer, remove_padding=True)"): [],
     ("docs/rewards.md", "from rlflow import FunctionReward"): [],
     ("docs/rewards.md", "from rlflow.rewards import CombinedReward"): [],

@@ -11,7 +11,8 @@ reward's ``stats``, a rollout's ``close``). They are read through :func:`optiona
 written here once instead of as a ``getattr(x, "name", default)`` at each place that reads it.
 
 The engine under a single-turn rollout (:class:`Engine`) is bound late, inside ``rollout.bind``; its Protocol is
-written here for engine authors and is not checked by the Trainer.
+written here for engine authors, who subclass :class:`rlflow.rollout.engines.Engine` (a single-turn rollout
+refuses anything else when it is built: the base class gives the optional members their defaults).
 """
 
 from __future__ import annotations
@@ -102,11 +103,15 @@ class Policy(Role, Protocol):
 
 @runtime_checkable
 class Engine(Protocol):
-    """What a single-turn rollout samples with (``rlflow.rollout.engines``: HF, vLLM, a server): ``generate`` the
-    completions of prompt token ids, ``load_weights`` after an update when it ``holds_own_weights``. Optional:
-    ``stats``, ``loaded_from`` (the model whose weights it holds)."""
+    """What a single-turn rollout samples with (``rlflow.rollout.engines``: HF, vLLM, a server, or your own): built
+    without a model, ``bind(model, tokenizer)`` by the rollout's ``bind``; ``generate`` the completions of prompt
+    token ids; ``load_weights`` after an update when it ``holds_own_weights``. Subclassing
+    :class:`rlflow.rollout.engines.Engine` gives every other member the rollout reads a default (``stats``,
+    ``loaded_from``, ``module``, ``accepts_images``, ``supports_ignore_eos``, ``remote``, ``generate_tensors``)."""
 
     holds_own_weights: bool
+
+    def bind(self, model, tokenizer) -> None: ...
 
     def generate(self, prompts, params): ...
 
@@ -118,7 +123,6 @@ OPTIONAL: dict[type, dict[str, Any]] = {
     Rollout: {"stats": EMPTY, "close": None, "stream": None, "in_flight": ()},
     Reward: {"stats": EMPTY, "extras": EMPTY},
     AdvantageEstimator: {"stats": EMPTY},
-    Engine: {"stats": EMPTY, "loaded_from": None},
 }
 
 

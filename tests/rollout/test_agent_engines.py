@@ -51,9 +51,10 @@ def test_agent_loop_over_in_process_vllm(vllm_engine, vllm_model_dir):
     from rlflow.rollout import VLLMRollout
 
     policy = Policy.from_pretrained(vllm_model_dir)
-    rollout = VLLMRollout(n=2, max_new_tokens=16, **ENGINE_OPTIONS)
+    # seeded: the session's engine is shared, so unseeded samples would depend on the tests that ran before
+    rollout = VLLMRollout(n=2, max_new_tokens=16, seed=1, **ENGINE_OPTIONS)
     rollout.bind(policy.model, policy.tokenizer)
-    assert rollout.engine is vllm_engine[0]
+    assert rollout.engine.llm is vllm_engine[0].llm
     loop, out = run_loop(rollout, policy)
     assert loop.stats["agent/tool_calls/mean"] >= 1 and out.batch_size[0] == 6
 

@@ -246,7 +246,7 @@ def test_a_dead_generation_process_past_max_engine_restarts_fails_the_run_with_a
         # hanging, not a performance figure (measured 0.05 s)
         assert time.monotonic() - kill.at < 30
         message = str(e.value)
-        assert "HFRollout.make_engine" in message and "max_engine_restarts=0" in message
+        assert "HFRollout's HFEngine" in message and "max_engine_restarts=0" in message
         assert "memory" in message and "dmesg" in message and "log" in message
     finally:
         rollout.close()

@@ -57,8 +57,9 @@ def test_seeded_sampling_repeats_and_leaves_the_global_stream_alone(model, token
 
 
 def test_single_turn_rollout_over_an_engine_equals_hf_rollout(model, tokenizer):
-    """The generic rollout with an HFEngine passed in samples what HFRollout samples (same RNG stream)."""
-    generic = SingleTurnRollout(HFEngine(model, tokenizer), n=2, temperature=0.8, max_new_tokens=5)
+    """The generic rollout with an HFEngine passed in, built without the model and bound by the rollout's bind,
+    samples what HFRollout samples (same RNG stream)."""
+    generic = SingleTurnRollout(HFEngine(), n=2, temperature=0.8, max_new_tokens=5)
     generic.bind(model, tokenizer)
     hf = HFRollout(n=2, temperature=0.8, max_new_tokens=5)
     hf.bind(model, tokenizer)

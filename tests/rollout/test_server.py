@@ -117,7 +117,7 @@ def test_retries_neither_lose_nor_duplicate_samples(vllm_server, vllm_model_dir)
 def test_an_unreachable_server_is_named():
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(ServerError, match=f"cannot reach the server at {url}"):
-        ServerEngine(url, retries=1, backoff=0.01)
+        ServerEngine(url, retries=1, backoff=0.01).bind(None, None)  # built without contacting it; bind asks
 
 
 @requires_vllm

@@ -220,7 +220,7 @@ def test_fleet_urls_and_launch_commands_are_checked():
     assert ServerRollout(["http://a:1", "http://b:2"]).urls == ["http://a:1", "http://b:2"]
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerError, match=f"cannot reach the server at {url}"):
-        ServerRollout(f"{url},{url}", retries=0).make_engine(None, type("T", (), {"eos_token_id": 0})())
+        ServerRollout(f"{url},{url}", retries=0).bind(None, type("T", (), {"eos_token_id": 0})())
 
 
 def test_server_url_takes_a_list_of_servers():

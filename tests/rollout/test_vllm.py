@@ -50,12 +50,33 @@ def test_engine_start_leaves_the_host_process_alone(vllm_engine):
 
 
 @requires_vllm
+def test_an_engine_built_without_a_model_joins_the_running_one_at_bind(vllm_engine, vllm_model_dir):
+    """VLLMEngine(...) holds options only; bind starts vLLM or, shared, joins the process's engine for the model's
+    config and options: the same vLLM, sampling what the session's engine samples (seeded)."""
+    from rlflow.rollout.engines import SamplingParams, VLLMEngine
+
+    policy = Policy.from_pretrained(vllm_model_dir)
+    options = {k: v for k, v in ENGINE_OPTIONS.items() if k != "engine_seed"}
+    late = VLLMEngine(shared=True, seed=ENGINE_OPTIONS["engine_seed"], free_cache_engine=True, **options)
+    with pytest.raises(RuntimeError, match="VLLMEngine has not started"):
+        late.generate([[1, 2]], SamplingParams())
+    late.bind(policy.model, policy.tokenizer)
+    assert late.llm is vllm_engine[0].llm
+    late.load_weights([list(policy.model.named_parameters())])  # the session's engine may hold another model's
+    late.loaded_from = policy.model  # as a rollout's sync_weights records it (the engine is shared)
+    ids = [policy.tokenizer(t)["input_ids"] for t in PROMPTS]
+    params = SamplingParams(n=2, max_new_tokens=5, seed=3)
+    a, b = late.generate(ids, params), vllm_engine[0].generate(ids, params)
+    assert [[c.token_ids for c in per] for per in a] == [[c.token_ids for c in per] for per in b]
+
+
+@requires_vllm
 @pytest.mark.parametrize("options", [dict(temperature=1.0), dict(temperature=0.6, top_k=7, top_p=0.8),
                                      dict(do_sample=False)], ids=["T1", "T0.6-topk-topp", "greedy"])
 def test_log_probs_equal_the_policys(vllm_engine, vllm_model_dir, options):
     """The sampler's log-probs are log_softmax(logits / T) before top-k/top-p truncation: the policy's."""
     policy, rollout = bound(vllm_model_dir, n=3, max_new_tokens=6, **options)
-    assert rollout.engine is vllm_engine[0]  # one engine for the session
+    assert rollout.engine.llm is vllm_engine[0].llm  # one engine for the session
     batch = policy(rollout(prompts(policy.tokenizer)))
     assert batch.batch_size[0] == 12 and batch[K.GROUP].tolist() == [i for i in range(4) for _ in range(3)]
     mask, pad = batch[K.RESPONSE_MASK], policy.tokenizer.pad_token_id
@@ -169,7 +190,7 @@ def test_trainer_runs_grpo_through_vllm(vllm_engine, vllm_model_dir, tmp_path):
         estimator=GRPO(), loss=PPOLoss(), optim=Optim(lr=1e-2), batching=Batching(batch_size=4),
         loop=Loop(max_steps=2, val_every=2, progress=False), run=RunDir(path=tmp_path, loggers=()),
     )
-    assert trainer.rollout.model is policy.model and trainer.rollout.engine is vllm_engine[0]
+    assert trainer.rollout.model is policy.model and trainer.rollout.engine.llm is vllm_engine[0].llm
     history = trainer.fit(PromptData(train[:16], val=test[:8], seed=0))
     nbytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())
     for metrics in history:

@@ -113,7 +113,7 @@ def test_enable_prefix_caching_reaches_the_engine_and_the_server_command(vllm_en
     base = ["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"{R}.name=vllm"]
     on, off = (make_plan(load_config(base + extra)) for extra in ([], [f"{R}.enable_prefix_caching=false"]))
     assert on.rollout_kwargs["enable_prefix_caching"] is True and off.rollout_kwargs["enable_prefix_caching"] is False
-    assert VLLMRollout(**off.rollout_kwargs).engine_options["enable_prefix_caching"] is False
+    assert VLLMRollout(**off.rollout_kwargs).engine.settings["enable_prefix_caching"] is False
     engine = vllm_engine[0]  # started with VLLMRollout's default, which is verl's
     assert engine.options["enable_prefix_caching"] is True
     assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
@@ -150,7 +150,7 @@ def test_grpo_vllm_recipe_trains(vllm_engine, tmp_path, monkeypatch):
         "trainer.loggers=[console]", f"trainer.run_dir={tmp_path}/run"]))
     assert plan.rollout_cls.__name__ == "VLLMRollout" and plan.rollout_kwargs["enforce_eager"] is True
     trainer, data = build_trainer(plan)
-    assert trainer.rollout.engine is vllm_engine[0]  # same model shape and options: the session's engine
+    assert trainer.rollout.engine.llm is vllm_engine[0].llm  # same model shape and options: the session's engine
     history = trainer.fit(data)
     assert len(history) == 1 and history[0]["weight_sync/gb"] > 0
     assert any(k.startswith("val-core/rlflow/addition/") for k in history[-1])

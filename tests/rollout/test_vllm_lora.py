@@ -36,7 +36,7 @@ def test_lora_updates_reach_vllm_as_merged_weights(vllm_engine, vllm_model_dir, 
         estimator=GRPO(), loss=PPOLoss(kl_coef=0.1), optim=Optim(lr=3e-2), batching=Batching(batch_size=4),
         loop=Loop(max_steps=2, progress=False), run=RunDir(path=tmp_path, loggers=()),
     )
-    assert trainer.rollout.engine is vllm_engine[0] and trainer.rollout.model is policy.model
+    assert trainer.rollout.engine.llm is vllm_engine[0].llm and trainer.rollout.model is policy.model
     history = trainer.fit(PromptData(train[:16], seed=0))
     base = Policy.from_pretrained(vllm_model_dir)
     adapted = sum(p.numel() * p.element_size() for n, p in base.model.named_parameters()

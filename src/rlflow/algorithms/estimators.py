@@ -197,8 +197,9 @@ class GreedyBaseline(BatchModule):
 
     @property
     def in_keys(self) -> tuple[str, ...]:
-        produced = set(getattr(self.rollout, "out_keys", ()))
-        extra = tuple(k for k in getattr(self.reward, "in_keys", ()) if k not in produced)
+        # rollout and reward are None until the experience stream fills them in
+        produced = set(self.rollout.out_keys if self.rollout is not None else ())
+        extra = tuple(k for k in (self.reward.in_keys if self.reward is not None else ()) if k not in produced)
         return tuple(dict.fromkeys((PROMPT_IDS, PROMPT_MASK, GROUP) + extra))
 
     @torch.no_grad()

@@ -108,7 +108,7 @@ class CombinedReward(Reward):
             total = total + weight * scores[i]
             self._log_part(name, part, scores[i])
             self.extras[name] = scores[i].tolist()
-            for key, values in getattr(part, "extras", {}).items():
+            for key, values in roles.optional(part, roles.Reward, "extras").items():
                 self.extras[f"{name}/{key}"] = values
                 key_owners[key].append(name)
         for key, owners in key_owners.items():
@@ -124,7 +124,7 @@ class CombinedReward(Reward):
         if scores.numel():
             self.stats |= {f"reward/{name}/mean": scores.mean().item(), f"reward/{name}/min": scores.min().item(),
                            f"reward/{name}/max": scores.max().item()}
-        for key, value in getattr(part, "stats", {}).items():
+        for key, value in roles.optional(part, roles.Reward, "stats").items():
             self.stats[f"reward/{name}/{key.removeprefix('reward/')}"] = value
             if key in COUNTERS:
                 self.stats[key] = self.stats.get(key, 0.0) + value
@@ -171,7 +171,7 @@ class WithRMScore(Reward):
             self.stats |= {f"reward/{name}/mean": rm.mean().item(), f"reward/{name}/min": rm.min().item(),
                            f"reward/{name}/max": rm.max().item()}
         for part in (self.model, self.reward):
-            for key, value in getattr(part, "stats", {}).items():
+            for key, value in roles.optional(part, roles.Reward, "stats").items():
                 self.stats[key] = self.stats.get(key, 0.0) + value if key in COUNTERS else value
         self.extras |= roles.optional(self.reward, roles.Reward, "extras")
         self.extras["rm_score"] = rm.tolist()

@@ -39,7 +39,7 @@ from rlflow.models.policy import lora_module
 from rlflow.rollout.engines.base import hf_weight_buckets
 from rlflow.rollout.engines.process import ProcessEngine
 from rlflow.rollout.engines.threaded import ThreadedEngine
-from rlflow.rollout.single_turn import unpadded
+from rlflow.rollout.single_turn import SingleTurnRollout, unpadded
 from rlflow.rollout.wrapper import RolloutWrapper
 
 PLACEMENTS = ("auto", "process", "thread")
@@ -54,30 +54,44 @@ class _Job:
 
 
 class EngineFactory:
-    """``rollout.make_engine`` as it is at bind time, for the child process: a child started again after one
-    died (forked mid-run) must not see the rollout's engine, which by then is the ProcessEngine itself."""
+    """``(model, tokenizer) -> engine`` for the child process: a copy of the rollout's engine as it is at bind time,
+    bound there to the child's model. A child started again after one died (forked mid-run) must not see the
+    rollout's engine, which by then is the ProcessEngine itself."""
 
-    def __init__(self, rollout):
-        self.rollout = copy.copy(rollout)
-        self.__qualname__ = f"{type(rollout).__name__}.make_engine"  # how an engine failure names it
+    def __init__(self, rollout: SingleTurnRollout):
+        self.engine = copy.copy(rollout.engine)
+        self.__qualname__ = f"{type(rollout).__name__}'s {type(rollout.engine).__name__}"  # how a failure names it
 
     def __call__(self, model, tokenizer):
-        return self.rollout.make_engine(model, tokenizer)
+        engine = copy.copy(self.engine)
+        engine.bind(model, tokenizer)
+        return engine
+
+
+def single_turn(rollout, wrapper: str) -> SingleTurnRollout:
+    """``rollout`` if it is a single-turn rollout (whose engine a wrapper can run elsewhere), else a TypeError."""
+    if not isinstance(rollout, SingleTurnRollout):
+        raise TypeError(f"{wrapper} runs a single-turn rollout's engine (HFRollout, VLLMRollout, ServerRollout, "
+                        f"SingleTurnRollout): {type(rollout).__name__} is not one")
+    if rollout.engine is None:
+        raise TypeError(f"{wrapper}: {type(rollout).__name__} has no engine (SingleTurnRollout(engine, ...))")
+    return rollout
 
 
 class AsyncRollout(RolloutWrapper):
     """Runs a single-turn rollout's engine beside the trainer, up to ``max_staleness`` batches ahead.
 
     Args:
-        rollout: the rollout whose engine samples (``HFRollout``, ``VLLMRollout``, ``ServerRollout``, or a
-            ``SingleTurnRollout`` with an engine); its sampling options and batch layout are used as they are.
+        rollout: the single-turn rollout whose engine samples (``HFRollout``, ``VLLMRollout``, ``ServerRollout``, or a
+            ``SingleTurnRollout`` with any engine: a copy of it is bound in the child process); its sampling options
+            and batch layout are used as they are.
         max_staleness: batches generated ahead of training, which is also the most versions a sample may lag
             the policy it trains (``0``: synchronous, in the engine's process; ``1``: one-step-off).
         placement: ``"process"`` runs the engine in a child process
             (:class:`~rlflow.rollout.engines.process.ProcessEngine`); ``"thread"`` drives an engine that
             already runs elsewhere from a background thread (a server:
             :class:`~rlflow.rollout.engines.threaded.ThreadedEngine`); ``"auto"`` picks ``"thread"`` for
-            server rollouts and ``"process"`` otherwise.
+            an engine that samples elsewhere (``engine.remote``: a server) and ``"process"`` otherwise.
         start_method, threads: for the child process (see ``ProcessEngine``; default fork, one thread).
         timeout: seconds a batch may take before the run fails (a child that stops answering).
         max_engine_restarts: times a child process that died is started again in the run, with the newest
@@ -103,17 +117,13 @@ class AsyncRollout(RolloutWrapper):
             raise ValueError(f"max_staleness must be an integer >= 0 (batches generated ahead), got {max_staleness!r}")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-        for needed in ("make_engine", "samples", "params", "bucket_bytes"):
-            if not hasattr(rollout, needed):
-                raise TypeError(f"AsyncRollout runs a single-turn rollout's engine (HFRollout, VLLMRollout, "
-                                f"ServerRollout, SingleTurnRollout): {type(rollout).__name__} has no {needed}")
-        super().__init__(rollout)
+        super().__init__(single_turn(rollout, "AsyncRollout"))
         self.out_keys = tuple(rollout.out_keys) + (K.POLICY_VERSION,)
         self.max_staleness, self.timeout = max_staleness, timeout
         self.placement = placement if placement != "auto" else (
-            "thread" if getattr(rollout, "remote_engine", False) else "process")
+            "thread" if rollout.engine.remote else "process")
         self.process_options = {"start_method": start_method, "threads": threads, "max_restarts": max_engine_restarts}
-        self.given_engine = rollout.engine  # what make_engine returns in the child when the user passed one
+        self.given_engine = rollout.engine  # the rollout's own, bound in the child (a copy) or here (a server)
         self.engine: ProcessEngine | ThreadedEngine | None = None
         self.version = 0
         self.in_flight: deque[_Job] = deque()
@@ -136,7 +146,6 @@ class AsyncRollout(RolloutWrapper):
                                       f"now; {type(self.rollout).__name__} needs merged weights, which its "
                                       "synchronous form sends: use it without AsyncRollout")
         self._close_engine()
-        self.rollout.engine = self.given_engine
         if self.placement == "thread":
             self.rollout.bind(model, tokenizer)
             if not self.rollout.holds_own_weights:  # it would sample with the module being trained, mid-update
@@ -148,8 +157,7 @@ class AsyncRollout(RolloutWrapper):
             self.engine = ProcessEngine(EngineFactory(self.rollout), model, tokenizer, slots=self.max_staleness + 1,
                                         uses_process_group=self.rollout.holds_own_weights, timeout=self.timeout,
                                         **self.process_options)
-            self.rollout.model, self.rollout.tokenizer = model, tokenizer
-        self.rollout.engine = self.engine  # validation copies (with_options) sample through it too, in order
+        self.rollout.sample_with(self.engine, model, tokenizer)  # validation copies (with_options) use it too
         self.engine.loaded_from = model
         self.version, self.restored = 0, False
         self.in_flight.clear()
@@ -163,14 +171,13 @@ class AsyncRollout(RolloutWrapper):
     def close(self) -> None:
         """Stop the engine (its process or thread), and a server the wrapped rollout started."""
         self._close_engine()
-        if hasattr(self.rollout, "close"):
-            self.rollout.close()
+        self.rollout.close()
 
     def _close_engine(self) -> None:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-            self.rollout.engine = self.given_engine
+            self.rollout.sample_with(self.given_engine, self.rollout.model, self.rollout.tokenizer)
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, trained) -> dict[str, float]:
@@ -252,7 +259,7 @@ class AsyncRollout(RolloutWrapper):
         samples[K.POLICY_VERSION] = versions.to(batch[K.PROMPT_IDS].device)
         staleness = (self.version - versions).float()
         over = float(stale > self.max_staleness)
-        self.stats = dict(getattr(self.engine, "stats", {})) | {
+        self.stats = dict(self.engine.stats) | {
             "async/staleness_mean": float(staleness.mean()), "async/staleness_max": float(staleness.max()),
             "async/over_bound_frac": over, "async/regenerated_samples": over * len(versions),
             "async/mispredicted_batches": 0.0, "async/policy_version": float(self.version),
@@ -263,7 +270,7 @@ class AsyncRollout(RolloutWrapper):
 
     def _submit(self, batch: TensorDict) -> _Job:
         ids, mask = batch[K.PROMPT_IDS].cpu(), batch[K.PROMPT_MASK].cpu()
-        return _Job(self.engine.submit(unpadded(ids, mask), self.rollout.params), batch)
+        return _Job(self.engine.submit(unpadded(ids, mask), self.rollout.sampling), batch)
 
     def _drop_in_flight(self) -> None:
         while self.in_flight:

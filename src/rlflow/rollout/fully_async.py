@@ -59,9 +59,8 @@ from tensordict import TensorDict
 
 from rlflow.data import keys as K
 from rlflow.data.nontensor import per_row, stack
-from rlflow.rollout.async_rollout import PLACEMENTS
+from rlflow.rollout.async_rollout import PLACEMENTS, EngineFactory, single_turn
 from rlflow.rollout.engines.base import Completion, SamplingParams, hf_weight_buckets
-from rlflow.rollout.async_rollout import EngineFactory
 from rlflow.rollout.engines.process import EngineProcessError, ProcessEngine
 from rlflow.rollout.kept import drive_kept, keeps_requests
 from rlflow.rollout.single_turn import unpadded
@@ -170,17 +169,13 @@ class FullyAsyncRollout(RolloutWrapper):
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        for needed in ("make_engine", "samples", "params", "bucket_bytes"):
-            if not hasattr(rollout, needed):
-                raise TypeError(f"FullyAsyncRollout runs a single-turn rollout's engine (HFRollout, VLLMRollout, "
-                                f"ServerRollout, SingleTurnRollout): {type(rollout).__name__} has no {needed}")
-        super().__init__(rollout)
+        super().__init__(single_turn(rollout, "FullyAsyncRollout"))
         self.out_keys = tuple(rollout.out_keys) + (K.POLICY_VERSION, K.POLICY_VERSION_MAX, K.TOKEN_POLICY_VERSION)
         self.threshold, self.strategy = threshold, max_off_policy_strategy
         self.num_warmup_batches, self.chunk_tokens, self.timeout = num_warmup_batches, chunk_tokens, timeout
         self.pause_mode, self.partial_path = pause_mode, None  # "keep" or "chunks" once bound
         self.placement = placement if placement != "auto" else (
-            "thread" if getattr(rollout, "remote_engine", False) else "process")
+            "thread" if rollout.engine.remote else "process")
         # no restarts: a dead process would be forked again from the driver thread, and a fork beside other threads
         # can deadlock in the child (seen: a hung suite); the first death stops the run, naming the process
         self.process_options = {"start_method": start_method, "threads": threads, "max_restarts": 0}
@@ -244,8 +239,7 @@ class FullyAsyncRollout(RolloutWrapper):
     def close(self) -> None:
         """Stop the driver and the engine (and a server the wrapped rollout started)."""
         self.close_engine()
-        if hasattr(self.rollout, "close"):
-            self.rollout.close()
+        self.rollout.close()
 
     def close_engine(self) -> None:
         self._stop_driver()
@@ -397,7 +391,7 @@ class FullyAsyncRollout(RolloutWrapper):
                              ("trajectory_staleness_worst", worst)):
             stats |= {f"training/off_policy/{name}/{how}": float(getattr(values, how)())
                       for how in ("mean", "max", "min")}
-        self.stats = dict(getattr(self.engine, "stats", {}) or {}) | stats | {
+        self.stats = dict(self.engine.stats) | stats | {
             "async/staleness_mean": float(worst.mean()), "async/staleness_max": float(worst.max()),
             "async/partial_frac": float((spans > 1).float().mean()), "async/dropped_groups": float(dropped),
             "async/in_flight_groups": float(in_flight), "async/policy_version": float(self.version),
@@ -468,7 +462,7 @@ class FullyAsyncRollout(RolloutWrapper):
 
     def _drive_chunks(self) -> None:
         """Load pushed weights between chunks, admit prompts as the pacing allows, generate one chunk, repeat."""
-        params = self.rollout.params
+        params = self.rollout.sampling
         while True:
             with self._cond:
                 while not self._stopping and self._weights is None and not self._active and not (

@@ -1,4 +1,5 @@
-"""HFRollout: the single-turn rollout sampling with transformers' ``generate`` (:class:`HFEngine`)."""
+"""HFRollout: the single-turn rollout sampling with transformers' ``generate``: ``SingleTurnRollout(HFEngine(...))``
+with the engine's options among its own."""
 
 from __future__ import annotations
 
@@ -34,11 +35,7 @@ class HFRollout(SingleTurnRollout):
                  max_new_tokens: int = 512, do_sample: bool = True, seed: int | None = None,
                  stop_token_ids: tuple[int, ...] = (), bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  cache_implementation: str | None = None, compile: bool = False, ignore_eos: bool = False):
-        self.ignore_eos = ignore_eos  # EOS ends nothing: every response runs to max_new_tokens (or a stop token)
-        super().__init__(None, n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                         do_sample=do_sample, seed=seed, stop_token_ids=stop_token_ids,
+        super().__init__(HFEngine(cache_implementation=cache_implementation, compile=compile), n,
+                         temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                         do_sample=do_sample, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                          bucket_bytes=bucket_bytes)
-        self.cache_implementation, self.compile = cache_implementation, compile  # see HFEngine
-
-    def make_engine(self, model, tokenizer) -> HFEngine:
-        return HFEngine(model, tokenizer, cache_implementation=self.cache_implementation, compile=self.compile)

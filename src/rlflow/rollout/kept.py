@@ -19,17 +19,14 @@ import dataclasses
 
 def keeps_requests(engine) -> str | None:
     """Why ``engine`` cannot keep requests across a weight update (``None``: it can)."""
-    probe = getattr(engine, "keep_unavailable", None)
-    if probe is None:
-        return f"{type(engine).__name__} cannot pause with its requests kept (vLLM's pause_generation(mode='keep'))"
-    return probe()
+    return engine.keep_unavailable()
 
 
 def drive_kept(fa) -> None:
     """The driver loop of ``fa`` (a FullyAsyncRollout, its state under ``fa._cond``): admit groups as the
     pacing allows and send each as one request, load pushed weights with the requests kept, and move every
     group whose request answered to the complete ones. Returns when ``fa`` stops; raises what a request raised."""
-    engine, params = fa.engine, fa.rollout.params
+    engine, params = fa.engine, fa.rollout.sampling
     engine.label_version(fa._engine_version)  # so the first tokens are labelled with rlflow's version
     pending: dict = {}  # future -> (request id, group)
 

@@ -2,13 +2,15 @@
 
 It does what every single-turn rollout does whatever samples the tokens: strip the prompts' left padding,
 ask the engine for ``n`` completions per prompt, and lay them out as right-padded tensors with their mask,
-the sampler's log-probs, group ids and decoded text. ``HFRollout``, ``VLLMRollout`` and ``ServerRollout``
-are this class with an engine chosen for them.
+the sampler's log-probs, group ids and decoded text. The engine is built without a model and bound to the
+trained one in :meth:`SingleTurnRollout.bind`, so one rollout class serves every engine: ``HFRollout``,
+``VLLMRollout`` and ``ServerRollout`` are this class with an engine built for them from their options.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 
 import torch
@@ -20,7 +22,19 @@ from rlflow.module import BatchModule
 from rlflow.rollout.engines.base import Completion, Engine, MultiModalPrompt, SamplingParams
 from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES, update_buckets
 
-SAMPLING_OPTIONS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "do_sample", "seed", "stop_token_ids")
+# the rollout's sampling options (with_options takes them) -> their SamplingParams field
+SAMPLING_FIELDS = {"n": "n", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                   "max_new_tokens": "max_new_tokens", "do_sample": "greedy", "seed": "seed",
+                   "stop_token_ids": "stop_token_ids"}
+SAMPLING_OPTIONS = tuple(SAMPLING_FIELDS)
+
+
+def sampling_option(name: str) -> property:
+    """The rollout's option ``name``, read from its :class:`SamplingParams` (``do_sample`` is ``not greedy``)."""
+    field = SAMPLING_FIELDS.get(name, name)
+    if name == "do_sample":
+        return property(lambda self: not self.sampling.greedy, doc="False for greedy decoding.")
+    return property(lambda self: getattr(self.sampling, field), doc=f"``sampling.{field}``.")
 
 
 class SingleTurnRollout(BatchModule):
@@ -32,38 +46,58 @@ class SingleTurnRollout(BatchModule):
     prompt fields (ground truth, data source, ...) are repeated with their rows.
 
     Args:
-        engine: the engine to sample with; subclasses make one in :meth:`bind` instead (``None`` here).
+        engine: the engine to sample with, bound to the model in :meth:`bind` (built without one:
+            ``HFEngine()``, ``VLLMEngine(...)``, ``ServerEngine(url)``, or an engine class of your own).
         n: samples per prompt.
         temperature, top_p, top_k, max_new_tokens: sampling options (``top_k=-1``, ``top_p=1``: off).
         do_sample: ``False`` for greedy decoding.
         seed: seeds each call's sampling (``None``: the engine's random stream).
         stop_token_ids: tokens that end a response besides the tokenizer's EOS.
+        ignore_eos: generation goes on past EOS (engines with ``supports_ignore_eos``).
+        sampling: all of the options above at once, as :class:`SamplingParams` (then give none of them).
         bucket_bytes: the most bytes of weights sent to the engine in one piece (``sync_weights``).
 
-    ``bind(model, tokenizer)`` (the Trainer calls it) points the rollout at the trained model; when the
-    engine holds weights of its own, they are loaded from ``model`` then, and again by ``sync_weights``
-    after every update, in buckets of at most ``bucket_bytes``.
+    ``bind(model, tokenizer)`` (the Trainer calls it) binds the engine to the trained model; when the engine
+    holds weights of its own, they are loaded from ``model`` then, and again by ``sync_weights`` after every
+    update, in buckets of at most ``bucket_bytes``.
+
+    What wrappers (asynchronous rollouts, the agent loop) use: :attr:`engine`, :attr:`sampling` (the
+    engine-neutral sampling parameters), :meth:`samples` (completions -> the rollout's batch),
+    :attr:`bucket_bytes`, and :meth:`sample_with` to sample through an engine they run elsewhere.
     """
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK)
     out_keys = (K.RESPONSE_IDS, K.RESPONSE_MASK, K.ROLLOUT_LOG_PROBS, K.GROUP, K.RESPONSE_TEXT)
-    # whether the engine this class makes in bind() takes images (vision-language prompts); the verl entry
-    # point refuses a vision-language model before training with a rollout that does not
+    # whether the engine this class builds takes images (vision-language prompts); the verl entry point refuses
+    # a vision-language model with a rollout class that does not, before it builds anything
     makes_image_engine: bool = False
-    ignore_eos: bool = False  # generation goes on past EOS (HFRollout(ignore_eos=True))
+
+    n = sampling_option("n")
+    temperature = sampling_option("temperature")
+    top_p = sampling_option("top_p")
+    top_k = sampling_option("top_k")
+    max_new_tokens = sampling_option("max_new_tokens")
+    do_sample = sampling_option("do_sample")
+    seed = sampling_option("seed")
+    stop_token_ids = sampling_option("stop_token_ids")
+    ignore_eos = sampling_option("ignore_eos")
 
     def __init__(self, engine: Engine | None = None, n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = -1, max_new_tokens: int = 512, do_sample: bool = True, seed: int | None = None,
-                 stop_token_ids: tuple[int, ...] = (), bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if do_sample and temperature <= 0:
-            raise ValueError("temperature must be > 0 when sampling; use do_sample=False for greedy decoding")
-        self.n, self.temperature, self.top_p, self.top_k = n, temperature, top_p, top_k
-        self.max_new_tokens, self.do_sample, self.seed = max_new_tokens, do_sample, seed
-        self.stop_token_ids = tuple(stop_token_ids)
-        self.params  # validates the rest now, not at the first rollout
+                 stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
+                 sampling: SamplingParams | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        options = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                                 max_new_tokens=max_new_tokens, greedy=not do_sample, seed=seed,
+                                 stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
+        if sampling is not None and options != SamplingParams():
+            raise TypeError("SingleTurnRollout: give the sampling options either as sampling=SamplingParams(...) "
+                            "or as keywords (n=..., temperature=...), not both")
+        if engine is not None and not isinstance(engine, Engine):
+            raise TypeError(f"engine ({type(engine).__name__}) is not an rlflow.rollout.engines.Engine: subclass "
+                            "it and write generate (and bind, load_weights as needed); the base gives the rest")
         self.engine = engine
+        self.sampling = sampling or options
+        self.params  # an engine that cannot honour the options is refused now, not at the first rollout
         self.model = None
         self.tokenizer = None
         self.bucket_bytes = bucket_bytes
@@ -72,37 +106,45 @@ class SingleTurnRollout(BatchModule):
     def holds_own_weights(self) -> bool:
         """True when the engine keeps its own copy of the weights: the Trainer then binds the trained model
         itself (no copy, even when it is sharded) and every update is sent with ``sync_weights``."""
-        return bool(getattr(self.engine, "holds_own_weights", False))
+        return self.engine is not None and self.engine.holds_own_weights
 
     @property
     def stats(self) -> dict[str, float]:
         """The engine's metrics of the last call (e.g. a server's ``server/retries``); the Trainer logs them."""
-        return dict(getattr(self.engine, "stats", {}))
+        return dict(self.engine.stats) if self.engine is not None else {}
 
     @property
     def params(self) -> SamplingParams:
-        """This rollout's options as engine-neutral sampling parameters."""
-        engine = getattr(self, "engine", None)  # None while __init__ validates
-        if self.ignore_eos and engine is not None and not getattr(engine, "supports_ignore_eos", False):
-            raise ValueError(f"ignore_eos: {type(engine).__name__} cannot generate past EOS here")
-        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_new_tokens=self.max_new_tokens, greedy=not self.do_sample, seed=self.seed,
-                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+        """:attr:`sampling`, checked against the engine (``ignore_eos`` needs an engine that supports it)."""
+        if self.sampling.ignore_eos and self.engine is not None and not self.engine.supports_ignore_eos:
+            raise ValueError(f"ignore_eos: {type(self.engine).__name__} cannot generate past EOS here")
+        return self.sampling
 
     # ------------------------------------------------------------------ engine and weights
-    def make_engine(self, model, tokenizer) -> Engine:
-        """The engine for ``model`` (subclasses); the base class samples with the engine it was given."""
-        if self.engine is None:
-            raise RuntimeError(f"{type(self).__name__} has no engine: pass engine=... or use a rollout that makes "
-                               "one (HFRollout, VLLMRollout, ServerRollout)")
-        return self.engine
-
     def bind(self, model, tokenizer) -> None:
-        """Sample for ``model`` with ``tokenizer`` from now on (an engine with its own weights loads them now)."""
+        """Sample for ``model`` with ``tokenizer`` from now on: the engine is bound to them (an engine with its
+        own weights starts and loads them now)."""
+        if self.engine is None:
+            raise RuntimeError(f"{type(self).__name__} has no engine: pass one (SingleTurnRollout(HFEngine(), ...)) "
+                               "or use a rollout that builds one (HFRollout, VLLMRollout, ServerRollout)")
         self.model, self.tokenizer = model, tokenizer
-        self.engine = self.make_engine(model, tokenizer)
-        if self.holds_own_weights and getattr(self.engine, "loaded_from", None) is not model:
-            self.sync_weights(model)
+        self.engine.bind(model, tokenizer)
+        self.resync()
+
+    def sample_with(self, engine: Engine, model, tokenizer) -> None:
+        """Sample through ``engine``, already bound (a wrapper's engine in a child process or a thread), for
+        ``model``; nothing is loaded. ``with_options`` copies made later sample through it too."""
+        self.engine, self.model, self.tokenizer = engine, model, tokenizer
+
+    def close(self) -> None:
+        """Release what this rollout started (a server rollout stops its servers); engines shared with other
+        rollouts (vLLM's, one per model shape) stay."""
+
+    def resync(self) -> None:
+        """Load the bound model's weights into an engine that holds another model's (a shared engine: tests,
+        notebooks, a validation copy)."""
+        if self.holds_own_weights and self.model is not None and self.engine.loaded_from is not self.model:
+            self.sync_weights(self.model)
 
     def sync_weights(self, trained) -> dict[str, float]:
         """After an update, bring the engine's weights up to date with ``trained``.
@@ -113,11 +155,11 @@ class SingleTurnRollout(BatchModule):
         first time, then only what updates change (``rlflow.rollout.weight_sync.update_buckets``). Returns
         ``weight_sync/*`` metrics (buckets, GB moved, seconds).
         """
-        if self.engine is None or getattr(self.engine, "model", None) is trained:
+        if self.engine is None or self.engine.module is trained:
             return {}
         start = time.perf_counter()
-        changed_only = getattr(self.engine, "loaded_from", None) is trained
-        buckets = update_buckets(trained, getattr(self.engine, "model", None), self.bucket_bytes, changed_only)
+        changed_only = self.engine.loaded_from is trained
+        buckets = update_buckets(trained, self.engine.module, self.bucket_bytes, changed_only)
         metrics = self.engine.load_weights(buckets)
         self.engine.loaded_from = trained  # an engine shared by several rollouts knows whose weights it holds
         return metrics | {"weight_sync/seconds": time.perf_counter() - start}
@@ -127,12 +169,11 @@ class SingleTurnRollout(BatchModule):
         unknown = set(overrides) - set(SAMPLING_OPTIONS)
         if unknown:
             raise TypeError(f"with_options: unknown option(s) {sorted(unknown)}; choose from {SAMPLING_OPTIONS}")
+        fields = {SAMPLING_FIELDS[k]: (not v if k == "do_sample" else tuple(v) if k == "stop_token_ids" else v)
+                  for k, v in overrides.items()}
         clone = copy.copy(self)
-        for key, value in overrides.items():
-            setattr(clone, key, tuple(value) if key == "stop_token_ids" else value)
-        if clone.do_sample and clone.temperature <= 0:
-            raise ValueError("temperature must be > 0 when sampling; use do_sample=False for greedy decoding")
-        clone.params  # validates
+        clone.sampling = dataclasses.replace(self.sampling, **fields)  # validates
+        clone.params
         return clone
 
     # ------------------------------------------------------------------ sampling
@@ -144,7 +185,7 @@ class SingleTurnRollout(BatchModule):
         """
         if multi_modal is None:
             completions = self.engine.generate(prompts, self.params)
-        elif not getattr(self.engine, "accepts_images", False):
+        elif not self.engine.accepts_images:
             raise TypeError(f"{type(self.engine).__name__} does not take images (accepts_images=False): "
                             "vision-language prompts need an engine that does (HFEngine, i.e. HFRollout)")
         else:
@@ -155,15 +196,13 @@ class SingleTurnRollout(BatchModule):
         return completions
 
     def forward(self, batch: TensorDict) -> TensorDict:
-        if self.engine is None:
+        if self.engine is None or self.tokenizer is None:
             raise RuntimeError(f"{type(self).__name__} has no model: call rollout.bind(model, tokenizer) (the Trainer does)")
-        if self.holds_own_weights and self.model is not None and getattr(self.engine, "loaded_from", None) is not self.model:
-            self.sync_weights(self.model)  # a shared engine loaded another model's weights since (tests, notebooks)
+        self.resync()  # a shared engine loaded another model's weights since (tests, notebooks)
         ids, mask = batch.get(K.PROMPT_IDS), batch.get(K.PROMPT_MASK)
         images = multi_modal_prompts(batch)
         # engines that sample padded tensors (HF) skip the trip through lists; images take the list form
-        tensor_form = getattr(self.engine, "generate_tensors", None) if images is None else None
-        sampled = tensor_form(ids, mask, self.params) if tensor_form is not None else None
+        sampled = self.engine.generate_tensors(ids, mask, self.params) if images is None else None
         if sampled is None:
             return self.samples(batch, self.generate(unpadded(ids, mask), images))
         return self.laid_out(batch, sampled)

@@ -1,11 +1,12 @@
-"""VLLMRollout: the single-turn rollout sampling with an in-process vLLM engine (:class:`VLLMEngine`)."""
+"""VLLMRollout: the single-turn rollout sampling with an in-process vLLM engine: ``SingleTurnRollout(VLLMEngine(...))``
+with the engine's options among its own."""
 
 from __future__ import annotations
 
 import importlib.util
 
 from rlflow.rollout.engines.base import Engine
-from rlflow.rollout.engines.vllm import INSTALL_HINT, shared_engine
+from rlflow.rollout.engines.vllm import INSTALL_HINT, VLLMEngine
 from rlflow.rollout.single_turn import SingleTurnRollout
 from rlflow.rollout.weight_sync import DEFAULT_BUCKET_BYTES
 
@@ -17,9 +18,9 @@ class VLLMRollout(SingleTurnRollout):
     Same contract as :class:`~rlflow.rollout.hf.HFRollout` (left-padded prompts in; responses, mask, the
     sampler's log-probs, group ids and text out). ``bind(model, tokenizer)`` (the Trainer calls it) starts the
     engine from the model's config (one engine per model shape and options per process, shared by rollouts
-    bound to models of that shape) and loads the model's weights into it; ``sync_weights`` sends every
-    update, gathered bucket by bucket (FSDP2 shards too), then resets vLLM's prefix cache. The engine holds
-    its own weights, so the Trainer never copies a sharded model for it.
+    bound to models of that shape: ``VLLMEngine(shared=True)``) and loads the model's weights into it;
+    ``sync_weights`` sends every update, gathered bucket by bucket (FSDP2 shards too), then resets vLLM's prefix
+    cache. The engine holds its own weights, so the Trainer never copies a sharded model for it.
 
     Args:
         n, temperature, top_p, top_k, max_new_tokens, do_sample, seed, stop_token_ids, bucket_bytes: as ``HFRollout``.
@@ -36,8 +37,6 @@ class VLLMRollout(SingleTurnRollout):
         ImportError: at once when vLLM is not installed, with the install commands for CPU and GPU machines.
     """
 
-    holds_own_weights = True
-
     def __init__(self, n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  max_new_tokens: int = 512, do_sample: bool = True, seed: int | None = None,
                  stop_token_ids: tuple[int, ...] = (), bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -50,18 +49,12 @@ class VLLMRollout(SingleTurnRollout):
                  weight_transfer: str | None = "auto"):
         if engine is None and importlib.util.find_spec("vllm") is None:
             raise ImportError(f"VLLMRollout needs vLLM, which is not installed: {INSTALL_HINT}")
-        super().__init__(engine, n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                         do_sample=do_sample, seed=seed, stop_token_ids=stop_token_ids,
-                         bucket_bytes=bucket_bytes)
-        self.engine_options = dict(
+        engine = engine or VLLMEngine(
             dtype=dtype, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
-            free_cache_engine=free_cache_engine, seed=engine_seed, weight_transfer=weight_transfer,
+            free_cache_engine=free_cache_engine, seed=engine_seed, weight_transfer=weight_transfer, shared=True,
             **(engine_kwargs or {}))
-
-    def make_engine(self, model, tokenizer) -> Engine:
-        if self.engine is not None:
-            return self.engine
-        return shared_engine(model, tokenizer, **self.engine_options)
+        super().__init__(engine, n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                         do_sample=do_sample, seed=seed, stop_token_ids=stop_token_ids, bucket_bytes=bucket_bytes)

@@ -170,7 +170,7 @@ class Trainer:
     def check_chain(self) -> None:
         """Fail now, naming key and module, if some role reads a key nothing writes."""
         provided_by_update = {K.LOG_PROBS, K.ENTROPY} | ({K.OLD_LOG_PROBS} if not self.needs_old_log_probs else set())
-        provided_by_update |= {K.TOPK_LOG_PROBS} if K.TEACHER_TOPK_IDS in getattr(self.loss, "in_keys", ()) else set()
+        provided_by_update |= {K.TOPK_LOG_PROBS} if K.TEACHER_TOPK_IDS in self.loss.in_keys else set()
         old = ("policy", self.policy if self.needs_old_log_probs else None)
         chain = self.experience.keyed() + [("reference", self.reference), old, ("critic", self.critic),
                                            ("estimator", self.estimator)]
@@ -274,7 +274,7 @@ class Trainer:
         The loss of each micro-batch is normalised by its mini-batch's token and
         sequence counts, so the accumulated gradient does not depend on the micro-batch size.
         """
-        wants_topk = K.TOPK_LOG_PROBS in getattr(self.loss, "in_keys", ())  # top-k distillation: the teacher's tokens
+        wants_topk = K.TOPK_LOG_PROBS in self.loss.in_keys  # top-k distillation: the teacher's tokens
 
         def micro_loss(micro: TensorDict, agg: Aggregation):
             if wants_topk:

@@ -31,15 +31,15 @@ from tensordict import NonTensorStack, TensorDict
 
 from rlflow.data import keys as K
 from rlflow.data.nontensor import column
-from rlflow.module import BatchModule
 from rlflow.rollout.agent.batching import DirectRequests, TurnBatcher, run_sync
 from rlflow.rollout.agent.chat import ChatFormat
 from rlflow.rollout.agent.interaction import Interaction
 from rlflow.rollout.agent.trajectory import Trajectory, summarize
-from rlflow.rollout.single_turn import unpadded
+from rlflow.rollout.single_turn import SingleTurnRollout, unpadded
 from rlflow.rollout.tools.base import Tool, ToolError, ToolResult
 from rlflow.rollout.tools.config import load_interaction_config, load_tool_config
 from rlflow.rollout.tools.parsers import ToolCall, tool_parser
+from rlflow.rollout.wrapper import RolloutWrapper
 
 TRUNCATE_SIDES = ("left", "right", "middle")
 VERL_TOOL_KWARGS = {"create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs"}
@@ -57,7 +57,7 @@ def truncate_text(text: str, limit: int, side: str) -> str:
     return text[:half] + "...(truncated)..." + text[len(text) - half:]
 
 
-class AgentLoop(BatchModule):
+class AgentLoop(RolloutWrapper):
     """Multi-turn tool-calling rollout around a single-turn ``rollout`` (its engine and sampling options).
 
     Args:
@@ -123,7 +123,12 @@ class AgentLoop(BatchModule):
                              f"got {tool_response_truncate_side!r}")
         if tool_timeout_s is not None and tool_timeout_s <= 0:
             raise ValueError(f"tool_timeout_s must be > 0, got {tool_timeout_s}")
-        self.rollout, self.parser = rollout, tool_parser(format)
+        if not isinstance(rollout, SingleTurnRollout):
+            raise TypeError(f"AgentLoop samples each turn with a single-turn rollout's engine (HFRollout, VLLMRollout, "
+                            f"ServerRollout, SingleTurnRollout): {type(rollout).__name__} is not one")
+        super().__init__(rollout)
+        self.in_keys, self.out_keys = type(self).in_keys, type(self).out_keys
+        self.parser = tool_parser(format)
         self.interaction, self.environment = interaction, environment
         self.max_assistant_turns, self.max_user_turns = max_assistant_turns, max_user_turns
         self.max_parallel_calls, self.max_tool_response_length = max_parallel_calls, max_tool_response_length
@@ -134,34 +139,16 @@ class AgentLoop(BatchModule):
         self._chat: ChatFormat | None = None
 
     # ------------------------------------------------------------------ what the Trainer asks of a rollout
+    # (bind, sync_weights, n, temperature, tokenizer, holds_own_weights: RolloutWrapper's, to the wrapped rollout)
     def bind(self, model, tokenizer) -> None:
-        self.rollout.bind(model, tokenizer)
+        super().bind(model, tokenizer)
         self._chat = None
-
-    def sync_weights(self, trained):
-        return self.rollout.sync_weights(trained)
 
     def with_options(self, **overrides) -> "AgentLoop":
         """A copy sampling with other options (validation), running the same loop."""
         clone = copy.copy(self)
         clone.rollout = self.rollout.with_options(**overrides)
         return clone
-
-    @property
-    def holds_own_weights(self) -> bool:
-        return bool(self.rollout.holds_own_weights)
-
-    @property
-    def tokenizer(self):
-        return self.rollout.tokenizer
-
-    @property
-    def n(self) -> int:
-        return self.rollout.n
-
-    @property
-    def temperature(self) -> float:
-        return self.rollout.temperature
 
     @property
     def max_new_tokens(self) -> int:
@@ -173,17 +160,15 @@ class AgentLoop(BatchModule):
         if self._chat is None or self._chat.tokenizer is not self.tokenizer:
             schemas = [t.schema for t in self.tools.values()]
             self._chat = ChatFormat(self.tokenizer, schemas, self.template_kwargs)
-            if hasattr(self.parser, "bind"):  # vLLM's parsers read the tokenizer's special tokens and the tools
-                self.parser.bind(self.tokenizer, schemas)
+            self.parser.bind(self.tokenizer, schemas)  # vLLM's parsers read the special tokens and the tools
         return self._chat
 
     # ------------------------------------------------------------------ the rollout
     def forward(self, batch: TensorDict) -> TensorDict:
-        if getattr(self.rollout, "engine", None) is None:
+        if self.rollout.tokenizer is None:
             raise RuntimeError("AgentLoop has no engine: call rollout.bind(model, tokenizer) (the Trainer does)")
-        rollout, n, num_prompts = self.rollout, self.n, batch.batch_size[0]
-        if rollout.holds_own_weights and rollout.model is not None and getattr(rollout.engine, "loaded_from", None) is not rollout.model:
-            rollout.sync_weights(rollout.model)
+        n, num_prompts = self.n, batch.batch_size[0]
+        self.rollout.resync()  # a shared engine loaded another model's weights since
         if self.tools or self.interaction is not None or self.environment is not None:
             self.chat  # fails now, naming the fix, when the tokenizer has no chat template to render turns with
         prompts, raw = self.prompt_ids(batch), _column(batch, K.RAW_PROMPT, num_prompts)
@@ -217,7 +202,7 @@ class AgentLoop(BatchModule):
                           row=row)
 
     async def run(self, trajs: list[Trajectory]) -> None:
-        engine, params = self.rollout.engine, self.rollout.params
+        engine, params = self.rollout.engine, self.rollout.sampling
         sampler = DirectRequests(engine, params) if self.concurrent_requests else TurnBatcher(engine, params, len(trajs))
         await asyncio.gather(*(self.run_one(t, sampler) for t in trajs))
 

@@ -21,8 +21,9 @@ take images set ``accepts_images``; the rollout refuses images to the others wit
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from torch import Tensor
 
@@ -118,13 +119,36 @@ class Completion:
 
 class Engine:
     """Samples completions of token-id prompts. Subclasses implement :meth:`generate` and, when they hold
-    their own copy of the weights (``holds_own_weights``), :meth:`load_weights`."""
+    their own copy of the weights (``holds_own_weights``), :meth:`load_weights`.
+
+    An engine is built without a model (its own options only: ``HFEngine(cache_implementation="static")``,
+    ``VLLMEngine(gpu_memory_utilization=0.5)``, ``ServerEngine(url)``) and bound to one later by :meth:`bind`,
+    which a rollout's ``bind`` calls with the trained model and its tokenizer. A new engine is this one class:
+    ``SingleTurnRollout(MyEngine(), n=8)`` samples with it.
+    """
 
     #: True when the engine samples with weights of its own that must be sent after every update
     #: (vLLM, a server); False when it generates with the trained module itself.
     holds_own_weights: bool = False
     #: True when :meth:`generate` takes images (``multi_modal``).
     accepts_images: bool = False
+    #: True when :class:`SamplingParams` ``ignore_eos`` is honoured (generation past EOS).
+    supports_ignore_eos: bool = False
+    #: True when the engine samples in another process of its own (a server): asynchronous rollouts drive it
+    #: from a thread instead of starting it in a child process.
+    remote: bool = False
+    #: the torch module :meth:`generate` runs in this process, if any (HFEngine's model): an update of that very
+    #: module needs no weight transfer
+    module = None
+    #: the model whose weights the engine holds (``holds_own_weights``), set by whoever loads them
+    loaded_from = None
+    #: metrics of the last call (e.g. a server's ``server/retries``), logged by the Trainer
+    stats: Mapping[str, float] = MappingProxyType({})  # read-only: an engine with metrics assigns its own dict
+
+    def bind(self, model, tokenizer) -> None:
+        """Sample for ``model`` (a transformers model) with ``tokenizer`` from now on; engines that hold weights
+        of their own start here (the rollout then sends ``model``'s weights with :meth:`load_weights`). Binding
+        again rebinds. The default keeps nothing: an engine that needs neither (a fixed sampler) is bound as built."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  multi_modal: list[MultiModalPrompt | None] | None = None) -> list[list[Completion]]:
@@ -159,6 +183,11 @@ class Engine:
         Returns metrics: ``weight_sync/buckets``, ``weight_sync/gb`` (bytes moved / 1e9), and engine-specific ones.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot receive weights")
+
+    def keep_unavailable(self) -> str | None:
+        """Why the engine cannot keep requests in flight across a weight update (FullyAsyncRollout's keep mode:
+        ``submit_kept``, ``update_kept``, ...); ``None`` when it can (:class:`ServerEngine` on vLLM)."""
+        return f"{type(self).__name__} cannot pause with its requests kept (vLLM's pause_generation(mode='keep'))"
 
     def sleep(self) -> None:
         """Free accelerator memory (KV cache, weights) while the trainer updates; no-op where there is none."""

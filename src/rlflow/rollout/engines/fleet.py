@@ -68,6 +68,7 @@ class FleetEngine(Engine):
     """
 
     holds_own_weights = True
+    remote = True  # it samples in the servers: AsyncRollout drives it from a thread, not a child process
 
     def __init__(self, servers: list[ServerEngine], *, max_concurrency: int = 64, health_interval: float = 1.0,
                  health_timeout: float = 10.0, checkpoint_dir=None, weight_transfer: str | None = None):
@@ -79,7 +80,6 @@ class FleetEngine(Engine):
         self.servers, self.max_concurrency = list(servers), max_concurrency
         self.health_interval, self.health_timeout = health_interval, health_timeout
         self.urls = [s.url for s in self.servers]
-        self.model = self.servers[0].model
         self.checkpoint_dir, self.own_dir = checkpoint_dir, checkpoint_dir is None
         # why each server is out ("" when it is usable); it comes back only with the newest weights
         self.out_reason = [""] * len(self.servers)
@@ -88,6 +88,17 @@ class FleetEngine(Engine):
         self.probes = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="rlflow-fleet-health")
         self.stats: dict[str, float] = {}
         self.gloo, self.broadcast = weight_transfer == GLOO, None  # rlflow_gloo: global rank 0's FleetBroadcast
+
+    @property
+    def model(self) -> str:
+        return self.servers[0].model
+
+    def bind(self, model, tokenizer) -> None:
+        """Start every server given a ``launch`` command at once, then bind each (waiting until it answers)."""
+        for server in self.servers:
+            server.start_server()
+        for server in self.servers:
+            server.bind(model, tokenizer)
 
     # ------------------------------------------------------------------ health
     def usable(self) -> list[int]:

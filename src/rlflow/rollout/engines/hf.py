@@ -107,11 +107,13 @@ class HFEngine(Engine):
     """
 
     accepts_images = True
+    supports_ignore_eos = True
 
-    def __init__(self, model: nn.Module, tokenizer, *, cache_implementation: str | None = None,
+    def __init__(self, model: nn.Module | None = None, tokenizer=None, *, cache_implementation: str | None = None,
                  compile: bool = False):
         """Args:
-            model, tokenizer: the causal LM to sample with and its tokenizer.
+            model, tokenizer: the causal LM to sample with and its tokenizer; or neither, and :meth:`bind` them later
+                (a rollout's ``bind`` does).
             cache_implementation: transformers' KV cache kind (``None``: its dynamic cache; ``"static"``: one
                 preallocated cache per call, what compiled decoding needs).
             compile: let ``generate`` compile the decoding step (``torch.compile``, CUDA graphs on GPU; a
@@ -121,7 +123,19 @@ class HFEngine(Engine):
         self.cache_implementation = cache_implementation or ("static" if compile else None)
         self.compile = compile
 
-    supports_ignore_eos = True
+    def bind(self, model: nn.Module, tokenizer) -> None:
+        """Generate with ``model`` (the trained module itself, or a full copy of it) from now on."""
+        self.model, self.tokenizer = model, tokenizer
+
+    @property
+    def module(self) -> nn.Module | None:
+        return self.model
+
+    def device(self) -> torch.device:
+        if self.model is None:
+            raise RuntimeError("HFEngine has no model: build it with one, or call engine.bind(model, tokenizer) "
+                               "(a rollout's bind does)")
+        return next(self.model.parameters()).device
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -190,7 +204,8 @@ class HFEngine(Engine):
         # left padding: no real token before a padding one, none lost by dropping the all-padding columns
         if P == 0 or bool((real[:, 1:] < real[:, :-1]).any() | (real.sum(-1) != lengths).any()):
             return None
-        pad, device = self.tokenizer.pad_token_id, next(self.model.parameters()).device
+        device = self.device()
+        pad = self.tokenizer.pad_token_id
         ids = ids.masked_fill(~real, pad).repeat_interleave(params.n, 0).to(device)  # as ``left_padded`` builds them
         response, log_probs = self.generate_padded(ids, real.long().repeat_interleave(params.n, 0).to(device), params)
         stops = self.stops(params)
@@ -201,7 +216,7 @@ class HFEngine(Engine):
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  multi_modal: list[MultiModalPrompt | None] | None = None) -> list[list[Completion]]:
-        device = next(self.model.parameters()).device
+        device = self.device()
         ids, mask = left_padded(prompts, params.n, self.tokenizer.pad_token_id, device)
         vision = None
         if multi_modal is not None:  # each prompt's images once per sample, in row order

@@ -93,8 +93,9 @@ class ProcessEngine(Engine):
     :meth:`submit` / :meth:`result` / :meth:`cancel`, and :meth:`seed` for the child's random state.
 
     Args:
-        make_engine: ``(model, tokenizer) -> Engine``, called in the child (e.g. a rollout's ``make_engine``).
-            With ``spawn`` it is pickled, so it must be importable (a bound method of a rollout is).
+        make_engine: ``(model, tokenizer) -> Engine``, called in the child: an engine class (``HFEngine``), or
+            ``AsyncRollout``'s factory, which binds there a copy of the rollout's engine (built without a model).
+            With ``spawn`` it is pickled, so it must be importable (a class, or the factory with its engine, is).
         model: the model whose weights the engine starts from (version 0); the child gets its own copy.
         tokenizer: passed to ``make_engine``.
         slots: shared-memory copies of the weights (pushes in flight at once, see the module docstring).

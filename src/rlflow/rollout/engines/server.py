@@ -49,6 +49,7 @@ from pathlib import Path
 from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets
 from rlflow.rollout.engines.weights_on_disk import barrier, shared_temp_dir, write_checkpoint, writes_checkpoints
 from rlflow.rollout.engines.errors import ServerError  # noqa: F401 - importable from here, as before
+from rlflow.rollout.engines.launch import VLLM_SERVER_ENV, ServerProcess
 from rlflow.rollout.engines.weight_transfer import server_sender
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -67,32 +68,64 @@ class ServerEngine(Engine):
             ``backoff * 2**attempt`` seconds before attempt ``attempt + 1``.
         checkpoint_dir: where weights are written for the server to reload (default: a temporary folder;
             a server on another machine needs a shared path).
-        eos_token_ids: stop tokens sent with every request besides the sampling parameters' own.
+        eos_token_ids: stop tokens sent with every request besides the sampling parameters' own (default: the
+            tokenizer's EOS, from :meth:`bind`; none when never bound).
         logprobs_mode: the server's ``--logprobs-mode`` (vLLM): ``"raw_logprobs"`` (vLLM's default) or
             ``"processed_logprobs"``.
         weight_transfer: ``"auto"`` (vLLM's weight-transfer protocol where the server takes it, else the disk),
             a backend name, or ``"reload"`` (always the disk).
+        launch: a command that starts the server (:class:`~rlflow.rollout.engines.launch.ServerProcess`): started
+            by :meth:`bind`, which waits until it answers; stopped by :meth:`close` and at exit.
+
+    Nothing is contacted when the engine is built: :meth:`bind` (or the first request) starts the server it was
+    given a ``launch`` for and asks the served model's name (``GET /v1/models``) unless ``model`` was given.
     """
 
     holds_own_weights = True
+    remote = True  # it samples in the server: AsyncRollout drives it from a thread, not a child process
     generate_path = "/v1/completions"
     speaks_vllm_protocol = True
 
     def __init__(self, url: str, *, model: str | None = None, max_concurrency: int = 64, timeout: float = 600.0,
                  retries: int = 3, backoff: float = 0.5, checkpoint_dir: str | Path | None = None,
-                 eos_token_ids: tuple[int, ...] = (), logprobs_mode: str = "raw_logprobs",
-                 weight_transfer: str | None = "auto"):
-        self.url = url.rstrip("/")
+                 eos_token_ids: tuple[int, ...] | None = None, logprobs_mode: str = "raw_logprobs",
+                 weight_transfer: str | None = "auto", launch: str | list[str] | None = None):
+        self.url, self.launch, self.server = url.rstrip("/"), launch, None
         self.weight_transfer, self.sender = weight_transfer if self.speaks_vllm_protocol else None, None
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
-        self.eos_token_ids, self.logprobs_mode = tuple(eos_token_ids), logprobs_mode
+        self.given_eos = None if eos_token_ids is None else tuple(eos_token_ids)
+        self.eos_token_ids, self.logprobs_mode = self.given_eos or (), logprobs_mode
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.own_dir = checkpoint_dir is None  # a temporary folder of ours: removed by close() (and at exit)
         atexit.register(self.close)
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rlflow-server")
         self.stats = {"server/retries": 0.0}
         self.answered = False  # once it has, a refused connection means it died, not a wrong URL
-        self.model = model or self.served_model()
+        self.served = model  # the served model's name; asked from the server when first needed
+
+    @property
+    def model(self) -> str:
+        """The served model's name (``model=``, else the first of ``GET /v1/models``, asked once)."""
+        if self.served is None:
+            self.served = self.served_model()
+        return self.served
+
+    def bind(self, model, tokenizer) -> None:
+        """Start the server (``launch``) and wait until it answers, ask its model's name, and stop on the
+        tokenizer's EOS (unless ``eos_token_ids`` were given). The server keeps its own weights: the rollout
+        sends ``model``'s with :meth:`load_weights`."""
+        self.start_server()
+        if self.server is not None:
+            self.server.wait()
+        if self.given_eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+            self.eos_token_ids = () if eos is None else (eos,)
+        self.model  # an unreachable server is named now, not at the first request
+
+    def start_server(self) -> None:
+        """Start the ``launch`` command (once), without waiting for it (a fleet starts all its servers at once)."""
+        if self.launch and self.server is None:
+            self.server = ServerProcess(self.launch, self.url, env=VLLM_SERVER_ENV)
 
     # ------------------------------------------------------------------ HTTP
     def request(self, path: str, payload: dict | None = None, *, method: str = "POST", timeout: float | None = None,
@@ -297,7 +330,10 @@ class ServerEngine(Engine):
         self.request("/reset_prefix_cache", {})
 
     def close(self) -> None:
+        """Close the connection pool and stop a server this engine started."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.server is not None:
+            self.server.stop()
         if self.own_dir and self.checkpoint_dir is not None and writes_checkpoints():
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
             self.checkpoint_dir = None

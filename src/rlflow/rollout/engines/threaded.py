@@ -37,13 +37,13 @@ class ThreadedEngine(Engine):
         self.tickets = itertools.count()
         self.jobs: dict[int, Future] = {}
         self.version, self.loaded_version = 0, 0
-        self.loaded_from = getattr(engine, "loaded_from", None)
+        self.loaded_from = engine.loaded_from
         self.idle_since = time.perf_counter()
         self.failure: EngineProcessError | None = None  # a failed weight load: every later job raises it
 
     @property
     def stats(self) -> dict[str, float]:
-        return dict(getattr(self.engine, "stats", {}))
+        return dict(self.engine.stats)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> int:
         ticket = next(self.tickets)

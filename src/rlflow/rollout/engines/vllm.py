@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import inspect
 import json
 import os
 import random
@@ -132,7 +131,8 @@ class VLLMEngine(Engine):
         model: a local model folder, or a transformers model: the folder it was loaded from
             (``from_pretrained``), else its weights are written once to a temporary folder (gathered bucket by
             bucket when sharded; one writer per node). vLLM's loader then initialises everything it derives
-            from real weights; later weights arrive through :meth:`load_weights`.
+            from real weights; later weights arrive through :meth:`load_weights`. Or ``None``: the engine starts
+            at :meth:`bind` (a rollout's ``bind`` calls it with the trained model).
         tokenizer: gives the EOS id (default: the model config's ``eos_token_id``); vLLM itself never tokenizes here.
         dtype: ``"auto"`` (the config's), ``"float32"``, ``"bfloat16"``, ...; float32 makes log-probs equal the
             policy's to ~1e-5.
@@ -150,23 +150,58 @@ class VLLMEngine(Engine):
         weight_transfer: how updates arrive: ``"auto"`` (vLLM's weight-transfer protocol with ``rlflow_shm``
             on CPU, ``ipc`` on CUDA), a backend name, or ``"reload"`` (``reload_weights``, the path where vLLM
             has no protocol).
+        shared: at :meth:`bind` to a transformers model, join the process's running engine for a model of the
+            same config with the same options instead of starting another (one per model shape: an in-process
+            vLLM cannot be torn down and restarted cheaply); the two objects are then one engine
+            (``VLLMRollout`` binds shared engines).
         **engine_kwargs: passed to ``vllm.LLM`` as they are (verl's ``rollout.engine_kwargs.vllm``).
     """
 
     holds_own_weights = True
 
-    def __init__(self, model: str | Path | nn.Module, tokenizer=None, *, dtype: str = "auto",
+    def __init__(self, model: str | Path | nn.Module | None = None, tokenizer=None, *, dtype: str = "auto",
                  max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float | None = None, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, enable_chunked_prefill: bool | None = None,
                  free_cache_engine: bool = False, seed: int = 0, weight_transfer: str | None = "auto",
-                 **engine_kwargs):
+                 shared: bool = False, **engine_kwargs):
+        self.settings = dict(dtype=dtype, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                             enable_prefix_caching=enable_prefix_caching,
+                             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                             enable_chunked_prefill=enable_chunked_prefill, free_cache_engine=free_cache_engine,
+                             seed=seed, weight_transfer=weight_transfer) | engine_kwargs
+        self.shared, self.llm, self.loaded_from, self.pool_key = shared, None, None, None
+        if model is not None:
+            self.bind(model, tokenizer)
+
+    def bind(self, model: str | Path | nn.Module, tokenizer) -> None:
+        """Start vLLM with ``model`` (a folder or a transformers model, see ``model`` above), or, ``shared``, join
+        the running engine for its config and options. An engine already started stays as it is (the rollout
+        sends ``model``'s weights with :meth:`load_weights`)."""
+        if self.llm is not None:
+            return
+        key = pool_key(model, tokenizer, self.settings) if self.shared and isinstance(model, nn.Module) else None
+        running = _POOL.get(key)
+        if running is not None and running.llm is not None:
+            self.__dict__ = running.__dict__  # one engine, two handles: every state (weights held, sleep) is shared
+            return
+        self.start(model, tokenizer, **self.settings)
+        if key is not None:
+            self.pool_key = key
+            _POOL[key] = self
+
+    def start(self, model: str | Path | nn.Module, tokenizer, *, dtype: str, max_model_len: int | None,
+              kv_cache_memory_bytes: int | None, gpu_memory_utilization: float | None, enforce_eager: bool,
+              enable_prefix_caching: bool, max_num_batched_tokens: int | None, max_num_seqs: int | None,
+              enable_chunked_prefill: bool | None, free_cache_engine: bool, seed: int, weight_transfer: str | None,
+              **engine_kwargs) -> None:
         from transformers import AutoConfig
 
         self.isolation = HostIsolation(seed)
         self.lock = threading.Lock()
-        self.folder, self.loaded_from = None, None
+        self.folder = None
         path = model_folder(model) if isinstance(model, nn.Module) else Path(model).expanduser()
         if path is None:  # an in-memory model: written once (vLLM initialises correctly only from real weights)
             path = self.folder = shared_temp_dir("rlflow-vllm-")
@@ -233,6 +268,9 @@ class VLLMEngine(Engine):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine has not started: build it with a model, or call engine.bind(model, "
+                               "tokenizer) (a rollout's bind does)")
         with self.lock, self.isolation:
             self._wake()
             for head, scale in self.heads:
@@ -287,10 +325,10 @@ class VLLMEngine(Engine):
     def close(self) -> None:
         """Shut the engine down. In a multi-process run vLLM shares the trainer's process group, which its
         shutdown would destroy: there the engine is only dropped."""
-        llm, self.llm = getattr(self, "llm", None), None
+        llm, self.llm = self.llm, None
         if llm is None:
             return
-        _POOL.pop(getattr(self, "pool_key", None), None)
+        _POOL.pop(self.pool_key, None)
         if self.folder is not None and writes_checkpoints():
             shutil.rmtree(self.folder, ignore_errors=True)
         shares_world = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
@@ -309,21 +347,12 @@ class VLLMEngine(Engine):
 _POOL: dict[str, VLLMEngine] = {}
 
 
-def shared_engine(model: nn.Module, tokenizer, **options) -> VLLMEngine:
-    """The process's engine for ``model``'s config and these options, started on first use."""
-    call = inspect.signature(VLLMEngine).bind(model, tokenizer, **options)
-    call.apply_defaults()  # options spelled differently but equal share the engine
-    resolved = {k: v for k, v in call.arguments.pop("engine_kwargs").items() if v is not None}
-    resolved |= {k: v for k, v in call.arguments.items() if k not in ("model", "tokenizer") and v is not None}
+def pool_key(model: nn.Module, tokenizer, settings: dict) -> str:
+    """What makes two engines one: the model's config, the EOS and the options that are set."""
+    options = {k: v for k, v in settings.items() if v is not None}
     eos = getattr(tokenizer, "eos_token_id", None)
-    key = json.dumps({"config": model.config.to_diff_dict(), "eos": eos, "options": resolved}, sort_keys=True,
-                     default=str)
-    engine = _POOL.get(key)
-    if engine is None or engine.llm is None:
-        engine = VLLMEngine(model, tokenizer, **options)
-        engine.pool_key = key
-        _POOL[key] = engine
-    return engine
+    return json.dumps({"config": model.config.to_diff_dict(), "eos": eos, "options": options}, sort_keys=True,
+                      default=str)
 
 
 @atexit.register

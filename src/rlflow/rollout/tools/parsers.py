@@ -34,6 +34,9 @@ class ToolParser:
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         raise NotImplementedError
 
+    def bind(self, tokenizer, tools: list[dict]) -> None:
+        """Read what parsing needs from the tokenizer and the tools' schemas (vLLM's parsers do); most need nothing."""
+
 
 class HermesParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (``arguments`` may be a JSON string)."""
