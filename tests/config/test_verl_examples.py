@@ -134,7 +134,6 @@ KNOWN_GAPS = {
     "examples/router_replay/run_qwen3_30b_a3b_megatron.sh": "MoE routing replay",
     "examples/mtp_trainer/run_mimo_7b_mtp_megatron.sh": "multi-token prediction",
     "examples/mtp_trainer/run_mimo_7b_mtp_rl_vllm_sgl_megatron.sh": "multi-token prediction",
-    "examples/tuning/lora/run_qwen3_30b_a3b_megatron.sh": "Megatron LoRA block",
 }
 
 

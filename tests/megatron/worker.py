@@ -101,8 +101,16 @@ def reward_model(tok):
     return ModelReward(model, micro_batch_size=3)
 
 
+def lora_config(**kw):
+    """PEFT adapters on a subset of each fused Megatron layer's parts (k and gate left out) and on both row-parallel
+    layers."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"], **kw)
+
+
 def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save=False, mini_batches=2, critic=False,
-          accelerator="cpu", rm=False):
+          accelerator="cpu", rm=False, lora=False):
     """A GRPO Trainer on the addition task. ``mini_batches`` per RL step: with data parallelism a mini-batch is
     the union of every rank's k-th slice, so runs are only comparable across data-parallel sizes with 1.
     ``critic``: PPO with GAE and a critic (a second tiny model) instead of GRPO. ``rm``: a reward model scores."""
@@ -111,7 +119,7 @@ def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save
     train, _, _ = AdditionTask().splits()
     record = Record()
     trainer = Trainer(
-        policy=Policy(model, tok), rollout=SeededSampling(n=4, max_new_tokens=5, temperature=1.0),
+        policy=Policy(model, tok, lora=lora_config() if lora else None), rollout=SeededSampling(n=4, max_new_tokens=5, temperature=1.0),
         reward=reward_model(tok) if rm else FunctionReward(varied),
         estimator=GAE(gamma=1.0, lam=0.95) if critic else GRPO(),
         loss=PPOLoss(kl_coef=0.05, entropy_coef=0.01),
@@ -128,9 +136,13 @@ def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save
 
 def full_weights(trainer) -> dict[str, torch.Tensor]:
     """The policy's weights in transformers' naming, gathered (collective under Megatron)."""
+    from rlflow.models.policy import lora_module
     from rlflow.rollout.weight_sync import full_weight_buckets
 
-    return {n: t.clone() for bucket in full_weight_buckets(trainer.policy.model, 2**16) for n, t in bucket}
+    model, lora = trainer.policy.model, lora_module(trainer.policy.model)
+    # a LoRA policy's are merged (W + s B A), as its engine receives them
+    buckets = lora.merged_weight_buckets(model, 2**16) if lora else full_weight_buckets(model, 2**16)
+    return {n: t.clone() for bucket in buckets for n, t in bucket}
 
 
 class Record:
@@ -141,8 +153,9 @@ class Record:
 
     def on_step_end(self, trainer, step, metrics):
         weights = full_weights(trainer)
-        engine = dict(trainer.rollout.model.named_parameters())
-        synced = max((engine[n].detach() - w).abs().max().item() for n, w in weights.items())
+        engine = dict(trainer.rollout.model.named_parameters(remove_duplicate=False))
+        synced = 0.0 if trainer.rollout.model is trainer.policy.model else \
+            max((engine[n].detach() - w).abs().max().item() for n, w in weights.items())  # else: it generates itself
         if trainer.fabric.global_rank == 0:
             self.steps[step] = {"metrics": metrics, "weights": weights, "engine_diff": synced}
 
@@ -261,6 +274,81 @@ def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights, topk_i
     return result
 
 
+def lora_tp(out: Path) -> dict:
+    """A PEFT LoRA policy at tensor parallel 2 against the same PEFT model on one process: log-probs, entropy and
+    the adapter's gradients (under PEFT's names, gathered); no gradient on the base weights; the reference (adapter
+    off) equal to the base model's log-probs; the merged weights equal PEFT's merge_and_unload."""
+    import lightning as L
+    from peft import get_peft_model
+
+    from rlflow.models.lora import merged_copy
+    from rlflow.strategies.megatron import MegatronStrategy
+    from rlflow.strategies.megatron.grads import reduce_gradients
+    from rlflow.strategies.megatron.slots import lm_slots
+    from rlflow.strategies.megatron.weight_buckets import gather_full
+
+    world = world_size()
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=MegatronStrategy(tensor_parallel=world))
+    fabric.launch()
+
+    def peft_model():
+        model = get_peft_model(tiny_model("qwen2", seed=3), lora_config())
+        torch.manual_seed(4)
+        with torch.no_grad():  # B starts at zero: give it values, so that the adapter changes the outputs
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.2)
+        return model
+
+    torch.manual_seed(1)
+    prompt_ids, response_ids = torch.randint(3, 40, (3, 6)), torch.randint(3, 47, (3, 5))
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[0, :2] = 0
+    weights = torch.randn(3, 5, 2)
+    hf = peft_model()
+    lp, ent = TokenLogProbs(hf)(prompt_ids, prompt_mask, response_ids)
+    ((lp * weights[..., 0]).sum() + (ent * weights[..., 1]).sum()).backward()
+    hf_grads = {n: p.grad for n, p in hf.named_parameters() if p.requires_grad}
+    with torch.no_grad(), hf.disable_adapter():
+        base_lp, _ = TokenLogProbs(hf)(prompt_ids, prompt_mask, response_ids)
+    merged = dict(merged_copy(hf).named_parameters())
+
+    shell = peft_model()
+    module = fabric.setup_module(TokenLogProbs(shell))
+    lp2, ent2 = module(prompt_ids, prompt_mask, response_ids)
+    fabric.backward((lp2 * weights[..., 0]).sum() + (ent2 * weights[..., 1]).sum())
+    megatron = module._forward_module
+    trainable = [p for p in megatron.parameters() if p.requires_grad]
+    reduce_gradients(trainable)
+    for p in trainable:
+        p.grad.mul_(world)
+    slots = [s for s in lm_slots(megatron.lm) if ".lora_" in s.name]
+    grads = dict(zip((s.name for s in slots), gather_full(slots, [s.read([p.grad for p in s.params]) for s in slots])))
+    with torch.no_grad(), shell.disable_adapter():
+        ref_lp, _ = module(prompt_ids, prompt_mask, response_ids)
+    exported = {n: t.clone() for b in shell.weight_buckets(4096) for n, t in b}
+    only = {n for b in shell.weight_buckets(4096, only_adapted=True) for n, _ in b}
+    fabric.strategy.teardown()
+    return {
+        "log_probs": (lp2 - lp).abs().max().item(), "entropy": (ent2 - ent).abs().max().item(),
+        "adapter_effect": (lp - base_lp).abs().max().item(),
+        "grad_names": sorted(grads) == sorted(hf_grads), "trainable": len(trainable) == len(hf_grads),
+        "grad": max((grads[n] - g).abs().max().item() for n, g in hf_grads.items()),
+        "grad_scale": max(g.abs().max().item() for g in hf_grads.values()),
+        "base_grads": [n for n, p in megatron.named_parameters() if not p.requires_grad and p.grad is not None],
+        "reference": (ref_lp - base_lp).abs().max().item(),
+        "exported_names": sorted(exported) == sorted(merged),
+        "exported": max((exported[n] - p).abs().max().item() for n, p in merged.items()),
+        "only_adapted": sorted(only),
+    }
+
+
+def lora_train_tp(out: Path) -> dict:
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    return run_training(out / "lora", MegatronStrategy(tensor_parallel=2), steps=2, lora=True)
+
+
 def train_tp(out: Path) -> dict:
     from rlflow.strategies.megatron import MegatronStrategy
 
@@ -340,6 +428,27 @@ def verl_entry(out: Path) -> dict:
             "step_1_rewritten": first.stat().st_mtime_ns != written}
 
 
+def lora_verl(out: Path) -> dict:
+    """verl's Megatron LoRA block through ``main_ppo`` at tensor parallel 2: a step, checkpointed, then resumed for a
+    second; the adapter trains and the checkpoint holds its factors under PEFT's names."""
+    from rlflow.config.run import main
+
+    base = [f"data.train_files={out}/verl/train.parquet", f"actor_rollout_ref.model.path={out}/verl/model",
+            "trainer.device=cpu", "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=megatron",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "actor_rollout_ref.model.lora.rank=4",
+            "actor_rollout_ref.model.lora.alpha=8", "actor_rollout_ref.actor.use_kl_loss=true",
+            "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
+            "data.max_prompt_length=8", "data.max_response_length=4", f"trainer.default_local_dir={out}/verl/lora",
+            "trainer.logger=[console]", "algorithm.adv_estimator=grpo", "trainer.save_freq=1",
+            "trainer.val_before_train=false", "trainer.resume_mode=auto"]
+    codes = (main(base + ["trainer.total_training_steps=1"]), main(base + ["trainer.total_training_steps=2"]))
+    import torch.distributed.checkpoint as dcp
+
+    keys = list(dcp.FileSystemReader(str(out / "verl/lora/global_step_2/state.ckpt")).read_metadata().state_dict_metadata)
+    return {"codes": codes, "steps": sorted(p.name for p in (out / "verl/lora").glob("global_step_*")),
+            "factors": sorted(k for k in keys if ".lora_" in k and k.startswith("policy."))}
+
+
 def gpu_te(out: Path) -> dict:
     """``convert`` on CUDA with the Transformer-Engine layer spec (float32; TF32 off)."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -410,7 +519,8 @@ def dist_ckpt(out: Path) -> dict:
 
 
 SCENARIOS = {f.__name__: f for f in (convert, convert_pp, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp,
-                                     reward_model_tp, train_tp_dp, verl_entry, gpu_te, gpu_distopt, dist_ckpt)}
+                                     reward_model_tp, train_tp_dp, verl_entry, gpu_te, gpu_distopt, dist_ckpt,
+                                     lora_tp, lora_train_tp, lora_verl)}
 
 def run(out: Path, names) -> None:
     """The scenarios in order; rank 0 saves each one's result as ``OUT/<name>.pt``."""

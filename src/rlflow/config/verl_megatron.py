@@ -116,6 +116,13 @@ def _notes(cfg: VerlConfig, notes: list[str], on_cpu: bool, layout: ParallelLayo
     return overrides
 
 
+def _lora(cfg: VerlConfig) -> bool:
+    """LoRA on the policy, in any of its spellings (rlflow.config.lora)."""
+    M_ = "actor_rollout_ref.model"
+    return bool(cfg[f"{M_}.lora_adapter_path"] or cfg[f"{A}.lora.enabled"] or (cfg[f"{M_}.lora_rank"] or 0) > 0
+                or (cfg[f"{M_}.lora.rank"] or 0) > 0)
+
+
 DIST_ROLES = {A: "policy", "actor_rollout_ref.ref": "reference", "critic": "critic"}  # verl role -> strategy role
 
 
@@ -173,6 +180,9 @@ def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, acceler
     sizes = {field: _size(cfg, field) for field in SIZES}
     on_cpu = accelerator == "cpu"
     spec = "transformer_engine" if not on_cpu and importlib.util.find_spec("transformer_engine") else "local"
+    if spec != "local" and _lora(cfg):
+        spec = "local"  # rlflow.strategies.megatron.lora hooks megatron-core's own linear layers
+        notes.append("LoRA under the Megatron strategy uses megatron-core's local layer spec, not Transformer Engine's")
     try:
         layout = ParallelLayout(
             tensor=sizes["tensor"], pipeline=sizes["pipeline"], context=sizes["context"], expert=sizes["expert"],
@@ -220,12 +230,18 @@ def optimizer_overrides(cfg: VerlConfig, notes: list[str], on_cpu: bool) -> dict
 def dry_run_section(plan, config, seq_len: int) -> list[str]:
     """The dry run's Megatron lines: the layout, the batch per data-parallel rank and memory per rank."""
     from rlflow.strategies.megatron.memory import rank_memory  # torch, as above
+    from rlflow.strategies.megatron.lora import check_targets
     from rlflow.strategies.megatron.model import architecture
 
     try:  # a model the conversion does not cover (a vision-language one, say) is refused here, not at build
         architecture(config)
     except ValueError as e:
         raise NotSupportedError("actor_rollout_ref.actor.strategy", "megatron", f"this model ({e})") from None
+    if isinstance(plan.lora, dict):
+        try:
+            check_targets(config, plan.lora["target_modules"])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     layout, world = plan.devices.strategy.layout, plan.devices.processes
     t, n = plan.trainer_kwargs, plan.rollout_kwargs["n"]
     dp = layout.data_parallel(world)

@@ -37,6 +37,7 @@ from rlflow.strategies.megatron.cpu import CPUWorkarounds
 from rlflow.strategies.megatron.distopt import DistributedOptimizer, check_overrides
 from rlflow.strategies.megatron.grads import clip_, global_grad_norm, reduce_gradients
 from rlflow.strategies.megatron.heads import MegatronLogProbs, MegatronValueModel
+from rlflow.strategies.megatron import lora as megatron_lora
 from rlflow.strategies.megatron.layout import ParallelLayout
 from rlflow.strategies.megatron.model import MegatronLM
 from rlflow.strategies.megatron.sharded_checkpoint import ShardedCheckpoint
@@ -172,14 +173,15 @@ class MegatronStrategy(ModelParallelStrategy):
             raise ValueError("Ulysses sequence parallelism (sequence_parallel_size) does not combine with the Megatron "
                              "strategy; use its tensor/context parallelism")
         hf_model = module.lm
-        if type(hf_model).__module__.startswith("peft."):  # a PeftModel: its adapters have no Megatron conversion
-            raise ValueError("LoRA adapters (a PEFT model) do not combine with the Megatron strategy yet; "
-                             "train LoRA with strategy='auto', 'ddp' or FSDP2")
+        peft = type(hf_model).__module__.startswith("peft.")  # a LoRA policy: adapters beside Megatron's layers
+        base = hf_model.get_base_model() if peft else hf_model
         on_cpu = self.root_device.type == "cpu"
-        lm = MegatronLM(hf_model, self.layout, self.layer_spec, on_cpu=on_cpu,
-                        overrides=self._overrides(hf_model, on_cpu)).to(self.root_device)
+        lm = MegatronLM(base, self.layout, self.layer_spec, on_cpu=on_cpu,
+                        overrides=self._overrides(base, on_cpu)).to(self.root_device)
+        if peft:
+            megatron_lora.attach(lm, hf_model)
         slots = lm_slots(lm)
-        load_from_hf([(s.name, s) for s in slots], hf_model.state_dict())
+        load_from_hf([(s.name, s) for s in slots], megatron_lora.base_state(hf_model) if peft else hf_model.state_dict())
         mark_split_parameters(slots)
         if isinstance(module, TokenLogProbs):
             converted = MegatronLogProbs(lm, module.temperature, module.chunk_tokens, module.remove_padding)
@@ -196,12 +198,18 @@ class MegatronStrategy(ModelParallelStrategy):
             self.loaded_policy_weights |= role == "policy"
         if not trained:
             converted.requires_grad_(False)  # a frozen reference stays frozen
+        elif peft:  # only the adapter trains
+            converted.requires_grad_(False)
+            lm.lora.requires_grad_(True)
         # Fabric keeps the module it was given as the "original" (its parameters() and attribute lookups go
         # there): its Hugging Face model is replaced by the Megatron shard so both views hold the same weights.
         module.lm = lm
         self._converted.append(converted)
-        hf_model.weight_buckets = WeightExporter(slots).buckets  # read by rlflow.rollout.weight_sync
+        # read by rlflow.weights.full_weight_buckets (and, with LoRA, rlflow.models.lora.merged_weight_buckets)
+        hf_model.weight_buckets = (WeightExporter(*megatron_lora.export_slots(slots, lm.lora)) if peft
+                                   else WeightExporter(slots)).buckets
         hf_model.to("meta")  # the Hugging Face tensors are not needed any more
+        base.tie_weights()  # .to("meta") unties them; weight sync names a tied embedding's aliases (lm_head.weight)
         return converted
 
     def _overrides(self, hf_model: nn.Module, on_cpu: bool) -> dict:
