@@ -205,3 +205,22 @@ def test_dist_checkpoint_keys_name_the_folders_each_role_starts_from(tmp_path):
     ]:
         with pytest.raises(ConfigError, match=message):
             plan(f"{A}.strategy=megatron", *overrides)
+
+
+def test_router_replay_r2_is_the_strategys_and_r3_is_refused_naming_what_is_missing():
+    """verl's megatron.router_replay.mode: R2 turns on MegatronStrategy(router_replay=True) (tests/megatron/
+    test_router_replay.py runs it); R3 and the rollout's enable_rollout_routing_replay need the generation engine's
+    routed experts, which rlflow's engines do not return: refused, saying so."""
+    RR = f"{A}.megatron.router_replay"
+    on = plan(f"{A}.strategy=megatron", f"{RR}.mode=R2", f"{RR}.record_file=/tmp/r")
+    assert on.trainer_kwargs["strategy"].router_replay and "router_replay=True" in repr(on.trainer_kwargs["strategy"])
+    assert any(n.startswith(f"{RR}.mode=R2: the policy's updates route") for n in on.notes)
+    assert any(n.startswith(f"{RR}.record_file has no effect") for n in on.notes)
+    assert not plan(f"{A}.strategy=megatron").trainer_kwargs["strategy"].router_replay
+    with pytest.raises(NotSupportedError, match=f"{RR}.mode='R3': MoE routing replay from the rollout .* do not "
+                                                "return them yet"):
+        plan(f"{A}.strategy=megatron", f"{RR}.mode=R3")
+    with pytest.raises(ConfigError, match="MoE routing replay from the rollout .*verl's R3"):
+        plan(f"{A}.strategy=megatron", f"{RR}.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+    with pytest.raises(ConfigError, match="choose disabled, R2 or R3"):
+        plan(f"{A}.strategy=megatron", f"{RR}.mode=R4")

@@ -428,6 +428,68 @@ def verl_entry(out: Path) -> dict:
             "step_1_rewritten": first.stat().st_mtime_ns != written}
 
 
+def moe_replay(out: Path) -> dict:
+    """MoE routing replay (R2) at expert parallel 2 on a Qwen3-MoE-shaped model: a pass without gradients records the
+    routing; after the router weights change, a pass with gradients (its rows in another order) routes as recorded,
+    while the same pass without replay routes otherwise."""
+    import lightning as L
+
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    world = world_size()
+
+    def choices(module):  # each MoE layer's experts per token, from the router's routing map (tokens x experts)
+        seen = []
+        hooks = [layer.mlp.router.register_forward_hook(lambda m, a, o: seen.append(o[1].clone()))
+                 for layer in module._forward_module.lm.gpt.decoder.layers]
+        return seen, hooks
+
+    torch.manual_seed(1)
+    prompt_ids, response_ids = torch.randint(3, 40, (4, 6)), torch.randint(3, 47, (4, 5))
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[0, :2] = 0
+    result = {}
+    for replay in (True, False):
+        fabric = L.Fabric(accelerator="cpu", devices=world,
+                          strategy=MegatronStrategy(expert_parallel=world, router_replay=replay))
+        fabric.launch()
+        module = fabric.setup_module(TokenLogProbs(tiny_model("qwen3_moe", seed=3)))
+        seen, hooks = choices(module)
+        with torch.no_grad():
+            old, _ = module(prompt_ids, prompt_mask, response_ids)
+        recorded = [m for m in seen]
+        with torch.no_grad():  # the update's weights differ: here, the routers'
+            for layer in module._forward_module.lm.gpt.decoder.layers:
+                layer.mlp.router.weight.normal_(0, 0.5)
+        seen.clear()
+        order = torch.tensor([2, 0, 3, 1])  # another order of the rows, as a shuffled mini-batch has
+        lp, _ = module(prompt_ids[order], prompt_mask[order], response_ids[order])
+        fabric.backward(lp.sum())
+        for h in hooks:
+            h.remove()
+        # the tokens' routing in the update, back in the recording pass's row order, at the real positions
+        S0 = recorded[0].shape[0] // prompt_ids.shape[0]
+        same = []
+        for before, after in zip(recorded, seen):
+            E = before.shape[-1]
+            b = before.view(S0, -1, E)[:, : prompt_ids.shape[0]]
+            a = after.view(-1, order.numel(), E)[:, torch.argsort(order)]
+            real = (prompt_mask.sum(-1) + response_ids.shape[1]).tolist()
+            same.append(all(torch.equal(b[:n, i], a[:n, i]) for i, n in enumerate(real)))
+        result["replay" if replay else "plain"] = {"same": same, "old": old, "grads": any(
+            p.grad is not None and p.grad.abs().sum() > 0 for p in module._forward_module.parameters())}
+        fabric.strategy.teardown()
+    # in the Trainer: GRPO with two mini-batches per step, so the second update runs on weights the first changed
+    trainer, data, record = build(str(out / "replay"), MegatronStrategy(expert_parallel=world, router_replay=True),
+                                  devices=world, kind="qwen3_moe", steps=2)
+    trainer.fit(data)
+    result["trainer"] = {"counts": trainer.policy.module._forward_module.lm.routing_replay.counts,
+                         "grad_norm": [record.steps[s]["metrics"]["actor/grad_norm"] for s in (1, 2)]
+                         if record.steps else None}
+    trainer.fabric.strategy.teardown()
+    return result
+
+
 def lora_verl(out: Path) -> dict:
     """verl's Megatron LoRA block through ``main_ppo`` at tensor parallel 2: a step, checkpointed, then resumed for a
     second; the adapter trains and the checkpoint holds its factors under PEFT's names."""
@@ -520,7 +582,7 @@ def dist_ckpt(out: Path) -> dict:
 
 SCENARIOS = {f.__name__: f for f in (convert, convert_pp, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp,
                                      reward_model_tp, train_tp_dp, verl_entry, gpu_te, gpu_distopt, dist_ckpt,
-                                     lora_tp, lora_train_tp, lora_verl)}
+                                     lora_tp, lora_train_tp, lora_verl, moe_replay)}
 
 def run(out: Path, names) -> None:
     """The scenarios in order; rank 0 saves each one's result as ``OUT/<name>.pt``."""

@@ -143,10 +143,16 @@ ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     **{f"{r}.optim.use_precision_aware_optimizer": ("Megatron's precision-aware optimizer (low-precision gradients "
                                                     "and Adam states)", _truthy) for r in _ROLES},
     "*.qat.enable": ("quantization-aware training (qat.enable)", _truthy),
-    "*.mtp.enable": ("multi-token prediction (mtp.enable)", _truthy),
+    "*.mtp.enable": ("multi-token prediction (mtp.enable: a model's MTP layers trained beside it, verl's enable_train, "
+                     "and used as the draft of speculative decoding, enable_rollout; rlflow's Megatron conversion builds "
+                     "no MTP layers (megatron-core's MultiTokenPredictionBlock) and maps no MTP weights, and its "
+                     "engines do not decode speculatively)", _truthy),
     f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation)", _truthy),
     f"{ROLL}.quantization": ("quantized rollouts (rollout.quantization)", _truthy),
-    f"{ROLL}.enable_rollout_routing_replay": ("MoE routing replay (enable_rollout_routing_replay)", _truthy),
+    f"{ROLL}.enable_rollout_routing_replay": ("MoE routing replay from the rollout (enable_rollout_routing_replay: the "
+                                              "experts the generation engine routed to, verl's R3; rlflow replays the "
+                                              "old-log-prob pass's routing: actor.megatron.router_replay.mode=R2)",
+                                              _truthy),
     "critic.model.lora.rank": (_CRITIC_MEGATRON_LORA, lambda v: v is not None and v > 0),
     "critic.model.lora.adapter_path": (_CRITIC_MEGATRON_LORA, _truthy),
     "critic.model.use_liger": ("Liger kernels", _truthy),

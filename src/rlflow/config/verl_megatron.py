@@ -116,6 +116,27 @@ def _notes(cfg: VerlConfig, notes: list[str], on_cpu: bool, layout: ParallelLayo
     return overrides
 
 
+def router_replay(cfg: VerlConfig, notes: list[str]) -> bool:
+    """``megatron.router_replay.mode``: ``R2`` -> ``MegatronStrategy(router_replay=True)`` (the update replays the routing
+    of the old-log-prob pass); ``R3`` (the rollout engine's routing) is refused: rlflow's engines do not return it."""
+    key = f"{M}.router_replay"
+    mode = cfg[f"{key}.mode"]
+    if cfg[f"{key}.replay_file"]:
+        raise NotSupportedError(f"{key}.replay_file", cfg[f"{key}.replay_file"], "MoE routing replay from a file")
+    if cfg[f"{key}.record_file"]:
+        notes.append(f"{key}.record_file has no effect: rlflow keeps the recorded routing in memory")
+    if mode == "R3":
+        raise NotSupportedError(f"{key}.mode", mode, "MoE routing replay from the rollout (R3: the routed experts "
+                                "the generation engine chose)", "rlflow's engines do not return them yet; "
+                                f"{key}.mode=R2 replays the routing of the old-log-prob pass.")
+    if mode not in (None, "disabled", "R2"):
+        raise ConfigError(f"{key}.mode={mode!r}: choose disabled, R2 or R3")
+    if mode == "R2":
+        notes.append(f"{key}.mode=R2: the policy's updates route each token to the experts its old-log-prob pass chose "
+                     "(no effect on a model without MoE layers)")
+    return mode == "R2"
+
+
 def _lora(cfg: VerlConfig) -> bool:
     """LoRA on the policy, in any of its spellings (rlflow.config.lora)."""
     M_ = "actor_rollout_ref.model"
@@ -197,12 +218,13 @@ def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, acceler
     overrides = _notes(cfg, notes, on_cpu, layout, spec)
     optimizer = optimizer_overrides(cfg, notes, on_cpu)
     folders, prefix = dist_checkpoints(cfg, notes, with_critic, check_dist_checkpoint)
+    replay = router_replay(cfg, notes)
     try:
         return MegatronStrategy(tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline,
                                 context_parallel=layout.context, expert_parallel=layout.expert,
                                 sequence_parallel=layout.sequence_parallel, layer_spec=spec,
                                 transformer_overrides=overrides, optimizer_overrides=optimizer,
-                                dist_checkpoints=folders, dist_checkpoint_prefix=prefix)
+                                dist_checkpoints=folders, dist_checkpoint_prefix=prefix, router_replay=replay)
     except ValueError as e:
         raise ConfigError(f"{A}.optim.override_optimizer_config: {e}") from None
 
