@@ -23,7 +23,14 @@ pytestmark = pytest.mark.skipif(not megatron_available(),
 def two(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron-lora")
     verl_inputs(out / "verl")
-    return fork_launch(2, out, ("lora_tp", "lora_train_tp", "lora_verl"))
+    return fork_launch(2, out, ("lora_tp", "lora_train_tp", "lora_train_pp", "lora_verl"))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    trainer, data, record = build(str(tmp_path_factory.mktemp("one")), "auto", steps=2, lora=True)
+    trainer.fit(data)
+    return record.steps
 
 
 def test_tensor_parallel_lora_equals_peft_on_one_process(two):
@@ -42,20 +49,24 @@ def test_tensor_parallel_lora_equals_peft_on_one_process(two):
         "mlp.down_proj", "mlp.up_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"))
 
 
-def test_tensor_parallel_lora_grpo_steps_equal_one_process(two, tmp_path):
+def test_tensor_parallel_lora_grpo_steps_equal_one_process(two, one_process):
     """Two GRPO steps (two optimizer steps each, a KL term against the adapter-disabled reference): the same
     metrics and merged weights as PEFT on one process, the engine holds them, and the weights no adapter touches
     are the initial model's."""
-    trainer, data, record = build(str(tmp_path), "auto", steps=2, lora=True)
-    trainer.fit(data)
     got = two["lora_train_tp"]
-    assert_same_run(got, record.steps, steps=(1, 2))
+    assert_same_run(got, one_process, steps=(1, 2))
     assert got[2]["metrics"]["actor/kl_loss"] > 0
     initial = dict(tiny_model("qwen2").named_parameters(remove_duplicate=False))
     for name, weight in got[2]["weights"].items():
         adapted = any(f"{m}.weight" in name for m in ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
         moved = (weight - initial[name]).abs().max().item()
         assert (moved > 0) if adapted else (moved == 0), name
+
+
+def test_pipeline_parallel_lora_grpo_steps_equal_one_process(two, one_process):
+    """The same at pipeline parallel 2: each stage holds its layers' adapters; the merged weights the engine receives
+    after each step (only the adapted ones after the first sync) come from both stages."""
+    assert_same_run(two["lora_train_pp"], one_process, steps=(1, 2))
 
 
 def test_verl_megatron_lora_block_trains_and_resumes_through_main_ppo(two):

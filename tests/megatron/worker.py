@@ -349,6 +349,12 @@ def lora_train_tp(out: Path) -> dict:
     return run_training(out / "lora", MegatronStrategy(tensor_parallel=2), steps=2, lora=True)
 
 
+def lora_train_pp(out: Path) -> dict:
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    return run_training(out / "lora_pp", MegatronStrategy(pipeline_parallel=2), steps=2, lora=True)
+
+
 def train_tp(out: Path) -> dict:
     from rlflow.strategies.megatron import MegatronStrategy
 
@@ -582,7 +588,7 @@ def dist_ckpt(out: Path) -> dict:
 
 SCENARIOS = {f.__name__: f for f in (convert, convert_pp, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp,
                                      reward_model_tp, train_tp_dp, verl_entry, gpu_te, gpu_distopt, dist_ckpt,
-                                     lora_tp, lora_train_tp, lora_verl, moe_replay)}
+                                     lora_tp, lora_train_tp, lora_train_pp, lora_verl, moe_replay)}
 
 def run(out: Path, names) -> None:
     """The scenarios in order; rank 0 saves each one's result as ``OUT/<name>.pt``."""

@@ -81,18 +81,19 @@ class WeightExporter:
     def __init__(self, slots: list[Slot], adapted: set[str] = frozenset()):
         from megatron.core import parallel_state as ps
 
-        self.slots, self.adapted = [s for s in slots if s.primary], set(adapted)
+        self.slots = [s for s in slots if s.primary]
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group) if dist.is_initialized() else [0]
         self.stage = ps.get_pipeline_model_parallel_rank()
         # every stage's (name, shape, dtype), so all ranks agree on the buckets
-        mine = [(s.name, s.shape, str(s.params[0].dtype).removeprefix("torch.")) for s in self.slots]
+        mine = [(s.name, s.shape, str(s.params[0].dtype).removeprefix("torch."), s.name in adapted) for s in self.slots]
         stages = [mine]
         if len(self.pp_ranks) > 1:
             stages = [None] * len(self.pp_ranks)
             dist.all_gather_object(stages, mine, group=self.pp_group)
         self.plan = [(stage, name, shape, getattr(torch, dtype)) for stage, entries in enumerate(stages)
-                     for name, shape, dtype in entries]
+                     for name, shape, dtype, _ in entries]
+        self.adapted = {name for entries in stages for name, _, _, changes in entries if changes}  # every stage's
 
     def buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, only_adapted: bool = False
                 ) -> Iterator[list[tuple[str, Tensor]]]:
