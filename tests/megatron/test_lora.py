@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not megatron_available(),
 def two(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron-lora")
     verl_inputs(out / "verl")
-    return fork_launch(2, out, ("lora_tp", "lora_train_tp", "lora_train_pp", "lora_verl"))
+    return fork_launch(2, out, ("lora_tp", "lora_train_tp", "lora_train_pp", "lora_critic_tp", "lora_verl"))
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,19 @@ def test_pipeline_parallel_lora_grpo_steps_equal_one_process(two, one_process):
     """The same at pipeline parallel 2: each stage holds its layers' adapters; the merged weights the engine receives
     after each step (only the adapted ones after the first sync) come from both stages."""
     assert_same_run(two["lora_train_pp"], one_process, steps=(1, 2))
+
+
+def test_lora_critic_at_tensor_parallel_2_equals_one_process(two, tmp_path):
+    """PPO with a LoRA critic (its adapter and its new value head train; its base weights do not): the critic's
+    loss, gradient norm and values, and the policy's run, as on one process."""
+    trainer, data, record = build(str(tmp_path), "auto", steps=2, critic=True, critic_lora=True)
+    trainer.fit(data)
+    got = two["lora_critic_tp"]
+    assert_same_run(got, record.steps, steps=(1, 2))
+    for step in (1, 2):
+        for key in ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"):
+            assert got[step]["metrics"][key] == pytest.approx(record.steps[step]["metrics"][key], abs=1e-5, rel=1e-4)
+    assert record.steps[2]["metrics"]["critic/grad_norm"] > 0
 
 
 def test_verl_megatron_lora_block_trains_and_resumes_through_main_ppo(two):

@@ -110,7 +110,7 @@ def lora_config(**kw):
 
 
 def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save=False, mini_batches=2, critic=False,
-          accelerator="cpu", rm=False, lora=False):
+          accelerator="cpu", rm=False, lora=False, critic_lora=False):
     """A GRPO Trainer on the addition task. ``mini_batches`` per RL step: with data parallelism a mini-batch is
     the union of every rank's k-th slice, so runs are only comparable across data-parallel sizes with 1.
     ``critic``: PPO with GAE and a critic (a second tiny model) instead of GRPO. ``rm``: a reward model scores."""
@@ -123,7 +123,7 @@ def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save
         reward=reward_model(tok) if rm else FunctionReward(varied),
         estimator=GAE(gamma=1.0, lam=0.95) if critic else GRPO(),
         loss=PPOLoss(kl_coef=0.05, entropy_coef=0.01),
-        critic=Critic(tiny_model(kind, seed=1)) if critic else None, value_loss=ValueLoss() if critic else None,
+        critic=Critic(tiny_model(kind, seed=1), lora=lora_config() if critic_lora else None) if critic else None, value_loss=ValueLoss() if critic else None,
         callbacks=[record],
         optim=Optim(lr=3e-3, critic_lr=3e-3),
         batching=Batching(batch_size=4, mini_batch_size=4 // mini_batches, micro_batch_size=2),
@@ -496,6 +496,14 @@ def moe_replay(out: Path) -> dict:
     return result
 
 
+def lora_critic_tp(out: Path) -> dict:
+    """PPO with a LoRA critic (its adapter and value head train) at tensor parallel 2."""
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    return run_training(out / "lora_critic", MegatronStrategy(tensor_parallel=2), steps=2, critic=True,
+                        critic_lora=True)
+
+
 def lora_verl(out: Path) -> dict:
     """verl's Megatron LoRA block through ``main_ppo`` at tensor parallel 2: a step, checkpointed, then resumed for a
     second; the adapter trains and the checkpoint holds its factors under PEFT's names."""
@@ -588,7 +596,8 @@ def dist_ckpt(out: Path) -> dict:
 
 SCENARIOS = {f.__name__: f for f in (convert, convert_pp, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp,
                                      reward_model_tp, train_tp_dp, verl_entry, gpu_te, gpu_distopt, dist_ckpt,
-                                     lora_tp, lora_train_tp, lora_train_pp, lora_verl, moe_replay)}
+                                     lora_tp, lora_train_tp, lora_train_pp, lora_critic_tp, lora_verl,
+                                     moe_replay)}
 
 def run(out: Path, names) -> None:
     """The scenarios in order; rank 0 saves each one's result as ``OUT/<name>.pt``."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlflow.config import megatron_lora
-from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.loading import ConfigError, VerlConfig
 from rlflow.config.verl_megatron import wants_megatron
 
 M, SEED = "actor_rollout_ref.model", "actor_rollout_ref.actor.lora"
@@ -75,10 +75,6 @@ def critic_lora_argument(cfg: VerlConfig, notes: list[str]) -> dict | str | None
     rank, adapter = cfg[f"{CM}.lora_rank"], cfg[f"{CM}.lora_adapter_path"]
     if not (adapter or (rank or 0) > 0):
         return None
-    if cfg["critic.strategy"] == "megatron":
-        raise NotSupportedError(f"{CM}.lora_adapter_path" if adapter else f"{CM}.lora_rank",
-                                adapter or rank, "LoRA on the critic with the Megatron strategy",
-                                "Use critic.strategy=fsdp or fsdp2 with LoRA.")
     if adapter:
         shape = (f"{CM}.lora_rank", f"{CM}.lora_alpha", f"{CM}.target_modules")
         return adapter_folder(cfg, notes, CM, adapter, shape)

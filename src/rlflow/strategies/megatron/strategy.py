@@ -207,8 +207,8 @@ class MegatronStrategy(ModelParallelStrategy):
             self.loaded_policy_weights |= role == "policy"
         if not trained:
             converted.requires_grad_(False)  # a frozen reference stays frozen
-        elif peft:  # only the adapter trains
-            converted.requires_grad_(False)
+        elif peft:  # only the adapter trains (and a critic's value head, new)
+            lm.requires_grad_(False)
             lm.lora.requires_grad_(True)
         # Fabric keeps the module it was given as the "original" (its parameters() and attribute lookups go
         # there): its Hugging Face model is replaced by the Megatron shard so both views hold the same weights.
