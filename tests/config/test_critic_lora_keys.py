@@ -41,6 +41,12 @@ def test_keys_make_the_critics_lora_config(ppo):
                                             f"{CM}.target_modules=[q_proj,v_proj]",
                                             "actor_rollout_ref.actor.strategy=megatron", "critic.strategy=megatron"]))
     assert megatron.critic_lora == p.critic_lora  # on Megatron's layers (tests/megatron/test_lora.py trains it)
+    block = make_plan(load_config(ppo + [f"{CM}.lora.rank=4", f"{CM}.lora.alpha=8", f"{CM}.lora.type=canonical_lora",
+                                         f"{CM}.lora.target_modules=[linear_q,linear_v]",
+                                         "actor_rollout_ref.actor.strategy=megatron"]))
+    assert block.critic_lora == p.critic_lora  # verl's Megatron LoRA block on the critic: the same adapters
+    with pytest.raises(ConfigError, match=f"{CM}.lora.rank=4: verl's model.lora block is the Megatron strategy's"):
+        make_plan(load_config(ppo + [f"{CM}.lora.rank=4"]))
 
 
 def test_only_the_adapter_and_the_value_head_train(ppo, tmp_path):

@@ -73,6 +73,15 @@ def critic_lora_argument(cfg: VerlConfig, notes: list[str]) -> dict | str | None
     or ``lora_adapter_path``): ``peft.LoraConfig``'s kwargs, an adapter folder, or ``None``. The value head is new,
     so it trains beside the adapter (``Critic(lora=...)``)."""
     rank, adapter = cfg[f"{CM}.lora_rank"], cfg[f"{CM}.lora_adapter_path"]
+    if megatron_lora.wants_block(cfg, f"{CM}.lora"):  # verl's Megatron LoRA block on the critic
+        if not wants_megatron(cfg):
+            raise ConfigError(f"{CM}.lora.rank={cfg[f'{CM}.lora.rank']}: verl's model.lora block is the Megatron "
+                              f"strategy's LoRA; without it, the critic's LoRA is {CM}.lora_rank, lora_alpha and "
+                              "target_modules")
+        if adapter or (rank or 0) > 0:
+            raise ConfigError(f"{CM}.lora.rank and {CM}.lora_rank / lora_adapter_path both turn LoRA on; set one")
+        kwargs = megatron_lora.megatron_lora_argument(cfg, notes, f"{CM}.lora")
+        return {k: v for k, v in kwargs.items() if k not in ("use_rslora", "use_dora")}
     if not (adapter or (rank or 0) > 0):
         return None
     if adapter:

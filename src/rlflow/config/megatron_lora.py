@@ -1,4 +1,5 @@
-"""verl's Megatron LoRA block (``actor_rollout_ref.model.lora.*``) -> ``peft.LoraConfig``'s keyword arguments.
+"""verl's Megatron LoRA block (``actor_rollout_ref.model.lora.*``, ``critic.model.lora.*``) -> ``peft.LoraConfig``'s
+keyword arguments.
 
 verl trains LoRA under Megatron through Megatron-Bridge's PEFT, configured by ``model.lora.rank`` (> 0 turns it
 on), ``alpha`` and ``target_modules`` in Megatron's layer names. rlflow's Megatron strategy trains a PEFT LoRA
@@ -23,7 +24,7 @@ MEGATRON_TARGETS = {
 }
 
 
-def wants_block(cfg: VerlConfig) -> bool:
+def wants_block(cfg: VerlConfig, L: str = L) -> bool:
     rank = cfg[f"{L}.rank"]
     return rank is not None and rank > 0
 
@@ -39,8 +40,9 @@ def projections(names, key: str) -> list[str]:
     return out
 
 
-def megatron_lora_argument(cfg: VerlConfig, notes: list[str]) -> dict:
-    """``peft.LoraConfig``'s kwargs for verl's ``model.lora`` block (``rank`` > 0), with the strategy Megatron."""
+def megatron_lora_argument(cfg: VerlConfig, notes: list[str], L: str = L) -> dict:
+    """``peft.LoraConfig``'s kwargs for verl's ``model.lora`` block (``rank`` > 0), with the strategy Megatron; ``L``:
+    the block (the policy's, or ``critic.model.lora``)."""
     rank, kind = cfg[f"{L}.rank"], cfg[f"{L}.type"]
     if not isinstance(rank, int):
         raise ConfigError(f"{L}.rank={rank!r}: LoRA rank must be a positive integer")
@@ -65,7 +67,7 @@ def megatron_lora_argument(cfg: VerlConfig, notes: list[str]) -> dict:
                                 "start at zero", "rlflow's adapters start at the base model (B = 0).")
     if cfg[f"{L}.adapter_path"]:
         raise NotSupportedError(f"{L}.adapter_path", cfg[f"{L}.adapter_path"], "Megatron-Bridge adapter checkpoints",
-                                "A PEFT adapter folder goes in actor_rollout_ref.model.lora_adapter_path.")
+                                f"A PEFT adapter folder goes in {L.removesuffix('.lora')}.lora_adapter_path.")
     notes.append(f"{L}: PEFT adapters of rank {rank} on {', '.join(modules)}, on Megatron's tensor-parallel layers "
                  + ("(type=lora's fused q/k/v and gate/up adapters become one adapter per projection, as "
                     "canonical_lora's)" if kind == "lora" and any(t in ("linear_qkv", "linear_fc1") for t in targets)

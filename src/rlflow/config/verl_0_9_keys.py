@@ -129,15 +129,12 @@ ROLE_INERT: dict[str, str] = {
     # the models
     f"{MOD}.tiled_mlp.*": _TILED, "critic.model.tiled_mlp.*": _TILED,
     f"{MOD}.mtp.*": _MTP_ONLY, "critic.model.mtp.*": _MTP_ONLY,
-    f"{MOD}.lora.*": _MLORA_ONLY, "critic.model.lora.*": "only used with critic.model.lora.rank > 0, which rlflow refuses",
+    f"{MOD}.lora.*": _MLORA_ONLY, "critic.model.lora.*": _MLORA_ONLY,
     "critic.model.custom_chat_template": ("the critic scores the policy's token ids; prompts are rendered once, with "
                                           "actor_rollout_ref.model.custom_chat_template"),
     "critic.model.exclude_modules": "only used with LoRA on the critic: critic.model.lora_rank > 0",
     "critic.nccl_timeout": "process groups use rlflow's own time-out (rlflow.strategies.DEFAULT_TIMEOUT)",
 }
-
-_CRITIC_MEGATRON_LORA = ("verl's Megatron LoRA block on the critic (critic.model.lora.*; rlflow's critic LoRA is "
-                         "critic.model.lora_rank, lora_alpha, target_modules or lora_adapter_path: PEFT adapters)")
 
 ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     **{f"{r}.optim.use_precision_aware_optimizer": ("Megatron's precision-aware optimizer (low-precision gradients "
@@ -153,8 +150,6 @@ ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
                                               "experts the generation engine routed to, verl's R3; rlflow replays the "
                                               "old-log-prob pass's routing: actor.megatron.router_replay.mode=R2)",
                                               _truthy),
-    "critic.model.lora.rank": (_CRITIC_MEGATRON_LORA, lambda v: v is not None and v > 0),
-    "critic.model.lora.adapter_path": (_CRITIC_MEGATRON_LORA, _truthy),
     "critic.model.use_liger": ("Liger kernels", _truthy),
 }
 
