@@ -11,6 +11,7 @@ import torch
 
 from rlflow.strategies.megatron import megatron_available
 
+from . import lora_scenarios  # noqa: F401  (its scenarios, for the forked ranks)
 from .forked import fork_launch
 from .test_megatron import assert_same_run, verl_inputs
 from .worker import build, tiny_model

@@ -8,6 +8,7 @@ import pytest
 
 from rlflow.strategies.megatron import megatron_available
 
+from . import lora_scenarios  # noqa: F401  (its scenarios, for the forked ranks)
 from .forked import fork_launch
 
 pytestmark = pytest.mark.skipif(not megatron_available(),
