@@ -50,6 +50,7 @@ ALLOWED = {
     ("config.verl_megatron", "strategies.megatron"): "defers lightning, torch",
     ("config.verl_megatron", "strategies.megatron.memory"): "defers lightning, torch",
     ("config.verl_megatron", "strategies.megatron.model"): "defers lightning, torch",
+    ("config.verl_megatron", "strategies.megatron.lora"): "defers lightning, torch",
     ("models.policy", "models.lora"): "defers peft",
     ("models.critic", "models.lora"): "defers peft",
     ("rewards.model", "strategies"): "defers lightning",

@@ -9,7 +9,6 @@ import rlflow.config.devices as devices
 from rlflow.config import ConfigError, load_config, make_plan
 from rlflow.config.build import build_trainer
 from rlflow.config.dryrun import dry_run
-from rlflow.config.loading import NotSupportedError
 from rlflow.config.run import unused_notes
 from rlflow.models import lora as L
 
@@ -38,8 +37,16 @@ def test_keys_make_the_critics_lora_config(ppo):
                                            for n in unused_notes(off.cfg))
     with pytest.raises(ConfigError, match=f"{CM}.lora_adapter_path='nowhere'.*adapter_config.json"):
         make_plan(load_config(ppo + [f"{CM}.lora_adapter_path=nowhere"]))
-    with pytest.raises(NotSupportedError, match=f"{CM}.lora_rank=4: LoRA on the critic with the Megatron strategy"):
-        make_plan(load_config(ppo + [f"{CM}.lora_rank=4", "critic.strategy=megatron"]))
+    megatron = make_plan(load_config(ppo + [f"{CM}.lora_rank=4", f"{CM}.lora_alpha=8",
+                                            f"{CM}.target_modules=[q_proj,v_proj]",
+                                            "actor_rollout_ref.actor.strategy=megatron", "critic.strategy=megatron"]))
+    assert megatron.critic_lora == p.critic_lora  # on Megatron's layers (tests/megatron/test_lora.py trains it)
+    block = make_plan(load_config(ppo + [f"{CM}.lora.rank=4", f"{CM}.lora.alpha=8", f"{CM}.lora.type=canonical_lora",
+                                         f"{CM}.lora.target_modules=[linear_q,linear_v]",
+                                         "actor_rollout_ref.actor.strategy=megatron"]))
+    assert block.critic_lora == p.critic_lora  # verl's Megatron LoRA block on the critic: the same adapters
+    with pytest.raises(ConfigError, match=f"{CM}.lora.rank=4: verl's model.lora block is the Megatron strategy's"):
+        make_plan(load_config(ppo + [f"{CM}.lora.rank=4"]))
 
 
 def test_only_the_adapter_and_the_value_head_train(ppo, tmp_path):

@@ -41,11 +41,39 @@ def test_verl_keys_and_seed_keys_make_the_lora_config():
         plan(f"{SEED}.enabled=true", f"{SEED}.r=0")
     with pytest.raises(ConfigError, match="lora_adapter_path='nowhere'.*adapter_config.json"):
         plan(f"{M}.lora_adapter_path=nowhere")
-    with pytest.raises(NotSupportedError, match=f"{SEED}.enabled=True: LoRA with the Megatron strategy"):
-        plan(f"{SEED}.enabled=true", "actor_rollout_ref.actor.strategy=megatron")
+    megatron = plan(f"{SEED}.enabled=true", f"{SEED}.target_modules=[q_proj,v_proj]",
+                    "actor_rollout_ref.actor.strategy=megatron")
+    assert megatron.lora == seed.lora  # the same PEFT adapters, on Megatron's layers (rlflow.strategies.megatron.lora)
     off = plan(f"{M}.lora_alpha=64")  # LoRA off: the setting changes nothing, and says so
     assert off.lora is None and any(n.startswith(f"{M}.lora_alpha=64 has no effect") and "lora_rank > 0" in n
                                     for n in unused_notes(off.cfg))
+
+
+def test_verl_megatron_lora_block_makes_the_lora_config():
+    """verl's model.lora.* (Megatron-Bridge's names) with the Megatron strategy: PEFT adapters on the projections
+    each Megatron layer fuses; what has no counterpart is refused by name, what changes nothing gets a note."""
+    MEG, LB = "actor_rollout_ref.actor.strategy=megatron", f"{M}.lora"
+    p = plan(MEG, f"{LB}.rank=32", f"{LB}.alpha=64", f"{LB}.lora_A_init_method=kaiming")
+    assert p.lora == {"r": 32, "lora_alpha": 64, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                     "up_proj", "down_proj"],
+                      "exclude_modules": None, "use_rslora": False, "use_dora": False, "task_type": "CAUSAL_LM"}
+    assert any(n.startswith(f"{LB}: PEFT adapters of rank 32") and "one adapter per projection" in n for n in p.notes)
+    assert not any(n.startswith(f"{LB}.lora_A_init_method") for n in unused_notes(p.cfg))  # read, and in the note
+    canonical = plan(MEG, f"{LB}.rank=8", f"{LB}.type=canonical_lora", f"{LB}.target_modules=[linear_q,linear_v]")
+    assert canonical.lora["target_modules"] == ["q_proj", "v_proj"]
+    assert plan(MEG, f"{LB}.rank=8", f"{LB}.target_modules=[]", f"{LB}.exclude_modules=[linear_fc2,linear_k]"
+                ).lora["target_modules"] == ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
+    for override, match in ((f"{LB}.type=dora", "this Megatron LoRA variant"),
+                            (f"{LB}.target_modules=[router]", "LoRA on 'router'"),
+                            (f"{LB}.target_modules=['*.layers.0.*.linear_qkv']", "no wildcards"),
+                            (f"{LB}.dropout=0.1", "LoRA dropout under the Megatron strategy"),
+                            (f"{LB}.adapter_path=/a", "Megatron-Bridge adapter checkpoints")):
+        with pytest.raises(NotSupportedError, match=match):
+            plan(MEG, f"{LB}.rank=8", override)
+    with pytest.raises(ConfigError, match="the Megatron strategy's LoRA .* with fsdp"):
+        plan(f"{LB}.rank=8", "actor_rollout_ref.actor.strategy=fsdp")
+    with pytest.raises(ConfigError, match="both turn LoRA on"):
+        plan(MEG, f"{LB}.rank=8", f"{M}.lora_rank=8")
 
 
 def test_native_keys_equal_verl_keys(tmp_path):

@@ -154,7 +154,6 @@ def test_freeze_vision_tower_on_a_text_model_is_a_note(tiny):
     (f"{R}.disaggregation.enabled=true", "prefill/decode disaggregation"),
     (f"{R}.quantization=fp8", "quantized rollouts"),
     (f"{R}.enable_rollout_routing_replay=true", "MoE routing replay"),
-    (f"{M}.lora.rank=8", "Megatron LoRA block"),
 ])
 def test_keys_that_would_change_the_run_are_refused_naming_the_feature(tiny, override, feature):
     with pytest.raises(ConfigError) as e:  # a NotSupportedError (more than one when others interpolate the key)

@@ -205,3 +205,44 @@ def test_dist_checkpoint_keys_name_the_folders_each_role_starts_from(tmp_path):
     ]:
         with pytest.raises(ConfigError, match=message):
             plan(f"{A}.strategy=megatron", *overrides)
+
+
+def test_router_replay_r2_is_the_strategys_and_r3_is_refused_naming_what_is_missing():
+    """verl's megatron.router_replay.mode: R2 turns on MegatronStrategy(router_replay=True) (tests/megatron/
+    test_router_replay.py runs it); R3 and the rollout's enable_rollout_routing_replay need the generation engine's
+    routed experts, which rlflow's engines do not return: refused, saying so."""
+    RR = f"{A}.megatron.router_replay"
+    on = plan(f"{A}.strategy=megatron", f"{RR}.mode=R2", f"{RR}.record_file=/tmp/r")
+    assert on.trainer_kwargs["strategy"].router_replay and "router_replay=True" in repr(on.trainer_kwargs["strategy"])
+    assert any(n.startswith(f"{RR}.mode=R2: the policy's updates route") for n in on.notes)
+    assert any(n.startswith(f"{RR}.record_file has no effect") for n in on.notes)
+    assert not plan(f"{A}.strategy=megatron").trainer_kwargs["strategy"].router_replay
+    with pytest.raises(NotSupportedError, match=f"{RR}.mode='R3': MoE routing replay from the rollout .* do not "
+                                                "return them yet"):
+        plan(f"{A}.strategy=megatron", f"{RR}.mode=R3")
+    with pytest.raises(ConfigError, match="MoE routing replay from the rollout .*verl's R3"):
+        plan(f"{A}.strategy=megatron", f"{RR}.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+    with pytest.raises(ConfigError, match="choose disabled, R2 or R3"):
+        plan(f"{A}.strategy=megatron", f"{RR}.mode=R4")
+
+
+def test_lora_on_a_moe_models_experts_is_refused_at_the_dry_run_and_its_attention_accepted(tmp_path, capsys):
+    """verl's Megatron LoRA block targets linear_fc1/linear_fc2 by default, which on a MoE model are its routed
+    experts: rlflow's Megatron LoRA adapts the attention only, so the dry run refuses those targets by name (before
+    any weight loads) and accepts linear_qkv / linear_proj."""
+    tok = char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(tmp_path / "model")
+    Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                   vocab_size=len(tok)).save_pretrained(tmp_path / "model")
+    pd.DataFrame(verl_rows(8, "train", 0)).to_parquet(tmp_path / "train.parquet")
+    argv = ["--dry-run", f"actor_rollout_ref.model.path={tmp_path}/model", f"data.train_files={tmp_path}/train.parquet",
+            "trainer.device=cpu", "trainer.n_gpus_per_node=1", "algorithm.adv_estimator=grpo", "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.logger=[console]", f"{A}.strategy=megatron",
+            "actor_rollout_ref.model.lora.rank=4", f"trainer.default_local_dir={tmp_path}/run"]
+    assert main(argv) != 0
+    assert re.search(r"on a MoE model \(qwen3_moe\) adapts the attention .*\['down_proj', 'gate_proj', 'up_proj'\]",
+                     capsys.readouterr().err)
+    assert main(argv + ["actor_rollout_ref.model.lora.target_modules=[linear_qkv,linear_proj]"]) == 0
+    assert "Dry run: config and data are valid" in capsys.readouterr().out

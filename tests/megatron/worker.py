@@ -21,6 +21,9 @@ more than most scenarios. Scenarios:
 - ``train_tp_dp``: tensor parallel 2 x data parallel 2 (4 processes).
 - ``dist_ckpt``: a Megatron dist checkpoint (verl's ``use_dist_checkpointing``) written at tensor parallel 2, loaded
   at pipeline parallel 2 and tensor parallel 1; a Trainer starting from it; another model's refused.
+
+LoRA and routing-replay scenarios are in ``lora_scenarios.py`` (registered here when test_lora.py or
+test_router_replay.py imports it).
 """
 
 from __future__ import annotations
@@ -101,8 +104,16 @@ def reward_model(tok):
     return ModelReward(model, micro_batch_size=3)
 
 
+def lora_config(**kw):
+    """PEFT adapters on a subset of each fused Megatron layer's parts (k and gate left out) and on both row-parallel
+    layers."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"], **kw)
+
+
 def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save=False, mini_batches=2, critic=False,
-          accelerator="cpu", rm=False):
+          accelerator="cpu", rm=False, lora=False, critic_lora=False):
     """A GRPO Trainer on the addition task. ``mini_batches`` per RL step: with data parallelism a mini-batch is
     the union of every rank's k-th slice, so runs are only comparable across data-parallel sizes with 1.
     ``critic``: PPO with GAE and a critic (a second tiny model) instead of GRPO. ``rm``: a reward model scores."""
@@ -111,11 +122,11 @@ def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save
     train, _, _ = AdditionTask().splits()
     record = Record()
     trainer = Trainer(
-        policy=Policy(model, tok), rollout=SeededSampling(n=4, max_new_tokens=5, temperature=1.0),
+        policy=Policy(model, tok, lora=lora_config() if lora else None), rollout=SeededSampling(n=4, max_new_tokens=5, temperature=1.0),
         reward=reward_model(tok) if rm else FunctionReward(varied),
         estimator=GAE(gamma=1.0, lam=0.95) if critic else GRPO(),
         loss=PPOLoss(kl_coef=0.05, entropy_coef=0.01),
-        critic=Critic(tiny_model(kind, seed=1)) if critic else None, value_loss=ValueLoss() if critic else None,
+        critic=Critic(tiny_model(kind, seed=1), lora=lora_config() if critic_lora else None) if critic else None, value_loss=ValueLoss() if critic else None,
         callbacks=[record],
         optim=Optim(lr=3e-3, critic_lr=3e-3),
         batching=Batching(batch_size=4, mini_batch_size=4 // mini_batches, micro_batch_size=2),
@@ -128,9 +139,13 @@ def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save
 
 def full_weights(trainer) -> dict[str, torch.Tensor]:
     """The policy's weights in transformers' naming, gathered (collective under Megatron)."""
+    from rlflow.models.policy import lora_module
     from rlflow.rollout.weight_sync import full_weight_buckets
 
-    return {n: t.clone() for bucket in full_weight_buckets(trainer.policy.model, 2**16) for n, t in bucket}
+    model, lora = trainer.policy.model, lora_module(trainer.policy.model)
+    # a LoRA policy's are merged (W + s B A), as its engine receives them
+    buckets = lora.merged_weight_buckets(model, 2**16) if lora else full_weight_buckets(model, 2**16)
+    return {n: t.clone() for bucket in buckets for n, t in bucket}
 
 
 class Record:
@@ -141,8 +156,9 @@ class Record:
 
     def on_step_end(self, trainer, step, metrics):
         weights = full_weights(trainer)
-        engine = dict(trainer.rollout.model.named_parameters())
-        synced = max((engine[n].detach() - w).abs().max().item() for n, w in weights.items())
+        engine = dict(trainer.rollout.model.named_parameters(remove_duplicate=False))
+        synced = 0.0 if trainer.rollout.model is trainer.policy.model else \
+            max((engine[n].detach() - w).abs().max().item() for n, w in weights.items())  # else: it generates itself
         if trainer.fabric.global_rank == 0:
             self.steps[step] = {"metrics": metrics, "weights": weights, "engine_diff": synced}
 

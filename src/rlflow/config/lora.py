@@ -7,14 +7,16 @@ Two spellings configure the same adapters:
 - the seed's: ``actor_rollout_ref.actor.lora.{enabled, r, alpha, target_modules}``.
 
 ``actor_rollout_ref.model.use_rslora`` and ``use_dora`` (rlflow's keys) pass through to ``peft.LoraConfig``
-for either spelling. Both spellings at once must agree.
+for either spelling. Both spellings at once must agree. Either works with the Megatron strategy too, and so does
+verl's Megatron LoRA block ``actor_rollout_ref.model.lora.*`` (:mod:`rlflow.config.megatron_lora`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config import megatron_lora
+from rlflow.config.loading import ConfigError, VerlConfig
 from rlflow.config.verl_megatron import wants_megatron
 
 M, SEED = "actor_rollout_ref.model", "actor_rollout_ref.actor.lora"
@@ -27,12 +29,18 @@ def lora_argument(cfg: VerlConfig, notes: list[str]) -> dict | str | None:
     """``peft.LoraConfig``'s keyword arguments (checked by building one), an adapter folder (``str``), or ``None``
     when LoRA is off."""
     seed_on, rank, adapter = cfg[f"{SEED}.enabled"], cfg[f"{M}.lora_rank"], cfg[f"{M}.lora_adapter_path"]
+    if megatron_lora.wants_block(cfg):  # verl's Megatron LoRA block
+        if not wants_megatron(cfg):
+            raise ConfigError(f"{megatron_lora.L}.rank={cfg[f'{megatron_lora.L}.rank']}: verl's model.lora block is "
+                              f"the Megatron strategy's LoRA (actor_rollout_ref.actor.strategy=megatron); with "
+                              f"{cfg['actor_rollout_ref.actor.strategy']}, LoRA is {M}.lora_rank, lora_alpha and "
+                              "target_modules")
+        if seed_on or rank > 0 or adapter:
+            raise ConfigError(f"{megatron_lora.L}.rank and {M}.lora_rank / lora_adapter_path / {SEED}.enabled both "
+                              "turn LoRA on; set one")
+        return megatron_lora.megatron_lora_argument(cfg, notes)
     if not (seed_on or rank > 0 or adapter):
         return None
-    if wants_megatron(cfg):
-        on = f"{M}.lora_adapter_path" if adapter else f"{SEED}.enabled" if seed_on else f"{M}.lora_rank"
-        raise NotSupportedError(on, cfg[on], "LoRA with the Megatron strategy",
-                                "Use actor_rollout_ref.actor.strategy=fsdp or fsdp2 with LoRA.")
     if adapter:
         return adapter_folder(cfg, notes, M, adapter, (f"{M}.lora_rank", *SEED_TO_VERL))
     if seed_on:
@@ -65,12 +73,17 @@ def critic_lora_argument(cfg: VerlConfig, notes: list[str]) -> dict | str | None
     or ``lora_adapter_path``): ``peft.LoraConfig``'s kwargs, an adapter folder, or ``None``. The value head is new,
     so it trains beside the adapter (``Critic(lora=...)``)."""
     rank, adapter = cfg[f"{CM}.lora_rank"], cfg[f"{CM}.lora_adapter_path"]
+    if megatron_lora.wants_block(cfg, f"{CM}.lora"):  # verl's Megatron LoRA block on the critic
+        if not wants_megatron(cfg):
+            raise ConfigError(f"{CM}.lora.rank={cfg[f'{CM}.lora.rank']}: verl's model.lora block is the Megatron "
+                              f"strategy's LoRA; without it, the critic's LoRA is {CM}.lora_rank, lora_alpha and "
+                              "target_modules")
+        if adapter or (rank or 0) > 0:
+            raise ConfigError(f"{CM}.lora.rank and {CM}.lora_rank / lora_adapter_path both turn LoRA on; set one")
+        kwargs = megatron_lora.megatron_lora_argument(cfg, notes, f"{CM}.lora")
+        return {k: v for k, v in kwargs.items() if k not in ("use_rslora", "use_dora")}
     if not (adapter or (rank or 0) > 0):
         return None
-    if cfg["critic.strategy"] == "megatron":
-        raise NotSupportedError(f"{CM}.lora_adapter_path" if adapter else f"{CM}.lora_rank",
-                                adapter or rank, "LoRA on the critic with the Megatron strategy",
-                                "Use critic.strategy=fsdp or fsdp2 with LoRA.")
     if adapter:
         shape = (f"{CM}.lora_rank", f"{CM}.lora_alpha", f"{CM}.target_modules")
         return adapter_folder(cfg, notes, CM, adapter, shape)

@@ -45,8 +45,8 @@ _PRECISION_AWARE = ("only used with optim.use_precision_aware_optimizer=True (Me
                     "rlflow keeps float32 gradients and AdamW states")
 _QAT_ONLY = "only used with qat.enable=True (quantization-aware training), which rlflow refuses"
 _MTP_ONLY = "only used with mtp.enable=True (multi-token prediction), which rlflow refuses"
-_MLORA_ONLY = ("only used with model.lora.rank > 0 (verl's Megatron LoRA block), which rlflow refuses; rlflow's LoRA "
-               "keys are actor_rollout_ref.model.lora_rank / lora_alpha / target_modules")
+_MLORA_ONLY = ("only used with model.lora.rank > 0 (verl's Megatron LoRA block, rlflow.config.megatron_lora), which "
+               "reads the keys it has a counterpart for")
 _TILED = ("a memory setting (TiledMLP computes the same MLP in slices); rlflow runs each MLP whole, and "
           "enable_gradient_checkpointing is its memory knob")
 _ROLLOUT_PLACE = ("placement of a separate rollout pool: with a Ray cluster running, rollout.nnodes>0 starts vLLM "
@@ -129,32 +129,27 @@ ROLE_INERT: dict[str, str] = {
     # the models
     f"{MOD}.tiled_mlp.*": _TILED, "critic.model.tiled_mlp.*": _TILED,
     f"{MOD}.mtp.*": _MTP_ONLY, "critic.model.mtp.*": _MTP_ONLY,
-    f"{MOD}.lora.*": _MLORA_ONLY, "critic.model.lora.*": "only used with critic.model.lora.rank > 0, which rlflow refuses",
+    f"{MOD}.lora.*": _MLORA_ONLY, "critic.model.lora.*": _MLORA_ONLY,
     "critic.model.custom_chat_template": ("the critic scores the policy's token ids; prompts are rendered once, with "
                                           "actor_rollout_ref.model.custom_chat_template"),
     "critic.model.exclude_modules": "only used with LoRA on the critic: critic.model.lora_rank > 0",
     "critic.nccl_timeout": "process groups use rlflow's own time-out (rlflow.strategies.DEFAULT_TIMEOUT)",
 }
 
-_MEGATRON_LORA = ("verl's Megatron LoRA block (model.lora.*; rlflow's LoRA is actor_rollout_ref.model.lora_rank, "
-                  "lora_alpha and target_modules: PEFT adapters with fsdp or fsdp2)")
-
-_CRITIC_MEGATRON_LORA = ("verl's Megatron LoRA block on the critic (critic.model.lora.*; rlflow's critic LoRA is "
-                         "critic.model.lora_rank, lora_alpha, target_modules or lora_adapter_path: PEFT adapters)")
-
 ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     **{f"{r}.optim.use_precision_aware_optimizer": ("Megatron's precision-aware optimizer (low-precision gradients "
                                                     "and Adam states)", _truthy) for r in _ROLES},
     "*.qat.enable": ("quantization-aware training (qat.enable)", _truthy),
-    "*.mtp.enable": ("multi-token prediction (mtp.enable)", _truthy),
+    "*.mtp.enable": ("multi-token prediction (mtp.enable: a model's MTP layers trained beside it, verl's enable_train, "
+                     "and used as the draft of speculative decoding, enable_rollout; rlflow's Megatron conversion builds "
+                     "no MTP layers (megatron-core's MultiTokenPredictionBlock) and maps no MTP weights, and its "
+                     "engines do not decode speculatively)", _truthy),
     f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation)", _truthy),
     f"{ROLL}.quantization": ("quantized rollouts (rollout.quantization)", _truthy),
-    f"{ROLL}.enable_rollout_routing_replay": ("MoE routing replay (enable_rollout_routing_replay)", _truthy),
-    f"{MOD}.lora.rank": (_MEGATRON_LORA, lambda v: v is not None and v > 0),
-    f"{MOD}.lora.adapter_path": ("Megatron LoRA adapters (model.lora.adapter_path; a PEFT adapter folder goes in "
-                                 "actor_rollout_ref.model.lora_adapter_path)", _truthy),
-    "critic.model.lora.rank": (_CRITIC_MEGATRON_LORA, lambda v: v is not None and v > 0),
-    "critic.model.lora.adapter_path": (_CRITIC_MEGATRON_LORA, _truthy),
+    f"{ROLL}.enable_rollout_routing_replay": ("MoE routing replay from the rollout (enable_rollout_routing_replay: the "
+                                              "experts the generation engine routed to, verl's R3; rlflow replays the "
+                                              "old-log-prob pass's routing: actor.megatron.router_replay.mode=R2)",
+                                              _truthy),
     "critic.model.use_liger": ("Liger kernels", _truthy),
 }
 

@@ -116,6 +116,34 @@ def _notes(cfg: VerlConfig, notes: list[str], on_cpu: bool, layout: ParallelLayo
     return overrides
 
 
+def router_replay(cfg: VerlConfig, notes: list[str]) -> bool:
+    """``megatron.router_replay.mode``: ``R2`` -> ``MegatronStrategy(router_replay=True)`` (the update replays the routing
+    of the old-log-prob pass); ``R3`` (the rollout engine's routing) is refused: rlflow's engines do not return it."""
+    key = f"{M}.router_replay"
+    mode = cfg[f"{key}.mode"]
+    if cfg[f"{key}.replay_file"]:
+        raise NotSupportedError(f"{key}.replay_file", cfg[f"{key}.replay_file"], "MoE routing replay from a file")
+    if cfg[f"{key}.record_file"]:
+        notes.append(f"{key}.record_file has no effect: rlflow keeps the recorded routing in memory")
+    if mode == "R3":
+        raise NotSupportedError(f"{key}.mode", mode, "MoE routing replay from the rollout (R3: the routed experts "
+                                "the generation engine chose)", "rlflow's engines do not return them yet; "
+                                f"{key}.mode=R2 replays the routing of the old-log-prob pass.")
+    if mode not in (None, "disabled", "R2"):
+        raise ConfigError(f"{key}.mode={mode!r}: choose disabled, R2 or R3")
+    if mode == "R2":
+        notes.append(f"{key}.mode=R2: the policy's updates route each token to the experts its old-log-prob pass chose "
+                     "(no effect on a model without MoE layers)")
+    return mode == "R2"
+
+
+def _lora(cfg: VerlConfig) -> bool:
+    """LoRA on the policy, in any of its spellings (rlflow.config.lora)."""
+    M_ = "actor_rollout_ref.model"
+    return bool(cfg[f"{M_}.lora_adapter_path"] or cfg[f"{A}.lora.enabled"] or (cfg[f"{M_}.lora_rank"] or 0) > 0
+                or (cfg[f"{M_}.lora.rank"] or 0) > 0)
+
+
 DIST_ROLES = {A: "policy", "actor_rollout_ref.ref": "reference", "critic": "critic"}  # verl role -> strategy role
 
 
@@ -173,6 +201,9 @@ def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, acceler
     sizes = {field: _size(cfg, field) for field in SIZES}
     on_cpu = accelerator == "cpu"
     spec = "transformer_engine" if not on_cpu and importlib.util.find_spec("transformer_engine") else "local"
+    if spec != "local" and _lora(cfg):
+        spec = "local"  # rlflow.strategies.megatron.lora hooks megatron-core's own linear layers
+        notes.append("LoRA under the Megatron strategy uses megatron-core's local layer spec, not Transformer Engine's")
     try:
         layout = ParallelLayout(
             tensor=sizes["tensor"], pipeline=sizes["pipeline"], context=sizes["context"], expert=sizes["expert"],
@@ -187,12 +218,13 @@ def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, acceler
     overrides = _notes(cfg, notes, on_cpu, layout, spec)
     optimizer = optimizer_overrides(cfg, notes, on_cpu)
     folders, prefix = dist_checkpoints(cfg, notes, with_critic, check_dist_checkpoint)
+    replay = router_replay(cfg, notes)
     try:
         return MegatronStrategy(tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline,
                                 context_parallel=layout.context, expert_parallel=layout.expert,
                                 sequence_parallel=layout.sequence_parallel, layer_spec=spec,
                                 transformer_overrides=overrides, optimizer_overrides=optimizer,
-                                dist_checkpoints=folders, dist_checkpoint_prefix=prefix)
+                                dist_checkpoints=folders, dist_checkpoint_prefix=prefix, router_replay=replay)
     except ValueError as e:
         raise ConfigError(f"{A}.optim.override_optimizer_config: {e}") from None
 
@@ -220,12 +252,18 @@ def optimizer_overrides(cfg: VerlConfig, notes: list[str], on_cpu: bool) -> dict
 def dry_run_section(plan, config, seq_len: int) -> list[str]:
     """The dry run's Megatron lines: the layout, the batch per data-parallel rank and memory per rank."""
     from rlflow.strategies.megatron.memory import rank_memory  # torch, as above
+    from rlflow.strategies.megatron.lora import check_targets
     from rlflow.strategies.megatron.model import architecture
 
     try:  # a model the conversion does not cover (a vision-language one, say) is refused here, not at build
         architecture(config)
     except ValueError as e:
         raise NotSupportedError("actor_rollout_ref.actor.strategy", "megatron", f"this model ({e})") from None
+    if isinstance(plan.lora, dict):
+        try:
+            check_targets(config, plan.lora["target_modules"])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     layout, world = plan.devices.strategy.layout, plan.devices.processes
     t, n = plan.trainer_kwargs, plan.rollout_kwargs["n"]
     dp = layout.data_parallel(world)

@@ -153,12 +153,18 @@ def merged_weight_buckets(model: PeftModel, bucket_bytes: int = DEFAULT_BUCKET_B
     Each LoRA layer's base weight comes out as :func:`merged_linear_weight`; its factors do not. With
     ``only_adapted`` only what training changes comes out (merged LoRA weights and other trainable
     parameters, e.g. ``modules_to_save``): after the first full copy, that is all an engine needs.
-    FSDP2 shards are gathered bucket by bucket (one collective per bucket), as in ``full_weight_buckets``.
+    FSDP2 shards are gathered bucket by bucket (one collective per bucket), as in ``full_weight_buckets``; a
+    model whose weights a strategy holds elsewhere (the Megatron strategy's ``weight_buckets``) is merged there.
     """
+    aliases = {hf_name(n): [hf_name(a) for a in more] for n, more in tied_aliases(model).items()}
+    elsewhere = getattr(model, "weight_buckets", None)  # a strategy holds the weights (Megatron) and merges them
+    if elsewhere is not None:
+        for bucket in elsewhere(bucket_bytes, only_adapted=only_adapted):
+            yield [pair for name, t in bucket for pair in [(name, t)] + [(a, t) for a in aliases.get(name, ())]]
+        return
     adapter = model.active_adapter
     layers = _lora_layers(model)
     params = dict(model.named_parameters())
-    aliases = {hf_name(n): [hf_name(a) for a in more] for n, more in tied_aliases(model).items()}
     items, size = [], 0  # (hf name, [(source name, param)], LoRA layer or None)
     for name, param in params.items():
         layer_name = _owner(name, layers)

@@ -184,8 +184,13 @@ class MegatronLogProbs(nn.Module):
         scored = response_ids[..., None] if topk_ids is None else torch.cat([response_ids[..., None], topk_ids], -1)
         width = scored.shape[-1] + 1
         tokens = _tokens(self.lm, prompt_ids, prompt_mask, response_ids)
+        replay = getattr(self.lm, "routing_replay", None)  # MoE routing replay (.router_replay), when on
+        if replay is not None:
+            replay.start(tokens.ids, B)
         out = run_stages(self.lm, tokens.ids, lambda h: self._head(self.lm.full_sequence(h), tokens.predict,
                                                                      scored), (B, R, width))
+        if replay is not None:
+            replay.finish(tokens.ids, B)
         out = _trailing_zeros(out, response_mask, self.remove_padding)
         if topk_ids is None:
             return out[..., 0], out[..., -1]

@@ -171,6 +171,8 @@ def lm_slots(lm: MegatronLM) -> list[Slot]:
         elif not lm.first_stage:  # the last stage's copy of the tied embedding
             slots.append(_vocab("model.embed_tokens.weight", gpt.output_layer.weight, lm.vocab_size, lm.vocab_local,
                                 primary=False))
+    for adapter in getattr(lm, "lora", ()):  # LoRA factors (.lora.LinearLoRA), under PEFT's names
+        slots += adapter.slots()
     return slots
 
 

@@ -37,8 +37,10 @@ from rlflow.strategies.megatron.cpu import CPUWorkarounds
 from rlflow.strategies.megatron.distopt import DistributedOptimizer, check_overrides
 from rlflow.strategies.megatron.grads import clip_, global_grad_norm, reduce_gradients
 from rlflow.strategies.megatron.heads import MegatronLogProbs, MegatronValueModel
+from rlflow.strategies.megatron import lora as megatron_lora
 from rlflow.strategies.megatron.layout import ParallelLayout
-from rlflow.strategies.megatron.model import MegatronLM
+from rlflow.strategies.megatron.model import MegatronLM, architecture
+from rlflow.strategies.megatron.router_replay import RoutingReplay
 from rlflow.strategies.megatron.sharded_checkpoint import ShardedCheckpoint
 from rlflow.strategies.megatron.slots import check_coverage, lm_slots, load_from_hf, mark_split_parameters, module_slots
 from rlflow.strategies.megatron.weight_buckets import WeightExporter
@@ -71,6 +73,8 @@ class MegatronStrategy(ModelParallelStrategy):
             The Hugging Face model still gives the architecture and names; the Trainer then sends the loaded
             policy weights to its generation engine before the first rollout.
         dist_checkpoint_prefix: the key prefix inside those folders (verl's ``dist_checkpointing_prefix``).
+        router_replay: MoE routing replay of the trained policy (verl's ``router_replay.mode=R2``): its update routes
+            each token to the experts its old-log-prob pass chose (:mod:`.router_replay`); no effect on dense models.
         timeout: how long a rank waits in a collective before giving up.
     """
 
@@ -78,7 +82,8 @@ class MegatronStrategy(ModelParallelStrategy):
                  expert_parallel: int = 1, sequence_parallel: bool = False, layer_spec: str = "local",
                  distributed_optimizer: bool = False, transformer_overrides: dict | None = None,
                  optimizer_overrides: dict | None = None, dist_checkpoints: dict[str, str] | None = None,
-                 dist_checkpoint_prefix: str = "", timeout: timedelta = timedelta(minutes=10)):
+                 dist_checkpoint_prefix: str = "", router_replay: bool = False,
+                 timeout: timedelta = timedelta(minutes=10)):
         unknown = sorted(set(dist_checkpoints or {}) - set(DIST_ROLES))
         if unknown:
             raise ValueError(f"dist_checkpoints: unknown role {unknown[0]!r}; roles: {list(DIST_ROLES)}")
@@ -100,6 +105,7 @@ class MegatronStrategy(ModelParallelStrategy):
             self.optimizer_overrides = check_overrides(optimizer_overrides)
         self.dist_checkpoints = {role: str(path) for role, path in (dist_checkpoints or {}).items()}
         self.dist_checkpoint_prefix = dist_checkpoint_prefix
+        self.router_replay = router_replay
         self.loaded_policy_weights = False  # the policy started from a dist checkpoint: its engine needs them
         self._converted: list[nn.Module] = []  # the Megatron modules set up, for the distributed optimizer
         self._cpu_workarounds = None
@@ -113,7 +119,8 @@ class MegatronStrategy(ModelParallelStrategy):
         extra = (", sequence_parallel=True" if self.layout.sequence_parallel else "") + (
             f", layer_spec={self.layer_spec!r}" if self.layer_spec != "local" else "") + (
             ", distributed_optimizer=True" if self.distributed_optimizer else "") + (
-            f", dist_checkpoints={self.dist_checkpoints!r}" if self.dist_checkpoints else "")
+            f", dist_checkpoints={self.dist_checkpoints!r}" if self.dist_checkpoints else "") + (
+            ", router_replay=True" if self.router_replay else "")
         return f"MegatronStrategy({sizes or 'tensor_parallel=1'}{extra})"
 
     @property
@@ -172,14 +179,19 @@ class MegatronStrategy(ModelParallelStrategy):
             raise ValueError("Ulysses sequence parallelism (sequence_parallel_size) does not combine with the Megatron "
                              "strategy; use its tensor/context parallelism")
         hf_model = module.lm
-        if type(hf_model).__module__.startswith("peft."):  # a PeftModel: its adapters have no Megatron conversion
-            raise ValueError("LoRA adapters (a PEFT model) do not combine with the Megatron strategy yet; "
-                             "train LoRA with strategy='auto', 'ddp' or FSDP2")
+        peft = type(hf_model).__module__.startswith("peft.")  # a LoRA policy: adapters beside Megatron's layers
+        base = hf_model.get_base_model() if peft else hf_model
         on_cpu = self.root_device.type == "cpu"
-        lm = MegatronLM(hf_model, self.layout, self.layer_spec, on_cpu=on_cpu,
-                        overrides=self._overrides(hf_model, on_cpu)).to(self.root_device)
+        trained = any(p.requires_grad for p in hf_model.parameters())
+        replay = self.router_replay and trained and isinstance(module, TokenLogProbs) and architecture(base.config).moe
+        overrides = self._overrides(base, on_cpu) | ({"moe_enable_routing_replay": True} if replay else {})
+        lm = MegatronLM(base, self.layout, self.layer_spec, on_cpu=on_cpu, overrides=overrides).to(self.root_device)
+        if replay:
+            lm.routing_replay = RoutingReplay(lm, lm.padding_idx if lm.padding_idx is not None else 0)
+        if peft:
+            megatron_lora.attach(lm, hf_model)
         slots = lm_slots(lm)
-        load_from_hf([(s.name, s) for s in slots], hf_model.state_dict())
+        load_from_hf([(s.name, s) for s in slots], megatron_lora.base_state(hf_model) if peft else hf_model.state_dict())
         mark_split_parameters(slots)
         if isinstance(module, TokenLogProbs):
             converted = MegatronLogProbs(lm, module.temperature, module.chunk_tokens, module.remove_padding)
@@ -189,19 +201,24 @@ class MegatronStrategy(ModelParallelStrategy):
                 module.value_head = None  # not on this pipeline stage
 
         check_coverage(converted, module_slots(converted))
-        trained = any(p.requires_grad for p in hf_model.parameters())
         role = "critic" if isinstance(module, ValueHeadModel) else "policy" if trained else "reference"
         if role in self.dist_checkpoints:  # verl's use_dist_checkpointing: megatron-core's weights over the HF ones
             dist_checkpoint.load(converted, self.dist_checkpoints[role], self.dist_checkpoint_prefix)
             self.loaded_policy_weights |= role == "policy"
         if not trained:
             converted.requires_grad_(False)  # a frozen reference stays frozen
+        elif peft:  # only the adapter trains (and a critic's value head, new)
+            lm.requires_grad_(False)
+            lm.lora.requires_grad_(True)
         # Fabric keeps the module it was given as the "original" (its parameters() and attribute lookups go
         # there): its Hugging Face model is replaced by the Megatron shard so both views hold the same weights.
         module.lm = lm
         self._converted.append(converted)
-        hf_model.weight_buckets = WeightExporter(slots).buckets  # read by rlflow.rollout.weight_sync
+        # read by rlflow.weights.full_weight_buckets (and, with LoRA, rlflow.models.lora.merged_weight_buckets)
+        hf_model.weight_buckets = (WeightExporter(*megatron_lora.export_slots(slots, lm.lora)) if peft
+                                   else WeightExporter(slots)).buckets
         hf_model.to("meta")  # the Hugging Face tensors are not needed any more
+        base.tie_weights()  # .to("meta") unties them; weight sync names a tied embedding's aliases (lm_head.weight)
         return converted
 
     def _overrides(self, hf_model: nn.Module, on_cpu: bool) -> dict:

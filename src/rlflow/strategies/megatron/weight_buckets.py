@@ -75,9 +75,10 @@ class WeightExporter:
 
     Args:
         slots: the model's :func:`~rlflow.strategies.megatron.slots.lm_slots` (primary ones are exported).
+        adapted: the names that change when a LoRA policy trains (its merged weights: ``only_adapted``).
     """
 
-    def __init__(self, slots: list[Slot]):
+    def __init__(self, slots: list[Slot], adapted: set[str] = frozenset()):
         from megatron.core import parallel_state as ps
 
         self.slots = [s for s in slots if s.primary]
@@ -85,19 +86,23 @@ class WeightExporter:
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group) if dist.is_initialized() else [0]
         self.stage = ps.get_pipeline_model_parallel_rank()
         # every stage's (name, shape, dtype), so all ranks agree on the buckets
-        mine = [(s.name, s.shape, str(s.params[0].dtype).removeprefix("torch.")) for s in self.slots]
+        mine = [(s.name, s.shape, str(s.params[0].dtype).removeprefix("torch."), s.name in adapted) for s in self.slots]
         stages = [mine]
         if len(self.pp_ranks) > 1:
             stages = [None] * len(self.pp_ranks)
             dist.all_gather_object(stages, mine, group=self.pp_group)
         self.plan = [(stage, name, shape, getattr(torch, dtype)) for stage, entries in enumerate(stages)
-                     for name, shape, dtype in entries]
+                     for name, shape, dtype, _ in entries]
+        self.adapted = {name for entries in stages for name, _, _, changes in entries if changes}  # every stage's
 
-    def buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, Tensor]]]:
+    def buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, only_adapted: bool = False
+                ) -> Iterator[list[tuple[str, Tensor]]]:
         """``[(name, full tensor), ...]`` lists of at most ``bucket_bytes`` (a larger tensor goes alone), one dtype
-        each."""
+        each; with ``only_adapted``, the LoRA-merged weights alone."""
         bucket, size = [], 0
         for entry in self.plan:
+            if only_adapted and entry[1] not in self.adapted:
+                continue
             _, _, shape, dtype = entry
             nbytes = math.prod(shape) * dtype.itemsize
             if bucket and (size + nbytes > bucket_bytes or dtype != bucket[0][3]):

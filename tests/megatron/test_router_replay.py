@@ -1,0 +1,38 @@
+"""MoE routing replay (verl's router_replay.mode=R2; strategies/megatron/router_replay.py) on two CPU processes.
+
+One launch of two forked ranks runs ``moe_replay``: a Qwen3-MoE-shaped model (4 experts, top 2) at expert parallel
+2, with and without replay, and two GRPO steps in the Trainer with replay.
+"""
+
+import pytest
+
+from rlflow.strategies.megatron import megatron_available
+
+from . import lora_scenarios  # noqa: F401  (its scenarios, for the forked ranks)
+from .forked import fork_launch
+
+pytestmark = pytest.mark.skipif(not megatron_available(),
+                                reason="megatron-core is not installed (pip install -e '.[megatron]')")
+
+
+@pytest.fixture(scope="module")
+def replay(tmp_path_factory):
+    return fork_launch(2, tmp_path_factory.mktemp("megatron-replay"), ["moe_replay"])["moe_replay"]
+
+
+def test_the_update_routes_as_the_old_log_prob_pass_recorded_after_the_weights_change(replay):
+    """The pass without gradients records; the routers' weights then change; the pass with gradients, its rows in
+    another order, sends every real token of both MoE layers to the recorded experts, while without replay the
+    same change reroutes tokens (so the comparison can see a difference)."""
+    assert replay["replay"]["same"] == [True, True]
+    assert replay["plain"]["same"] != [True, True]
+    assert replay["replay"]["grads"] and replay["plain"]["grads"]
+
+
+def test_the_trainer_records_in_the_old_log_prob_pass_and_replays_in_the_update(replay):
+    """GRPO with two mini-batches per step (so old log-probs are computed, and the second update runs on weights the
+    first changed), expert parallel 2 (so 2 data-parallel ranks, which share their records: balance_batch may
+    move rows between them): each step records its 8 rows per rank and replays 8."""
+    trainer = replay["trainer"]
+    assert trainer["counts"] == {"recorded": 16, "replayed": 16}
+    assert all(g > 0 for g in trainer["grad_norm"])
