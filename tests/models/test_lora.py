@@ -207,10 +207,3 @@ def test_grpo_with_lora_learns_the_builtin_task(tmp_path, record_property):
     assert last > first + 0.008, (first, last)
     assert after > before + 0.035, (before, after)
 
-
-def test_megatron_strategy_refuses_a_lora_policy(tokenizer):
-    from rlflow.strategies.megatron import MegatronStrategy
-
-    policy = Policy(tiny_model(tokenizer), tokenizer, lora=LoraConfig(r=2, target_modules="all-linear"))
-    with pytest.raises(ValueError, match="LoRA adapters .* do not combine with the Megatron strategy"):
-        MegatronStrategy().setup_module(policy.module)
