@@ -21,7 +21,7 @@ from rlflow.config.reward_fn import check_data_sources
 from rlflow.config.rewards import build_reward as make_reward
 from rlflow.data import keys as K
 from rlflow.data.prompts import DataError, PromptData
-from rlflow.models.checks import ModelFolderError, check_model_folder, check_tokenizer, enable_activation_checkpointing
+from rlflow.models.checks import ModelFolderError, check_model_folder, check_tokenizer
 from rlflow.models.critic import Critic, load_causal_lm
 from rlflow.models.hf_config import OverrideError, load_config
 from rlflow.models.hub import ModelNotFoundError, locate_model
@@ -234,14 +234,10 @@ def build_critic(plan: Plan) -> Critic:
         check_model_folder(path, tokenizer=False)
     except ModelFolderError as e:
         raise ConfigError(f"critic.model.path: {e}") from None
-    trust, overrides = kw.pop("trust_remote_code", False), kw.pop("override_config", None)
     config = kw.pop("config_path", None)  # critic.model.hf_config_path: the model config, when not the folder's
     config = local_model(config, "critic.model.hf_config_path") if config else None
     with remote_code_errors("critic.model.path", "critic.model.trust_remote_code=True", "critic.model.override_config"):
-        model = load_causal_lm(path, trust, overrides, config_path=config)
-    if kw.pop("gradient_checkpointing"):
-        enable_activation_checkpointing(model, {"use_reentrant": False})
-    return Critic(model, **kw, lora=make_lora(plan.critic_lora))
+        return Critic.from_pretrained(path, config_path=config, **kw, lora=make_lora(plan.critic_lora))
 
 
 def build_reward(plan: Plan):

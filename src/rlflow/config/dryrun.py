@@ -16,10 +16,10 @@ from rlflow.config.build import (build_data, critic_config, load_tokenizer, load
 from rlflow.config.key_notes import unused_notes
 from rlflow.config.plan import Plan
 from rlflow.config.report import gib, line
-from rlflow.config.resolve import format_kwargs, format_value
+from rlflow.config.components_python import python
+from rlflow.config.verl.tree import verl_tree
 from rlflow.config.verl_megatron import dry_run_section
 from rlflow.data.prompts import render_prompt
-from rlflow.trainer.options import GROUPS, split
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 MAX_LENGTH_ROWS = 50_000  # prompts tokenized to measure lengths
@@ -51,79 +51,16 @@ def prompt_lengths(data, tokenizer) -> list[int]:
     return [data.prompt_length(r, tokenizer) for r in rows]  # image tokens included for vision-language rows
 
 
-STAGES = ("GreedyBaseline",)  # modules before the estimator that config/build.py makes stages of the stream
+TREE = "Objects: this command's component tree, as the Python a user would write (rlflow.config.verl.tree):"
 
 
-def stages_text(plan: Plan) -> str | None:
-    """The experience stream's stages (config/build.py): DAPO's FilterGroups, then ReMax's GreedyBaseline."""
-    stages = [f"FilterGroups({format_kwargs(plan.dynamic_sampling)})"] if plan.dynamic_sampling else []
-    stages += [f"{cls.__name__}({format_kwargs(kw)})" for cls, kw in plan.before if cls.__name__ in STAGES]
-    if plan.distillation:  # verl's distillation.*: the teacher scores last (config/build.py with_distillation)
-        d = plan.distillation
-        paths = ({k: t["path"] for k, t in d["teachers"].items()} if d["route_key"] else d["teachers"]["path"])
-        routed = f", route_key={d['route_key']!r}" if d["route_key"] else ""
-        routed += f", top_k={d['top_k']}" if d.get("top_k") else ""
-        stages.append(f"Teacher.from_pretrained({paths!r}{routed})")
-    return f"[{', '.join(stages)}]" if stages else None
-
-
-def estimator_text(plan: Plan) -> str:
-    def call(cls, kwargs):
-        return f"{cls.__name__}({format_kwargs(kwargs)})"
-
-    before = [m for m in plan.before if m[0].__name__ not in STAGES]  # a stage of the experience stream instead
-    parts = [call(*m) for m in before] + [call(plan.estimator_cls, plan.estimator_kwargs)]
-    parts += [call(*m) for m in plan.after] + (["loss.selection()"] if hasattr(plan.loss_cls, "selection") else [])
-    text = f"Chain({', '.join(parts)})" if len(parts) > 1 else parts[0]
-    if plan.kl_controller:
-        text += f"  with <KL controller> = {call(*plan.kl_controller)}"
-    return text
-
-
-def loss_text(plan: Plan) -> str:
-    rl = f"{plan.loss_cls.__name__}({format_kwargs(plan.loss_kwargs)})"
-    d = plan.distillation
-    if d is None:
-        return rl
-    return f"{d['loss_cls'].__name__}(rl_loss={rl if d['rl'] else None}, {format_kwargs(d['loss_kwargs'])})"
-
-
-def lora_text(lora: dict | str | None) -> str:
-    if lora is None:
-        return ""
-    return f", lora={lora!r}" if isinstance(lora, str) else f", lora=LoraConfig({format_kwargs(lora)})"
-
-
-def objects_section(plan: Plan) -> list[str]:
-    t = plan.trainer_kwargs
-    rollout = f"{plan.rollout_cls.__name__}({format_kwargs(plan.rollout_kwargs)})"
-    if plan.agent is not None:
-        tools = [t.name for t in plan.agent["tools"]]
-        rest = {k: v for k, v in plan.agent.items() if k != "tools"}
-        rollout = f"AgentLoop({rollout}, tools={tools}, {format_kwargs(rest)})"
-    reward = plan.reward.describe()
-    if plan.overlong:  # DAPO's overlong shaping wraps the scorer
-        reward = f"OverlongPenalty({reward}, {format_kwargs(plan.overlong)})"
-    if plan.async_rollout is not None:
-        rollout = f"AsyncRollout({rollout}, {format_kwargs(plan.async_rollout)})"
-    if plan.fully_async is not None:
-        rollout = f"FullyAsyncRollout({rollout}, {format_kwargs(plan.fully_async)})"
-    out = ["Objects (the same Python API calls a script would make)",
-           f"  policy    = Policy.from_pretrained({plan.model_path!r}, {format_kwargs(plan.policy_kwargs)}"
-           f"{lora_text(plan.lora)})",
-           f"  rollout   = {rollout}",
-           f"  reward    = {reward}",
-           *([f"  stages    = {stages_text(plan)}"] if stages_text(plan) else []),
-           f"  estimator = {estimator_text(plan)}",
-           f"  loss      = {loss_text(plan)}"]
-    if plan.critic_path:
-        out += [f"  critic    = Critic(<{plan.critic_path}>, {format_kwargs(plan.critic_kwargs)}"
-                f"{lora_text(plan.critic_lora)})",
-                f"  value_loss= ValueLoss({format_kwargs(plan.value_loss_kwargs)})"]
-    out.append(f"  data      = PromptData({format_kwargs(plan.data_kwargs)})")
-    settings = ", ".join(f"{arg}={GROUPS[arg].__name__}({format_kwargs(v)})"
-                         for arg, v in split({k: v for k, v in t.items() if k != "callbacks"}).items())
-    out.append(f"  trainer   = Trainer(..., callbacks={format_value(t['callbacks'])}, {settings})")
+def objects_section(plan: Plan, total: int) -> list[str]:
+    """The tree the verl keys translate into, printed as Python; the parts it does not say yet are listed."""
+    made = verl_tree(plan, total)
+    out = [TREE, "", python(made.tree).rstrip()]
+    if made.deferred:
+        out += ["", "Not said by the tree yet (the run builds these as rlflow.config.build does):"]
+        out += [f"  - {d}" for d in made.deferred]
     return out
 
 
@@ -254,7 +191,7 @@ def dry_run(plan: Plan, show_config: bool = False) -> tuple[str, list[str]]:
     total = total_steps(plan, data)
     problems: list[str] = []
     lengths = prompt_lengths(data, tokenizer)
-    sections = [objects_section(plan), data_section(plan, data, lengths, problems), batch_section(plan),
+    sections = [objects_section(plan, total), data_section(plan, data, lengths, problems), batch_section(plan),
                 schedule_section(plan, data, total), cost_section(plan, total, max(lengths))]
     if hasattr(plan.devices.strategy, "layout"):  # Megatron: layout and memory per rank
         config = policy_config(plan)

@@ -46,23 +46,6 @@ class RewardPlan:
     custom: bool = False
     built: Any = field(default=None, repr=False, compare=False)  # the reward made from a plan with a model
 
-    def describe(self) -> str:
-        """The Python calls the plan stands for (the dry run prints it)."""
-        kw = f"timeout_s={self.timeout_s}" + (f", processes={self.processes}" if self.processes else "")
-        parts = [(name, f"FunctionReward({getattr(fn, '__name__', fn)!s}, {kw})", w) for name, fn, w in self.functions]
-        if self.model is not None:
-            args = ", ".join(f"{k}={v!r}" for k, v in self.model.items() if k != "path")
-            model = f"ModelReward.from_pretrained({self.model['path']!r}, {args})"
-            if self.mode == "model":
-                return model
-            if self.mode == "rm_argument":
-                return f"WithRMScore({model}, {parts[0][1]})"
-            parts = [("reward_model", model, self.model_weight)] + parts
-        if len(parts) == 1 and parts[0][2] == 1.0:
-            return parts[0][1]
-        return "CombinedReward({" + ", ".join(f"{n!r}: {t}" for n, t, _ in parts) + "}, weights={" + \
-            ", ".join(f"{n!r}: {w:g}" for n, _, w in parts) + "})"
-
 
 def reward_plan(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[str]) -> RewardPlan:
     """Read the reward keys; every problem names its key."""
@@ -190,7 +173,7 @@ def _parameters(fn: Callable) -> set[str]:
 
 
 def build_reward(plan: RewardPlan, local_model: Callable[[str, str], str]):
-    """The reward object: the Python API calls :meth:`RewardPlan.describe` prints."""
+    """The reward object (the dry run prints it as :func:`rlflow.config.verl.tree.reward_node`)."""
     from rlflow.rewards import CombinedReward, FunctionReward, ModelReward, WithRMScore
 
     parts = [(name, FunctionReward(fn, timeout_s=plan.timeout_s, processes=plan.processes, name=name), weight)
