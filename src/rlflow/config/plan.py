@@ -204,11 +204,9 @@ def make_plan(cfg: VerlConfig) -> Plan:
                       (c,) + critic_aliases, cfg[c] if critic_value is None and with_critic else critic_value)
 
     # validation checked that the batch splits into mini-batches of this size (the critic's, when only it is set)
+    # and those into micro-batches (rlflow.config.validate.batch_units)
     n, bs, mini = cfg[f"{R}.n"], cfg["data.train_batch_size"], same("ppo_mini_batch_size")
     micro = one_of(cfg, f"{A}.ppo_micro_batch_size_per_gpu", f"{A}.ppo_micro_batch_size", procs)
-    if micro is not None and (mini * n) % micro:
-        raise ConfigError(f"a mini-batch holds ppo_mini_batch_size x rollout.n = {mini} x {n} = {mini * n} "
-                          f"trajectories, not a multiple of {A}.ppo_micro_batch_size_per_gpu={micro}")
     temperature, do_sample = cfg[f"{R}.temperature"], cfg[f"{R}.do_sample"]
     if not do_sample and temperature == 0:
         temperature = 1.0  # greedy: log-probs of the unscaled distribution

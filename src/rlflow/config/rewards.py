@@ -49,11 +49,7 @@ class RewardPlan:
 
 def reward_plan(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[str]) -> RewardPlan:
     """Read the reward keys; every problem names its key."""
-    timeout, workers = cfg[f"{RM}.timeout_s"], cfg[f"{RM}.num_workers"]
-    if timeout is not None and not timeout > 0:
-        raise ConfigError(f"{RM}.timeout_s={timeout}: must be > 0 seconds, or null for no limit")
-    if workers is not None and workers < 1:
-        raise ConfigError(f"{RM}.num_workers={workers}: must be >= 1 (worker processes), or null for threads")
+    timeout, workers = cfg[f"{RM}.timeout_s"], cfg[f"{RM}.num_workers"]  # their ranges: rlflow.config.checks
     crf = cfg[CRF]
     functions = _functions(crf, reward_kwargs, manager, cfg["trainer.experiment_name"])
     custom = bool(crf["path"] or crf["functions"] or ":" in str(crf["name"]))
