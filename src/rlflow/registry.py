@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from rlflow.config.loading import ConfigError, NotSupportedError
+from rlflow.config.errors import ConfigError, NotSupportedError
 
 __all__ = ["Registry", "ESTIMATORS", "POLICY_LOSSES", "register_estimator", "register_policy_loss",
            "load_object", "object_problem", "split_spec", "module_defines"]

@@ -1,7 +1,7 @@
 """A verl command as a component tree: the ``_target_`` nodes that ``rlflow train TREE.yaml`` instantiates.
 
-:func:`verl_tree` writes the objects of a :class:`~rlflow.config.plan.Plan` -- what
-:func:`rlflow.config.build.build_trainer` makes from verl's keys -- as a tree of public constructors:
+:func:`verl_tree` writes the objects of a :class:`~rlflow.config.verl.plan.Plan` -- what
+:func:`rlflow.config.verl.build.build_trainer` makes from verl's keys -- as a tree of public constructors:
 ``Policy.from_pretrained``, ``HFRollout``, ``FunctionReward``, ``GRPO``, ``PPOLoss``, the Trainer's five groups and
 ``PromptData``. The dry run prints it as the Python a user would write (:mod:`rlflow.config.components_python`),
 and ``tests/config/test_verl_component_tree.py`` builds that tree with :func:`rlflow.config.components.build` and
@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from rlflow.algorithms import ValueLoss
-from rlflow.config.build import local_model, model_files, policy_config, warmup_steps
-from rlflow.config.rewards import RM, RewardPlan
+from rlflow.config.verl.build import local_model, model_files, policy_config, warmup_steps
+from rlflow.config.verl.rewards import RM, RewardPlan
 from rlflow.config.components import locate
-from rlflow.config.resolve import Fill, init_parameters
+from rlflow.config.verl.resolve import Fill, init_parameters
 from rlflow.registry import FILE_MODULES
 from rlflow.trainer.options import groups
 
@@ -95,7 +95,7 @@ def call(cls_or_fn: Any, kwargs: dict, where: str, deferred: list[str]) -> dict:
 
 
 def policy_node(plan, deferred: list[str]) -> dict:
-    """``Policy.from_pretrained`` with the folders :func:`rlflow.config.build.build_policy` loads."""
+    """``Policy.from_pretrained`` with the folders :func:`rlflow.config.verl.build.build_policy` loads."""
     files, kwargs = model_files(plan), dict(plan.policy_kwargs)
     kwargs |= {k: files[k] for k in ("tokenizer_path", "config_path") if k in kwargs}
     if kwargs.get("freeze_vision_tower") and getattr(policy_config(plan), "vision_config", None) is None:
@@ -123,7 +123,7 @@ def rollout_node(plan, deferred: list[str]) -> dict:
 
 
 def reward_node(reward: RewardPlan, overlong: dict | None, deferred: list[str]) -> dict:
-    """:func:`rlflow.config.rewards.build_reward` as nodes; DAPO's overlong shaping around it."""
+    """:func:`rlflow.config.verl.rewards.build_reward` as nodes; DAPO's overlong shaping around it."""
     timing = {"timeout_s": reward.timeout_s, "processes": reward.processes}
     parts = [(name, {"_target_": "rlflow.FunctionReward", "fn": node(fn, "reward.fn", deferred), **timing,
                      "name": name}, weight) for name, fn, weight in reward.functions]
@@ -150,7 +150,7 @@ def reward_node(reward: RewardPlan, overlong: dict | None, deferred: list[str]) 
 
 def estimator_nodes(plan, deferred: list[str]) -> tuple[dict, list]:
     """The estimator (a ``Chain`` with the modules around it) and the stages of the experience stream, as
-    :func:`rlflow.config.build.build_estimator` makes them; ReMax's ``GreedyBaseline()`` as a stage uses the run's
+    :func:`rlflow.config.verl.build.build_estimator` makes them; ReMax's ``GreedyBaseline()`` as a stage uses the run's
     own rollout and reward."""
     controller = call(*plan.kl_controller, "estimator.controller", deferred) if plan.kl_controller else None
 
@@ -213,7 +213,7 @@ def data_node(plan, deferred: list[str]) -> dict:
 
 
 def verl_tree(plan, total: int) -> VerlTree:
-    """The component tree of ``plan`` for a run of ``total`` steps (:func:`rlflow.config.build.total_steps`)."""
+    """The component tree of ``plan`` for a run of ``total`` steps (:func:`rlflow.config.verl.build.total_steps`)."""
     deferred: list[str] = []
     estimator, stages = estimator_nodes(plan, deferred)
     loss = call(plan.loss_cls, plan.loss_kwargs, "loss", deferred)

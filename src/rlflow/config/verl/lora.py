@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
-from rlflow.config.verl_megatron import wants_megatron
+from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.verl.megatron import wants_megatron
 
 M, SEED = "actor_rollout_ref.model", "actor_rollout_ref.actor.lora"
 # the seed's key -> verl's key for the same setting

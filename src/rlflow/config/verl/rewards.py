@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
-from rlflow.config.reward_fn import reward_function
+from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.verl.reward_fn import reward_function
 
 RM = "reward_model"
 CRF = "custom_reward_function"
@@ -49,7 +49,7 @@ class RewardPlan:
 
 def reward_plan(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[str]) -> RewardPlan:
     """Read the reward keys; every problem names its key."""
-    timeout, workers = cfg[f"{RM}.timeout_s"], cfg[f"{RM}.num_workers"]  # their ranges: rlflow.config.checks
+    timeout, workers = cfg[f"{RM}.timeout_s"], cfg[f"{RM}.num_workers"]  # their ranges: rlflow.config.verl.checks
     crf = cfg[CRF]
     functions = _functions(crf, reward_kwargs, manager, cfg["trainer.experiment_name"])
     custom = bool(crf["path"] or crf["functions"] or ":" in str(crf["name"]))
