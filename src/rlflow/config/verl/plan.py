@@ -180,18 +180,131 @@ def bad_images(cfg: VerlConfig) -> bool:
     return value == "skip"
 
 
+REF_SPLIT = ("log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu", "log_prob_micro_batch_size_per_gpu",
+             "log_prob_micro_batch_size")  # the reference's scoring split (scoring_split's four keys)
+
+
+def estimator_and_loss(cfg: VerlConfig, estimator_cls: type, notes: list[str]) -> tuple:
+    """(modules before and after the estimator, the KL controller, the estimator's kwargs, the loss class, the
+    bypass-mode loss kwargs)."""
+    before, after, kl_controller = companions(cfg, estimator_cls)
+    after += pf_ppo(cfg, estimator_cls, notes)  # last: it resamples whole rows, with their IS weights
+    loss_cls, bypass = bypass_loss(cfg, registry.POLICY_LOSSES.resolve(cfg[f"{A}.policy_loss.loss_mode"]), notes)
+    estimator_kwargs = class_kwargs(estimator_cls, ESTIMATOR_POOL, cfg)
+    gdpo_keys(estimator_kwargs)
+    return before, after, kl_controller, estimator_kwargs, loss_cls, bypass
+
+
+def critic_on(cfg: VerlConfig, algo: str, estimator_cls: type) -> bool:
+    """Whether the run has a critic: ``critic.enable``, or (unset) whether the estimator needs one. A registered
+    estimator that needs one with ``critic.enable=False`` is refused here (validation knows rlflow's own)."""
+    enable = cfg["critic.enable"]
+    with_critic = bool(estimator_cls.needs_critic) if enable is None else bool(enable)
+    if estimator_cls.needs_critic and not with_critic:
+        raise ConfigError(f"algorithm.adv_estimator={algo} needs a critic, but critic.enable=False")
+    return with_critic
+
+
+def critic_keys(cfg: VerlConfig, notes: list[str], procs: int, micro: int | None) -> tuple:
+    """The critic's keys -> (its model path, ``Critic.from_pretrained``'s kwargs, ``ValueLoss``'s kwargs, the one
+    micro-batch size of actor and critic)."""
+    critic_micro = one_of(cfg, f"{C}.ppo_micro_batch_size_per_gpu", f"{C}.ppo_micro_batch_size", procs)
+    fwd_micro, fwd_tokens = scoring_split(cfg, f"{C}.use_dynamic_bsz", f"{C}.forward_max_token_len_per_gpu",
+                                          f"{C}.forward_micro_batch_size_per_gpu", f"{C}.forward_micro_batch_size",
+                                          procs)
+    if critic_micro is not None and critic_micro != micro:
+        notes.append(f"{C}.ppo_micro_batch_size_per_gpu={critic_micro} and the actor's {micro}: the Trainer "
+                     f"uses one micro-batch size, {min(x for x in (micro, critic_micro) if x)}; gradients "
+                     "do not depend on it")
+        micro = min(x for x in (micro, critic_micro) if x)
+    kwargs = {"micro_batch_size": fwd_micro if fwd_micro is not None or fwd_tokens else critic_micro,
+              "max_tokens_per_micro_batch": fwd_tokens,
+              "gradient_checkpointing": cfg[f"{C}.model.enable_gradient_checkpointing"],
+              "remove_padding": cfg[f"{C}.model.use_remove_padding"], **model_loading(cfg, C),
+              **({"activation_offload": True} if cfg[f"{C}.model.enable_activation_offload"] else {}),
+              **model_paths(cfg, f"{C}.model")}  # critic.model.hf_config_path
+    value_loss = {"clip_range": cfg[f"{C}.cliprange_value"], "agg": cfg[f"{C}.loss_agg_mode"],
+                  "loss_scale_factor": cfg[f"{C}.loss_scale_factor"]}
+    return cfg[f"{C}.model.path"], kwargs, value_loss, micro
+
+
+def policy_keys(cfg: VerlConfig, temperature: float, procs: int, loading: dict) -> dict:
+    """``Policy.from_pretrained``'s kwargs (beside the model path and LoRA)."""
+    M = "actor_rollout_ref.model"
+    micro, tokens = scoring_split(cfg, f"{R}.log_prob_use_dynamic_bsz", f"{R}.log_prob_max_token_len_per_gpu",
+                                  f"{R}.log_prob_micro_batch_size_per_gpu", f"{R}.log_prob_micro_batch_size", procs)
+    return {"temperature": temperature, "micro_batch_size": micro, "max_tokens_per_micro_batch": tokens,
+            "gradient_checkpointing": cfg[f"{M}.enable_gradient_checkpointing"],
+            "remove_padding": cfg[f"{M}.use_remove_padding"],
+            **({"activation_offload": True} if cfg[f"{M}.enable_activation_offload"] else {}),
+            **{k: cfg[f"data.{k}"] for k in ("min_pixels", "max_pixels") if cfg[f"data.{k}"]},
+            **loading, **model_paths(cfg, M),  # model.tokenizer_path, model.hf_config_path
+            **({"freeze_vision_tower": True} if cfg[f"{A}.freeze_vision_tower"] else {})}
+
+
+def data_keys(cfg: VerlConfig, notes: list[str], template_kwargs: dict, agent: dict | None, procs: int) -> dict:
+    """``PromptData``'s kwargs."""
+    return {"train": cfg["data.train_files"], "val": cfg["data.val_files"], "prompt_key": cfg["data.prompt_key"],
+            "max_prompt_length": cfg["data.max_prompt_length"], "truncation": cfg["data.truncation"],
+            "shuffle": cfg["data.shuffle"], "seed": cfg["data.seed"],
+            "filter_overlong_prompts": cfg["data.filter_overlong_prompts"],
+            "missing_ground_truth": cfg["data.missing_ground_truth"],
+            "image_key": cfg["data.image_key"], "skip_bad_images": bad_images(cfg),
+            "image_patch_size": patch_size(cfg),
+            **({"chat_template_kwargs": template_kwargs} if template_kwargs else {}),
+            **data_extras(cfg, agent), **data_source_key(cfg, notes),
+            **({"sampler": s} if (s := sampler_factory(cfg, procs)) else {})}
+
+
+def reward_and_shaping(cfg: VerlConfig, notes: list[str]) -> tuple[RewardPlan, dict | None]:
+    """The reward keys -> the reward plan and DAPO's overlong shaping (OverlongPenalty's kwargs, or None)."""
+    crf = cfg["custom_reward_function"]
+    manager, manager_kwargs = cfg["reward_model.reward_manager"], dict(cfg["reward_model.reward_kwargs"])
+    overlong = overlong_penalty(manager, manager_kwargs, cfg[f"{R}.response_length"])
+    if manager in ("prime", "dapo"):
+        notes.append(f"reward_model.reward_manager={manager}: scores like 'naive' (rlflow runs reward calls on "
+                     f"threads with a timeout){'; overlong shaping: OverlongPenalty' if overlong else ''}")
+    return reward_keys(cfg, manager, {**manager_kwargs, **crf["reward_kwargs"]}, notes), overlong
+
+
+def around_the_rollout(cfg: VerlConfig, notes: list[str], devices: Devices, after: list, sampling: dict | None,
+                       template_kwargs: dict) -> tuple:
+    """The plans of what goes around the rollout and the loss: (the agent loop, distillation, fully asynchronous
+    generation, asynchronous generation); multi-turn with asynchronous generation is refused."""
+    agent = agent_plan(cfg, notes)
+    if agent is not None and template_kwargs:
+        agent["template_kwargs"] = template_kwargs
+    v1_mode(cfg, notes)
+    distill = distillation_plan(cfg, notes)
+    if distill is not None:
+        distill["loss_cls"] = getattr(rlflow.algorithms, distill.pop("loss"))
+    sync_cadence(cfg, notes)
+    fully_async = v1_async_plan(cfg, notes, devices, after, sampling)
+    asynchronous = async_plan(cfg, notes, devices, after, sampling)
+    if agent and (asynchronous or fully_async):
+        raise NotSupportedError("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn rollouts with "
+                                "asynchronous generation", "Turn one of them off.")
+    return agent, distill, fully_async, asynchronous
+
+
+def loop_and_run_keys(cfg: VerlConfig, notes: list[str], with_critic: bool, loggers: list[str], resume) -> dict:
+    """The Trainer's validation, checkpoint and callback settings (its ``Loop`` and ``RunDir`` groups)."""
+    return {"val_every": max(cfg["trainer.test_freq"], 0), "val_n": cfg[f"{R}.val_kwargs"]["n"],
+            "save_every": max(cfg["trainer.save_freq"], 0), "run_dir": cfg["trainer.default_local_dir"],
+            "resume": resume, "seed": cfg["data.seed"], "keep_checkpoints": keep_checkpoints(cfg, notes, with_critic),
+            "critic_warmup_steps": critic_warmup_steps(cfg, notes, with_critic),
+            "callbacks": generation_callbacks(cfg, notes) + checkpoint_callbacks(cfg),
+            "progress": "console" not in loggers}
+
+
 def make_plan(cfg: VerlConfig) -> Plan:
     """Resolve every honoured key (after :func:`rlflow.config.verl.validate.check`: every problem at once)."""
     if not cfg.validated:
         check(cfg)
         cfg.validated = True
     notes: list[str] = []
-    algo = cfg["algorithm.adv_estimator"]
-    estimator_cls = registry.ESTIMATORS.resolve(algo)
-    critic_enable = cfg["critic.enable"]
-    with_critic = bool(estimator_cls.needs_critic) if critic_enable is None else bool(critic_enable)
-    if estimator_cls.needs_critic and not with_critic:
-        raise ConfigError(f"algorithm.adv_estimator={algo} needs a critic, but critic.enable=False")
+    estimator_cls = registry.ESTIMATORS.resolve(algo := cfg["algorithm.adv_estimator"])
+    with_critic = critic_on(cfg, algo, estimator_cls)
     devices = resolve_devices(cfg, notes, with_critic)
     for k, _, _ in tables.not_supported(cfg.flat):  # checked by validation; read: none is reported as unused
         cfg[k]
@@ -208,123 +321,47 @@ def make_plan(cfg: VerlConfig) -> Plan:
     n, bs, mini = cfg[f"{R}.n"], cfg["data.train_batch_size"], same("ppo_mini_batch_size")
     micro = one_of(cfg, f"{A}.ppo_micro_batch_size_per_gpu", f"{A}.ppo_micro_batch_size", procs)
     temperature, do_sample = cfg[f"{R}.temperature"], cfg[f"{R}.do_sample"]
-    if not do_sample and temperature == 0:
-        temperature = 1.0  # greedy: log-probs of the unscaled distribution
+    temperature = 1.0 if not do_sample and temperature == 0 else temperature  # greedy: the unscaled distribution
     optimizer = optim_kwargs(cfg, notes, with_critic, same, devices)  # lr, schedule, clipping, shuffling
     ppo_epochs, warmup = same("ppo_epochs"), (same("optim.lr_warmup_steps"), same("optim.lr_warmup_steps_ratio"))
 
-    critic_path, critic_kwargs, value_loss_kwargs = None, {}, {}
-    if with_critic:
-        critic_micro = one_of(cfg, f"{C}.ppo_micro_batch_size_per_gpu", f"{C}.ppo_micro_batch_size", procs)
-        fwd_micro, fwd_tokens = scoring_split(cfg, f"{C}.use_dynamic_bsz", f"{C}.forward_max_token_len_per_gpu",
-                                              f"{C}.forward_micro_batch_size_per_gpu",
-                                              f"{C}.forward_micro_batch_size", procs)
-        if critic_micro is not None and critic_micro != micro:
-            notes.append(f"{C}.ppo_micro_batch_size_per_gpu={critic_micro} and the actor's {micro}: the Trainer "
-                         f"uses one micro-batch size, {min(x for x in (micro, critic_micro) if x)}; gradients "
-                         "do not depend on it")
-            micro = min(x for x in (micro, critic_micro) if x)
-        critic_path = cfg[f"{C}.model.path"]
-        critic_kwargs = {"micro_batch_size": fwd_micro if fwd_micro is not None or fwd_tokens else critic_micro,
-                         "max_tokens_per_micro_batch": fwd_tokens,
-                         "gradient_checkpointing": cfg[f"{C}.model.enable_gradient_checkpointing"],
-                         "remove_padding": cfg[f"{C}.model.use_remove_padding"], **model_loading(cfg, C),
-                         **({"activation_offload": True} if cfg[f"{C}.model.enable_activation_offload"] else {})}
-        critic_kwargs |= model_paths(cfg, f"{C}.model")  # critic.model.hf_config_path
-        value_loss_kwargs = {"clip_range": cfg[f"{C}.cliprange_value"], "agg": cfg[f"{C}.loss_agg_mode"],
-                             "loss_scale_factor": cfg[f"{C}.loss_scale_factor"]}
-
-    before, after, kl_controller = companions(cfg, estimator_cls)
-    after += pf_ppo(cfg, estimator_cls, notes)  # last: it resamples whole rows, with their IS weights
-    loss_cls, bypass = bypass_loss(cfg, registry.POLICY_LOSSES.resolve(cfg[f"{A}.policy_loss.loss_mode"]), notes)
-    estimator_kwargs = class_kwargs(estimator_cls, ESTIMATOR_POOL, cfg)
-    gdpo_keys(estimator_kwargs)
-    cfg_reward = cfg["custom_reward_function"]
-    manager, manager_kwargs = cfg["reward_model.reward_manager"], dict(cfg["reward_model.reward_kwargs"])
-    overlong = overlong_penalty(manager, manager_kwargs, cfg[f"{R}.response_length"])
-    reward_kwargs = {**manager_kwargs, **cfg_reward["reward_kwargs"]}
-    if manager in ("prime", "dapo"):
-        notes.append(f"reward_model.reward_manager={manager}: scores like 'naive' (rlflow runs reward calls on "
-                     f"threads with a timeout){'; overlong shaping: OverlongPenalty' if overlong else ''}")
+    critic_path, critic_kwargs, value_loss_kwargs, micro = (critic_keys(cfg, notes, procs, micro) if with_critic
+                                                            else (None, {}, {}, micro))
+    before, after, kl_controller, estimator_kwargs, loss_cls, bypass = estimator_and_loss(cfg, estimator_cls, notes)
+    reward, overlong = reward_and_shaping(cfg, notes)
     sampling = dynamic_sampling(cfg, notes)
     template_kwargs, policy_loading = chat_template_kwargs(cfg), model_loading(cfg, "actor_rollout_ref")
-    agent = agent_plan(cfg, notes)
-    if agent is not None and template_kwargs:
-        agent["template_kwargs"] = template_kwargs
-    v1_mode(cfg, notes)
-    distill = distillation_plan(cfg, notes)
-    if distill is not None:
-        distill["loss_cls"] = getattr(rlflow.algorithms, distill.pop("loss"))
-    sync_cadence(cfg, notes)
-    fully_async = v1_async_plan(cfg, notes, devices, after, sampling)
-    asynchronous = async_plan(cfg, notes, devices, after, sampling)
-    if agent and (asynchronous or fully_async):
-        raise NotSupportedError("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn rollouts with "
-                                "asynchronous generation", "Turn one of them off.")
+    agent, distill, fully_async, asynchronous = around_the_rollout(cfg, notes, devices, after, sampling,
+                                                                   template_kwargs)
     sp_size = sequence_parallel(cfg, notes, with_critic, procs)
-    loggers = logger_names(cfg, notes)
-    resume = resume_arg(cfg)
-    val = cfg[f"{R}.val_kwargs"]
+    loggers, resume, val = logger_names(cfg, notes), resume_arg(cfg), cfg[f"{R}.val_kwargs"]
     rollout_cls, rollout_kwargs = rollout_plan(cfg, devices, notes, n, temperature, do_sample)
     if rollout_cls.__name__ == "VLLMRollout":
         engine_loading(rollout_kwargs, policy_loading)
-    external = cfg["actor_rollout_ref.model.external_lib"]
-    if external:
-        importlib.import_module(external)  # verl imports it to register custom model classes
-    test_freq, save_freq = cfg["trainer.test_freq"], cfg["trainer.save_freq"]
-    REF = "actor_rollout_ref.ref"
-    lp_micro, lp_tokens = scoring_split(cfg, f"{R}.log_prob_use_dynamic_bsz", f"{R}.log_prob_max_token_len_per_gpu",
-                                        f"{R}.log_prob_micro_batch_size_per_gpu", f"{R}.log_prob_micro_batch_size",
-                                        procs)
-    ref_micro, ref_tokens = scoring_split(cfg, f"{REF}.log_prob_use_dynamic_bsz",
-                                          f"{REF}.log_prob_max_token_len_per_gpu",
-                                          f"{REF}.log_prob_micro_batch_size_per_gpu",
-                                          f"{REF}.log_prob_micro_batch_size", procs)
+    if cfg["actor_rollout_ref.model.external_lib"]:  # verl imports it to register custom model classes
+        importlib.import_module(cfg["actor_rollout_ref.model.external_lib"])
+    ref_micro, ref_tokens = scoring_split(cfg, *(f"actor_rollout_ref.ref.{k}" for k in REF_SPLIT), procs)
     return Plan(
         cfg=cfg, devices=devices, model_path=cfg["actor_rollout_ref.model.path"],
         vision=bool(cfg[f"{R}.enable_vision"]),
         chat_template=cfg["actor_rollout_ref.model.custom_chat_template"],
-        policy_kwargs={"temperature": temperature,
-                       "micro_batch_size": lp_micro, "max_tokens_per_micro_batch": lp_tokens,
-                       "gradient_checkpointing": cfg["actor_rollout_ref.model.enable_gradient_checkpointing"],
-                       "remove_padding": cfg["actor_rollout_ref.model.use_remove_padding"],
-                       **({"activation_offload": True} if cfg["actor_rollout_ref.model.enable_activation_offload"]
-                          else {}),
-                       **{k: cfg[f"data.{k}"] for k in ("min_pixels", "max_pixels") if cfg[f"data.{k}"]},
-                       **policy_loading,
-                       **model_paths(cfg, "actor_rollout_ref.model"),  # model.tokenizer_path, model.hf_config_path
-                       **({"freeze_vision_tower": True} if cfg[f"{A}.freeze_vision_tower"] else {})},
+        policy_kwargs=policy_keys(cfg, temperature, procs, policy_loading),
         ref_micro_batch_size=ref_micro, ref_max_tokens=ref_tokens,
         rollout_cls=rollout_cls, rollout_kwargs=rollout_kwargs,
         val_sampling={"n": val["n"], "do_sample": val["do_sample"], "top_p": val["top_p"], "top_k": val["top_k"],
                       "temperature": val["temperature"] if val["do_sample"] else 1.0},
-        reward=reward_keys(cfg, manager, reward_kwargs, notes),
+        reward=reward,
         estimator_cls=estimator_cls, estimator_kwargs=estimator_kwargs,
-        loss_cls=loss_cls, loss_kwargs=class_kwargs(loss_cls, loss_pool(cfg), cfg,
-                                                    fixed=bypass or ({"is_weights": True} if any(
-                                                        c.__name__ == tables.ROLLOUT_IS for c, _ in after) else None)),
+        loss_cls=loss_cls, loss_kwargs=class_kwargs(loss_cls, loss_pool(cfg), cfg, fixed=bypass or (
+            {"is_weights": True} if any(c.__name__ == tables.ROLLOUT_IS for c, _ in after) else None)),
         before=before, after=after, kl_controller=kl_controller,
         critic_path=critic_path, critic_kwargs=critic_kwargs, value_loss_kwargs=value_loss_kwargs,
-        data_kwargs={"train": cfg["data.train_files"], "val": cfg["data.val_files"],
-                     "prompt_key": cfg["data.prompt_key"],
-                     "max_prompt_length": cfg["data.max_prompt_length"], "truncation": cfg["data.truncation"],
-                     "shuffle": cfg["data.shuffle"], "seed": cfg["data.seed"],
-                     "filter_overlong_prompts": cfg["data.filter_overlong_prompts"],
-                     "missing_ground_truth": cfg["data.missing_ground_truth"],
-                     "image_key": cfg["data.image_key"], "skip_bad_images": bad_images(cfg),
-                     "image_patch_size": patch_size(cfg),
-                     **({"chat_template_kwargs": template_kwargs} if template_kwargs else {}),
-                     **data_extras(cfg, agent), **data_source_key(cfg, notes),
-                     **({"sampler": s} if (s := sampler_factory(cfg, procs)) else {})},
+        data_kwargs=data_keys(cfg, notes, template_kwargs, agent, procs),
         trainer_kwargs={
             "batch_size": bs, "mini_batch_size": mini, "micro_batch_size": micro, "ppo_epochs": ppo_epochs,
-            **optimizer,
-            "val_every": max(test_freq, 0), "val_n": val["n"], "save_every": max(save_freq, 0),
-            "run_dir": cfg["trainer.default_local_dir"],
-            "resume": resume, "seed": cfg["data.seed"], "keep_checkpoints": keep_checkpoints(cfg, notes, with_critic),
+            **optimizer, **loop_and_run_keys(cfg, notes, with_critic, loggers, resume),
             "async_save": bool(same("checkpoint.async_save")),
-            "critic_warmup_steps": critic_warmup_steps(cfg, notes, with_critic), "callbacks": generation_callbacks(cfg, notes) + checkpoint_callbacks(cfg),
-            "progress": "console" not in loggers, "max_tokens_per_micro_batch": token_budget(cfg, with_critic),
+            "max_tokens_per_micro_batch": token_budget(cfg, with_critic),
             "sequence_parallel_size": sp_size, "balance_batch": cfg["trainer.balance_batch"],
             "accelerator": devices.accelerator, "devices": devices.per_node, "num_nodes": devices.nnodes,
             "strategy": devices.strategy, "precision": devices.precision},
