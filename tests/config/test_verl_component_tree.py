@@ -71,8 +71,11 @@ def test_the_tree_checks_and_builds_as_a_tree_recipe(tiny, model_dir, capsys):
 
 
 def test_what_the_tree_cannot_say_yet_is_listed(tiny, capsys):
-    """A chat template set on the loaded tokenizer is not a constructor argument: the dry run says so."""
-    assert main(tiny + ["--dry-run", "data.max_prompt_length=48",
+    """The reference's own scoring split is set on the policy's copy, which no constructor argument says: the dry
+    run lists it. A custom chat template is Policy.from_pretrained's argument."""
+    assert main(tiny + ["--dry-run", "data.max_prompt_length=48", "actor_rollout_ref.actor.use_kl_loss=true",
+                        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
                         "+actor_rollout_ref.model.custom_chat_template='{{ messages }}'"]) == 0
     out = capsys.readouterr().out
-    assert "Not said by the tree yet" in out and "custom_chat_template is set on the loaded tokenizer" in out
+    assert "Not said by the tree yet" in out and "reference: its own scoring split" in out
+    assert "chat_template='{{ messages }}'" in out.split("Not said", 1)[0]

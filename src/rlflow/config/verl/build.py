@@ -191,16 +191,13 @@ def build_policy(plan: Plan) -> Policy:
                           "so there is no vision tower to freeze")
     try:
         with remote_code_errors(f"{key}.path", f"{TRUST}=True", f"{key}.override_config"):
-            policy = Policy.from_pretrained(files["model"], **kwargs, lora=make_lora(plan.lora))
+            policy = Policy.from_pretrained(files["model"], **kwargs, lora=make_lora(plan.lora),
+                                            chat_template=plan.chat_template)
     except ModelFolderError as e:
         raise ConfigError(f"actor_rollout_ref.model.path: {e}") from None
     if plan.vision and policy.processor is None:
         raise ConfigError(f"actor_rollout_ref.rollout.enable_vision=True but actor_rollout_ref.model.path="
                           f"{plan.model_path} is not an image-text-to-text model (its config has no vision_config)")
-    if plan.chat_template:
-        policy.tokenizer.chat_template = plan.chat_template
-        if policy.processor is not None:  # a VLM's prompts are rendered by its processor
-            policy.processor.chat_template = plan.chat_template
     return policy
 
 

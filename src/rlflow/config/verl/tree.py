@@ -8,8 +8,8 @@ and ``tests/config/test_verl_component_tree.py`` builds that tree with :func:`rl
 checks that its first steps log what the verl command logs.
 
 A part the public constructors cannot say yet is *deferred*: the tree keeps the closest node and
-:class:`VerlTree` lists the part with the reason (a reference model of its own, a chat template set on the loaded
-tokenizer, prompts a user's dataset class reads, ...); the dry run prints that list under the Python.
+:class:`VerlTree` lists the part with the reason (a reference model of its own, prompts a user's dataset class
+reads, ...); the dry run prints that list under the Python.
 """
 
 from __future__ import annotations
@@ -106,8 +106,7 @@ def policy_node(plan, deferred: list[str]) -> dict:
     elif plan.lora is not None:
         out["lora"] = plan.lora
     if plan.chat_template:
-        deferred.append("policy: actor_rollout_ref.model.custom_chat_template is set on the loaded tokenizer "
-                        "(Policy.from_pretrained takes no chat template)")
+        out["chat_template"] = plan.chat_template
     return out
 
 
