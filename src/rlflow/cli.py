@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train_from_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Forward to the verl entry point; the default job's flags have config keys instead."""
     from rlflow.config.components import is_tree_file
-    from rlflow.config.run import main as run_config
+    from rlflow.config.verl.run import main as run_config
 
     for attr, (flag, default, verl_key, native_key) in DEFAULT_JOB_FLAGS.items():
         if getattr(args, attr) != default:

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from rlflow.config.loading import ConfigError, NotSupportedError
+from rlflow.config.errors import ConfigError, NotSupportedError
 
 __all__ = ["Registry", "ESTIMATORS", "POLICY_LOSSES", "register_estimator", "register_policy_loss",
            "load_object", "object_problem", "split_spec", "module_defines"]
@@ -134,6 +134,7 @@ def object_problem(location: str, name: str, where: str, base_dir: str | Path | 
 
 
 _loaded_files: dict[Path, Any] = {}
+FILE_MODULES = "rlflow_user_"  # the prefix of the module name a file imported by load_object gets
 
 
 def load_object(location: str, name: str, where: str, base_dir: str | Path | None = None) -> Any:
@@ -149,7 +150,7 @@ def load_object(location: str, name: str, where: str, base_dir: str | Path | Non
         file = resolve_file(location, base_dir).resolve()
         module = _loaded_files.get(file)
         if module is None:
-            module_name = f"rlflow_user_{file.stem}_{abs(hash(str(file))) % 10**8}"
+            module_name = f"{FILE_MODULES}{file.stem}_{abs(hash(str(file))) % 10**8}"
             spec = importlib.util.spec_from_file_location(module_name, file)
             module = importlib.util.module_from_spec(spec)
             sys.modules[module_name] = module

@@ -31,7 +31,7 @@ def test_keys_make_the_critics_lora_config(ppo):
                              "task_type": "CAUSAL_LM"}
     assert p.lora is None  # the policy's LoRA is its own
     report, problems = dry_run(p)
-    assert not problems and "lora=LoraConfig(r=4, lora_alpha=8, target_modules=['q_proj', 'v_proj']" in report
+    assert not problems and "lora=LoraConfig(r=4, target_modules=['q_proj', 'v_proj']" in report
     off = make_plan(load_config(ppo + [f"{CM}.lora_alpha=64"]))
     assert off.critic_lora is None and any(n.startswith(f"{CM}.lora_alpha=64 has no effect") and "lora_rank > 0" in n
                                            for n in unused_notes(off.cfg))

@@ -92,7 +92,7 @@ def test_seed_keys_train_with_the_adapter_and_its_reference(tiny, model_dir, tmp
                         "trainer.val_before_train=false", "trainer.save_freq=2"]
     p = make_plan(load_config(overrides))
     report, problems = dry_run(p)
-    assert not problems and "lora=LoraConfig(r=4, lora_alpha=8, target_modules='all-linear'" in report
+    assert not problems and "lora=LoraConfig(r=4, target_modules='all-linear'" in report
     assert "trainable" in report and "the reference is the model with its adapter off" in report
     trainer, data = build_trainer(p)
     assert L.is_lora(trainer.policy.model) and isinstance(trainer.reference, AdapterDisabledReference)

@@ -92,7 +92,8 @@ def test_gsm8k_multiturn_example_trains_with_its_tools(example, capsys):
 def test_dry_run_shows_the_agent_loop(example, capsys):
     assert main(example + ["--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "AgentLoop(HFRollout(" in out and "tools=['calculator', 'calc_gsm8k_reward']" in out
+    assert "rollout=AgentLoop(rollout=HFRollout(" in out
+    assert "tools=[\"Calculator(name='calculator')\", \"Gsm8kTool(name='calc_gsm8k_reward')\"]" in out
 
 
 @pytest.mark.parametrize("override, message", [

@@ -91,8 +91,8 @@ def test_recipe_dry_runs_builds_and_trains(name, task_dir, tmp_path):
     report, problems = dry_run(plan)
     assert not problems and "Dry run: config and data are valid" in report
     if name == "dapo":  # the objects section shows the stages of the experience stream
-        assert "rollout   = HFRollout(" in report and "reward    = OverlongPenalty(FunctionReward(" in report
-        assert "stages    = [FilterGroups(metric='acc', max_gen_batches=10)]" in report
+        assert "rollout=HFRollout(" in report and "reward=OverlongPenalty(reward=FunctionReward(" in report
+        assert "stages=[FilterGroups(metric='acc')]" in report
     trainer, data = build_trainer(plan)
     modules = getattr(trainer.estimator, "modules", None)
     assert (repr(trainer.estimator) if modules else type(trainer.estimator).__name__) == chain

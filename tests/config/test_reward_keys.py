@@ -9,6 +9,7 @@ from rlflow.config.dryrun import dry_run
 from rlflow.config.loading import ConfigError, NotSupportedError
 from rlflow.config.native import load_native
 from rlflow.config.run import unused_notes
+from rlflow.config.verl.tree import reward_node
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2_reward_model
 from rlflow.rewards import CombinedReward, FunctionReward, ModelReward, RewardError, WithRMScore
 from rlflow.trainer.main_ppo import main
@@ -185,11 +186,12 @@ def test_native_recipe_and_dry_run(tiny, rm_dir, rewards_py, tmp_path, capsys):
     plan = make_plan(load_native(recipe))
     assert plan.reward.mode == "sum" and plan.reward.model["micro_batch_size"] == 4
     assert [(n, w) for n, _, w in plan.reward.functions] == [("correct", 2.0)] and plan.reward.model_weight == 0.5
-    text = plan.reward.describe()
-    assert text.startswith("CombinedReward({'reward_model': ModelReward.from_pretrained(")
-    assert "weights={'reward_model': 0.5, 'correct': 2}" in text
+    made = reward_node(plan.reward, None, deferred := [])
+    assert made["_target_"] == "rlflow.rewards.CombinedReward" and made["weights"] == {"reward_model": 0.5, "correct": 2}
+    assert made["rewards"]["reward_model"]["_target_"] == "rlflow.rewards.ModelReward.from_pretrained"
+    assert made["rewards"]["correct"]["fn"]["path"].endswith("rewards.py:correct") and deferred == []
     report, problems = dry_run(plan_of(tiny, "reward_model.enable=true", f"reward_model.model.path={rm_dir}"))
-    assert problems == [] and "reward    = ModelReward.from_pretrained(" in report
+    assert problems == [] and "reward=ModelReward.from_pretrained(" in report
 
 
 def test_functions_by_file_or_module_name(tiny, rewards_py):

@@ -1,7 +1,7 @@
 """How the dry run writes a number: ``gib`` (bytes in a readable unit) and ``line`` (label, formula, value).
 
-A leaf, so that every section of the dry run (:mod:`rlflow.config.dryrun`, the Megatron one in
-:mod:`rlflow.config.verl_megatron`) formats alike without importing the dry run itself.
+A leaf, so that every section of the dry run (:mod:`rlflow.config.verl.dryrun`, the Megatron one in
+:mod:`rlflow.config.verl.megatron`) formats alike without importing the dry run itself.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ R = "actor_rollout_ref.rollout"
 GLOO = "rlflow_gloo"  # weight_transfer_gloo.GLOO, not imported: that module imports torch, which the driver does not
 # what a training rank of a pool imports anyway (torch, transformers, the server rollout), imported while
 # the servers start: on a 2-core CI machine about 15 s of the rank's start-up
-TRAINER_IMPORTS = ("rlflow.config.plan", "rlflow.rollout.server")
+TRAINER_IMPORTS = ("rlflow.config.verl.plan", "rlflow.rollout.server")
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ class Policy(BatchModule):
                         trust_remote_code: bool = False, override_config: dict | None = None,
                         tokenizer_trust_remote_code: bool | None = None,
                         tokenizer_path: str | Path | None = None, config_path: str | Path | None = None,
-                        **kwargs) -> "Policy":
+                        chat_template: str | None = None, **kwargs) -> "Policy":
         """Load a model (weights, config, tokenizer): a local folder, or a Hugging Face hub id.
 
         A hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``) loads as in transformers: downloaded or revalidated
@@ -138,7 +138,8 @@ class Policy(BatchModule):
         ``{"attention_dropout": 0.1}``, ``{"attn_implementation": "eager"}``). ``tokenizer_path`` (a folder or
         hub id) is where the tokenizer and the processor are read from, and ``config_path`` the model config
         (``config.json``), when they are not the model's own (verl's ``model.tokenizer_path`` /
-        ``model.hf_config_path``).
+        ``model.hf_config_path``). ``chat_template`` replaces the tokenizer's (and the processor's) chat template
+        (verl's ``model.custom_chat_template``).
         """
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -161,6 +162,10 @@ class Policy(BatchModule):
             tokenizer = AutoTokenizer.from_pretrained(tokens, padding_side="left", trust_remote_code=trust_tokenizer)
             model = AutoModelForCausalLM.from_pretrained(weights, **load)
         check_tokenizer(tokenizer, source=str(tokens))
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+            if processor is not None:  # a VLM's prompts are rendered by its processor
+                processor.chat_template = chat_template
         return cls(model, tokenizer, processor=processor, **kwargs)
 
     def log_probs(self, batch: TensorDict, topk_ids: Tensor | None = None) -> tuple[Tensor, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from rlflow.config.run import main
+from rlflow.config.verl.run import main
 
 __all__ = ["main"]
 

@@ -13,9 +13,9 @@ from typing import Any, Callable
 
 import rlflow
 import rlflow.rollout
-from rlflow.config import tables
-from rlflow.config.devices import Devices
-from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.verl import tables
+from rlflow.config.verl.devices import Devices
+from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
 
 R = "actor_rollout_ref.rollout"
 INSTALL = tables.ENGINE_INSTALL

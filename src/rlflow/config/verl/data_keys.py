@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlflow.config.agent import function_tools
-from rlflow.config.loading import ConfigError, VerlConfig
+from rlflow.config.verl.agent import function_tools
+from rlflow.config.verl.loading import ConfigError, VerlConfig
 
 
 def _max_samples(cfg: VerlConfig, key: str) -> int | None:

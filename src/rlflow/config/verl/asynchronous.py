@@ -38,9 +38,9 @@ otherwise, naming the batch size that makes them agree.
 
 from __future__ import annotations
 
-from rlflow.config import tables
-from rlflow.config.devices import Devices
-from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.verl import tables
+from rlflow.config.verl.devices import Devices
+from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
 
 STALENESS = "async_training.staleness_threshold"
 SWITCH = "trainer.async_weight_update"

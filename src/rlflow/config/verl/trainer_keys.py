@@ -4,7 +4,7 @@
 verl 0.9 runs its V1 trainer by default (``use_v1=True``) in ``sync`` mode, or its legacy trainer
 (``use_v1=False``); both generate with the current weights, then train, as rlflow's one loop does. V1's
 asynchronous modes (``colocate_async``, ``separate_async``) are fully asynchronous generation with partial
-rollouts (``FullyAsyncRollout``, :func:`rlflow.config.asynchronous.v1_async_plan`, docs/async.md).
+rollouts (``FullyAsyncRollout``, :func:`rlflow.config.verl.asynchronous.v1_async_plan`, docs/async.md).
 
 ``checkpoint_callback_class`` names a class (``my_pkg.callbacks.MyCallback``) that verl builds as
 ``cls(config=<the whole config>)`` and whose ``on_save(trainer=, global_step=, checkpoint_dir=, async_save=)``
@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from rlflow.config.loading import ConfigError, VerlConfig
+from rlflow.config.verl.loading import ConfigError, VerlConfig
 
 USE_V1, MODE, CALLBACK = "trainer.use_v1", "trainer.v1.trainer_mode", "trainer.checkpoint_callback_class"
 V1_MODES = ("sync", "colocate_async", "separate_async")
@@ -34,7 +34,7 @@ def v1_mode(cfg: VerlConfig, notes: list[str]) -> None:
             notes.append(f"{MODE}={mode!r} has no effect with {USE_V1}=False (verl's legacy trainer is synchronous, "
                          "as rlflow's loop)")
         return
-    # colocate_async / separate_async: FullyAsyncRollout (rlflow.config.asynchronous.v1_async_plan)
+    # colocate_async / separate_async: FullyAsyncRollout (rlflow.config.verl.asynchronous.v1_async_plan)
 
 
 class VerlCheckpointCallback:

@@ -7,7 +7,7 @@ loads (``rlflow.models.hf_config``), in the dry run too.
 
 from __future__ import annotations
 
-from rlflow.config.loading import ConfigError, VerlConfig
+from rlflow.config.verl.loading import ConfigError, VerlConfig
 from rlflow.models.hf_config import ATTN, effective_overrides
 
 RESERVED_TEMPLATE_ARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",

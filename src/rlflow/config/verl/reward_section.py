@@ -10,12 +10,12 @@ read when its legacy key is. Both set to different values is an error naming bot
 disagree on which would win). Problems found under the legacy name are reported under the user's name too
 (:func:`user_names`).
 
-Keys of the section with no legacy counterpart are in ``rlflow.config.tables``: ``reward_manager.source``
+Keys of the section with no legacy counterpart are in ``rlflow.config.verl.tables``: ``reward_manager.source``
 other than ``register`` is not supported (verl reward-manager classes from a file); the reward model's
 resource pool and its inference-server settings (``reward.reward_model.rollout.*``) change nothing here (the
 reward model is a sequence-classification model scored in the training processes, ``ModelReward``).
 
-Nothing here imports torch or omegaconf: :mod:`rlflow.config.loading` calls :func:`fold`.
+Nothing here imports torch or omegaconf: :mod:`rlflow.config.verl.loading` calls :func:`fold`.
 """
 
 from __future__ import annotations

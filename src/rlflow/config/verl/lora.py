@@ -8,16 +8,16 @@ Two spellings configure the same adapters:
 
 ``actor_rollout_ref.model.use_rslora`` and ``use_dora`` (rlflow's keys) pass through to ``peft.LoraConfig``
 for either spelling. Both spellings at once must agree. Either works with the Megatron strategy too, and so does
-verl's Megatron LoRA block ``actor_rollout_ref.model.lora.*`` (:mod:`rlflow.config.megatron_lora`).
+verl's Megatron LoRA block ``actor_rollout_ref.model.lora.*`` (:mod:`rlflow.config.verl.megatron_lora`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rlflow.config import megatron_lora
-from rlflow.config.loading import ConfigError, VerlConfig
-from rlflow.config.verl_megatron import wants_megatron
+from rlflow.config.verl import megatron_lora
+from rlflow.config.verl.loading import ConfigError, VerlConfig
+from rlflow.config.verl.megatron import wants_megatron
 
 M, SEED = "actor_rollout_ref.model", "actor_rollout_ref.actor.lora"
 # the seed's key -> verl's key for the same setting

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
 
 MT = "actor_rollout_ref.rollout.multi_turn"
 AGENT = "actor_rollout_ref.rollout.agent"

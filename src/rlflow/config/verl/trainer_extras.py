@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from rlflow.config.loading import ConfigError, VerlConfig
+from rlflow.config.verl.loading import ConfigError, VerlConfig
 
 T = "trainer"
 

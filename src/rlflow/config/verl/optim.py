@@ -1,7 +1,7 @@
 """verl's optimizer keys -> the Trainer's optimizer, schedule, clipping and mini-batch shuffling.
 
 rlflow's Trainer updates actor and critic with one schedule, one clipping norm and one mini-batching, so each
-of these keys takes one value for both (``shared`` in :mod:`rlflow.config.plan`: the side the user set wins;
+of these keys takes one value for both (``shared`` in :mod:`rlflow.config.verl.plan`: the side the user set wins;
 both set and different is an error). The learning rates stay separate.
 
 - ``optim.lr_scheduler_type`` (or its older name ``optim.warmup_style``, which wins when set, as in verl),
@@ -18,7 +18,7 @@ both set and different is an error). The learning rates stay separate.
   them; two set to different values is an error naming both (validation, ``aliases_agree``).
 - ``shuffle`` with ``data_loader_seed`` -> ``Trainer(shuffle_seed=...)``.
 - ``optim.override_optimizer_config``: with the Megatron strategy, fields of megatron-core's ``OptimizerConfig``
-  (:mod:`rlflow.config.verl_megatron`); otherwise, as verl's FSDP engine does, extra keyword arguments of the
+  (:mod:`rlflow.config.verl.megatron`); otherwise, as verl's FSDP engine does, extra keyword arguments of the
   ``torch.optim`` class (``eps``, ``foreach``, ...). verl's Megatron scripts' ``optimizer_cpu_offload`` there means
   the optimizer offload rlflow has (``fsdp_config.optimizer_offload``: nothing to move on CPU); the other Megatron
   optimizer fields get a note.
@@ -34,8 +34,8 @@ from typing import Any, Callable
 
 import torch
 
-from rlflow.config import tables
-from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.verl import tables
+from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.trainer.schedule import DECAY_STYLES, SCHEDULES, WD_STYLES, WSD_STYLES, ParamSchedule, Schedule
 
 A, C = "actor_rollout_ref.actor", "critic"

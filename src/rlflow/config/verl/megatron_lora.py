@@ -13,7 +13,7 @@ weights any engine loads and which saves as a PEFT adapter folder. A note says s
 
 from __future__ import annotations
 
-from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
 
 L = "actor_rollout_ref.model.lora"
 # Megatron-Bridge's target names (fused and canonical) -> the Hugging Face projections they adapt

@@ -1,7 +1,7 @@
 """verl 0.9.1's keys beyond the tree rlflow first mirrored: what each one does here.
 
 Every leaf key of verl 0.9.1's tree (``config/verl/``) can be set. Those that rlflow reads are honoured
-where they are read; the rest are listed here, merged into :mod:`rlflow.config.tables`:
+where they are read; the rest are listed here, merged into :mod:`rlflow.config.verl.tables`:
 
 - ``INERT``: accepted, and a note at start-up says the key changes nothing here, and why (an engine,
   placement or profiling knob of a system rlflow does not run);
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from rlflow.config.verl_configs import FOREIGN_BLOCKS
+from rlflow.config.verl.configs import FOREIGN_BLOCKS
 
 
 def _truthy(v: Any) -> bool:
@@ -45,7 +45,7 @@ _PRECISION_AWARE = ("only used with optim.use_precision_aware_optimizer=True (Me
                     "rlflow keeps float32 gradients and AdamW states")
 _QAT_ONLY = "only used with qat.enable=True (quantization-aware training), which rlflow refuses"
 _MTP_ONLY = "only used with mtp.enable=True (multi-token prediction), which rlflow refuses"
-_MLORA_ONLY = ("only used with model.lora.rank > 0 (verl's Megatron LoRA block, rlflow.config.megatron_lora), which "
+_MLORA_ONLY = ("only used with model.lora.rank > 0 (verl's Megatron LoRA block, rlflow.config.verl.megatron_lora), which "
                "reads the keys it has a counterpart for")
 _TILED = ("a memory setting (TiledMLP computes the same MLP in slices); rlflow runs each MLP whole, and "
           "enable_gradient_checkpointing is its memory knob")

@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from rlflow.config.loading import ConfigError, VerlConfig
+from rlflow.config.verl.loading import ConfigError, VerlConfig
 from rlflow.registry import load_object
 
 TENSOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "raw_prompt_ids")

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rlflow.config.loading import ConfigError, NotSupportedError, VerlConfig
-from rlflow.config.reward_fn import reward_function
+from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.verl.reward_fn import reward_function
 
 RM = "reward_model"
 CRF = "custom_reward_function"
@@ -46,31 +46,10 @@ class RewardPlan:
     custom: bool = False
     built: Any = field(default=None, repr=False, compare=False)  # the reward made from a plan with a model
 
-    def describe(self) -> str:
-        """The Python calls the plan stands for (the dry run prints it)."""
-        kw = f"timeout_s={self.timeout_s}" + (f", processes={self.processes}" if self.processes else "")
-        parts = [(name, f"FunctionReward({getattr(fn, '__name__', fn)!s}, {kw})", w) for name, fn, w in self.functions]
-        if self.model is not None:
-            args = ", ".join(f"{k}={v!r}" for k, v in self.model.items() if k != "path")
-            model = f"ModelReward.from_pretrained({self.model['path']!r}, {args})"
-            if self.mode == "model":
-                return model
-            if self.mode == "rm_argument":
-                return f"WithRMScore({model}, {parts[0][1]})"
-            parts = [("reward_model", model, self.model_weight)] + parts
-        if len(parts) == 1 and parts[0][2] == 1.0:
-            return parts[0][1]
-        return "CombinedReward({" + ", ".join(f"{n!r}: {t}" for n, t, _ in parts) + "}, weights={" + \
-            ", ".join(f"{n!r}: {w:g}" for n, _, w in parts) + "})"
-
 
 def reward_plan(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[str]) -> RewardPlan:
     """Read the reward keys; every problem names its key."""
-    timeout, workers = cfg[f"{RM}.timeout_s"], cfg[f"{RM}.num_workers"]
-    if timeout is not None and not timeout > 0:
-        raise ConfigError(f"{RM}.timeout_s={timeout}: must be > 0 seconds, or null for no limit")
-    if workers is not None and workers < 1:
-        raise ConfigError(f"{RM}.num_workers={workers}: must be >= 1 (worker processes), or null for threads")
+    timeout, workers = cfg[f"{RM}.timeout_s"], cfg[f"{RM}.num_workers"]  # their ranges: rlflow.config.verl.checks
     crf = cfg[CRF]
     functions = _functions(crf, reward_kwargs, manager, cfg["trainer.experiment_name"])
     custom = bool(crf["path"] or crf["functions"] or ":" in str(crf["name"]))
@@ -190,7 +169,7 @@ def _parameters(fn: Callable) -> set[str]:
 
 
 def build_reward(plan: RewardPlan, local_model: Callable[[str, str], str]):
-    """The reward object: the Python API calls :meth:`RewardPlan.describe` prints."""
+    """The reward object (the dry run prints it as :func:`rlflow.config.verl.tree.reward_node`)."""
     from rlflow.rewards import CombinedReward, FunctionReward, ModelReward, WithRMScore
 
     parts = [(name, FunctionReward(fn, timeout_s=plan.timeout_s, processes=plan.processes, name=name), weight)

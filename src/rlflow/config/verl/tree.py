@@ -1,0 +1,275 @@
+"""A verl command as a component tree: the ``_target_`` nodes that ``rlflow train TREE.yaml`` instantiates.
+
+:func:`verl_tree` writes the objects of a :class:`~rlflow.config.verl.plan.Plan` -- what
+:func:`rlflow.config.verl.build.build_trainer` makes from verl's keys -- as a tree of public constructors:
+``Policy.from_pretrained``, ``HFRollout``, ``FunctionReward``, ``GRPO``, ``PPOLoss``, the Trainer's five groups and
+``PromptData``. The dry run prints it as the Python a user would write (:mod:`rlflow.config.components_python`),
+and ``tests/config/test_verl_component_tree.py`` builds that tree with :func:`rlflow.config.components.build` and
+checks that its first steps log what the verl command logs.
+
+A part the public constructors cannot say yet is *deferred*: the tree keeps the closest node and
+:class:`VerlTree` lists the part with the reason (a reference model of its own, prompts a user's dataset class
+reads, ...); the dry run prints that list under the Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlflow.algorithms import ValueLoss
+from rlflow.config.verl.build import local_model, model_files, policy_config, warmup_steps
+from rlflow.config.verl.rewards import RM, RewardPlan
+from rlflow.config.components import locate
+from rlflow.config.verl.resolve import Fill, init_parameters
+from rlflow.registry import FILE_MODULES
+from rlflow.trainer.options import groups
+
+LOGGERS_BY_NAME = {"jsonl", "csv", "tensorboard", "console"}  # made from the name alone (no project/experiment)
+
+
+@dataclass
+class VerlTree:
+    """The tree of a verl command and the parts it does not say yet (``path: reason``)."""
+
+    tree: dict
+    deferred: list[str] = field(default_factory=list)
+
+
+def spec(obj: Any) -> str | None:
+    """The shortest import path of a class or function (``rlflow.GRPO``, not ``rlflow.algorithms.estimators.GRPO``),
+    or ``file.py:name`` for one loaded from a file; None when it has no name to import it by."""
+    name = getattr(obj, "__qualname__", None)
+    module = getattr(obj, "__module__", None)
+    if not name or not module or "<" in name:
+        return None
+    parts = module.split(".") if not module.startswith(FILE_MODULES) else []  # a file's: by file, below
+    for i in range(1, len(parts) + 1):  # the shortest package that exports it
+        prefix = ".".join(parts[:i])
+        try:
+            found = functools.reduce(getattr, name.split("."), importlib.import_module(prefix))
+        except (ImportError, AttributeError):
+            continue
+        if found is obj:
+            return f"{prefix}.{name}"
+    source = inspect.getsourcefile(obj) if inspect.isfunction(obj) or inspect.isclass(obj) else None
+    return f"{source}:{name}" if source and "." not in name else None
+
+
+def node(value: Any, where: str, deferred: list[str]) -> Any:
+    """``value`` as a tree value: data as it is, a function or class as ``hydra.utils.get_*`` of its path, a
+    ``functools.partial`` as a ``_partial_`` node, a dataclass as a node of its fields; anything else is deferred
+    (its ``repr`` stands in)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [node(v, f"{where}[{i}]", deferred) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {str(k): node(v, f"{where}.{k}", deferred) for k, v in value.items()}
+    if isinstance(value, functools.partial) and spec(value.func):
+        args = {"_args_": node(list(value.args), where, deferred)} if value.args else {}
+        return {"_target_": spec(value.func), "_partial_": True, **args, **node(value.keywords, where, deferred)}
+    if (inspect.isfunction(value) or inspect.isclass(value)) and spec(value):
+        return {"_target_": f"hydra.utils.get_{'class' if inspect.isclass(value) else 'method'}", "path": spec(value)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and spec(type(value)):
+        return {"_target_": spec(type(value)), **{f.name: node(getattr(value, f.name), f"{where}.{f.name}", deferred)
+                                                  for f in dataclasses.fields(value) if f.init}}
+    deferred.append(f"{where}: {value!r} (an object the tree cannot name yet)")
+    return repr(value)
+
+
+def call(cls_or_fn: Any, kwargs: dict, where: str, deferred: list[str]) -> dict:
+    """A node calling ``cls_or_fn`` with ``kwargs``."""
+    target = spec(cls_or_fn)
+    if target is None:
+        deferred.append(f"{where}: {cls_or_fn!r} has no import path")
+        target = repr(cls_or_fn)
+    return {"_target_": target, **node(kwargs, where, deferred)}
+
+
+def policy_node(plan, deferred: list[str]) -> dict:
+    """``Policy.from_pretrained`` with the folders :func:`rlflow.config.verl.build.build_policy` loads."""
+    files, kwargs = model_files(plan), dict(plan.policy_kwargs)
+    kwargs |= {k: files[k] for k in ("tokenizer_path", "config_path") if k in kwargs}
+    if kwargs.get("freeze_vision_tower") and getattr(policy_config(plan), "vision_config", None) is None:
+        del kwargs["freeze_vision_tower"]  # as build_policy: a text model has no vision tower
+    out = {"_target_": "rlflow.Policy.from_pretrained", "path": files["model"], **node(kwargs, "policy", deferred)}
+    if isinstance(plan.lora, dict):
+        out["lora"] = {"_target_": "peft.LoraConfig", **node(plan.lora, "policy.lora", deferred)}
+    elif plan.lora is not None:
+        out["lora"] = plan.lora
+    if plan.chat_template:
+        out["chat_template"] = plan.chat_template
+    return out
+
+
+def rollout_node(plan, deferred: list[str]) -> dict:
+    """The rollout and the wrappers build_trainer puts around it (agent loop, asynchronous generation)."""
+    rollout = call(plan.rollout_cls, plan.rollout_kwargs, "rollout", deferred)
+    for kwargs, target in ((plan.agent, "rlflow.rollout.agent.AgentLoop"),
+                           (plan.async_rollout, "rlflow.rollout.AsyncRollout"),
+                           (plan.fully_async, "rlflow.rollout.FullyAsyncRollout")):
+        if kwargs is not None:
+            rollout = {"_target_": target, "rollout": rollout, **node(kwargs, "rollout", deferred)}
+    return rollout
+
+
+def reward_node(reward: RewardPlan, overlong: dict | None, deferred: list[str]) -> dict:
+    """:func:`rlflow.config.verl.rewards.build_reward` as nodes; DAPO's overlong shaping around it."""
+    timing = {"timeout_s": reward.timeout_s, "processes": reward.processes}
+    parts = [(name, {"_target_": "rlflow.FunctionReward", "fn": node(fn, "reward.fn", deferred), **timing,
+                     "name": name}, weight) for name, fn, weight in reward.functions]
+    out = None
+    if reward.model is not None:
+        kwargs = dict(reward.model)
+        model = {"_target_": "rlflow.rewards.ModelReward.from_pretrained",
+                 "path": local_model(kwargs.pop("path"), f"{RM}.model.path"), "name": "reward_model",
+                 **node(kwargs, "reward", deferred)}
+        if reward.mode == "model":
+            out = model
+        elif reward.mode == "rm_argument":
+            out = {"_target_": "rlflow.rewards.WithRMScore", "model": model, "reward": parts[0][1]}
+        else:
+            parts = [("reward_model", model, reward.model_weight)] + parts
+    if out is None:
+        out = (parts[0][1] if len(parts) == 1 and parts[0][2] == 1.0 else
+               {"_target_": "rlflow.rewards.CombinedReward", "rewards": {n: r for n, r, _ in parts},
+                "weights": {n: w for n, _, w in parts}})
+    if overlong:
+        out = {"_target_": "rlflow.rewards.OverlongPenalty", "reward": out, **overlong}
+    return out
+
+
+def estimator_nodes(plan, deferred: list[str]) -> tuple[dict, list]:
+    """The estimator (a ``Chain`` with the modules around it) and the stages of the experience stream, as
+    :func:`rlflow.config.verl.build.build_estimator` makes them; ReMax's ``GreedyBaseline()`` as a stage uses the run's
+    own rollout and reward."""
+    controller = call(*plan.kl_controller, "estimator.controller", deferred) if plan.kl_controller else None
+
+    def module(cls, kwargs, where):
+        filled = {k: controller for k, v in kwargs.items() if isinstance(v, Fill) and v.name == "KL controller"}
+        plain = {k: v for k, v in kwargs.items() if not isinstance(v, Fill)}
+        return {**call(cls, plain, where, deferred), **filled}
+
+    before = [(cls, kw) for cls, kw in plan.before if cls.__name__ != "GreedyBaseline"]
+    stages = ([{"_target_": "rlflow.rollout.stream.FilterGroups", **plan.dynamic_sampling}]
+              if plan.dynamic_sampling else [])
+    stages += [{"_target_": spec(cls)} for cls, _ in plan.before if cls.__name__ == "GreedyBaseline"]
+    modules = ([module(c, k, "estimator") for c, k in before] + [call(plan.estimator_cls, plan.estimator_kwargs,
+                                                                      "estimator", deferred)]
+               + [module(c, k, "estimator") for c, k in plan.after])
+    if hasattr(plan.loss_cls, "selection"):
+        deferred.append("estimator: loss.selection() (a covariance loss's token selection) needs the loss object")
+    if plan.estimator_kwargs.get("reward_keys"):
+        deferred.append("reward.columns: GDPO's reward keys are set on the built reward")
+    estimator = modules[0] if len(modules) == 1 else {"_target_": "rlflow.module.Chain", "_args_": modules}
+    return estimator, stages
+
+
+def teacher_node(plan, d: dict) -> dict:
+    """verl's ``distillation.teacher_models`` as ``Teacher.from_pretrained`` (one path, or one per route value)."""
+    teachers = d["teachers"]
+    paths = ({k: local_model(t["path"], t["key"]) for k, t in teachers.items()} if d["route_key"]
+             else local_model(teachers["path"], teachers["key"]))
+    split = {k: plan.policy_kwargs.get(k) for k in ("micro_batch_size", "remove_padding", "max_tokens_per_micro_batch")}
+    return {"_target_": "rlflow.models.teacher.Teacher.from_pretrained", "paths": paths,
+            **({"route_key": d["route_key"]} if d["route_key"] else {}), "top_k": d.get("top_k"), **split}
+
+
+def trainer_groups(plan, total: int, deferred: list[str]) -> dict:
+    """The Trainer's five groups (``Optim``, ``Batching``, ``Loop``, ``RunDir``, ``Hardware``) as build_trainer
+    fills them; the loggers by name when their name is all they need."""
+    run_dir = str(Path(plan.trainer_kwargs["run_dir"]).expanduser())
+    loggers: Any = list(plan.loggers)
+    if set(loggers) - LOGGERS_BY_NAME:
+        loggers = {"_target_": "rlflow.trainer.loggers.make_loggers", "names": loggers, "run_dir": run_dir,
+                   "project": plan.project, "experiment": plan.experiment}
+    settings = {k: v for k, v in plan.trainer_kwargs.items() if k != "callbacks"} | {
+        "max_steps": total, "epochs": plan.total_epochs, "warmup_steps": warmup_steps(plan, total),
+        "val_sampling": plan.val_sampling, "run_dir": run_dir}
+    out = {arg: node(group, arg, deferred) for arg, group in groups(**settings).items()}
+    out["run"]["loggers"] = loggers
+    return out
+
+
+def data_node(plan, deferred: list[str]) -> dict:
+    """``PromptData`` with the data keys; the prompts over ``max_prompt_length`` are dropped by ``fit``."""
+    kwargs = dict(plan.data_kwargs)
+    if plan.dataset_cls is not None:
+        deferred.append("data: data.custom_cls reads the files with the policy's tokenizer")
+    if plan.vision:
+        deferred.append("data.processor: a vision-language model's processor is the loaded policy's")
+    train, val = kwargs.pop("train"), kwargs.pop("val")
+    return {"_target_": "rlflow.PromptData", "train": node(train, "data.train", deferred),
+            "val": node(val, "data.val", deferred), **node(kwargs, "data", deferred)}
+
+
+def verl_tree(plan, total: int) -> VerlTree:
+    """The component tree of ``plan`` for a run of ``total`` steps (:func:`rlflow.config.verl.build.total_steps`)."""
+    deferred: list[str] = []
+    estimator, stages = estimator_nodes(plan, deferred)
+    loss = call(plan.loss_cls, plan.loss_kwargs, "loss", deferred)
+    if plan.distillation is not None:  # the teacher scores last, with the policy's scoring split
+        d = plan.distillation
+        loss = call(d["loss_cls"], {"rl_loss": loss if d["rl"] else None, **d["loss_kwargs"]}, "loss", deferred)
+        stages.append(teacher_node(plan, d))
+    tree = {"policy": policy_node(plan, deferred), "rollout": rollout_node(plan, deferred),
+            "reward": reward_node(plan.reward, plan.overlong, deferred), "estimator": estimator, "loss": loss}
+    if stages:
+        tree["stages"] = stages
+    if plan.ref_model_path is not None:
+        deferred.append("reference: actor_rollout_ref.ref.model is loaded and checked against the policy's vocabulary")
+    if plan.ref_micro_batch_size is not None or plan.ref_max_tokens != plan.policy_kwargs.get(
+            "max_tokens_per_micro_batch"):
+        deferred.append("reference: its own scoring split (actor_rollout_ref.ref.log_prob_*) is set on the "
+                        "policy's copy")
+    if plan.critic_path is not None:
+        kw = dict(plan.critic_kwargs)
+        if kw.get("config_path"):
+            kw["config_path"] = local_model(kw["config_path"], "critic.model.hf_config_path")
+        tree["critic"] = {"_target_": "rlflow.Critic.from_pretrained",
+                          "path": local_model(plan.critic_path, "critic.model.path"), **node(kw, "critic", deferred)}
+        if plan.critic_lora is not None:
+            lora = plan.critic_lora
+            tree["critic"]["lora"] = ({"_target_": "peft.LoraConfig", **lora} if isinstance(lora, dict) else lora)
+        tree["value_loss"] = call(ValueLoss, plan.value_loss_kwargs, "value_loss", deferred)
+    if plan.trainer_kwargs["callbacks"]:
+        tree["callbacks"] = node(plan.trainer_kwargs["callbacks"], "callbacks", deferred)
+    tree |= trainer_groups(plan, total, deferred)
+    tree["data"] = data_node(plan, deferred)
+    return VerlTree(without_defaults(tree), deferred)
+
+
+def without_defaults(value: Any) -> Any:
+    """The tree with each argument that equals its callable's default left out (the Python a user would write)."""
+    if isinstance(value, list):
+        return [without_defaults(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: without_defaults(v) for k, v in value.items()}
+    target = out.get("_target_")
+    if not isinstance(target, str) or out.get("_partial_") or target.startswith("hydra.utils."):
+        return out
+    try:
+        params = defaults_of(locate(target, "_target_"))
+    except LookupError:
+        return out
+    return {k: v for k, v in out.items() if not (k in params and not isinstance(v, (dict, list)) and v == params[k])}
+
+
+def defaults_of(target: Any) -> dict[str, Any]:
+    """The parameters of ``target`` that have a default, with it; a ``**kwargs`` of a classmethod
+    (``Policy.from_pretrained``) forwards to its class's constructor, whose defaults count too."""
+    params = inspect.signature(target).parameters.values()
+    out = {p.name: p.default for p in params if p.default is not p.empty}
+    owner = getattr(target, "__self__", None)
+    if any(p.kind is p.VAR_KEYWORD for p in params) and inspect.isclass(owner):
+        out = {n: p.default for n, p in init_parameters(owner).items() if p.default is not p.empty} | out
+    return out

@@ -1,0 +1,524 @@
+"""Check a whole verl config before anything heavy loads, and report every problem in one message.
+
+:func:`validate` runs, on the loaded config (keys and types already checked by
+:func:`~rlflow.config.verl.loading.load_config`):
+
+1. the tables of :mod:`rlflow.config.verl.checks`: features not supported yet, numeric ranges, choices,
+   registry names (``grpo`` or ``my_est.py:MedianGRPO``);
+2. rules between keys (``CROSS_CHECKS``): batch units, per-GPU vs deprecated sizes, loggers,
+   sequence parallelism, DAPO's overlong buffer, ...;
+3. devices: the processes asked for against this machine;
+4. with ``environment=True`` (the command line does this): files exist, model folders look like
+   models (``config.json``, weights, tokenizer), ``max_prompt_length + max_response_length`` fits the
+   model's ``max_position_embeddings`` (read from ``config.json``, no weights), a model for
+   ``rollout.enable_vision`` has a vision config, data files have the prompt column and enough rows for one batch.
+
+Reading keys here does not count as "used" (the unused-key notes come from building the plan).
+Nothing here imports torch, transformers or Lightning.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from rlflow.config.verl import checks, tables
+from rlflow.config.verl.devices import resolve_devices
+from rlflow.config.verl.distillation import loss_problems as distillation_loss_problems
+from rlflow.config.verl.reward_fn import reward_file_problem, split_reward_spec
+from rlflow.config.verl.reward_section import user_names
+from rlflow.config.verl.configs import FOREIGN_STRATEGIES
+from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig, raise_problems
+from rlflow.config.verl.role_keys import sequence_parallel_keys
+from rlflow.models.checks import ModelFolderError, check_model_folder
+from rlflow.models.hub import ModelNotFoundError, locate_model
+from rlflow.registry import module_defines
+
+A, R, C = checks.A, checks.R, checks.C
+DATA_SUFFIXES = (".parquet", ".json", ".jsonl")
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+@dataclass
+class Context:
+    """What the checks share: the config, the problems so far, facts found on the way."""
+
+    cfg: VerlConfig
+    environment: bool
+    dry_run: bool = False  # model folders need no weights (a dry run reads config.json only)
+    problems: list[ConfigError] = field(default_factory=list)
+    model_configs: dict[str, dict] = field(default_factory=dict)  # model key -> its config.json
+    processes: int | None = None
+
+    def get(self, key: str) -> Any:
+        """A value without marking it read (the unused-key notes must not count validation)."""
+        return self.cfg.flat.get(key)
+
+    def ok(self, *keys: str) -> bool:
+        """Every key has a value of the right type (a badly typed one was reported already)."""
+        return not any(k in self.cfg.bad_keys for k in keys)
+
+    def set_by_user_or_own(self, key: str) -> bool:
+        """False for a key whose value only interpolates another key (its problem is reported there)."""
+        return key in self.cfg.provided or key not in self.cfg.deps
+
+    def add(self, message: str | ConfigError) -> None:
+        self.problems.append(message if isinstance(message, ConfigError) else ConfigError(message))
+
+    @property
+    def with_critic(self) -> bool:
+        enable = self.get("critic.enable")
+        return bool(enable) if enable is not None else self.get("algorithm.adv_estimator") in checks.NEEDS_CRITIC
+
+
+# ---------------------------------------------------------------------------------------------- tables
+
+def check_not_supported(ctx: Context) -> None:
+    hits: dict[str, list[tuple[str, Any]]] = {}  # feature -> the keys that ask for it (one message each)
+    for key, feature, triggered in tables.not_supported(ctx.cfg.flat):
+        value = ctx.get(key)
+        try:
+            hit = ctx.ok(key) and triggered(value)
+        except TypeError:
+            continue
+        if hit:
+            if feature == tables.OTHER_BACKENDS and value in FOREIGN_STRATEGIES:  # name verl's engine
+                feature = f"verl's {FOREIGN_STRATEGIES[value]} engine, a backend rlflow does not have (fsdp, fsdp2, megatron)"
+            hits.setdefault(feature, []).append((key, value))
+    for feature, keys in hits.items():
+        if len(keys) == 1:
+            ctx.add(NotSupportedError(*keys[0], feature))
+        else:  # e.g. a script's ten settings of an engine rlflow does not have: one message names them all
+            error = NotSupportedError(*keys[0], feature)
+            error.args = (f"{', '.join(f'{k}={v!r}' for k, v in keys)}: {feature} is not supported yet in rlflow.",)
+            ctx.add(error)
+    # profiling (global_profiler.tool, *.profiler.enable) changes no result: a note says it is not supported yet
+
+
+def check_ranges(ctx: Context) -> None:
+    for key, rule in checks.RANGES.items():
+        if key in ctx.cfg.flat and ctx.ok(key) and ctx.set_by_user_or_own(key):
+            problem = rule.problem(key, ctx.get(key))
+            if problem:
+                ctx.add(problem)
+
+
+def check_choices(ctx: Context) -> None:
+    for key, choices in checks.CHOICES.items():
+        value = ctx.get(key)
+        if key not in ctx.cfg.flat or not ctx.ok(key) or value in choices or not ctx.set_by_user_or_own(key):
+            continue
+        names = [c for c in choices if c is not None]
+        close = difflib.get_close_matches(str(value), names, n=1)
+        ctx.add(f"{key}={value!r}: choose from {', '.join(names)}" + (f" (did you mean {close[0]}?)" if close else ""))
+
+
+def check_registries(ctx: Context) -> None:
+    for key, reg in checks.REGISTRIES.items():
+        if ctx.ok(key):
+            problem = reg.problem(ctx.get(key), key)
+            if problem:
+                ctx.add(problem)
+
+
+# ---------------------------------------------------------------------------------------------- rules between keys
+
+CROSS_CHECKS: list[Callable[[Context], None]] = []
+
+
+def cross_check(fn: Callable[[Context], None]) -> Callable[[Context], None]:
+    """Register a rule between keys (it reads ``ctx.get`` and calls ``ctx.add`` for each problem)."""
+    CROSS_CHECKS.append(fn)
+    return fn
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def mini_batch_key(ctx: Context) -> str:
+    """The ``ppo_mini_batch_size`` the Trainer uses for actor and critic alike (the plan's ``shared`` rule): the
+    critic's when only the critic's is set (verl's PPO example), else the actor's."""
+    actor, critic = f"{A}.ppo_mini_batch_size", f"{C}.ppo_mini_batch_size"
+    if ctx.with_critic and ctx.cfg.is_provided(critic) and not ctx.cfg.is_provided(actor):
+        return critic
+    return actor
+
+
+@cross_check
+def batch_units(ctx: Context) -> None:
+    """verl's units: mini-batches count prompts and divide the batch; micro-batches count trajectories."""
+    key = mini_batch_key(ctx)
+    bs, mini, n = ctx.get("data.train_batch_size"), ctx.get(key), ctx.get(f"{R}.n")
+    if not all(map(_positive_int, (bs, mini, n))):
+        return  # a range problem, reported already
+    if mini > bs or bs % mini:
+        why = (f"; it applies to the actor too, whose {A}.ppo_mini_batch_size is not set: rlflow's Trainer uses one "
+               "mini-batch size for both" if key.startswith(C) else "")
+        ctx.add(f"data.train_batch_size={bs} must be a multiple of {key}={mini} (both count prompts{why})")
+    micro = ctx.get(f"{A}.ppo_micro_batch_size_per_gpu")
+    if micro is None and _positive_int(ctx.get(f"{A}.ppo_micro_batch_size")) and ctx.processes:
+        micro = max(1, ctx.get(f"{A}.ppo_micro_batch_size") // ctx.processes)
+    if _positive_int(micro) and (mini * n) % micro:
+        ctx.add(f"a mini-batch holds ppo_mini_batch_size x rollout.n = {mini} x {n} = {mini * n} trajectories, "
+                f"not a multiple of {A}.ppo_micro_batch_size_per_gpu={micro}")
+
+
+@cross_check
+def prompts_split_over_processes(ctx: Context) -> None:
+    """Each process takes an equal share of a step's prompts (``rlflow.trainer.distributed.rank_shard``)."""
+    bs, per_node, nnodes = (ctx.get(k) for k in ("data.train_batch_size", "trainer.n_gpus_per_node", "trainer.nnodes"))
+    if not all(map(_positive_int, (bs, per_node, nnodes))):
+        return  # a range problem, reported already
+    if bs % (per_node * nnodes):
+        ctx.add(f"data.train_batch_size={bs} must be a multiple of the number of processes, trainer.n_gpus_per_node "
+                f"x trainer.nnodes = {per_node} x {nnodes} = {per_node * nnodes}: each process takes an equal share "
+                "of a step's prompts")
+
+
+@cross_check
+def one_micro_size(ctx: Context) -> None:
+    """verl's per-GPU micro size and its deprecated global form: at most one of each pair."""
+    pairs = [(f"{A}.ppo_micro_batch_size_per_gpu", f"{A}.ppo_micro_batch_size"),
+             (f"{R}.log_prob_micro_batch_size_per_gpu", f"{R}.log_prob_micro_batch_size"),
+             ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+              "actor_rollout_ref.ref.log_prob_micro_batch_size")]
+    if ctx.with_critic:
+        pairs += [(f"{C}.ppo_micro_batch_size_per_gpu", f"{C}.ppo_micro_batch_size"),
+                  (f"{C}.forward_micro_batch_size_per_gpu", f"{C}.forward_micro_batch_size")]
+    for per_gpu, global_ in pairs:
+        a, b = ctx.get(per_gpu), ctx.get(global_)
+        if a is not None and b is not None:
+            ctx.add(f"set only one of {per_gpu}={a} and {global_}={b} (the latter is deprecated)")
+
+
+ALIASES = (  # names of one setting: verl 0.9's, older verl's, the seed's
+    (f"{A}.optim.lr", f"{A}.lr"), (f"{A}.optim.clip_grad", f"{A}.grad_clip", f"{A}.max_grad_norm"),
+    (f"{C}.optim.clip_grad", f"{C}.grad_clip"),
+    (f"{A}.tau_pos", f"{A}.policy_loss.tau_pos"), (f"{A}.tau_neg", f"{A}.policy_loss.tau_neg"))
+
+
+@cross_check
+def aliases_agree(ctx: Context) -> None:
+    """Two names of one setting (:data:`ALIASES`), both set, must not disagree."""
+    for names in ALIASES:
+        given = [(k, ctx.get(k)) for k in names if k in ctx.cfg.provided and ctx.get(k) is not None]
+        if len({v for _, v in given}) > 1:
+            ctx.add(f"{' and '.join(f'{k}={v}' for k, v in given)} disagree: they name one setting; set only one")
+
+
+@cross_check
+def critic_when_needed(ctx: Context) -> None:
+    algo = ctx.get("algorithm.adv_estimator")
+    if algo in checks.NEEDS_CRITIC and ctx.get("critic.enable") is False:
+        ctx.add(f"algorithm.adv_estimator={algo} needs a critic, but critic.enable=False")
+
+
+@cross_check
+def dynamic_sampling(ctx: Context) -> None:
+    fg = "algorithm.filter_groups"
+    if not ctx.get(f"{fg}.enable"):
+        return
+    metric = ctx.get(f"{fg}.metric")
+    if metric is None:
+        ctx.add(f"{fg}.enable=True needs {fg}.metric: {', '.join(tables.FILTER_METRICS)} "
+                "(or a column of the scorer's result dict)")
+    elif metric == "seq_final_reward" and ctx.get("algorithm.use_kl_in_reward"):
+        ctx.add(NotSupportedError(f"{fg}.metric", metric, "filtering on the KL-penalised reward",
+                                  "rlflow filters before the KL penalty is applied; use seq_reward."))
+
+
+@cross_check
+def distillation(ctx: Context) -> None:
+    for problem in distillation_loss_problems(ctx.get):  # what rlflow.config.verl.distillation cannot build
+        ctx.add(problem)
+
+
+@cross_check
+def overlong_buffer(ctx: Context) -> None:
+    """DAPO's overlong shaping: only with the dapo reward manager; its buffer fits the response length."""
+    ob = "reward_model.reward_kwargs.overlong_buffer_cfg"
+    kwargs = ctx.cfg.tree.get("reward_model", {}).get("reward_kwargs") or {}
+    buffer = kwargs.get("overlong_buffer_cfg")
+    if buffer is None:
+        return
+    if ctx.get("reward_model.reward_manager") != "dapo":
+        ctx.add(f"{ob}: overlong shaping is verl's DAPO reward manager's; set reward_model.reward_manager=dapo")
+        return
+    if not isinstance(buffer, dict) or not buffer.get("enable"):
+        return
+    unknown = set(buffer) - {"enable", "len", "penalty_factor", "log"}
+    if unknown or "len" not in buffer:
+        ctx.add(f"{ob}: needs len (and optionally penalty_factor, log); "
+                f"{'unknown: ' + ', '.join(sorted(unknown)) if unknown else 'len is missing'}")
+        return
+    max_len = kwargs.get("max_resp_len") or ctx.get(f"{R}.response_length")
+    if isinstance(max_len, int) and not (isinstance(buffer["len"], int) and 0 < buffer["len"] <= max_len):
+        ctx.add(f"{ob}.len={buffer['len']}: must be in (0, max_resp_len={max_len}] (max_resp_len defaults "
+                "to data.max_response_length)")
+
+
+@cross_check
+def batch_reward_manager(ctx: Context) -> None:
+    if ctx.get("reward_model.reward_manager") == "batch" and not ctx.get("custom_reward_function.path"):
+        ctx.add("reward_model.reward_manager=batch needs custom_reward_function.path: the built-in scorers score "
+                "one sample at a time")
+
+
+@cross_check
+def resume(ctx: Context) -> None:
+    if ctx.get("trainer.resume_mode") == "resume_path" and not ctx.get("trainer.resume_from_path"):
+        ctx.add("trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>")
+
+
+@cross_check
+def val_only_needs_data(ctx: Context) -> None:
+    if ctx.get("trainer.val_only") and not ctx.get("data.val_files"):
+        ctx.add("trainer.val_only=True needs data.val_files")
+
+
+@cross_check
+def loggers(ctx: Context) -> None:
+    names = ctx.get("trainer.logger") or []
+    for name in names if isinstance(names, list) else [names]:
+        if name in tables.VERL_ONLY_LOGGERS:
+            ctx.add(NotSupportedError("trainer.logger", name, f"the {name} logger",
+                                      f"Available: {', '.join(tables.LOGGERS)}."))
+        elif name not in tables.LOGGERS:
+            ctx.add(f"trainer.logger: unknown logger {name!r}; choose from {', '.join(tables.LOGGERS)}")
+        elif name == "wandb" and "trainer.logger" in ctx.cfg.provided and importlib.util.find_spec("wandb") is None:
+            ctx.add("trainer.logger contains wandb, which is not installed: pip install wandb")
+
+
+@cross_check
+def rollout_engine_available(ctx: Context) -> None:
+    """The engine ``rollout.name`` asks for can run here (the rules of ``rlflow.config.verl.rollout.rollout_class``,
+    read without importing the engines): a server rollout has its URL, an in-process engine its package, and
+    rlflow has the class (read from ``rlflow.rollout``'s source)."""
+    name, server = ctx.get(f"{R}.name"), ctx.get(f"{R}.server.url")
+    if name not in tables.ROLLOUT_ENGINES:
+        return  # a choice problem
+    package, cls_name = tables.ROLLOUT_ENGINES[name]
+    if ctx.get(f"{R}.enable_vision") and name != "hf":  # before "install it": installing would not help
+        cls_name = tables.SERVER_ROLLOUTS.get(name, cls_name) if server else cls_name
+        ctx.add(f"{R}.name={name} with {R}.enable_vision=True: {cls_name} takes no images yet (vLLM's multimodal "
+                f"path needs torchvision, which rlflow's CPU install removes; docs/vision.md); set {R}.name=hf")
+        return
+    if server:
+        if name not in tables.SERVER_ROLLOUTS:
+            ctx.add(f"{R}.server.url is set but {R}.name={name!r} has no server rollout; use "
+                    f"{' or '.join(tables.SERVER_ROLLOUTS)}")
+        return
+    if name in tables.SERVER_ROLLOUTS and package is None:
+        ctx.add(f"{R}.name={name}: rlflow talks to a running {name} server; set {R}.server.url=http://HOST:PORT "
+                f"(and {R}.server.launch='command' to have rlflow start it)")
+    elif package is not None and importlib.util.find_spec(package) is None:
+        ctx.add(f"{R}.name={name}: {package} is not installed here. Install it: {tables.ENGINE_INSTALL}. "
+                f"Or generate with transformers: {R}.name=hf")
+    elif not module_defines("rlflow.rollout", cls_name):
+        ctx.add(NotSupportedError(f"{R}.name", name, f"the {name} rollout engine", f"Use {R}.name=hf."))
+
+
+@cross_check
+def sequence_parallel(ctx: Context) -> None:
+    keys = sequence_parallel_keys(ctx.get, ctx.cfg.is_provided, ctx.with_critic)  # verl 0.9: or the engine's key
+    sizes = {k: ctx.get(k) for k in keys}
+    if not all(map(_positive_int, sizes.values())):
+        return
+    size = sizes[keys[0]]
+    if size <= 1:
+        others = [k for k in keys[1:] if sizes[k] > 1]
+        if others:
+            ctx.add(f"{', '.join(others)} > 1 but {keys[0]}={size}: rlflow uses one sequence-parallel size for "
+                    f"every role; set {keys[0]}")
+        return
+    if ctx.processes and ctx.processes % size:
+        ctx.add(f"{keys[0]}={size} must divide the number of processes ({ctx.processes})")
+    padded = [k for k in ["actor_rollout_ref.model.use_remove_padding"] + (
+        [f"{C}.model.use_remove_padding"] if ctx.with_critic else []) if not ctx.get(k)]
+    if padded:
+        ctx.add(f"{keys[0]}={size}: sequence parallelism runs on packed sequences; set "
+                f"{' and '.join(f'{k}=True' for k in padded)}")
+
+
+@cross_check
+def covariance_bounds(ctx: Context) -> None:
+    lb, ub = ctx.get(f"{A}.policy_loss.clip_cov_lb"), ctx.get(f"{A}.policy_loss.clip_cov_ub")
+    if isinstance(lb, (int, float)) and isinstance(ub, (int, float)) and lb >= ub:
+        ctx.add(f"{A}.policy_loss.clip_cov_lb={lb} must be below {A}.policy_loss.clip_cov_ub={ub}")
+
+
+@cross_check
+def adam_betas(ctx: Context) -> None:
+    for role in (A, C):
+        key = f"{role}.optim.betas"
+        betas = ctx.get(key)
+        if key in ctx.cfg.flat and ctx.ok(key) and ctx.set_by_user_or_own(key) and not (
+                isinstance(betas, list) and len(betas) == 2
+                and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+            ctx.add(f"{key}={betas!r}: must be two numbers in [0, 1)")
+
+
+@cross_check
+def external_lib(ctx: Context) -> None:
+    name = ctx.get("actor_rollout_ref.model.external_lib")
+    if name and importlib.util.find_spec(name.split(".")[0]) is None:
+        ctx.add(f"actor_rollout_ref.model.external_lib={name!r}: no importable module of that name")
+
+
+# ---------------------------------------------------------------------------------------------- devices
+
+def check_devices(ctx: Context) -> None:
+    if not all(_positive_int(ctx.get(k)) for k in ("trainer.n_gpus_per_node", "trainer.nnodes")):
+        return  # a type or range problem, reported by its own check
+    try:
+        devices = resolve_devices(ctx.cfg, [], ctx.with_critic, record=False)
+    except ConfigError as e:
+        ctx.add(e)
+    else:
+        ctx.processes = devices.processes
+
+
+# ---------------------------------------------------------------------------------------------- files, models
+
+def check_data_files(ctx: Context, key: str) -> None:
+    value = ctx.get(key)
+    if value is None or not ctx.ok(key):
+        if key == "data.train_files" and value is None:
+            ctx.add("data.train_files is not set: give the training prompts (a .parquet, .json or .jsonl file)")
+        return
+    rows, prompt_key = 0, ctx.get("data.prompt_key")
+    for item in value if isinstance(value, list) else [value]:
+        path = Path(str(item)).expanduser()
+        if not path.is_file():
+            ctx.add(f"{key}={str(item)!r}: no such file {path.resolve()}" if not path.exists() else
+                    f"{key}={str(item)!r}: {path} is a folder; give the data file(s) in it (.parquet, .json, .jsonl)")
+            continue
+        if path.suffix not in DATA_SUFFIXES:
+            ctx.add(f"{key}={str(item)!r}: unsupported file type '{path.suffix}' (use .parquet, .json or .jsonl)")
+            continue
+        if path.suffix == ".parquet":
+            rows += parquet_rows(ctx, key, path, prompt_key)
+    bs = ctx.get("data.train_batch_size")
+    if key == "data.train_files" and rows and _positive_int(bs) and bs > rows:
+        ctx.add(f"data.train_batch_size={bs} > {rows} training prompts in {value}")
+
+
+def parquet_rows(ctx: Context, key: str, path: Path, prompt_key: str) -> int:
+    """Rows of a parquet file, from its footer (no data read); a missing prompt column is a problem."""
+    try:
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(path)
+        columns = meta.schema_arrow.names
+    except Exception as e:  # noqa: BLE001 - any unreadable file: say which
+        ctx.add(f"{key}: cannot read {path} as parquet ({e})")
+        return 0
+    if prompt_key not in columns:
+        close = difflib.get_close_matches(prompt_key, columns, n=1)
+        ctx.add(f"data.prompt_key={prompt_key!r}: {path} has no such column (columns: {', '.join(columns)})"
+                + (f"; set data.prompt_key={close[0]}" if close else ""))
+    return meta.metadata.num_rows
+
+
+def check_model(ctx: Context, key: str, tokenizer: bool = True) -> None:
+    """A local folder or a hub id (:func:`rlflow.models.hub.locate_model`); a local folder must hold a model
+    (:func:`rlflow.models.checks.check_model_folder`); its ``config.json`` is kept for the cross-checks."""
+    value = ctx.get(key)
+    if not value or not ctx.ok(key):
+        ctx.add(f"{key} is not set: give a model folder (or a Hugging Face hub id)")
+        return
+    try:
+        located = locate_model(value, key)
+        if located.folder is None:
+            return  # a hub id transformers will download: nothing local to look at yet
+        check_model_folder(located.folder, tokenizer=tokenizer, weights=not ctx.dry_run)
+        ctx.model_configs[key] = json.loads((located.folder / "config.json").read_text())
+    except (ModelNotFoundError, ModelFolderError, OSError, ValueError) as e:
+        ctx.add(str(e) if str(e).startswith(key) else f"{key}: {e}")
+
+
+def check_reward_files(ctx: Context) -> None:
+    """``custom_reward_function.path``/``.name`` (or ``name: file.py:fn``) and each of ``.functions`` name a
+    function that exists, read from the files without running them."""
+    crf = "custom_reward_function"
+    path, name = split_reward_spec(ctx.get(f"{crf}.path"), ctx.get(f"{crf}.name"))
+    items = ctx.cfg.tree.get(crf, {}).get("functions") or []
+    specs = [(path, name)] if path and not items else []
+    for item in items if isinstance(items, list) else []:
+        if isinstance(item, str) and ":" in item:
+            specs.append(tuple(item.rsplit(":", 1)))
+        elif isinstance(item, dict) and item.get("name"):
+            specs.append(split_reward_spec(item.get("path") or path, item["name"]))
+    for file, fn in specs:  # (a malformed entry is reported by the reward plan, naming it)
+        problem = reward_file_problem(file, fn) if file else None
+        if problem:
+            ctx.add(problem)
+
+
+def check_position_embeddings(ctx: Context) -> None:
+    """``max_prompt_length + max_response_length`` must fit the model's context (from its config.json)."""
+    prompt, response = ctx.get("data.max_prompt_length"), ctx.get(f"{R}.response_length")
+    if not (_positive_int(prompt) and _positive_int(response)):
+        return
+    for key, config in ctx.model_configs.items():
+        limit = next((config[k] for k in POSITION_KEYS if isinstance(config.get(k), int)), None)
+        if limit is not None and prompt + response > limit:
+            ctx.add(f"data.max_prompt_length + data.max_response_length = {prompt} + {response} = {prompt + response} "
+                    f"tokens exceeds the model's max_position_embeddings={limit} ({key}={ctx.get(key)!r})")
+
+
+def check_vision_model(ctx: Context) -> None:
+    """``rollout.enable_vision`` needs an image-text-to-text model; a local folder's (or the cache's) config.json
+    tells (a vision-language config nests a ``vision_config`` or ``text_config``; a hub id to download is
+    checked when it loads)."""
+    key = "actor_rollout_ref.model.path"
+    config = ctx.model_configs.get(key)
+    if ctx.get(f"{R}.enable_vision") and config is not None and not {"vision_config", "text_config"} & set(config):
+        ctx.add(f"{R}.enable_vision=True but {key}={ctx.get(key)!r} is a text-only model (its config.json has no "
+                f"vision_config; model_type={config.get('model_type')!r}): give an image-text-to-text model "
+                f"(Qwen2-VL, Qwen2.5-VL, ...) or set {R}.enable_vision=False")
+
+
+def check_environment(ctx: Context) -> None:
+    for key, kind in checks.PATHS.items():
+        if kind == "data":
+            check_data_files(ctx, key)
+        elif kind == "model":
+            check_model(ctx, key)
+        elif kind == "critic model" and ctx.with_critic and ctx.set_by_user_or_own(key):
+            check_model(ctx, key, tokenizer=False)  # (a critic path that only repeats the actor's is checked there)
+        elif kind == "reward model" and ctx.get("reward_model.enable"):
+            re_encodes = ctx.get("reward_model.model.input_tokenizer") is not None  # then it needs its own tokenizer
+            check_model(ctx, key, tokenizer=re_encodes)
+    check_reward_files(ctx)
+    check_position_embeddings(ctx)
+    check_vision_model(ctx)
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+
+def validate(cfg: VerlConfig, environment: bool = False, dry_run: bool = False) -> list[ConfigError]:
+    """Every problem of ``cfg`` (see the module docstring); an empty list when it is fine. ``dry_run``: model
+    folders need a config and a tokenizer, not weights."""
+    ctx = Context(cfg, environment, dry_run)
+    for step in (check_not_supported, check_ranges, check_choices, check_registries, check_devices):
+        step(ctx)
+    for rule in CROSS_CHECKS:
+        try:
+            rule(ctx)
+        except (TypeError, ValueError, AttributeError):  # a value of the wrong shape: reported by its own check
+            continue
+    if environment:
+        check_environment(ctx)
+
+    return user_names(ctx.problems, cfg.aliased)  # a problem of reward_model.x set as reward.y names both
+
+
+def check(cfg: VerlConfig, environment: bool = False) -> None:
+    """:func:`validate`, raising every problem at once (one :class:`ConfigError`)."""
+    raise_problems(validate(cfg, environment))
