@@ -44,6 +44,7 @@ MODES = {"sync": (), "fully-async": FULLY_ASYNC}
 STALENESS = "training/off_policy/trajectory_staleness"  # trainer's version - the newest that sampled a response
 WORST = "training/off_policy/trajectory_staleness_worst"  # - the oldest
 SUMMARY = re.compile(r"\[rlflow\] (\d+) RL steps \(\w+\) in (\d+) s \(\+ setup (\d+) s, validation (\d+) s\)")
+TIMED = re.compile(r"TIME wall ([\d.]+) s user ([\d.]+) s sys ([\d.]+) s")  # /usr/bin/time -f, in a log run by hand
 
 
 def read_run(run_dir: Path, log: Path) -> dict | None:
@@ -64,7 +65,8 @@ def read_run(run_dir: Path, log: Path) -> dict | None:
             "staleness_worst_max": max(r[f"{WORST}/max"] for r in stale) if stale else None,
             "spans_max": max(r["training/off_policy/trajectory_spans/max"] for r in stale) if stale else None,
             "dropped_groups": sum(r.get("async/dropped_groups", 0.0) for r in stale),
-            "train_s": int(summary[2]), "setup_s": int(summary[3]), "validation_s": int(summary[4])}
+            "train_s": int(summary[2]), "setup_s": int(summary[3]), "validation_s": int(summary[4])} | (
+        {"wall_s": float(timed[1]), "cpu_s": float(timed[2]) + float(timed[3])} if (timed := TIMED.search(text)) else {})
 
 
 def run(mode: str, seed: int, root: Path, reuse: bool, extra: list[str]) -> dict:
@@ -89,7 +91,8 @@ def run(mode: str, seed: int, root: Path, reuse: bool, extra: list[str]) -> dict
 def describe(r: dict) -> str:
     acc = " -> ".join(f"{a:.2f}" for _, a in sorted(r["accuracy"].items()))
     line = (f"{r['mode']:11s} seed {r['seed']}: held-out {acc}; batch reward {r['reward_first3']:.2f} -> "
-            f"{r['reward_last3']:.2f} (steps 1-3 -> 8-10); {r['train_s']} s training")
+            f"{r['reward_last3']:.2f} (steps 1-3 -> 8-10); {r['train_s']} s training"
+            + (f", wall {r['wall_s']:.0f} s, CPU {r['cpu_s']:.0f} s" if "wall_s" in r else ""))
     if r["staleness_mean"] is not None:
         line += (f"; staleness mean {r['staleness_mean']:.2f}, max {r['staleness_max']:.0f} (oldest token "
                  f"{r['staleness_worst_max']:.0f}), spans <= {r['spans_max']:.0f}, dropped {r['dropped_groups']:.0f}")
