@@ -4,7 +4,7 @@
 
 ``recipes/workflow1/run.sh`` (the seed's Workflow 1: GRPO on ``\\boxed{}`` addition, SmolLM2-135M-Instruct,
 10 steps of 8 prompts x 4 samples, greedy validation on 25 held-out prompts at steps 0, 5 and 10;
-docs/workflow1.md) with transformers generating (``ROLLOUT=hf``), once per mode and seed, in turn:
+docs/workflow1.md) with transformers generating (``ROLLOUT=hf``), seed by seed, each mode in turn:
 
 - ``sync``: the recipe as written;
 - ``fully-async``: the same command with verl's V1 keys for its fully asynchronous trainer, staleness <= 2
@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(args.root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     load_start, runs = os.getloadavg(), []
-    for mode in args.modes:
-        for seed in args.seeds:
+    for seed in args.seeds:  # seed by seed, so that a run cut short leaves pairs
+        for mode in args.modes:
             runs.append(run(mode, seed, root, args.reuse, args.overrides))
             print(describe(runs[-1]), flush=True)
     summary = {}
