@@ -44,7 +44,8 @@ MODES = {"sync": (), "fully-async": FULLY_ASYNC}
 STALENESS = "training/off_policy/trajectory_staleness"  # trainer's version - the newest that sampled a response
 WORST = "training/off_policy/trajectory_staleness_worst"  # - the oldest
 SUMMARY = re.compile(r"\[rlflow\] (\d+) RL steps \(\w+\) in (\d+) s \(\+ setup (\d+) s, validation (\d+) s\)")
-TIMED = re.compile(r"TIME wall ([\d.]+) s user ([\d.]+) s sys ([\d.]+) s")  # /usr/bin/time -f, in a log run by hand
+# the last line of a run's log: this script's, or /usr/bin/time -f "TIME wall %e s user %U s sys %S s" by hand
+TIMED = re.compile(r"(?:RUN wall ([\d.]+) s cpu ([\d.]+) s)|(?:TIME wall ([\d.]+) s user ([\d.]+) s sys ([\d.]+) s)")
 
 
 def read_run(run_dir: Path, log: Path) -> dict | None:
@@ -66,7 +67,13 @@ def read_run(run_dir: Path, log: Path) -> dict | None:
             "spans_max": max(r["training/off_policy/trajectory_spans/max"] for r in stale) if stale else None,
             "dropped_groups": sum(r.get("async/dropped_groups", 0.0) for r in stale),
             "train_s": int(summary[2]), "setup_s": int(summary[3]), "validation_s": int(summary[4])} | (
-        {"wall_s": float(timed[1]), "cpu_s": float(timed[2]) + float(timed[3])} if (timed := TIMED.search(text)) else {})
+        timing(timed) if (timed := TIMED.search(text)) else {})
+
+
+def timing(found: re.Match) -> dict:
+    if found[1]:
+        return {"wall_s": float(found[1]), "cpu_s": float(found[2])}
+    return {"wall_s": float(found[3]), "cpu_s": float(found[4]) + float(found[5])}
 
 
 def run(mode: str, seed: int, root: Path, reuse: bool, extra: list[str]) -> dict:
@@ -82,9 +89,10 @@ def run(mode: str, seed: int, root: Path, reuse: bool, extra: list[str]) -> dict
         used = os.times()
         if rc != 0:
             sys.exit(f"{mode} seed {seed}: recipes/workflow1/run.sh exited {rc}; its output is in {log}")
-        done = read_run(run_dir, log) | {"wall_s": time.perf_counter() - start,
-                                         "cpu_s": used.children_user + used.children_system
-                                         - cpu.children_user - cpu.children_system}
+        cpu_s = used.children_user + used.children_system - cpu.children_user - cpu.children_system
+        with log.open("a") as out:
+            out.write(f"RUN wall {time.perf_counter() - start:.2f} s cpu {cpu_s:.2f} s\n")
+        done = read_run(run_dir, log)
     return {"mode": mode, "seed": seed} | done
 
 
@@ -133,10 +141,10 @@ def main(argv: list[str] | None = None) -> dict:
     if {"sync", "fully-async"} <= summary.keys():
         sync, fa = summary["sync"], summary["fully-async"]
         gap = statistics.median(fa["after"]) - statistics.median(sync["after"])
-        inside = min(sync["after"]) <= statistics.median(fa["after"]) <= max(sync["after"])
+        median, low, high = statistics.median(fa["after"]), min(sync["after"]), max(sync["after"])
+        where = "below" if median < low else "above" if median > high else "inside"
         print(f"fully-async - sync, medians at the last step: {gap:+.2f}; the synchronous seeds span "
-              f"{min(sync['after']):.2f}-{max(sync['after']):.2f} (spread {sync['spread']:.2f}): the fully async "
-              f"median is {'inside' if inside else 'outside'} it")
+              f"{low:.2f}-{high:.2f} (spread {sync['spread']:.2f}): the fully async median is {where} that range")
     report = {"seeds": args.seeds, "modes": {m: list(MODES[m]) for m in args.modes}, "overrides": args.overrides,
               "runs": runs, "summary": summary, "median_gap": gap, "load_average_at_start": load_start,
               "load_average_at_end": os.getloadavg(), "cpus": os.cpu_count()}
