@@ -101,20 +101,22 @@ def hf_keys() -> str:
 
 
 SMALL = ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
-         "data.max_response_length=8", "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.logger=[console]"]
+         "data.max_response_length=8", "trainer.total_training_steps=2", "trainer.test_freq=2",
+         "trainer.logger=[console]"]
 ACCURACY = "val-core/workflow1/addition/reward/mean@1"
 
 
 def train_small(keys: str, smollm2_dir: Path, tmp_path: Path, monkeypatch, capsys) -> tuple[str, dict]:
-    """``main_ppo`` with ``keys`` (a page command's, after ``-m rlflow.trainer.main_ppo``) at small sizes, run from a copy of the repository's files
-    with the page's data (4 val prompts); returns its output and the console's metrics per step."""
+    """``main_ppo`` with ``keys`` (a page command's, after ``-m rlflow.trainer.main_ppo``) at small sizes, run from
+    a copy of the repository's files with the page's data (2 held-out pairs: 3 val prompts); returns its output and
+    the console's metrics per step."""
     from rlflow.trainer.main_ppo import main
 
     monkeypatch.setattr(devices, "cuda_count", lambda: 0)
     shutil.copytree(ROOT / "examples" / "config", tmp_path / "examples" / "config")
     shutil.copytree(RECIPE, tmp_path / "recipes" / "workflow1", ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.chdir(tmp_path)
-    prepare(Path("runs/workflow1/data"), "--val-pairs", "2")  # the page's data command, with 4 val prompts
+    prepare(Path("runs/workflow1/data"), "--val-pairs", "2")  # the page's data command, 2 held-out pairs
     argv = keys.replace("$(rlflow get-model smollm2)", str(smollm2_dir)).split()
     assert main(argv + SMALL) == 0
     out = capsys.readouterr().out
