@@ -287,6 +287,18 @@ NOT_RUN.update({
     ("README.md", 'pip install -e ".[gguf]" && ROLLOUT=hf recipes/workflow1/run.sh'): WORKFLOW1_RUN,
     ("docs/workflow1.md", "python recipes/workflow1/prepare_data.py --out runs/workflow1/data"):
         f"{WORKFLOW1_TEST}::test_data_script_writes_the_seeds_layout runs the script and checks what it writes",
+    ("docs/workflow1.md", "ROLLOUT=hf recipes/workflow1/run.sh trainer.use_v1=true trainer.v1.trainer_mode=colocate_async "
+                          "trainer.v1.sampler.max_off_policy_threshold=2 trainer.v1.sampler.max_off_policy_strategy=wait "
+                          "algorithm.rollout_correction.bypass_mode=true"):
+        f"trains 10 steps fully async (5-10 minutes on 2 cores); {WORKFLOW1_TEST}::"
+        "test_the_pages_fully_async_command_trains_two_steps_asynchronously runs it for 2 steps at small sizes",
+    ("docs/async.md", "ROLLOUT=hf recipes/workflow1/run.sh trainer.use_v1=true trainer.v1.trainer_mode=colocate_async "
+                      "trainer.v1.sampler.max_off_policy_threshold=2 trainer.v1.sampler.max_off_policy_strategy=wait "
+                      "algorithm.rollout_correction.bypass_mode=true"):
+        f"trains 10 steps fully async (5-10 minutes on 2 cores); {WORKFLOW1_TEST}::"
+        "test_the_pages_fully_async_command_trains_two_steps_asynchronously runs it (from docs/workflow1.md) for 2 steps",
+    ("docs/async.md", "python scripts/async_learning_workflow1.py"):
+        "trains the real-model recipe 6 times (about an hour on 2 shared cores): a measurement, not a test",
 })
 for _block in BLOCKS:  # the page's two training commands (vLLM, HF): the recipe's test reads and runs them
     if _block.file == "docs/workflow1.md" and _block.text.startswith("python3 -m rlflow.trainer.main_ppo"):

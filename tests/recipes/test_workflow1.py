@@ -2,11 +2,13 @@
 
 The learning run itself (10 steps, minutes) is not run here; its figures are on the page. These tests check
 what it is made of: the data script writes the seed's layout, the reward file is the seed's function and
-scores the seed's form, and the page's HF command trains 2 steps end to end at small sizes.
+scores the seed's form, and the page's HF command trains 2 steps end to end at small sizes, synchronously and
+fully asynchronously (the command scripts/async_learning_workflow1.py compares them with; figures in docs/async.md).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -94,21 +96,68 @@ def test_run_script_runs_the_pages_command():
                 assert arg in script, (rollout, arg)
 
 
-def test_the_pages_hf_command_trains_two_steps(smollm2_dir, tmp_path, monkeypatch, capsys):
-    """The page's HF command as written, run from a copy of the repository's files, at small sizes."""
+def hf_keys() -> str:
+    return training_command("hf").split(maxsplit=3)[3]
+
+
+SMALL = ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
+         "data.max_response_length=8", "trainer.total_training_steps=2", "trainer.test_freq=2",
+         "trainer.logger=[console]"]
+ACCURACY = "val-core/workflow1/addition/reward/mean@1"
+
+
+def train_small(keys: str, smollm2_dir: Path, tmp_path: Path, monkeypatch, capsys) -> tuple[str, dict]:
+    """``main_ppo`` with ``keys`` (a page command's, after ``-m rlflow.trainer.main_ppo``) at small sizes, run from
+    a copy of the repository's files with the page's data (2 held-out pairs: 3 val prompts); returns its output and
+    the console's metrics per step."""
     from rlflow.trainer.main_ppo import main
 
     monkeypatch.setattr(devices, "cuda_count", lambda: 0)
     shutil.copytree(ROOT / "examples" / "config", tmp_path / "examples" / "config")
     shutil.copytree(RECIPE, tmp_path / "recipes" / "workflow1", ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.chdir(tmp_path)
-    prepare(Path("runs/workflow1/data"), "--val-pairs", "2")  # the page's data command, with 4 val prompts
-    argv = training_command("hf").replace("$(rlflow get-model smollm2)", str(smollm2_dir)).split()[3:]
-    small = ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
-             "data.max_response_length=8", "trainer.total_training_steps=2", "trainer.test_freq=2",
-             "trainer.logger=[console]"]
-    assert main(argv + small) == 0
-    logged = steps(capsys.readouterr().out)
-    assert sorted(logged) == [0, 1, 2]
-    assert "val-core/workflow1/addition/reward/mean@1" in logged[0] and "val-core/workflow1/addition/reward/mean@1" in logged[2]
+    prepare(Path("runs/workflow1/data"), "--val-pairs", "2")  # the page's data command, 2 held-out pairs
+    argv = keys.replace("$(rlflow get-model smollm2)", str(smollm2_dir)).split()
+    assert main(argv + SMALL) == 0
+    out = capsys.readouterr().out
+    logged = steps(out)
+    assert sorted(logged) == [0, 1, 2] and ACCURACY in logged[0] and ACCURACY in logged[2]
     assert logged[2]["actor/kl_coef"] == 0.001 and logged[2]["prompt_length/mean"] > 80  # the chat template's prompt
+    return out, logged
+
+
+def test_the_pages_hf_command_trains_two_steps(smollm2_dir, tmp_path, monkeypatch, capsys):
+    """The page's HF command as written, run from a copy of the repository's files, at small sizes."""
+    out, logged = train_small(hf_keys(), smollm2_dir, tmp_path, monkeypatch, capsys)
+    assert "FullyAsyncRollout" not in out and not any(k.startswith(("async/", "training/off_policy/"))
+                                                        for k in logged[2])
+
+
+def fully_async_keys() -> list[str]:
+    """The keys the page's fully asynchronous command adds to ``ROLLOUT=hf recipes/workflow1/run.sh``."""
+    (command,) = [c for c in page_commands() if c.startswith("ROLLOUT=hf recipes/workflow1/run.sh trainer.use_v1")]
+    return command.split()[2:]
+
+
+def test_the_pages_fully_async_command_trains_two_steps_asynchronously(smollm2_dir, tmp_path, monkeypatch, capsys):
+    """The page's fully asynchronous command (run.sh's HF command and verl's V1 keys, as
+    scripts/async_learning_workflow1.py runs it) at small sizes: the rollout is FullyAsyncRollout with the bound
+    of 2 and verl's fully-async correction (bypass mode), and every step logs verl's off-policy metrics within it."""
+    keys = fully_async_keys()
+    spec = importlib.util.spec_from_file_location("async_learning_workflow1",
+                                                  ROOT / "scripts" / "async_learning_workflow1.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert keys == list(script.FULLY_ASYNC)  # the page's figures are the script's runs of this command
+    out, logged = train_small(f"{hf_keys()} {' '.join(keys)}", smollm2_dir, tmp_path, monkeypatch, capsys)
+    assert "the Trainer gets rollout=FullyAsyncRollout(rollout, max_off_policy_threshold=2, " \
+           "max_off_policy_strategy='wait'" in out
+    assert "bypass_mode=True" in out
+    for step in (1, 2):
+        m = logged[step]
+        assert m["async/policy_version"] == step - 1  # the trainer's version when it took the batch
+        assert 0 <= m["training/off_policy/trajectory_staleness/max"] \
+            <= m["training/off_policy/trajectory_staleness_worst/max"] <= 1  # age <= 2: at most 1 update behind
+        assert m["training/off_policy/trajectory_spans/min"] >= 1 and m["async/dropped_groups"] == 0
+        assert "rollout_corr/rollout_is_mean" not in m  # bypass: PPO's ratio against the sampler, no IS weights
+    assert logged[1]["training/off_policy/trajectory_staleness/max"] == 0  # the first batch: the initial weights
