@@ -5,7 +5,6 @@ sharded checkpoints move between world sizes (2 -> 1 -> 2); a failing rank
 takes the whole job down in bounded time; export gives a plain HF folder.
 """
 
-import time
 
 import pytest
 import torch
@@ -25,17 +24,27 @@ def single_process(tmp_path_factory):
 
 
 # The module's 2-process jobs that read nothing from another test's run: one launch runs them one after another
-# (worker.py's "+"; each launch starts every process and imports torch), each writing OUT/result.pt.
+# (worker.py's "+"; each launch starts every process and imports torch), each writing OUT/result.pt; the failing
+# job comes last in that launch (it ends it).
 JOBS = {"fsdp2": ("fsdp2", 1), "ddp": ("ddp", 1), "ddp_samples2": ("ddp", 1, "samples=2"),
         "fsdp2_samples2": ("fsdp2", 1, "samples=2"), "bf16": ("fsdp2", 1, "bf16=1")}
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """{job: (its steps' records, its run folder)} of JOBS; their checkpoints are read, never written, by tests."""
+def launched_run(tmp_path_factory):
+    """One launch of JOBS, then a job whose rank 1 fails in its first step: (the launch, its folder). The launch's
+    timeout bounds the time the failure takes to end it (a rank left waiting would hang it)."""
     root = tmp_path_factory.mktemp("launched")
     args = [a for name, job in JOBS.items() for a in ("+", root / name, *job)][1:]
-    run_ok(2, *args)
+    return torchrun(2, *args, "+", root / "failing", "fsdp2", 3, "-", 1, timeout=500), root
+
+
+@pytest.fixture(scope="module")
+def launched(launched_run):
+    """{job: (its steps' records, its run folder)} of JOBS; their checkpoints are read, never written, by tests."""
+    proc, root = launched_run
+    missing = [name for name in JOBS if not (root / name / "result.pt").exists()]
+    assert not missing, (missing, proc.stdout[-3000:] + proc.stderr[-3000:])
     return {name: (torch.load(root / name / "result.pt", weights_only=False), root / name) for name in JOBS}
 
 
@@ -58,12 +67,12 @@ def test_two_processes_equal_one_and_checkpoints_cross_world_sizes(single_proces
     assert again[3]["metrics"]["actor/pg_loss"] == pytest.approx(reference[3]["metrics"]["actor/pg_loss"], abs=1e-5)
 
 
-def test_a_failing_rank_ends_every_rank(tmp_path):
-    start = time.monotonic()
-    proc = torchrun(2, tmp_path, "fsdp2", 3, "-", 1, timeout=240)
+def test_a_failing_rank_ends_every_rank(launched_run):
+    """The launch's last job fails on rank 1: the launch ends (rank 0, waiting in a collective, is stopped)."""
+    proc, root = launched_run
     assert proc.returncode != 0
     assert "injected failure on rank 1" in proc.stdout + proc.stderr
-    assert time.monotonic() - start < 200
+    assert not (root / "failing" / "result.pt").exists()
 
 
 def test_export_writes_a_plain_hf_folder(single_process, launched, tmp_path):
