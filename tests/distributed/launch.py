@@ -1,5 +1,6 @@
 """Launching the distributed workers with torchrun, as users launch rlflow, and comparing their results."""
 
+import json
 import os
 import socket
 import subprocess
@@ -41,3 +42,10 @@ def assert_updates(steps: dict) -> None:
     """The reference run really trains: every step's gradient is non-zero (else equal weights prove nothing)."""
     for step, record in steps.items():
         assert record["metrics"]["actor/grad_norm"] > 0.1, (step, record["metrics"]["actor/grad_norm"])
+
+
+def metrics(run_dir):
+    """Each step's metrics (metrics.jsonl) but wall times (``timing_s/*``, ``perf/throughput``, ``weight_sync/seconds``...)."""
+    clock = ("timing_s/", "perf/throughput", "perf/time_per_step", "weight_sync/seconds", "weight_sync/load_s")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(clock)} for r in rows}
