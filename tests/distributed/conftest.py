@@ -1,6 +1,6 @@
-"""Launches shared by several test files (each launch starts interpreters that import the trainer: the suite's
-cost): the 2-process worker.py jobs of test_fsdp2.py and test_lora.py, and the tiny verl job of the multi-node
-tests (test_multinode.py, test_ray.py) with its one-node reference run."""
+"""The tiny verl job of the multi-node tests (test_multinode.py, test_ray.py) and its one-node reference run,
+shared by both files: each launch starts interpreters that import the trainer (the suite's cost). (The shared
+launch of worker.py jobs is tests/conftest.py's ``fsdp2_launched``.)"""
 
 import os
 import signal
@@ -9,37 +9,11 @@ import sys
 
 import pandas as pd
 import pytest
-import torch
 
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 
 from ..config.conftest import CHAT_TEMPLATE, verl_rows
-from .launch import metrics, torchrun
-
-# The 2-process worker.py jobs that read nothing from another test's run: one launch runs them one after another
-# (worker.py's "+"), each writing OUT/result.pt; the failing job comes last in that launch (it ends it).
-FSDP2_JOBS = {"fsdp2": ("fsdp2", 1), "ddp": ("ddp", 1), "ddp_samples2": ("ddp", 1, "samples=2"),
-              "fsdp2_samples2": ("fsdp2", 1, "samples=2"), "bf16": ("fsdp2", 1, "bf16=1"),
-              "lora": ("fsdp2", 2, "lora=1")}
-
-
-@pytest.fixture(scope="session")
-def fsdp2_launch(tmp_path_factory):
-    """One launch of FSDP2_JOBS, then a job whose rank 1 fails in its first step: (the launch, its folder). The
-    launch's timeout bounds the time the failure takes to end it (a rank left waiting would hang it)."""
-    root = tmp_path_factory.mktemp("launched")
-    args = [a for name, job in FSDP2_JOBS.items() for a in ("+", root / name, *job)][1:]
-    return torchrun(2, *args, "+", root / "failing", "fsdp2", 3, "-", 1, timeout=600), root
-
-
-@pytest.fixture(scope="session")
-def fsdp2_launched(fsdp2_launch):
-    """{job: (its steps' records, its run folder)} of FSDP2_JOBS; their checkpoints are read, never written."""
-    proc, root = fsdp2_launch
-    missing = [name for name in FSDP2_JOBS if not (root / name / "result.pt").exists()]
-    assert not missing, (missing, proc.stdout[-3000:] + proc.stderr[-3000:])
-    return {name: (torch.load(root / name / "result.pt", weights_only=False), root / name) for name in FSDP2_JOBS}
-
+from .launch import metrics
 
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):

@@ -3,7 +3,7 @@
 One GRPO step on 2 processes equals one process on the same global batch;
 sharded checkpoints move between world sizes (2 -> 1 -> 2); a failing rank
 takes the whole job down in bounded time; export gives a plain HF folder.
-The 2-process jobs that read no other run are conftest.py's FSDP2_JOBS: one launch (shared with test_lora.py).
+The 2-process jobs that read no other run are launch.py's FSDP2_JOBS: one launch, shared with other files.
 """
 
 import pytest

@@ -1,6 +1,6 @@
 """LoRA under FSDP2 on 2 CPU processes (gloo), launched once with torchrun, against one process.
 
-The launch (a job of conftest.py's shared one) trains 2 GRPO-style steps with a KL loss against the adapter-disabled reference, checks the
+The launch (a job of tests/conftest.py's shared one) trains 2 GRPO-style steps with a KL loss against the adapter-disabled reference, checks the
 generation engine (a merged copy, synced with merged weights) after every step, saves sharded
 checkpoints and resumes from the first one. Compared here: loss and weights equal one process's,
 the engine's log-probs equal the policy's, the checkpoint holds the adapter alone, the resumed run
@@ -11,8 +11,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from .conftest import FSDP2_JOBS
-from .launch import assert_same_weights
+from .launch import FSDP2_JOBS, assert_same_weights
 from .worker import build
 
 
