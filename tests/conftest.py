@@ -14,6 +14,8 @@ torch.set_num_threads(int(_THREADS))
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from rlflow.tasks.addition import AdditionTask
 
+from .distributed.launch import fsdp2_results, launch_fsdp2_jobs
+
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
@@ -36,6 +38,20 @@ def model(tokenizer):
 def addition_rows():
     train, _, test = AdditionTask().splits()
     return train[:64], test[:16]
+
+
+@pytest.fixture(scope="session")
+def fsdp2_launch(tmp_path_factory):
+    """One 2-process launch of tests/distributed/launch.py's FSDP2_JOBS (shared by the files that read them: each
+    launch starts interpreters that import the trainer), the last job failing: (the launch, its folder)."""
+    root = tmp_path_factory.mktemp("fsdp2_jobs")
+    return launch_fsdp2_jobs(root), root
+
+
+@pytest.fixture(scope="session")
+def fsdp2_launched(fsdp2_launch):
+    """{job: (its steps' records, its run folder)} of FSDP2_JOBS; their checkpoints are read, never written."""
+    return fsdp2_results(*fsdp2_launch)
 
 
 def pytest_collection_modifyitems(config, items):

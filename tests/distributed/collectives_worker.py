@@ -2,6 +2,8 @@
 
     python -m torch.distributed.run --nproc_per_node 2 collectives_worker.py OUT
 
+(test_parallelism.py runs it as a job of worker.py's launch: ``worker.py collectives_worker OUT + ...``.)
+
 Rank 0 holds long rows, rank 1 short ones (and shorter responses); then a tiny FSDP2 model's
 weights are gathered for the engine in buckets. Each rank writes
 OUT/rank{r}.pt: the row ids it holds after balancing, the statistics, and its

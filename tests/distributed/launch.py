@@ -1,5 +1,6 @@
 """Launching the distributed workers with torchrun, as users launch rlflow, and comparing their results."""
 
+import json
 import os
 import socket
 import subprocess
@@ -9,6 +10,13 @@ from pathlib import Path
 import torch
 
 WORKER = Path(__file__).with_name("worker.py")
+# The 2-process worker.py jobs of several test files (test_fsdp2.py, test_lora.py, tests/rewards/
+# test_model_reward_distributed.py) that read nothing from another test's run: one launch, tests/conftest.py's
+# ``fsdp2_launched``, runs them one after another (worker.py's "+"), each writing OUT/result.pt; a job whose rank 1
+# fails comes last in that launch (it ends it).
+FSDP2_JOBS = {"fsdp2": ("fsdp2", 1), "ddp": ("ddp", 1), "ddp_samples2": ("ddp", 1, "samples=2"),
+              "fsdp2_samples2": ("fsdp2", 1, "samples=2"), "bf16": ("fsdp2", 1, "bf16=1"),
+              "lora": ("fsdp2", 2, "lora=1"), "rm": ("fsdp2", 1, "rm=1")}
 
 
 def free_port() -> int:
@@ -41,3 +49,24 @@ def assert_updates(steps: dict) -> None:
     """The reference run really trains: every step's gradient is non-zero (else equal weights prove nothing)."""
     for step, record in steps.items():
         assert record["metrics"]["actor/grad_norm"] > 0.1, (step, record["metrics"]["actor/grad_norm"])
+
+
+def metrics(run_dir):
+    """Each step's metrics (metrics.jsonl) but wall times (``timing_s/*``, ``perf/throughput``, ``weight_sync/seconds``...)."""
+    clock = ("timing_s/", "perf/throughput", "perf/time_per_step", "weight_sync/seconds", "weight_sync/load_s")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(clock)} for r in rows}
+
+
+def launch_fsdp2_jobs(root):
+    """One launch of FSDP2_JOBS under root, then a job whose rank 1 fails in its first step (root/failing). The
+    timeout bounds the time the failure takes to end the launch (a rank left waiting would hang it)."""
+    args = [a for name, job in FSDP2_JOBS.items() for a in ("+", root / name, *job)][1:]
+    return torchrun(2, *args, "+", root / "failing", "fsdp2", 3, "-", 1, timeout=600)
+
+
+def fsdp2_results(proc, root):
+    """{job: (its steps' records, its run folder)} of FSDP2_JOBS."""
+    missing = [name for name in FSDP2_JOBS if not (root / name / "result.pt").exists()]
+    assert not missing, (missing, proc.stdout[-3000:] + proc.stderr[-3000:])
+    return {name: (torch.load(root / name / "result.pt", weights_only=False), root / name) for name in FSDP2_JOBS}

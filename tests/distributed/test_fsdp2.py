@@ -3,14 +3,13 @@
 One GRPO step on 2 processes equals one process on the same global batch;
 sharded checkpoints move between world sizes (2 -> 1 -> 2); a failing rank
 takes the whole job down in bounded time; export gives a plain HF folder.
+The 2-process jobs that read no other run are launch.py's FSDP2_JOBS: one launch, shared with other files.
 """
-
-import time
 
 import pytest
 import torch
 
-from .launch import assert_same_weights, assert_updates, run_ok, torchrun
+from .launch import assert_same_weights, assert_updates, run_ok
 from .worker import build
 
 
@@ -24,24 +23,9 @@ def single_process(tmp_path_factory):
     return record.steps, out
 
 
-# The module's 2-process jobs that read nothing from another test's run: one launch runs them one after another
-# (worker.py's "+"; each launch starts every process and imports torch), each writing OUT/result.pt.
-JOBS = {"fsdp2": ("fsdp2", 1), "ddp": ("ddp", 1), "ddp_samples2": ("ddp", 1, "samples=2"),
-        "fsdp2_samples2": ("fsdp2", 1, "samples=2"), "bf16": ("fsdp2", 1, "bf16=1")}
-
-
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """{job: (its steps' records, its run folder)} of JOBS; their checkpoints are read, never written, by tests."""
-    root = tmp_path_factory.mktemp("launched")
-    args = [a for name, job in JOBS.items() for a in ("+", root / name, *job)][1:]
-    run_ok(2, *args)
-    return {name: (torch.load(root / name / "result.pt", weights_only=False), root / name) for name in JOBS}
-
-
-def test_two_processes_equal_one_and_checkpoints_cross_world_sizes(single_process, launched, tmp_path):
+def test_two_processes_equal_one_and_checkpoints_cross_world_sizes(single_process, fsdp2_launched, tmp_path):
     reference, _ = single_process
-    two, two_dir = launched["fsdp2"]
+    two, two_dir = fsdp2_launched["fsdp2"]
     assert two[1]["metrics"]["actor/pg_loss"] == pytest.approx(reference[1]["metrics"]["actor/pg_loss"], abs=1e-5)
     assert two[1]["metrics"]["critic/score/mean"] == pytest.approx(reference[1]["metrics"]["critic/score/mean"], abs=1e-6)
     assert_same_weights(two[1]["weights"], reference[1]["weights"])
@@ -58,22 +42,22 @@ def test_two_processes_equal_one_and_checkpoints_cross_world_sizes(single_proces
     assert again[3]["metrics"]["actor/pg_loss"] == pytest.approx(reference[3]["metrics"]["actor/pg_loss"], abs=1e-5)
 
 
-def test_a_failing_rank_ends_every_rank(tmp_path):
-    start = time.monotonic()
-    proc = torchrun(2, tmp_path, "fsdp2", 3, "-", 1, timeout=240)
+def test_a_failing_rank_ends_every_rank(fsdp2_launch):
+    """The launch's last job fails on rank 1: the launch ends (rank 0, waiting in a collective, is stopped)."""
+    proc, root = fsdp2_launch
     assert proc.returncode != 0
     assert "injected failure on rank 1" in proc.stdout + proc.stderr
-    assert time.monotonic() - start < 200
+    assert not (root / "failing" / "result.pt").exists()
 
 
-def test_export_writes_a_plain_hf_folder(single_process, launched, tmp_path):
+def test_export_writes_a_plain_hf_folder(single_process, fsdp2_launched, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlflow.cli import main as cli_main
     from rlflow.trainer.hf_export import export_hf
 
     reference, out = single_process
-    sharded, sharded_dir = launched["fsdp2"]
+    sharded, sharded_dir = fsdp2_launched["fsdp2"]
     cases = [(out / "global_step_3", reference[3]["weights"]),  # one file
              (sharded_dir / "global_step_1", sharded[1]["weights"])]  # sharded folder
     for i, (ckpt, expected) in enumerate(cases):
@@ -85,14 +69,14 @@ def test_export_writes_a_plain_hf_folder(single_process, launched, tmp_path):
         assert_same_weights(dict(model.named_parameters()), expected)
 
 
-def test_ddp_two_processes_equal_one(single_process, launched):
+def test_ddp_two_processes_equal_one(single_process, fsdp2_launched):
     reference, _ = single_process
-    ddp, _ = launched["ddp"]
+    ddp, _ = fsdp2_launched["ddp"]
     assert ddp[1]["metrics"]["actor/pg_loss"] == pytest.approx(reference[1]["metrics"]["actor/pg_loss"], abs=1e-5)
     assert_same_weights(ddp[1]["weights"], reference[1]["weights"])
 
 
-def test_shared_prompts_under_ddp_and_fsdp2_equal_one_process(launched, tmp_path):
+def test_shared_prompts_under_ddp_and_fsdp2_equal_one_process(fsdp2_launched, tmp_path):
     """Two (greedy) samples per prompt, two rows per micro-batch: one process and DDP run each prompt once for its
     two rows (rlflow.models.shared_prompt), FSDP2 the padded pass (sharded layers do not share); all equal."""
     from rlflow.models import shared_prompt
@@ -108,16 +92,16 @@ def test_shared_prompts_under_ddp_and_fsdp2_equal_one_process(launched, tmp_path
     assert passes and set(passes) == {(2, 1)}  # the update's micro-batches: 2 rows, 1 distinct prompt each
     reference = record.steps
     for strategy in ("ddp", "fsdp2"):
-        two, _ = launched[f"{strategy}_samples2"]
+        two, _ = fsdp2_launched[f"{strategy}_samples2"]
         assert two[1]["metrics"]["actor/pg_loss"] == pytest.approx(reference[1]["metrics"]["actor/pg_loss"], abs=1e-5)
         assert_same_weights(two[1]["weights"], reference[1]["weights"])
 
 
-def test_bf16_mixed_precision_keeps_fp32_master_weights(single_process, launched):
+def test_bf16_mixed_precision_keeps_fp32_master_weights(single_process, fsdp2_launched):
     """FSDP2 with bf16 parameters in compute and fp32 gradient reduction (gloo runs it on CPU)."""
     reference, _ = single_process
     ref = reference[1]
-    bf16 = launched["bf16"][0][1]
+    bf16 = fsdp2_launched["bf16"][0][1]
     assert all(w.dtype == torch.float32 for w in bf16["weights"].values())  # the sharded masters stay fp32
     assert bf16["metrics"]["actor/pg_loss"] == pytest.approx(ref["metrics"]["actor/pg_loss"], rel=1e-2)
     assert bf16["metrics"]["actor/grad_norm"] == pytest.approx(ref["metrics"]["actor/grad_norm"], rel=1e-2)

@@ -1,6 +1,6 @@
 """LoRA under FSDP2 on 2 CPU processes (gloo), launched once with torchrun, against one process.
 
-The launch trains 2 GRPO-style steps with a KL loss against the adapter-disabled reference, checks the
+The launch (a job of tests/conftest.py's shared one) trains 2 GRPO-style steps with a KL loss against the adapter-disabled reference, checks the
 generation engine (a merged copy, synced with merged weights) after every step, saves sharded
 checkpoints and resumes from the first one. Compared here: loss and weights equal one process's,
 the engine's log-probs equal the policy's, the checkpoint holds the adapter alone, the resumed run
@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from .launch import assert_same_weights, run_ok
+from .launch import FSDP2_JOBS, assert_same_weights
 from .worker import build
 
 
-def test_lora_fsdp2_two_processes_equal_one(tmp_path, tokenizer):
+def test_lora_fsdp2_two_processes_equal_one(fsdp2_launched, tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from rlflow.models.tiny import tiny_qwen2
@@ -23,7 +23,8 @@ def test_lora_fsdp2_two_processes_equal_one(tmp_path, tokenizer):
 
     trainer, data, record = build(str(tmp_path / "one"), "auto", steps=2, devices=1, lora=1)
     trainer.fit(data)
-    one, two = record.steps, run_ok(2, tmp_path / "two", "fsdp2", 2, "lora=1")
+    assert FSDP2_JOBS["lora"] == ("fsdp2", 2, "lora=1")
+    one, (two, two_dir) = record.steps, fsdp2_launched["lora"]
     for step in (1, 2):
         a, b = one[step]["metrics"], two[step]["metrics"]
         assert a["actor/grad_norm"] > 0.01  # the adapter really trains (B starts at 0, so A's first gradient is 0)
@@ -34,7 +35,7 @@ def test_lora_fsdp2_two_processes_equal_one(tmp_path, tokenizer):
     assert one[2]["metrics"]["actor/kl_loss"] > 1e-4  # the reference (adapter off) differs from the trained policy
     assert_same_weights(two["resumed"]["weights"], two[2]["weights"])
 
-    ckpt = tmp_path / "two" / "global_step_2"
+    ckpt = two_dir / "global_step_2"
     saved = [k for k in FileSystemReader(ckpt / "state.ckpt").read_metadata().state_dict_metadata
              if k.startswith("policy.")]
     assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)  # the adapter's shards, no base weights

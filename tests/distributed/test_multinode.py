@@ -6,7 +6,6 @@ checkpoint they train on with the metrics of the single-node 2-process run (one 
 ``trainer.nnodes=2`` without torchrun fails at once saying how to start it.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -14,39 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-import pandas as pd
 import pytest
 
 from rlflow.config.run import main as main_ppo
-from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 
-from ..config.conftest import CHAT_TEMPLATE, verl_rows
-from .launch import free_port
+from .launch import free_port, metrics
 
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """Differs between responses and prompts, so that every step's update is non-zero."""
-    return (len(set(solution_str)) + sum(c.isdigit() for c in solution_str) + int(ground_truth[-1]) / 3) / 8 - 0.3
-'''
 PHASES = ("gen", "reward", "old_log_prob", "adv", "balance", "update_actor", "update_weights", "save", "fit")
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    """verl overrides for a tiny job on local files (as tests/config/conftest.py's ``tiny``), without run dir."""
-    root = tmp_path_factory.mktemp("multinode")
-    tok = char_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    tiny_qwen2(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-               seed=0).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    pd.DataFrame(verl_rows(16, "train", 0)).to_parquet(root / "train.parquet")
-    (root / "reward.py").write_text(REWARD)
-    return [f"data.train_files={root}/train.parquet", f"actor_rollout_ref.model.path={root}/model",
-            "trainer.device=cpu", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "actor_rollout_ref.rollout.n=2", "data.max_prompt_length=8", "data.max_response_length=4",
-            "trainer.logger=[console]", "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.optim.lr=1e-2",
-            f"custom_reward_function.path={root}/reward.py", "trainer.save_freq=1"]
 
 
 def env():
@@ -73,13 +46,6 @@ def wait_all(agents, log_dir, timeout=240):
     return codes, [(log_dir / f"node{n}.log").read_text() for n in (0, 1)]
 
 
-def metrics(run_dir):
-    """Each step's metrics but wall times (``timing_s/*``, ``perf/throughput``, ``weight_sync/seconds``...)."""
-    clock = ("timing_s/", "perf/throughput", "perf/time_per_step", "weight_sync/seconds", "weight_sync/load_s")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(clock)} for r in rows}
-
-
 def worker_of_rank(agents, rank):
     """The pid of the training process torchrun started with RANK=rank (under either agent)."""
     parents = {proc.pid for proc, _ in agents}
@@ -93,11 +59,12 @@ def worker_of_rank(agents, rank):
     return None
 
 
-def test_a_killed_rank_stops_the_other_naming_it_and_the_resumed_run_equals_one_node(job, tmp_path):
+def test_a_killed_rank_stops_the_other_naming_it_and_the_resumed_run_equals_one_node(
+        one_node_reference, job, tmp_path):
     """One two-node run for both checks (each launch starts two interpreters: the suite's cost): SIGKILL rank 1
     mid-run, the other stops naming it; resumed from its last checkpoint for one more step, every step's metrics
-    are those of the same 2 ranks on one node (the learning rate is constant: the longer first run's
-    ``total_training_steps`` changes no step)."""
+    are those of the same 2 ranks on one node (conftest.py's reference, shared with test_ray.py, running
+    meanwhile; the learning rate is constant: the runs' different ``total_training_steps`` change no step)."""
     run = tmp_path / "two"
     agents = start_two_nodes([*job, "trainer.total_training_steps=500"], run, tmp_path)
     tracker = run / "latest_checkpointed_iteration.txt"
@@ -123,12 +90,7 @@ def test_a_killed_rank_stops_the_other_naming_it_and_the_resumed_run_equals_one_
     assert f"global_step_{last}" in "".join(logs) and int(tracker.read_text()) == last + 1  # resumed, one more step
     assert "resumed from" in "".join(logs) and (run / f"global_step_{last + 1}").is_dir()
 
-    one = subprocess.run([sys.executable, "-m", "rlflow.trainer.main_ppo", *job, "trainer.n_gpus_per_node=2",
-                          f"trainer.total_training_steps={last + 1}", f"trainer.default_local_dir={tmp_path}/one"],
-                         env=env(), capture_output=True, text=True, timeout=240)
-    assert one.returncode == 0, (one.stdout + one.stderr)[-4000:]
-    reference, steps = metrics(tmp_path / "one"), list(range(1, last + 2))
-    assert sorted(reference) == steps and min(r["actor/grad_norm"] for r in reference.values()) > 0.1  # real updates
+    reference, steps = one_node_reference.metrics(last + 1), list(range(1, last + 2))  # real updates
     two = metrics(run)  # the killed run's rows past its checkpoint were dropped by the resume
     assert sorted(two) == steps
     for step in steps:  # the same 2 ranks, on one node or two, killed and resumed or not: the same numbers

@@ -15,19 +15,28 @@ from .launch import assert_same_weights, assert_updates, run_ok, torchrun
 from .worker import build
 
 
-# The 2-process trainer jobs of this module: one launch runs them one after another (worker.py's "+"; each launch
-# starts every process and imports torch), each writing OUT/result.pt.
-JOBS = {"sp": ("fsdp2", 1, "sp=2", "remove_padding=1"), "balanced": ("ddp", 1, "max_tokens=12", "val=1"),
+# The module's 2-process jobs: one launch runs them one after another (worker.py's "+"; each launch starts every
+# process and imports torch), each writing OUT/result.pt (collectives_worker: OUT/rank{r}.pt). The two workers that
+# test pieces build their own groups, so they come first.
+JOBS = {"ulysses": ("ulysses_worker",), "collectives": ("collectives_worker",), "sp": ("fsdp2", 1, "sp=2", "remove_padding=1"), "balanced": ("ddp", 1, "max_tokens=12", "val=1"),
         "batch_stats": ("fsdp2", 2, "batch_stats=1"), "critic_ddp": ("ddp", 2, "critic=1", "resumed=1"),
         "critic_fsdp2": ("fsdp2", 2, "critic=1", "resumed=1", "sp=2", "remove_padding=1")}
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """{job: (its steps' records, its run folder)} of JOBS."""
+    """{job: (its result.pt, its run folder)} of JOBS."""
     root = tmp_path_factory.mktemp("launched")
-    run_ok(2, *[a for name, job in JOBS.items() for a in ("+", root / name, *job)][1:])
-    return {name: (torch.load(root / name / "result.pt", weights_only=False), root / name) for name in JOBS}
+    for name in JOBS:
+        (root / name).mkdir()
+    run_ok(2, *[a for name, job in JOBS.items() for a in ("+", *worker_job(root / name, job))][1:])
+    return {name: (torch.load(root / name / "result.pt", weights_only=False) if (root / name / "result.pt").exists()
+                   else None, root / name) for name in JOBS}
+
+
+def worker_job(out, job):
+    """worker.py's arguments for a job: OUT STRATEGY STEPS ..., or a worker module's name then OUT."""
+    return (job[0], out, *job[1:]) if job[0].endswith("_worker") else (out, *job)
 
 
 def reference(out, **options):
@@ -37,9 +46,9 @@ def reference(out, **options):
     return record.steps[1]
 
 
-def test_ulysses_attention_matches_one_process(tmp_path):
+def test_ulysses_attention_matches_one_process(launched):
     """Log-probs, entropy, values and their summed gradients, split over 2 ranks, equal one process's."""
-    result = run_ok(2, tmp_path, worker=Path(__file__).with_name("ulysses_worker.py"))
+    result = launched["ulysses"][0]
     assert result["mask_choices"] == [False, True]  # both the block-diagonal mask and plain causal ran
     cases = [k for k in result if k not in ("padded_error", "mask_choices")]
     assert len(cases) == 8
@@ -70,10 +79,10 @@ def test_balanced_token_budget_and_sharded_validation_equal_one_process(launched
     assert 1.0 <= m["perf/tokens_max_over_mean"] <= m["perf/tokens_max_over_mean_before_balance"]
 
 
-def test_balancing_and_budget_counts_on_skewed_ranks(tmp_path):
+def test_balancing_and_budget_counts_on_skewed_ranks(launched):
     """Rank 0 holds 8 rows of 14 tokens, rank 1 8 rows of 7 (shorter responses too)."""
-    run_ok(2, tmp_path, worker=Path(__file__).with_name("collectives_worker.py"))
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    out = launched["collectives"][1]
+    r0, r1 = (torch.load(out / f"rank{r}.pt") for r in range(2))
     # each mini-batch (rows 0-3 of both ranks, then 4-7) keeps its rows, now half long, half short on each rank
     assert r0["row_ids"][:4] + r1["row_ids"][:4] == [0, 2, 100, 102, 1, 3, 101, 103]
     assert sorted(r0["row_ids"] + r1["row_ids"]) == [*range(8), *range(100, 108)]

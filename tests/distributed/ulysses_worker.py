@@ -1,6 +1,8 @@
-"""Run by torchrun from test_ulysses.py: Ulysses sequence parallelism against one process, on every rank.
+"""Run by torchrun from test_parallelism.py: Ulysses sequence parallelism against one process, on every rank.
 
     python -m torch.distributed.run --nproc_per_node 2 ulysses_worker.py OUT
+
+(test_parallelism.py runs it as a job of worker.py's launch: ``worker.py ulysses_worker OUT + ...``.)
 
 For two head layouts (key/value heads split over the ranks, and repeated because there are
 too few), each rank computes log-probs, entropy and critic values of the same packed batch
@@ -76,12 +78,14 @@ def record_mask_choice(log: list):
         return log[-1]
 
     ulysses._one_sequence_per_row = observed
+    return choose
 
 
 def main(out):
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # else a job of worker.py's launch: the group of the launch
+        dist.init_process_group("gloo")
     causal_only = []
-    record_mask_choice(causal_only)
+    original = record_mask_choice(causal_only)
     group = dist.new_group([0, 1])
     results = {}
     for heads, kv in ((4, 2), (2, 1)):  # kv heads split over 2 ranks; 1 kv head is repeated
@@ -104,10 +108,10 @@ def main(out):
     except ValueError as e:
         results["padded_error"] = str(e)
     results["mask_choices"] = sorted(set(causal_only))
+    ulysses._one_sequence_per_row = original  # the jobs after this one in the launch run unobserved
     if dist.get_rank() == 0:
         torch.save(results, f"{out}/result.pt")
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

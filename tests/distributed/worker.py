@@ -4,7 +4,8 @@
         [+ OUT STRATEGY STEPS ...]
 
 Several jobs separated by ``+`` run one after another in the same processes (a launch starts every process and
-imports torch: on 2 cores ~10 s, more than a tiny job's run).
+imports torch: on 2 cores ~10 s, more than a tiny job's run). A job ``ulysses_worker OUT`` or
+``collectives_worker OUT`` runs that worker's ``main(OUT)`` (first in a launch: they build their own groups).
 
 KEY=VALUE options (integers): ``sp`` (sequence-parallel size), ``remove_padding``,
 ``max_tokens`` (token budget per micro-batch), ``val`` (validate every step), and with
@@ -20,6 +21,7 @@ Writes, on rank 0, OUT/result.pt with the metrics and the full (gathered) weight
 after every step.
 """
 
+import importlib
 import sys
 
 import torch
@@ -147,6 +149,8 @@ def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1,
 
 
 def run(argv):
+    if argv[0] in ("ulysses_worker", "collectives_worker"):  # another worker of this folder, in this launch
+        return importlib.import_module(argv[0]).main(*argv[1:])  # this script's folder is on sys.path
     positional = [a for a in argv if "=" not in a]
     options = {k: int(v) for k, v in (a.split("=", 1) for a in argv if "=" in a)}
     out, strategy, steps = positional[0], positional[1], int(positional[2])

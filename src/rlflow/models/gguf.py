@@ -17,6 +17,8 @@ prints its folder. The wheel's declared dependencies compile llama.cpp for minut
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
@@ -50,6 +52,21 @@ def _require_gguf() -> None:
         raise ImportError("reading a GGUF file needs the gguf package: pip install gguf (or rlflow[gguf])")
 
 
+@contextlib.contextmanager
+def _tensor_name_maps_cached():
+    """transformers' GGUF load asks ``gguf.get_tensor_name_map(arch, layers)`` once per submodule (397 times for
+    SmolLM2, ~9 CPU s of a conversion's ~27), always with the same arguments: while it loads, the same map object
+    answers (it is only read), then the function is put back."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
 def gguf_to_folder(file: str | os.PathLike, out: str | os.PathLike | None = None, *, log=print) -> Path:
     """A Hugging Face folder with ``file``'s model (float32) and tokenizer; made once, then reused.
 
@@ -70,7 +87,8 @@ def gguf_to_folder(file: str | os.PathLike, out: str | os.PathLike | None = None
 
     log(f"converting {file.name} to a Hugging Face folder (dequantized to float32, once): {folder}")
     tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
-    loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+    with _tensor_name_maps_cached():
+        loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
     config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are dequantized: what is saved is a plain float32 model
