@@ -15,7 +15,7 @@ from rlflow.config.run import main
 from rlflow.models.tiny import char_tokenizer
 from rlflow.strategies import MegatronStrategy, resolve_strategy
 from rlflow.strategies.megatron import ParallelLayout
-from rlflow.strategies.megatron.memory import layer_parameters, rank_memory
+from rlflow.strategies.megatron.memory import layer_parameters, lora_parameters, rank_memory
 
 from ..config.conftest import CHAT_TEMPLATE, verl_rows
 
@@ -245,4 +245,40 @@ def test_lora_on_a_moe_models_experts_is_refused_at_the_dry_run_and_its_attentio
     assert re.search(r"on a MoE model \(qwen3_moe\) adapts the attention .*\['down_proj', 'gate_proj', 'up_proj'\]",
                      capsys.readouterr().err)
     assert main(argv + ["actor_rollout_ref.model.lora.target_modules=[linear_qkv,linear_proj]"]) == 0
-    assert "Dry run: config and data are valid" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Dry run: config and data are valid" in out
+    # 2 layers x r=4 x (q: 64+64, k: 64+32, v: 64+32, o: 64+64), all on the one rank; the base weights are frozen
+    adapters = 2 * 4 * (128 + 96 + 96 + 128)
+    assert re.search(rf"LoRA adapters / rank .* {adapters / 1e6:.3g} M", out), out
+    assert "4 B/param frozen + 16 B/adapter param" in out and "frozen reference / rank" not in out
+
+
+@pytest.mark.parametrize("config, targets", [
+    (Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2), "all-linear"),
+    (LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2), ["q_proj", "v_proj", "down_proj"]),
+    (Qwen3MoeConfig(vocab_size=50, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+     ["q_proj", "k_proj", "v_proj", "o_proj"]),
+], ids=lambda c: getattr(c, "model_type", None) or "-")
+def test_lora_memory_counts_peft_adapters_and_freezes_the_base(config, targets):
+    """The adapter count of one layer equals PEFT's on the real model; under LoRA the model states are 4 B per
+    frozen parameter plus 16 B per adapter parameter, and there is no reference copy (the adapter-off model)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=targets))
+    layer0 = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n and ".layers.0." in n)
+    assert lora_parameters(config, 4, targets) == layer0
+    full = rank_memory(config, ParallelLayout(), 1, micro_batch=1, seq_len=8)
+    lora = rank_memory(config, ParallelLayout(), 1, micro_batch=1, seq_len=8, lora=(4, targets))
+    assert lora.adapter_parameters == 2 * layer0 and lora.reference == 0
+    assert lora.model_states == 4 * full.parameters + 16 * 2 * layer0 < full.model_states
+
+
+def test_lora_adapters_split_as_the_megatron_layers_place_them():
+    """At TP 2 a column-parallel projection keeps A whole and splits B; a row-parallel one splits A, keeps B."""
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    # q: A 4x64 + B (64/2)x4; down: A 4x(96/2) + B 64x4
+    assert lora_parameters(config, 4, ["q_proj"], tensor=2) == 4 * 64 + 32 * 4
+    assert lora_parameters(config, 4, ["down_proj"], tensor=2) == 4 * 48 + 64 * 4

@@ -269,8 +269,11 @@ def dry_run_section(plan, config, seq_len: int) -> list[str]:
     dp = layout.data_parallel(world)
     mini = t["mini_batch_size"] * n
     micro = t["micro_batch_size"] or max(1, mini // dp)
-    mem = rank_memory(config, layout, world, micro, seq_len)
-    reference = plan.loss_kwargs.get("kl_coef", 0) > 0 or plan.kl_controller is not None
+    lora = (plan.lora["r"], plan.lora["target_modules"]) if isinstance(plan.lora, dict) else None
+    mem = rank_memory(config, layout, world, micro, seq_len, lora=lora)
+    reference = (plan.loss_kwargs.get("kl_coef", 0) > 0 or plan.kl_controller is not None) and lora is None
+    states = ("4 B/param frozen + 16 B/adapter param (LoRA: only the adapters train)" if lora else
+              "16 B/param (float32; the Trainer's AdamW per shard)")
     L = config.num_hidden_layers
     engine = mem.total_parameters * 4
     return [
@@ -282,9 +285,11 @@ def dry_run_section(plan, config, seq_len: int) -> list[str]:
              f"{mini // dp} (every rank of a replica trains on them)"),
         line("parameters per rank", "largest stage: layers x (matrices / TP + norms) + vocabulary / TP",
              f"{mem.parameters / 1e9:.3g} B of {mem.total_parameters / 1e9:.3g} B"),
-        line("weights+grads+AdamW / rank", "16 B/param (float32; the Trainer's AdamW per shard)",
-             gib(mem.model_states)),
-        line("  distributed optimizer", f"(4 + 12 / DP {dp}) B/param (Megatron's, opt-in on GPUs)",
+        *([line("LoRA adapters / rank", f"r={lora[0]} on {lora[1]}",
+                f"{mem.adapter_parameters / 1e6:.3g} M")] if lora else []),
+        line("weights+grads+AdamW / rank", states, gib(mem.model_states)),
+        line("  distributed optimizer", f"(4 + 12 / DP {dp}) B/{'adapter ' if lora else ''}param (Megatron's, "
+             "opt-in on GPUs)",
              gib(mem.distributed_optimizer)),
         *([line("frozen reference / rank", "4 B/param (float32, same layout)", gib(mem.reference))]
           if reference else []),

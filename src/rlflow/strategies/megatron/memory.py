@@ -11,6 +11,12 @@ precision is autocast). Megatron's distributed optimizer (``distributed_optimize
 12 B of master weights and moments over the data-parallel ranks: ``4 + 12 / DP`` B. A frozen
 reference (KL term) adds 4 B/param, split like the policy.
 
+Under LoRA (``lora=(r, target_modules)``) only the adapters train: the base weights are 4 B/param (no gradients,
+no AdamW state), the adapters 16 B/param, and the reference is the adapter-disabled model (no copy). An adapted
+projection ``in -> out`` holds ``r x (in + out)`` adapter parameters, split as :mod:`~rlflow.strategies.megatron.lora`
+places them: column-parallel (q, k, v, gate, up) keep ``A`` whole and split ``B`` over TP, row-parallel (o, down)
+split ``A`` and keep ``B`` whole.
+
 Activations of one micro-batch on one stage, without recomputation, in 16-bit (Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models", eq. 2 with tensor parallelism, no
 sequence parallelism): ``layers x s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes; this plugin's pipeline runs
@@ -51,6 +57,31 @@ def layer_parameters(config) -> LayerParameters:
     return LayerParameters(split=attention + mlp, whole=whole, experts=experts)
 
 
+PROJECTIONS_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+PROJECTIONS_ROW = ("o_proj", "down_proj")
+
+
+def lora_parameters(config, r: int, target_modules, tensor: int = 1) -> int:
+    """Adapter parameters of one decoder layer on one tensor-parallel rank, for PEFT's ``target_modules`` (names or
+    ``all-linear``); only the projections :mod:`~rlflow.strategies.megatron.lora` adapts count (a MoE model's
+    attention; its experts are refused there)."""
+    H, d, nq = config.hidden_size, head_dim(config), config.num_attention_heads
+    nkv = getattr(config, "num_key_value_heads", None) or nq
+    I = 0 if getattr(config, "num_experts", None) else config.intermediate_size
+    shapes = {"q_proj": (H, nq * d), "k_proj": (H, nkv * d), "v_proj": (H, nkv * d), "o_proj": (nq * d, H),
+              "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+    names = {target_modules} if isinstance(target_modules, str) else set(target_modules or ())
+    if "all-linear" in names:
+        names = set(shapes)
+    total = 0
+    for name in names & set(shapes):
+        n_in, n_out = shapes[name]
+        if n_in and n_out:
+            total += r * n_in + -(-n_out // tensor) * r if name in PROJECTIONS_COLUMN else \
+                r * -(-n_in // tensor) + n_out * r
+    return total
+
+
 @dataclass(frozen=True)
 class RankMemory:
     """The largest pipeline stage's share, per rank (bytes unless named otherwise)."""
@@ -61,14 +92,16 @@ class RankMemory:
     reference: int                # a frozen float32 copy for the KL term
     activations: int              # one micro-batch, no recomputation, 16-bit
     total_parameters: int         # of the whole model
+    adapter_parameters: int = 0   # LoRA's, on the same rank (trained; the rest is frozen)
 
     def peak(self, with_reference: bool) -> int:
         return self.model_states + (self.reference if with_reference else 0) + self.activations
 
 
 def rank_memory(config, layout: ParallelLayout, world_size: int, micro_batch: int, seq_len: int,
-                chunk_tokens: int = 4096) -> RankMemory:
-    """Estimate for the rank that holds the most parameters (see the module docstring)."""
+                chunk_tokens: int = 4096, lora: tuple[int, object] | None = None) -> RankMemory:
+    """Estimate for the rank that holds the most parameters (see the module docstring); ``lora``: ``(r,
+    target_modules)`` when only adapters train."""
     layer = layer_parameters(config)
     t, pp, ep = layout.tensor, layout.pipeline, layout.expert
     V, H, L = config.vocab_size, config.hidden_size, config.num_hidden_layers
@@ -89,6 +122,11 @@ def rank_memory(config, layout: ParallelLayout, world_size: int, micro_batch: in
     a, s, b = config.num_attention_heads, seq_len, micro_batch
     acts = (L // pp) * s * b * H * (10 + 24 / t + 5 * a * s / (H * t))
     head = 3 * min(chunk_tokens, s * b) * (padded_vocab(V, t) // t) * 4
-    return RankMemory(parameters=largest, model_states=16 * largest,
-                      distributed_optimizer=int((4 + 12 / dp) * largest), reference=4 * largest,
-                      activations=int(acts + head), total_parameters=total)
+    if lora is None:
+        return RankMemory(parameters=largest, model_states=16 * largest,
+                          distributed_optimizer=int((4 + 12 / dp) * largest), reference=4 * largest,
+                          activations=int(acts + head), total_parameters=total)
+    adapters = (L // pp) * lora_parameters(config, lora[0], lora[1], t)
+    return RankMemory(parameters=largest, model_states=4 * largest + 16 * adapters,
+                      distributed_optimizer=int(4 * largest + (4 + 12 / dp) * adapters), reference=0,
+                      activations=int(acts + head), total_parameters=total, adapter_parameters=adapters)
