@@ -188,6 +188,8 @@ class FullyAsyncRollout(RolloutWrapper):
         self._active: list[_Group] = []  # admitted, generating
         self._ready: list[_Group] = []  # complete, not taken
         self._seq, self._learning, self._dropped = 0, False, 0
+        self._want: int | None = None  # the next take's group count (a top-up of dynamic sampling), once
+        self._step: list[_Group] = []  # the groups taken for the current step (with its top-ups)
         self._weights: tuple[int, list] | None = None  # the newest push, not loaded yet
         self._driver: threading.Thread | None = None
         self._stopping, self._error = False, None
@@ -310,6 +312,15 @@ class FullyAsyncRollout(RolloutWrapper):
         finally:
             self._stop_driver()
 
+    def want(self, groups: int) -> None:
+        """The next batch the stream yields holds ``groups`` complete groups (once), taken for the same step as the
+        last one: dynamic sampling (``FilterGroups``) replaces the groups it filtered by the next ones to finish,
+        one for one. ``stats`` then describe every group taken for the step."""
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"want(groups): an integer >= 1, got {groups!r}")
+        with self._cond:
+            self._want = groups
+
     def _draw(self, prompts, ended: bool) -> bool:
         """Keep the queue holding what the driver may admit while the trainer learns; returns whether it ended."""
         while not ended:
@@ -328,8 +339,9 @@ class FullyAsyncRollout(RolloutWrapper):
     def _take(self, ended: bool) -> list[_Group] | None:
         """Wait for ``batch_size`` complete groups, oldest first (dropping or waiting for stale ones). ``[]``: the
         queue needs prompts drawn first (a dropped group's replacement); ``None``: the prompts ended."""
-        start, B = time.perf_counter(), self.batch_size
+        start, topup = time.perf_counter(), self._want is not None
         with self._cond:
+            B = self._want or self.batch_size
             if self._learning:  # asked again with no push since the last batch: the next trains on this version too
                 self._learning = False
                 self._cond.notify_all()
@@ -359,8 +371,8 @@ class FullyAsyncRollout(RolloutWrapper):
             self._ready.sort(key=lambda g: g.seq)
             groups, self._ready = self._ready[:B], self._ready[B:]
             self._learning = True  # until the next sync_weights: admission leaves room for the version it brings
-            in_flight, dropped, self._dropped = len(self._active), self._dropped, 0
-        self._record(groups, time.perf_counter() - start, dropped, in_flight)
+            in_flight, dropped, self._dropped, self._want = len(self._active), self._dropped, 0, None
+        self._record(groups, time.perf_counter() - start, dropped, in_flight, topup)
         return groups
 
     def _age(self, group: _Group) -> int:
@@ -380,8 +392,14 @@ class FullyAsyncRollout(RolloutWrapper):
             bound = min(bound, self.batch_size * (self.threshold - int(self._learning)))
         return bound - len(self._active) - len(self._ready)
 
-    def _record(self, groups: list[_Group], waited: float, dropped: int, in_flight: int) -> None:
-        """verl's off-policy metrics over the batch's responses, and rlflow's ``async/*``."""
+    def _record(self, groups: list[_Group], waited: float, dropped: int, in_flight: int, topup: bool) -> None:
+        """verl's off-policy metrics over the batch's responses, and rlflow's ``async/*`` (a top-up: over every
+        group taken for the step, the waits and drops added up)."""
+        if topup:
+            groups = self._step + groups
+            waited += self.stats.get("timing_s/gen_wait", 0.0)
+            dropped += int(self.stats.get("async/dropped_groups", 0))
+        self._step = groups
         samples = [s for g in groups for s in g.samples]
         oldest = torch.tensor([min(s.versions, default=self.version) for s in samples], dtype=torch.float)
         newest = torch.tensor([max(s.versions, default=self.version) for s in samples], dtype=torch.float)
@@ -425,6 +443,7 @@ class FullyAsyncRollout(RolloutWrapper):
             self._active.clear()
             self._ready.clear()
             self._weights, self._learning, self._dropped, self._error = None, False, 0, None
+            self._want, self._step = None, []
 
     # ------------------------------------------------------------------ the driver thread
     def _start_driver(self) -> None:

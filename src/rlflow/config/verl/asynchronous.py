@@ -19,6 +19,10 @@ verl 0.9's V1 asynchronous modes (``trainer.use_v1=True``, ``trainer.v1.trainer_
 ``FullyAsyncRollout(rollout, max_off_policy_threshold, max_off_policy_strategy, num_warmup_batches)`` from
 ``trainer.v1.sampler.*`` and ``trainer.v1.<mode>.num_warmup_batches`` (docs/async.md), with the same IS default.
 
+With ``algorithm.filter_groups`` (DAPO's dynamic sampling) the fully asynchronous modes filter group by group: a
+finished group with a constant metric is replaced by the next one to finish (``FilterGroups`` over a stream of
+groups; ``max_num_gen_batches`` x the batch's prompts bounds the groups scored per step). One-step-off refuses it.
+
 ``async_training.pause_mode`` (rlflow's key; verl has none, it aborts and resends): how partial rollouts continue
 a request across a weight update, FullyAsyncRollout's ``pause_mode``: ``auto`` (the default: requests kept with
 vLLM's ``pause_generation(mode="keep")`` where the engine has it, a vLLM server; chunks elsewhere), ``keep``
@@ -142,7 +146,7 @@ def v1_async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: li
         other = SWITCH if cfg[SWITCH] else STALENESS
         raise ConfigError(f"{MODE}={mode!r} and {other}={cfg[other]!r} choose two asynchronous modes: fully "
                           f"asynchronous with partial rollouts ({MODE}) or one-step-off ({other}); set one of them")
-    alone(MODE, mode, devices, dynamic_sampling, "fully asynchronous generation")
+    alone(MODE, mode, devices, None, "fully asynchronous generation")  # filter_groups: replaced group by group
     threshold, strategy = cfg[THRESHOLD], cfg[STRATEGY]
     if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
         raise ConfigError(f"{THRESHOLD}={threshold!r}: an integer >= 1 (model versions from a prompt's first "
@@ -173,7 +177,7 @@ def partial_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: lis
     if isinstance(ahead, bool) or not isinstance(ahead, (int, float)) or ahead < 0:
         raise ConfigError(f"{STALENESS}={ahead!r}: with {PARTIAL}=True, the sync cycles' worth of samples generated "
                           "ahead of training (verl's fraction, e.g. 0.1; whole numbers too), a number >= 0")
-    alone(PARTIAL, True, devices, dynamic_sampling, "fully asynchronous generation")
+    alone(PARTIAL, True, devices, None, "fully asynchronous generation")
     correction(cfg, notes, after, PARTIAL)
     kwargs = {"max_off_policy_threshold": None, "max_off_policy_strategy": "drop",
               "num_warmup_batches": ahead} | pause_mode(cfg)
