@@ -136,12 +136,25 @@ def test_dynamic_sampling_is_planned_with_the_fully_async_modes(mode):
     assert p.fully_async is not None and p.dynamic_sampling == {"metric": "score", "max_gen_batches": 4}
 
 
+def test_the_fully_async_modes_plan_several_processes_but_not_yet_with_dynamic_sampling():
+    """Rank 0's engine generates for every rank (tests/distributed/test_async_ranks.py runs it); one-step-off and
+    dynamic sampling over the stream are refused on several processes, naming the key."""
+    for mode in (["trainer.v1.trainer_mode=colocate_async"], ["async_training.partial_rollout=true"]):
+        p = plan("trainer.n_gpus_per_node=2", *mode)
+        assert p.devices.processes == 2 and p.fully_async is not None
+        with pytest.raises(NotSupportedError, match=r"dynamic sampling \(algorithm.filter_groups\) on several "
+                                                    "training processes"):
+            plan("trainer.n_gpus_per_node=2", *mode, *FILTER)
+    with pytest.raises(NotSupportedError, match="trainer.async_weight_update.*several training processes"):
+        plan("trainer.n_gpus_per_node=2", "trainer.async_weight_update=true")
+
+
 def test_the_entry_point_trains_fully_async_with_dynamic_sampling(tiny, capsys, tmp_path):
     """verl's keys select DAPO's filter over the fully asynchronous stream: even sums score a constant 1 (filtered),
-    odd ones the response's length; every dumped trained group has distinct scores, the dapo/* metrics count
+    odd ones a score of the response's text; every dumped trained group has distinct scores, the dapo/* metrics count
     the groups scored per step beside verl's off-policy metrics."""
     (tmp_path / "parity.py").write_text("def compute_reward(responses, ground_truths):\n"
-                                        "    return [1.0 if int(g) % 2 == 0 else float(len(r))\n"
+                                        "    return [1.0 if int(g) % 2 == 0 else sum(map(ord, r)) / 100.0\n"
                                         "            for r, g in zip(responses, ground_truths)]\n")
     assert main(tiny + FILTER + ["trainer.v1.trainer_mode=colocate_async", "trainer.logger=[console,file]",
                                  f"custom_reward_function.path={tmp_path}/parity.py",

@@ -93,10 +93,10 @@ def test_vllm_continues_a_response_under_new_weights_with_each_tokens_log_prob_f
             assert (token_log_probs(v0, s.prompt, s.tokens)[later] - recorded[later]).abs().max() > 1e-3
 
 
-def make_trainer(model, tokenizer, tmp_path, rollout, steps, callbacks=(), reward=None, stages=()):
+def make_trainer(model, tokenizer, tmp_path, rollout, steps, callbacks=(), reward=None, stages=(), lr=5e-2):
     return Trainer(policy=Policy(model, tokenizer), rollout=rollout, reward=reward or FunctionReward(longer_is_better),
                    stages=list(stages),
-                   estimator=Chain(TruncatedIS(), GRPO()), loss=PPOLoss(is_weights=True), optim=Optim(lr=5e-2),
+                   estimator=Chain(TruncatedIS(), GRPO()), loss=PPOLoss(is_weights=True), optim=Optim(lr=lr),
                    batching=Batching(batch_size=4), loop=Loop(max_steps=steps, progress=False),
                    run=RunDir(path=tmp_path, loggers=()), callbacks=list(callbacks))
 
@@ -145,8 +145,10 @@ def test_fully_async_run_keeps_samples_within_the_threshold_and_each_token_match
 
 
 def even_sums_are_constant(solution_str, ground_truth):
-    """Every sample of a prompt with an even sum scores 1 (a constant group); odd sums: longer is better."""
-    return 1.0 if int(ground_truth) % 2 == 0 else len(solution_str.strip()) / 4
+    """Every sample of a prompt with an even sum scores 1 (a constant group); odd sums: a score of the text that
+    differs between different responses (a length would tie at the token budget). The task writes the sum's
+    digits reversed: the units digit comes first."""
+    return 1.0 if int(ground_truth[0]) % 2 == 0 else sum(ord(c) * (i + 1) for i, c in enumerate(solution_str)) / 1000
 
 
 class Scored(FunctionReward):
@@ -175,7 +177,7 @@ def test_dynamic_sampling_replaces_each_filtered_group_by_the_next_to_finish(mod
     rollout = FullyAsyncRollout(HFRollout(n=2, max_new_tokens=4), max_off_policy_threshold=2,
                                 max_off_policy_strategy="drop", chunk_tokens=2)
     trainer = make_trainer(model, tokenizer, tmp_path, rollout, steps, callbacks=[recorder], reward=reward,
-                           stages=[FilterGroups("score", max_gen_batches=8)])
+                           stages=[FilterGroups("score", max_gen_batches=8)], lr=1e-3)  # no collapse to one text
     try:
         history = trainer.fit(PromptData(addition_rows[0], seed=0))
     finally:

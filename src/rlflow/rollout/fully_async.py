@@ -41,7 +41,8 @@ more than one version), ``async/dropped_groups``, ``async/in_flight_groups``, ``
 
 Checkpoints hold the version and the prompts drawn but not yet trained (queued, in flight or complete): a resumed
 run generates them again first, from the restored weights, and the loader resumes after the last prompt drawn,
-so no prompt is lost or trained twice. One training process only.
+so no prompt is lost or trained twice. Several training processes (DDP): rank 0 runs the engine and hands
+each rank whole groups of every step (:mod:`rlflow.rollout.ranks`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from rlflow.rollout.async_rollout import PLACEMENTS, EngineFactory, single_turn
 from rlflow.rollout.engines.base import Completion, SamplingParams, hf_weight_buckets
 from rlflow.rollout.engines.process import EngineProcessError, ProcessEngine
 from rlflow.rollout.kept import drive_kept, keeps_requests
+from rlflow.rollout.ranks import full_twin, hand_out, ranks, receive, refresh, shares
 from rlflow.rollout.single_turn import unpadded
 from rlflow.rollout.wrapper import RolloutWrapper, cat_batches
 
@@ -180,6 +182,7 @@ class FullyAsyncRollout(RolloutWrapper):
         # can deadlock in the child (seen: a hung suite); the first death stops the run, naming the process
         self.process_options = {"start_method": start_method, "threads": threads, "max_restarts": 0}
         self.engine = None
+        self.rank, self.world, self.device, self._twin = 0, 1, None, None
         self.version, self.restored = 0, False
         self.batch_size: int | None = None
         self.stats: dict[str, float] = {}
@@ -201,12 +204,17 @@ class FullyAsyncRollout(RolloutWrapper):
 
     # ------------------------------------------------------------------ binding
     def bind(self, model, tokenizer) -> None:
-        """Start the engine (version 0: ``model``'s weights); the wrapped rollout is bound here too (validation)."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            raise NotImplementedError("FullyAsyncRollout runs with one training process for now")
+        """Start the engine (version 0: ``model``'s weights); the wrapped rollout is bound here too (validation).
+        Several processes: the engine runs on rank 0 only (:mod:`rlflow.rollout.ranks`)."""
+        self.rank, self.world = ranks()
+        self._twin = full_twin(model, "FullyAsyncRollout") if self.world > 1 else None
+        model = self._twin if self._twin is not None else model
         self.close_engine()
         self.rollout.bind(model, tokenizer)
+        self.device = next(model.parameters()).device
+        self.version, self._engine_version, self.restored = 0, 0, False
+        if self.rank > 0:  # rank 0 generates for every rank
+            return
         if self.placement == "thread":
             if not self.rollout.holds_own_weights:  # it would sample with the module being trained, mid-update
                 raise ValueError(f"placement='thread' needs an engine with weights of its own (a server); "
@@ -217,7 +225,6 @@ class FullyAsyncRollout(RolloutWrapper):
             self.engine = ProcessEngine(EngineFactory(self.rollout), model, tokenizer, slots=2,
                                         uses_process_group=self.rollout.holds_own_weights, timeout=self.timeout,
                                         **self.process_options)
-        self.version, self._engine_version, self.restored = 0, 0, False
         self._clear()
 
     def _choose_path(self) -> str:
@@ -252,6 +259,9 @@ class FullyAsyncRollout(RolloutWrapper):
     # ------------------------------------------------------------------ weights
     def sync_weights(self, trained) -> dict[str, float]:
         """A snapshot of ``trained``'s weights as the next version; the driver loads it between two chunks."""
+        if self._twin is not None:  # FSDP2: every rank gathers the shards (validation samples with the copy)
+            refresh(trained, self._twin)
+            trained = self._twin
         if self.engine is None:
             return {}
         start, copies, pairs = time.perf_counter(), {}, []
@@ -291,8 +301,16 @@ class FullyAsyncRollout(RolloutWrapper):
     def stream(self, prompts, pairs: bool = False):
         """Batches of ``batch_size`` complete groups (the size of the first prompt batch) as they complete, the
         prompts drawn from ``prompts`` as admission needs them; ``pairs``: yield (prompts, samples)."""
+        if self.rank > 0:
+            yield from self._received(pairs)
+            return
         if self.engine is None:
             raise RuntimeError("FullyAsyncRollout has no engine: call rollout.bind(model, tokenizer) (the Trainer does)")
+        if self.world > 1:  # rank 0 draws every rank's prompts
+            if not hasattr(prompts, "whole"):
+                raise TypeError("FullyAsyncRollout with several processes reads the loader's whole batches from the "
+                                f"Trainer's PromptStream (its whole()); got {type(prompts).__name__}")
+            prompts = prompts.whole()
         prompts, ended = iter(prompts), False
         if isinstance(self.engine, ProcessEngine):  # the child samples from the trainer's random stream
             import numpy as np
@@ -304,13 +322,33 @@ class FullyAsyncRollout(RolloutWrapper):
                 ended = self._draw(prompts, ended)
                 groups = self._take(ended)
                 if groups is None:
+                    if self.world > 1:
+                        hand_out([("end",)] * (self.world - 1))
                     return
                 if not groups:  # prompts to draw first
                     continue
-                batch, samples = self._laid_out(groups)
+                parts = [self._laid_out(share) for share in shares(groups, self.world)]
+                if self.world > 1:
+                    hand_out([("batch", *part, self.stats) for part in parts[1:]])
+                batch, samples = parts[0]
                 yield (batch, samples) if pairs else samples
+        except Exception as e:
+            if self.world > 1:  # the other ranks wait for this step's groups: they stop too, naming it
+                hand_out([("error", f"{type(e).__name__}: {e}")] * (self.world - 1))
+            raise
         finally:
             self._stop_driver()
+
+    def _received(self, pairs: bool):
+        """A rank > 0: the share of every step's groups that rank 0 hands out, with its stats."""
+        while True:
+            kind, *rest = receive(self.device)
+            if kind == "end":
+                return
+            if kind == "error":
+                raise EngineProcessError(f"the fully asynchronous rollout's generation on rank 0 failed: {rest[0]}")
+            batch, samples, self.stats = rest
+            yield (batch, samples) if pairs else samples
 
     def want(self, groups: int) -> None:
         """The next batch the stream yields holds ``groups`` complete groups (once), taken for the same step as the

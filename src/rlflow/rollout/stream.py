@@ -41,6 +41,7 @@ from rlflow.phases import phase
 from rlflow.roles import Reward, Rollout, optional
 from rlflow.rollout.async_rollout import AsyncRollout
 from rlflow.rollout.dynamic_sampling import first_groups, group_metric, informative_rows, merge_stats
+from rlflow.rollout.ranks import ranks
 from rlflow.rollout.reference_responses import WithReferenceResponses, add_reference_rows
 from rlflow.rollout.wrapper import RolloutWrapper, cat_batches
 
@@ -166,6 +167,9 @@ class FilterGroups(Stage):
     def _groupwise(self, batches, experience, want):
         """Over a stream of groups: the filtered ones replaced one for one (see the class docstring)."""
         for samples in batches:
+            if ranks()[1] > 1:  # every rank at its first batch: top-ups rank by rank would need rank 0 to agree
+                raise NotImplementedError("FilterGroups over a fully asynchronous stream runs with one training "
+                                          "process for now")
             target = int(torch.unique(samples[K.GROUP]).numel())
             budget = self.max_gen_batches * target  # verl's 0 (no cap) arrives as sys.maxsize
             kept, n_kept, n_groups, offset, scores = [], 0, 0, 0, []
@@ -481,6 +485,17 @@ class PromptStream:
             per = size // self.world_size
             batch = batch[self.rank * per : (self.rank + 1) * per]
         return to_device(batch, self.device) if self.device is not None else batch
+
+    def whole(self) -> Iterator[TensorDict]:
+        """The loader's whole batches (every process's share), drawn by this process alone: a rollout that
+        generates for every process on one of them (``FullyAsyncRollout`` on rank 0) reads these, and the
+        checkpoint's loader position is that process's."""
+        while True:
+            self._before.append(self.loader.state_dict())
+            batch = next(self.loader, None)
+            if batch is None:
+                return
+            yield to_device(batch, self.device) if self.device is not None else batch
 
     @property
     def steps_per_epoch(self) -> int:

@@ -22,6 +22,8 @@ verl 0.9's V1 asynchronous modes (``trainer.use_v1=True``, ``trainer.v1.trainer_
 With ``algorithm.filter_groups`` (DAPO's dynamic sampling) the fully asynchronous modes filter group by group: a
 finished group with a constant metric is replaced by the next one to finish (``FilterGroups`` over a stream of
 groups; ``max_num_gen_batches`` x the batch's prompts bounds the groups scored per step). One-step-off refuses it.
+With several training processes the fully asynchronous modes run the engine on rank 0, which hands every rank
+whole groups of each step (``rlflow.rollout.ranks``); not with dynamic sampling yet.
 
 ``async_training.pause_mode`` (rlflow's key; verl has none, it aborts and resends): how partial rollouts continue
 a request across a weight update, FullyAsyncRollout's ``pause_mode``: ``auto`` (the default: requests kept with
@@ -81,6 +83,15 @@ def alone(key: str, value, devices: Devices, dynamic_sampling: dict | None, what
     if dynamic_sampling:
         raise NotSupportedError(key, value, f"{what} with dynamic sampling (algorithm.filter_groups)",
                                 "Turn one of them off.")
+
+
+def fully_async_alone(key: str, value, devices: Devices, dynamic_sampling: dict | None) -> None:
+    """The fully asynchronous modes take several processes (rank 0 generates for all) or dynamic sampling (group
+    by group), not both yet."""
+    if devices.processes > 1 and dynamic_sampling:
+        raise NotSupportedError(key, value, "fully asynchronous generation with dynamic sampling "
+                                "(algorithm.filter_groups) on several training processes",
+                                "Run it on one process, or turn dynamic sampling off.")
 
 
 def sync_cadence(cfg: VerlConfig, notes: list[str]) -> None:
@@ -146,7 +157,7 @@ def v1_async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: li
         other = SWITCH if cfg[SWITCH] else STALENESS
         raise ConfigError(f"{MODE}={mode!r} and {other}={cfg[other]!r} choose two asynchronous modes: fully "
                           f"asynchronous with partial rollouts ({MODE}) or one-step-off ({other}); set one of them")
-    alone(MODE, mode, devices, None, "fully asynchronous generation")  # filter_groups: replaced group by group
+    fully_async_alone(MODE, mode, devices, dynamic_sampling)
     threshold, strategy = cfg[THRESHOLD], cfg[STRATEGY]
     if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
         raise ConfigError(f"{THRESHOLD}={threshold!r}: an integer >= 1 (model versions from a prompt's first "
@@ -177,7 +188,7 @@ def partial_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: lis
     if isinstance(ahead, bool) or not isinstance(ahead, (int, float)) or ahead < 0:
         raise ConfigError(f"{STALENESS}={ahead!r}: with {PARTIAL}=True, the sync cycles' worth of samples generated "
                           "ahead of training (verl's fraction, e.g. 0.1; whole numbers too), a number >= 0")
-    alone(PARTIAL, True, devices, None, "fully asynchronous generation")
+    fully_async_alone(PARTIAL, True, devices, dynamic_sampling)
     correction(cfg, notes, after, PARTIAL)
     kwargs = {"max_off_policy_threshold": None, "max_off_policy_strategy": "drop",
               "num_warmup_batches": ahead} | pause_mode(cfg)
