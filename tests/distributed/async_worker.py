@@ -3,8 +3,9 @@
     python -m torch.distributed.run --nproc_per_node 2 async_worker.py OUT [VERL_OVERRIDE ...]
 
 Job 1, the Python API on DDP: 4 steps of ``FullyAsyncRollout(HFRollout(n=2), max_off_policy_threshold=2,
-"wait")`` over 8 prompts a step; rank 0 writes OUT/result.pt with every rank's trained prompts and policy
-versions per step, the prompts rank 0 still held at the end, and every rank's final weights. Job 2, in the same
+"wait")`` over 8 prompts a step, saving every step; rank 0 writes OUT/result.pt with every rank's trained
+prompts and policy versions per step, the prompts rank 0 still held at the end, and every rank's final weights;
+then the same run resumed from its step 2 (OUT/resumed/result.pt). Job 2, in the same
 processes (a launch starts every interpreter: the suite's cost): rlflow's verl entry point with the overrides given
 (verl's V1 keys; FSDP2, as verl's config gives on several processes), writing its run under OUT/verl.
 """
@@ -41,7 +42,7 @@ class Trained:
                            "oldest": batch[K.POLICY_VERSION].tolist(), "groups": batch[K.GROUP].tolist()})
 
 
-def python_api(out):
+def python_api(out, resume=None):
     torch.manual_seed(0)
     tok = char_tokenizer()
     model = tiny_qwen2(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
@@ -52,7 +53,7 @@ def python_api(out):
     trainer = Trainer(policy=Policy(model, tok), rollout=rollout, reward=FunctionReward(varied),
                       estimator=Chain(TruncatedIS(), GRPO()), loss=PPOLoss(is_weights=True), optim=Optim(lr=5e-2),
                       batching=Batching(batch_size=BATCH, micro_batch_size=2),
-                      loop=Loop(max_steps=STEPS, progress=False), run=RunDir(path=out, loggers=()),
+                      loop=Loop(max_steps=STEPS, progress=False), run=RunDir(path=out, loggers=(), save_every=1, resume=resume),
                       hardware=Hardware(accelerator="cpu", devices=2, strategy="ddp"), callbacks=[trained])
     engine = rollout.engine is not None  # bound by the Trainer: rank 0's alone
     try:
@@ -72,5 +73,6 @@ def python_api(out):
 if __name__ == "__main__":
     out, overrides = sys.argv[1], sys.argv[2:]
     python_api(out)
+    python_api(f"{out}/resumed", resume=f"{out}/global_step_2")  # the same run, resumed from its step 2
     assert main_ppo(overrides + [f"trainer.default_local_dir={out}/verl"]) == 0
     torch.distributed.barrier()  # gloo can abort at teardown unless every rank is done

@@ -26,6 +26,11 @@ def launched(job, tmp_path_factory):
     return torch.load(out / "result.pt", weights_only=False), out, proc.stdout
 
 
+def drawn_in_order(count):
+    loader = PromptData(AdditionTask().splits()[0][:64], seed=0).loader(BATCH, char_tokenizer())
+    return [p for _ in range(count // BATCH) for p in next(loader)[K.PROMPT_TEXT]]
+
+
 def test_every_drawn_prompt_is_trained_once_across_the_ranks_within_the_bound_and_the_ranks_stay_equal(launched):
     (rank0, rank1), _, _ = launched
     assert rank0["engine"] and not rank1["engine"]  # one engine, on rank 0
@@ -42,9 +47,7 @@ def test_every_drawn_prompt_is_trained_once_across_the_ranks_within_the_bound_an
     left = rank0["left"]
     drawn = len(trained) + len(left)
     assert drawn % BATCH == 0 and not set(trained) & set(left)
-    loader = PromptData(AdditionTask().splits()[0][:64], seed=0).loader(BATCH, char_tokenizer())
-    order = [p for _ in range(drawn // BATCH) for p in next(loader)[K.PROMPT_TEXT]]
-    assert sorted(trained + left) == sorted(order)  # the loader's first prompts, none lost
+    assert sorted(trained + left) == sorted(drawn_in_order(drawn))  # the loader's first prompts, none lost
     assert any(min(s["oldest"]) < s["version"] for s in rank0["steps"] + rank1["steps"])  # it did run ahead
     for name, weights in rank0["weights"].items():
         assert torch.equal(weights, rank1["weights"][name]), name
@@ -61,3 +64,16 @@ def test_verls_v1_keys_train_fully_async_on_two_fsdp2_processes_with_the_engine_
     # threshold 1: every token is sampled with the weights it is trained on, gathered from FSDP2's shards into
     # rank 0's engine after step 1 (stale weights give ~1e-2 here)
     assert all(r["training/rollout_probs_diff_max"] < 1e-4 for r in steps)
+
+
+def test_resumed_from_a_checkpoint_the_ranks_train_the_prompts_rank_0_held_and_none_twice(launched):
+    """Resumed from step 2: rank 0's checkpoint holds its loader position and the prompts drawn but not trained;
+    steps 3-4 train those first. Steps 1-2 of the run + 3-4 of the resumed one: no prompt twice, none lost."""
+    run, out, _ = launched
+    resumed = torch.load(out / "resumed" / "result.pt", weights_only=False)
+    assert [s["version"] for s in resumed[0]["steps"]] == [s["version"] for s in resumed[1]["steps"]] == [2, 3]
+    lineage = [p for rank in run for s in rank["steps"][:2] for p in s["prompts"]]
+    lineage += [p for rank in resumed for s in rank["steps"] for p in s["prompts"]]
+    assert len(lineage) == len(set(lineage)) == STEPS * BATCH
+    left = resumed[0]["left"]
+    assert sorted(lineage + left) == sorted(drawn_in_order(len(lineage) + len(left)))
