@@ -136,17 +136,16 @@ def test_dynamic_sampling_is_planned_with_the_fully_async_modes(mode):
     assert p.fully_async is not None and p.dynamic_sampling == {"metric": "score", "max_gen_batches": 4}
 
 
-def test_the_fully_async_modes_plan_several_processes_but_not_yet_with_dynamic_sampling():
-    """Rank 0's engine generates for every rank (tests/distributed/test_async_ranks.py runs it); one-step-off and
-    dynamic sampling over the stream are refused on several processes, naming the key."""
+def test_the_async_modes_plan_several_processes_but_not_yet_with_dynamic_sampling():
+    """Rank 0's engine generates for every rank (tests/distributed/test_async_ranks.py runs it), one-step-off too;
+    dynamic sampling over the stream is refused on several processes, naming the key."""
     for mode in (["trainer.v1.trainer_mode=colocate_async"], ["async_training.partial_rollout=true"]):
         p = plan("trainer.n_gpus_per_node=2", *mode)
         assert p.devices.processes == 2 and p.fully_async is not None
         with pytest.raises(NotSupportedError, match=r"dynamic sampling \(algorithm.filter_groups\) on several "
                                                     "training processes"):
             plan("trainer.n_gpus_per_node=2", *mode, *FILTER)
-    with pytest.raises(NotSupportedError, match="trainer.async_weight_update.*several training processes"):
-        plan("trainer.n_gpus_per_node=2", "trainer.async_weight_update=true")
+    assert plan("trainer.n_gpus_per_node=2", "trainer.async_weight_update=true").async_rollout == {"max_staleness": 1}
 
 
 def test_the_entry_point_trains_fully_async_with_dynamic_sampling(tiny, capsys, tmp_path):

@@ -5,7 +5,8 @@
 Job 1, the Python API on DDP: 4 steps of ``FullyAsyncRollout(HFRollout(n=2), max_off_policy_threshold=2,
 "wait")`` over 8 prompts a step, saving every step; rank 0 writes OUT/result.pt with every rank's trained
 prompts and policy versions per step, the prompts rank 0 still held at the end, and every rank's final weights;
-then the same run resumed from its step 2 (OUT/resumed/result.pt). Job 2, in the same
+then the same run resumed from its step 2 (OUT/resumed/result.pt), and the run one step off
+(``AsyncRollout(max_staleness=1)``, OUT/one_step_off/result.pt). Job 2, in the same
 processes (a launch starts every interpreter: the suite's cost): rlflow's verl entry point with the overrides given
 (verl's V1 keys; FSDP2, as verl's config gives on several processes), writing its run under OUT/verl.
 """
@@ -20,7 +21,7 @@ from rlflow.config.run import main as main_ppo
 from rlflow.data import keys as K
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from rlflow.module import Chain
-from rlflow.rollout import FullyAsyncRollout, HFRollout
+from rlflow.rollout import AsyncRollout, FullyAsyncRollout, HFRollout
 from rlflow.tasks.addition import AdditionTask
 
 STEPS, BATCH, THRESHOLD = 4, 8, 2
@@ -42,13 +43,14 @@ class Trained:
                            "oldest": batch[K.POLICY_VERSION].tolist(), "groups": batch[K.GROUP].tolist()})
 
 
-def python_api(out, resume=None):
+def python_api(out, resume=None, one_step_off=False):
     torch.manual_seed(0)
     tok = char_tokenizer()
     model = tiny_qwen2(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
                        seed=0)
-    rollout = FullyAsyncRollout(HFRollout(n=2, max_new_tokens=4), max_off_policy_threshold=THRESHOLD,
-                                max_off_policy_strategy="wait", chunk_tokens=2)
+    rollout = AsyncRollout(HFRollout(n=2, max_new_tokens=4), max_staleness=1) if one_step_off else \
+        FullyAsyncRollout(HFRollout(n=2, max_new_tokens=4), max_off_policy_threshold=THRESHOLD,
+                          max_off_policy_strategy="wait", chunk_tokens=2)
     trained = Trained()
     trainer = Trainer(policy=Policy(model, tok), rollout=rollout, reward=FunctionReward(varied),
                       estimator=Chain(TruncatedIS(), GRPO()), loss=PPOLoss(is_weights=True), optim=Optim(lr=5e-2),
@@ -58,7 +60,7 @@ def python_api(out, resume=None):
     engine = rollout.engine is not None  # bound by the Trainer: rank 0's alone
     try:
         history = trainer.fit(PromptData(AdditionTask().splits()[0][:64], seed=0))
-        left = [p["values"][K.PROMPT_TEXT] for p in rollout.state_dict()["prompts"]]
+        left = [p["values"][K.PROMPT_TEXT] for p in rollout.state_dict().get("prompts", [])]
     finally:
         rollout.close()
     mine = {"steps": trained.steps, "left": left, "history": history, "engine": engine,
@@ -74,5 +76,6 @@ if __name__ == "__main__":
     out, overrides = sys.argv[1], sys.argv[2:]
     python_api(out)
     python_api(f"{out}/resumed", resume=f"{out}/global_step_2")  # the same run, resumed from its step 2
+    python_api(f"{out}/one_step_off", one_step_off=True)  # AsyncRollout(max_staleness=1), the same way
     assert main_ppo(overrides + [f"trainer.default_local_dir={out}/verl"]) == 0
     torch.distributed.barrier()  # gloo can abort at teardown unless every rank is done

@@ -77,3 +77,20 @@ def test_resumed_from_a_checkpoint_the_ranks_train_the_prompts_rank_0_held_and_n
     assert len(lineage) == len(set(lineage)) == STEPS * BATCH
     left = resumed[0]["left"]
     assert sorted(lineage + left) == sorted(drawn_in_order(len(lineage) + len(left)))
+
+
+def test_one_step_off_on_two_processes_trains_each_batch_once_split_whole_one_version_behind_at_most(launched):
+    """AsyncRollout by the same mechanism: rank 0's engine generates the loader's whole batches one step ahead;
+    each batch is trained once, half on each rank in whole groups, at most one version stale; equal weights."""
+    _, out, _ = launched
+    rank0, rank1 = torch.load(out / "one_step_off" / "result.pt", weights_only=False)
+    assert rank0["engine"] and not rank1["engine"]
+    trained = []
+    for mine, other in zip(rank0["steps"], rank1["steps"], strict=True):
+        for share in (mine, other):
+            assert share["groups"] == [g for g in range(BATCH // 2) for _ in range(2)]
+            assert share["version"] - min(share["oldest"]) <= 1
+        trained += mine["prompts"] + other["prompts"]
+    assert trained == drawn_in_order(STEPS * BATCH)  # the loader's batches in order, none twice
+    assert any(min(s["oldest"]) < s["version"] for s in rank0["steps"])  # it did run one step ahead
+    assert all(torch.equal(w, rank1["weights"][name]) for name, w in rank0["weights"].items())

@@ -64,7 +64,7 @@ from rlflow.rollout.async_rollout import PLACEMENTS, EngineFactory, single_turn
 from rlflow.rollout.engines.base import Completion, SamplingParams, hf_weight_buckets
 from rlflow.rollout.engines.process import EngineProcessError, ProcessEngine
 from rlflow.rollout.kept import drive_kept, keeps_requests
-from rlflow.rollout.ranks import full_twin, hand_out, ranks, receive, refresh, shares
+from rlflow.rollout.ranks import follow, full_twin, lead, ranks, refresh, shares, whole
 from rlflow.rollout.single_turn import unpadded
 from rlflow.rollout.wrapper import RolloutWrapper, cat_batches
 
@@ -302,53 +302,34 @@ class FullyAsyncRollout(RolloutWrapper):
         """Batches of ``batch_size`` complete groups (the size of the first prompt batch) as they complete, the
         prompts drawn from ``prompts`` as admission needs them; ``pairs``: yield (prompts, samples)."""
         if self.rank > 0:
-            yield from self._received(pairs)
+            yield from follow(self, pairs)
             return
         if self.engine is None:
             raise RuntimeError("FullyAsyncRollout has no engine: call rollout.bind(model, tokenizer) (the Trainer does)")
-        if self.world > 1:  # rank 0 draws every rank's prompts
-            if not hasattr(prompts, "whole"):
-                raise TypeError("FullyAsyncRollout with several processes reads the loader's whole batches from the "
-                                f"Trainer's PromptStream (its whole()); got {type(prompts).__name__}")
-            prompts = prompts.whole()
-        prompts, ended = iter(prompts), False
+        prompts = iter(whole(prompts, "FullyAsyncRollout") if self.world > 1 else prompts)  # rank 0 draws for all
         if isinstance(self.engine, ProcessEngine):  # the child samples from the trainer's random stream
             import numpy as np
 
             self.engine.seed(torch.get_rng_state(), random.getstate(), np.random.get_state())
         self._start_driver()
+        steps = lead(self._steps(prompts), self.world)
         try:
-            while True:
-                ended = self._draw(prompts, ended)
-                groups = self._take(ended)
-                if groups is None:
-                    if self.world > 1:
-                        hand_out([("end",)] * (self.world - 1))
-                    return
-                if not groups:  # prompts to draw first
-                    continue
-                parts = [self._laid_out(share) for share in shares(groups, self.world)]
-                if self.world > 1:
-                    hand_out([("batch", *part, self.stats) for part in parts[1:]])
-                batch, samples = parts[0]
+            for batch, samples in steps:
                 yield (batch, samples) if pairs else samples
-        except Exception as e:
-            if self.world > 1:  # the other ranks wait for this step's groups: they stop too, naming it
-                hand_out([("error", f"{type(e).__name__}: {e}")] * (self.world - 1))
-            raise
         finally:
+            steps.close()
             self._stop_driver()
 
-    def _received(self, pairs: bool):
-        """A rank > 0: the share of every step's groups that rank 0 hands out, with its stats."""
+    def _steps(self, prompts):
+        """Every step's complete groups, in one share of whole groups per rank, with their stats."""
+        ended = False
         while True:
-            kind, *rest = receive(self.device)
-            if kind == "end":
+            ended = self._draw(prompts, ended)
+            groups = self._take(ended)
+            if groups is None:
                 return
-            if kind == "error":
-                raise EngineProcessError(f"the fully asynchronous rollout's generation on rank 0 failed: {rest[0]}")
-            batch, samples, self.stats = rest
-            yield (batch, samples) if pairs else samples
+            if groups:  # else prompts to draw first
+                yield [self._laid_out(share) for share in shares(groups, self.world)], self.stats
 
     def want(self, groups: int) -> None:
         """The next batch the stream yields holds ``groups`` complete groups (once), taken for the same step as the

@@ -15,14 +15,18 @@ generation on rank 0 is handed out too, so every rank stops naming it instead of
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from tensordict import TensorDict
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from rlflow.data import keys as K
 from rlflow.data.nontensor import to_device
 from rlflow.models.policy import lora_module
+from rlflow.rollout.engines.process import EngineProcessError
 from rlflow.rollout.weight_sync import sync_weights
 
 
@@ -61,6 +65,56 @@ def shares(groups: list, world: int) -> list[list]:
     return [groups[r * per:(r + 1) * per] for r in range(world)]
 
 
+def row_shares(prompts: TensorDict, samples: TensorDict, world: int, n: int) -> list[tuple[TensorDict, TensorDict]]:
+    """A batch of prompts and their ``n`` samples each (rows prompt by prompt) split into ``world`` contiguous
+    shares of whole groups, each numbered from 0 as a synchronous shard."""
+    per = len(shares(list(range(prompts.batch_size[0])), world)[0])
+    out = []
+    for r in range(world):
+        mine = samples[r * per * n:(r + 1) * per * n]
+        mine.set(K.GROUP, mine[K.GROUP] - r * per)
+        out.append((prompts[r * per:(r + 1) * per], mine))
+    return out
+
+
+def lead(steps: Iterator[tuple[list, dict]], world: int) -> Iterator[tuple[TensorDict, TensorDict]]:
+    """Rank 0: for every step's shares (``[(prompts, samples)]``, one per rank) and stats from ``steps``, hand the
+    other ranks theirs and yield its own; the end of ``steps``, or its failure, is handed out too."""
+    try:
+        for parts, stats in steps:
+            if world > 1:
+                hand_out([("batch", *part, stats) for part in parts[1:]])
+            yield parts[0]
+        if world > 1:
+            hand_out([("end",)] * (world - 1))
+    except Exception as e:
+        if world > 1:  # the other ranks wait for this step's groups: they stop too, naming it
+            hand_out([("error", f"{type(e).__name__}: {e}")] * (world - 1))
+        raise
+    finally:
+        steps.close()
+
+
+def follow(rollout, pairs: bool) -> Iterator:
+    """A rank > 0: the share of every step that rank 0 hands out (``rollout.stats`` set to rank 0's)."""
+    while True:
+        kind, *rest = receive(rollout.device)
+        if kind == "end":
+            return
+        if kind == "error":
+            raise EngineProcessError(f"{type(rollout).__name__}: the generation on rank 0 failed: {rest[0]}")
+        prompts, samples, rollout.stats = rest
+        yield (prompts, samples) if pairs else samples
+
+
+def whole(prompts, who: str) -> Iterator[TensorDict]:
+    """The loader's whole batches from the Trainer's ``PromptStream`` (rank 0 draws every rank's prompts)."""
+    if not hasattr(prompts, "whole"):
+        raise TypeError(f"{who} with several processes reads the loader's whole batches from the Trainer's "
+                        f"PromptStream (its whole()); got {type(prompts).__name__}")
+    return prompts.whole()
+
+
 def hand_out(parts: list) -> None:
     """Rank 0: send ``parts[r]`` to rank ``r`` (``r >= 1``); each part is a message (see :func:`receive`)."""
     torch.distributed.scatter_object_list([None], [None] + [_cpu(p) for p in parts], src=0)
@@ -78,4 +132,4 @@ def _cpu(message: tuple) -> tuple:
     return tuple(to_device(x, "cpu") if isinstance(x, TensorDict) else x for x in message)
 
 
-__all__ = ["full_twin", "hand_out", "ranks", "receive", "refresh", "shares"]
+__all__ = ["follow", "full_twin", "hand_out", "lead", "ranks", "receive", "refresh", "row_shares", "shares", "whole"]

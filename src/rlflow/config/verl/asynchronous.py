@@ -22,8 +22,8 @@ verl 0.9's V1 asynchronous modes (``trainer.use_v1=True``, ``trainer.v1.trainer_
 With ``algorithm.filter_groups`` (DAPO's dynamic sampling) the fully asynchronous modes filter group by group: a
 finished group with a constant metric is replaced by the next one to finish (``FilterGroups`` over a stream of
 groups; ``max_num_gen_batches`` x the batch's prompts bounds the groups scored per step). One-step-off refuses it.
-With several training processes the fully asynchronous modes run the engine on rank 0, which hands every rank
-whole groups of each step (``rlflow.rollout.ranks``); not with dynamic sampling yet.
+With several training processes the asynchronous modes run the engine on rank 0, which hands every rank whole
+groups of each step (``rlflow.rollout.ranks``); the fully asynchronous ones not with dynamic sampling yet.
 
 ``async_training.pause_mode`` (rlflow's key; verl has none, it aborts and resends): how partial rollouts continue
 a request across a weight update, FullyAsyncRollout's ``pause_mode``: ``auto`` (the default: requests kept with
@@ -75,11 +75,8 @@ def bypass_mode(cfg: VerlConfig) -> bool:
     return bool(cfg[BYPASS]) if cfg.is_provided(BYPASS) or not partial_rollouts(cfg) else True
 
 
-def alone(key: str, value, devices: Devices, dynamic_sampling: dict | None, what: str) -> None:
-    """What asynchronous generation cannot be combined with yet, refused naming the key that asked for it."""
-    if devices.processes > 1:
-        raise NotSupportedError(key, value, f"{what} with several training processes",
-                                "Run it on one process, or turn it off.")
+def alone(key: str, value, dynamic_sampling: dict | None, what: str) -> None:
+    """What one-step-off generation cannot be combined with yet, refused naming the key that asked for it."""
     if dynamic_sampling:
         raise NotSupportedError(key, value, f"{what} with dynamic sampling (algorithm.filter_groups)",
                                 "Turn one of them off.")
@@ -136,7 +133,7 @@ def async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: list,
                           "number of steps (0: synchronous, 1: one-step-off, the default; 2, ...); verl's fractional "
                           "values allow part of a batch: round up for more overlap, down for fresher samples, or "
                           f"set {PARTIAL}=True (fully asynchronous, where fractions are the generation ahead)")
-    alone(key, cfg[key], devices, dynamic_sampling, "asynchronous generation")
+    alone(key, cfg[key], dynamic_sampling, "asynchronous generation")
     correction(cfg, notes, after, key)
     notes.append(f"{key}: the Trainer gets rollout=AsyncRollout(rollout, max_staleness={int(steps)}) (the engine "
                  "runs beside the trainer; docs/async.md)")
