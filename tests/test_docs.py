@@ -201,6 +201,10 @@ NOT_RUN.update({
     ("docs/async.md", "rlflow train --max-staleness 1"): ASYNC_LEARNING,
     ("docs/async.md", "rlflow train --max-staleness 1 --run-dir runs/async-seed0"): ASYNC_LEARNING,
     ("docs/async.md", "python benchmarks/async_rl.py"): BENCHMARK,
+    ("docs/async.md", "torchrun --nproc_per_node=2 -m rlflow.trainer.main_ppo trainer.device=cpu trainer.n_gpus_per_node=2 "
+                      "trainer.use_v1=true trainer.v1.trainer_mode=colocate_async ..."):
+        "a template ('...': the job's keys); tests/distributed/test_async_ranks.py runs these keys on a tiny job in "
+        "2 gloo processes",
     ("docs/async.md", "python -m rlflow.trainer.main_ppo --config-name ppo_trainer trainer.use_v1=true "
                       "trainer.v1.trainer_mode=colocate_async trainer.v1.sampler.max_off_policy_threshold=2 "
                       "trainer.v1.sampler.max_off_policy_strategy=drop trainer.v1.colocate_async.num_warmup_batches=1"):
@@ -345,6 +349,7 @@ ELIDED_TRAINER = [("Trainer(...,", "Trainer(**roles,")]
 RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/async.md", "from rlflow.rollout import FullyAsyncRollout, HFRollout"): [],
     ("docs/async.md", "from rlflow.algorithms import GRPO, BypassLoss, RolloutAsOld"): [],
+    ("docs/async.md", "from rlflow.rollout.stream import FilterGroups"): [],
     ("docs/algorithms/cispo.md", "from rlflow.algorithms import CISPOLoss"): [],
     ("docs/data.md", "import torch"): [],
     ("docs/algorithms/pf_ppo.md", "import torch"): [],

@@ -42,7 +42,8 @@ class Rollout(Role, Protocol):
     after every update (returns metrics or ``None``); ``with_options(**overrides)`` is a copy with other sampling
     options (validation). ``holds_own_weights``: the engine keeps a copy of the weights of its own (vLLM, a server),
     so the Trainer sends updates instead of sampling with the trained module. ``max_new_tokens``: the response
-    budget (``None``: no fixed one), for the clip-ratio metrics.
+    budget (``None``: no fixed one), for the clip-ratio metrics. Optional: ``stream``, ``in_flight``, ``stats``,
+    ``close``, and ``want(groups)`` (a stream of groups: the next batch holds that many, for dynamic sampling).
     """
 
     n: int
@@ -120,7 +121,7 @@ class Engine(Protocol):
 
 # role -> {member: default} of the members a role may leave out
 OPTIONAL: dict[type, dict[str, Any]] = {
-    Rollout: {"stats": EMPTY, "close": None, "stream": None, "in_flight": ()},
+    Rollout: {"stats": EMPTY, "close": None, "stream": None, "in_flight": (), "want": None},
     Reward: {"stats": EMPTY, "extras": EMPTY},
     AdvantageEstimator: {"stats": EMPTY},
 }

@@ -101,8 +101,6 @@ def test_v1_async_modes_are_fully_async_with_verls_sampler_keys_and_truncated_is
     (["trainer.v1.sampler.max_off_policy_strategy=skip"], ConfigError, "max_off_policy_strategy='skip'"),
     (["trainer.v1.colocate_async.num_warmup_batches=-1"], ConfigError, "colocate_async.num_warmup_batches=-1"),
     (["trainer.async_weight_update=true"], ConfigError, "two asynchronous modes"),
-    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"], NotSupportedError,
-     "dynamic sampling"),
 ])
 def test_what_the_v1_async_modes_cannot_take_is_refused_naming_the_key(overrides, error, message):
     with pytest.raises(error, match=message):
@@ -126,6 +124,54 @@ def test_the_entry_point_trains_fully_async_and_v1_sync_is_the_synchronous_run(t
     drop = ("timing_s/", "perf/")
     same = [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows("v1")]
     assert same and same == [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows("legacy")]
+
+
+FILTER = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score",
+          "algorithm.filter_groups.max_num_gen_batches=4"]
+
+
+@pytest.mark.parametrize("mode", [["trainer.v1.trainer_mode=colocate_async"], ["async_training.partial_rollout=true"]])
+def test_dynamic_sampling_is_planned_with_the_fully_async_modes(mode):
+    p = plan(*mode, *FILTER)
+    assert p.fully_async is not None and p.dynamic_sampling == {"metric": "score", "max_gen_batches": 4}
+
+
+def test_the_async_modes_plan_several_processes_but_not_yet_with_dynamic_sampling():
+    """Rank 0's engine generates for every rank (tests/distributed/test_async_ranks.py runs it), one-step-off too;
+    dynamic sampling over the stream is refused on several processes, naming the key."""
+    for mode in (["trainer.v1.trainer_mode=colocate_async"], ["async_training.partial_rollout=true"]):
+        p = plan("trainer.n_gpus_per_node=2", *mode)
+        assert p.devices.processes == 2 and p.fully_async is not None
+        with pytest.raises(NotSupportedError, match=r"dynamic sampling \(algorithm.filter_groups\) on several "
+                                                    "training processes"):
+            plan("trainer.n_gpus_per_node=2", *mode, *FILTER)
+    assert plan("trainer.n_gpus_per_node=2", "trainer.async_weight_update=true").async_rollout == {"max_staleness": 1}
+
+
+def test_the_entry_point_trains_fully_async_with_dynamic_sampling(tiny, capsys, tmp_path):
+    """verl's keys select DAPO's filter over the fully asynchronous stream: even sums score a constant 1 (filtered),
+    odd ones a score of the response's text; every dumped trained group has distinct scores, the dapo/* metrics count
+    the groups scored per step beside verl's off-policy metrics."""
+    (tmp_path / "parity.py").write_text("def compute_reward(responses, ground_truths):\n"
+                                        "    return [1.0 if int(g) % 2 == 0 else sum(map(ord, r)) / 100.0\n"
+                                        "            for r, g in zip(responses, ground_truths)]\n")
+    assert main(tiny + FILTER + ["trainer.v1.trainer_mode=colocate_async", "trainer.logger=[console,file]",
+                                 f"custom_reward_function.path={tmp_path}/parity.py",
+                                 "custom_reward_function.name=compute_reward",
+                                 f"trainer.rollout_data_dir={tmp_path}/rollouts",
+                                 f"trainer.default_local_dir={tmp_path}/run"]) == 0
+    assert "FilterGroups(" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "dapo/num_gen_batches" in r]
+    assert len(steps) == 2 and all("training/off_policy/trajectory_spans/max" in r for r in steps)
+    assert any(r["dapo/num_gen_batches"] > 1 for r in steps)  # it did filter (the data: half the sums are even)
+    assert all(r["dapo/kept_group_frac"] == pytest.approx(1 / r["dapo/num_gen_batches"]) for r in steps)
+    for step in (1, 2):
+        dumped = [json.loads(line) for line in (tmp_path / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        by_prompt = {}
+        for r in dumped:
+            by_prompt.setdefault(r["input"], []).append(r["score"])
+        assert len(dumped) == 8 and all(len(set(s)) > 1 for s in by_prompt.values())
 
 
 # verl's fully-async recipe (verl/experimental/fully_async_policy): partial_rollout, trigger_parameter_sync_step,
@@ -154,8 +200,6 @@ def test_partial_rollout_is_fully_async_with_the_staleness_threshold_as_the_gene
     (["async_training.staleness_threshold=-0.5"], ConfigError, r"staleness_threshold=-0.5: with .*partial_rollout"),
     (["trainer.async_weight_update=true"], ConfigError, "two asynchronous modes"),
     (["trainer.v1.trainer_mode=colocate_async"], ConfigError, "partial_rollout=True both ask"),
-    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"], NotSupportedError,
-     r"async_training.partial_rollout=True: fully asynchronous generation with dynamic sampling"),
 ])
 def test_what_partial_rollouts_cannot_take_is_refused_naming_the_key(overrides, error, message):
     with pytest.raises(error, match=message):

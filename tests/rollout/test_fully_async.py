@@ -93,9 +93,10 @@ def test_vllm_continues_a_response_under_new_weights_with_each_tokens_log_prob_f
             assert (token_log_probs(v0, s.prompt, s.tokens)[later] - recorded[later]).abs().max() > 1e-3
 
 
-def make_trainer(model, tokenizer, tmp_path, rollout, steps, callbacks=()):
-    return Trainer(policy=Policy(model, tokenizer), rollout=rollout, reward=FunctionReward(longer_is_better),
-                   estimator=Chain(TruncatedIS(), GRPO()), loss=PPOLoss(is_weights=True), optim=Optim(lr=5e-2),
+def make_trainer(model, tokenizer, tmp_path, rollout, steps, callbacks=(), reward=None, stages=(), lr=5e-2):
+    return Trainer(policy=Policy(model, tokenizer), rollout=rollout, reward=reward or FunctionReward(longer_is_better),
+                   stages=list(stages),
+                   estimator=Chain(TruncatedIS(), GRPO()), loss=PPOLoss(is_weights=True), optim=Optim(lr=lr),
                    batching=Batching(batch_size=4), loop=Loop(max_steps=steps, progress=False),
                    run=RunDir(path=tmp_path, loggers=()), callbacks=list(callbacks))
 
@@ -141,6 +142,83 @@ def test_fully_async_run_keeps_samples_within_the_threshold_and_each_token_match
         assert metrics["async/staleness_max"] == metrics["training/off_policy/trajectory_staleness_worst/max"]
         assert metrics["rollout_corr/rollout_is_mean"] > 0
     assert max(m["training/off_policy/trajectory_staleness_worst/max"] for m in history) == 1  # it did run ahead
+
+
+def even_sums_are_constant(solution_str, ground_truth):
+    """Every sample of a prompt with an even sum scores 1 (a constant group); odd sums: a score of the text that
+    differs between different responses (a length would tie at the token budget). The task writes the sum's
+    digits reversed: the units digit comes first."""
+    return 1.0 if int(ground_truth[0]) % 2 == 0 else sum(ord(c) * (i + 1) for i, c in enumerate(solution_str)) / 1000
+
+
+class Scored(FunctionReward):
+    """The reward, keeping every batch it scored: (prompt texts, scores) per group, in order."""
+
+    def __init__(self, fn):
+        super().__init__(fn)
+        self.groups = []
+
+    def forward(self, batch):
+        out = super().forward(batch)
+        for g in out[K.GROUP].unique().tolist():
+            rows = out[K.GROUP] == g
+            self.groups.append((out[K.PROMPT_TEXT][int(rows.nonzero()[0])], out[K.SCORES][rows].tolist()))
+        return out
+
+
+def test_dynamic_sampling_replaces_each_filtered_group_by_the_next_to_finish(model, tokenizer, addition_rows, tmp_path):
+    """DAPO's filter over the fully asynchronous stream: each scored group with a constant score is filtered and
+    the rollout hands exactly the missing groups (``want``), so every trained group has distinct scores, every
+    group scored with distinct scores is trained (none generated and then cut, as whole extra batches would be),
+    no filtered prompt reaches the trainer, and ``dapo/*`` count the groups scored per step."""
+    from rlflow.rollout.stream import FilterGroups
+
+    recorder, reward, steps, B = Recorder(), Scored(even_sums_are_constant), 4, 4
+    rollout = FullyAsyncRollout(HFRollout(n=2, max_new_tokens=4), max_off_policy_threshold=2,
+                                max_off_policy_strategy="drop", chunk_tokens=2)
+    trainer = make_trainer(model, tokenizer, tmp_path, rollout, steps, callbacks=[recorder], reward=reward,
+                           stages=[FilterGroups("score", max_gen_batches=8)], lr=1e-3)  # no collapse to one text
+    try:
+        history = trainer.fit(PromptData(addition_rows[0], seed=0))
+    finally:
+        rollout.close()
+    scored = iter(reward.groups)
+    for batch, metrics in zip(recorder.batches, history, strict=True):
+        texts = list(batch[K.PROMPT_TEXT][::2])
+        assert batch[K.GROUP].tolist() == [g for g in range(B) for _ in range(2)]
+        assert all(batch[K.SCORES][2 * i] != batch[K.SCORES][2 * i + 1] for i in range(B))  # non-zero variance
+        kept, step = [], []  # this step's scored groups, in order, until B have distinct scores
+        while len(kept) < B:
+            text, scores = next(scored)
+            step.append(text)
+            if len(set(scores)) > 1:
+                kept.append(text)
+        assert texts == kept  # the kept ones, all of them, in order: no filtered group, no kept group cut
+        assert metrics["dapo/num_gen_batches"] == len(step) / B
+        assert metrics["dapo/kept_group_frac"] == B / len(step)
+        assert metrics["training/off_policy/trajectory_staleness_worst/max"] <= 1  # threshold 2, drop
+    filtered = sum(len(set(s)) == 1 for _, s in reward.groups)
+    assert filtered > 0 and any(m["dapo/num_gen_batches"] > 1 for m in history)  # it did filter
+
+
+def test_dynamic_sampling_over_the_stream_stops_at_max_gen_batches_worth_of_groups(model, tokenizer, addition_rows):
+    """Every group constant: after max_gen_batches x P groups scored for one step, the run stops naming the counts
+    (verl's max_num_gen_batches: the groups that many synchronous rounds generate)."""
+    from rlflow.rollout.stream import Experience, FilterGroups
+
+    rollout = FullyAsyncRollout(HFRollout(n=2, max_new_tokens=2), max_off_policy_threshold=2, chunk_tokens=2)
+    rollout.bind(model, tokenizer)
+    reward = Scored(lambda solution_str, ground_truth: 1.0)
+    stream = Experience(rollout, reward, [FilterGroups("score", max_gen_batches=2)])(
+        PromptData(addition_rows[0], seed=0).loader(4, tokenizer))
+    try:
+        with pytest.raises(RuntimeError, match=r"8 groups scored for one step \(2 batches' worth, max_gen_batches\) "
+                                               r"gave only 0 prompt groups"):
+            next(stream)
+    finally:
+        stream.close()
+        rollout.close()
+    assert len(reward.groups) == 8  # the first batch, then top-ups of the missing groups up to the budget
 
 
 @pytest.mark.parametrize("strategy", ["wait"])

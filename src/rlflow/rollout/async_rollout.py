@@ -39,6 +39,7 @@ from rlflow.models.policy import lora_module
 from rlflow.rollout.engines.base import hf_weight_buckets
 from rlflow.rollout.engines.process import ProcessEngine
 from rlflow.rollout.engines.threaded import ThreadedEngine
+from rlflow.rollout.ranks import follow, full_twin, lead, ranks, refresh, row_shares, whole
 from rlflow.rollout.single_turn import SingleTurnRollout, unpadded
 from rlflow.rollout.wrapper import RolloutWrapper
 
@@ -108,7 +109,8 @@ class AsyncRollout(RolloutWrapper):
     ``timing_s/train_wait`` (the engine waiting for work: its idle time before the batches of this step).
 
     Checkpoints hold the policy version; in-flight batches are not saved: after a resume the first batch
-    is generated with the restored weights and the pipeline refills from there. One training process only.
+    is generated with the restored weights and the pipeline refills from there. Several training processes:
+rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rlflow.rollout.ranks`).
     """
 
     def __init__(self, rollout, max_staleness: int = 1, *, placement: str = "auto", start_method: str | None = None,
@@ -129,6 +131,7 @@ class AsyncRollout(RolloutWrapper):
         self.in_flight: deque[_Job] = deque()
         self.reseed, self.restored = False, False
         self.stats: dict[str, float] = {}
+        self.rank, self.world, self.device, self._twin = 0, 1, None, None
 
     @property
     def holds_own_weights(self) -> bool:
@@ -136,11 +139,16 @@ class AsyncRollout(RolloutWrapper):
 
     # ------------------------------------------------------------------ binding
     def bind(self, model, tokenizer) -> None:
-        """Start the engine beside the trainer with ``model``'s weights (version 0)."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            raise NotImplementedError("AsyncRollout runs with one training process for now; with several, use the "
-                                      "synchronous rollout (or a server rollout per process)")
+        """Start the engine beside the trainer with ``model``'s weights (version 0). Several processes: the engine
+        runs on rank 0 only, the others sample validation batches in-process (:mod:`rlflow.rollout.ranks`)."""
+        self.rank, self.world = ranks()
+        self._twin = full_twin(model, "AsyncRollout") if self.world > 1 else None
+        model = self._twin if self._twin is not None else model
+        self.device = next(model.parameters()).device
+        if self.rank > 0:  # rank 0 generates every rank's batches
+            self.rollout.bind(model, tokenizer)
+            self.version, self.restored = 0, False
+            return
         if lora_module(model) is not None and self.rollout.holds_own_weights:  # pushes carry PEFT names here
             raise NotImplementedError(f"AsyncRollout with a LoRA policy runs the transformers engine (HFRollout) for "
                                       f"now; {type(self.rollout).__name__} needs merged weights, which its "
@@ -183,6 +191,9 @@ class AsyncRollout(RolloutWrapper):
     def sync_weights(self, trained) -> dict[str, float]:
         """Push ``trained``'s weights as the next version; the engine loads them after the batches already
         submitted (with the weights they were submitted under) and before any later one."""
+        if self._twin is not None:  # FSDP2: every rank gathers the shards (validation samples with the copy)
+            refresh(trained, self._twin)
+            trained = self._twin
         if self.engine is None:
             return {}
         if self.restored:  # the restored checkpoint's weights: the version load_state_dict set
@@ -205,7 +216,9 @@ class AsyncRollout(RolloutWrapper):
 
     # ------------------------------------------------------------------ sampling
     def forward(self, batch: TensorDict) -> TensorDict:
-        """One batch, generated now (nothing ahead: the next batch is not known here)."""
+        """One batch, generated now (nothing ahead: the next batch is not known here; a rank > 0: in-process)."""
+        if self.rank > 0:
+            return self.rollout(batch)
         self._start()
         return self._collect(self._submit(batch))
 
@@ -216,22 +229,32 @@ class AsyncRollout(RolloutWrapper):
         The engine's random state is set from the trainer's before its first batch, so a stream with
         ``max_staleness=0`` samples what the synchronous run samples. Batches still in flight when the
         stream is closed are cancelled."""
+        if self.rank > 0:
+            yield from follow(self, pairs)
+            return
         self._start(reseed=True)
-        prompts, ended = iter(prompts), False
+        steps = lead(self._steps(iter(whole(prompts, "AsyncRollout") if self.world > 1 else prompts)), self.world)
         try:
-            while True:
-                while not ended and len(self.in_flight) <= self.max_staleness:
-                    upcoming = next(prompts, None)
-                    ended = upcoming is None
-                    if not ended:
-                        self.in_flight.append(self._submit(upcoming))
-                if not self.in_flight:
-                    return
-                job = self.in_flight.popleft()
-                samples = self._collect(job)
-                yield (job.prompts, samples) if pairs else samples
+            for batch, samples in steps:
+                yield (batch, samples) if pairs else samples
         finally:
+            steps.close()
             self._drop_in_flight()
+
+    def _steps(self, prompts):
+        """Every batch's samples, split in one share of whole groups per rank, with their stats."""
+        ended = False
+        while True:
+            while not ended and len(self.in_flight) <= self.max_staleness:
+                upcoming = next(prompts, None)
+                ended = upcoming is None
+                if not ended:
+                    self.in_flight.append(self._submit(upcoming))
+            if not self.in_flight:
+                return
+            job = self.in_flight.popleft()
+            samples = self._collect(job)
+            yield row_shares(job.prompts, samples, self.world, self.rollout.n), self.stats
 
     def _start(self, reseed: bool = False) -> None:
         if self.engine is None:

@@ -41,7 +41,8 @@ more than one version), ``async/dropped_groups``, ``async/in_flight_groups``, ``
 
 Checkpoints hold the version and the prompts drawn but not yet trained (queued, in flight or complete): a resumed
 run generates them again first, from the restored weights, and the loader resumes after the last prompt drawn,
-so no prompt is lost or trained twice. One training process only.
+so no prompt is lost or trained twice. Several training processes (DDP): rank 0 runs the engine and hands
+each rank whole groups of every step (:mod:`rlflow.rollout.ranks`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from rlflow.rollout.async_rollout import PLACEMENTS, EngineFactory, single_turn
 from rlflow.rollout.engines.base import Completion, SamplingParams, hf_weight_buckets
 from rlflow.rollout.engines.process import EngineProcessError, ProcessEngine
 from rlflow.rollout.kept import drive_kept, keeps_requests
+from rlflow.rollout.ranks import follow, full_twin, lead, ranks, refresh, shares, whole
 from rlflow.rollout.single_turn import unpadded
 from rlflow.rollout.wrapper import RolloutWrapper, cat_batches
 
@@ -180,6 +182,7 @@ class FullyAsyncRollout(RolloutWrapper):
         # can deadlock in the child (seen: a hung suite); the first death stops the run, naming the process
         self.process_options = {"start_method": start_method, "threads": threads, "max_restarts": 0}
         self.engine = None
+        self.rank, self.world, self.device, self._twin = 0, 1, None, None
         self.version, self.restored = 0, False
         self.batch_size: int | None = None
         self.stats: dict[str, float] = {}
@@ -188,6 +191,8 @@ class FullyAsyncRollout(RolloutWrapper):
         self._active: list[_Group] = []  # admitted, generating
         self._ready: list[_Group] = []  # complete, not taken
         self._seq, self._learning, self._dropped = 0, False, 0
+        self._want: int | None = None  # the next take's group count (a top-up of dynamic sampling), once
+        self._step: list[_Group] = []  # the groups taken for the current step (with its top-ups)
         self._weights: tuple[int, list] | None = None  # the newest push, not loaded yet
         self._driver: threading.Thread | None = None
         self._stopping, self._error = False, None
@@ -199,12 +204,17 @@ class FullyAsyncRollout(RolloutWrapper):
 
     # ------------------------------------------------------------------ binding
     def bind(self, model, tokenizer) -> None:
-        """Start the engine (version 0: ``model``'s weights); the wrapped rollout is bound here too (validation)."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            raise NotImplementedError("FullyAsyncRollout runs with one training process for now")
+        """Start the engine (version 0: ``model``'s weights); the wrapped rollout is bound here too (validation).
+        Several processes: the engine runs on rank 0 only (:mod:`rlflow.rollout.ranks`)."""
+        self.rank, self.world = ranks()
+        self._twin = full_twin(model, "FullyAsyncRollout") if self.world > 1 else None
+        model = self._twin if self._twin is not None else model
         self.close_engine()
         self.rollout.bind(model, tokenizer)
+        self.device = next(model.parameters()).device
+        self.version, self._engine_version, self.restored = 0, 0, False
+        if self.rank > 0:  # rank 0 generates for every rank
+            return
         if self.placement == "thread":
             if not self.rollout.holds_own_weights:  # it would sample with the module being trained, mid-update
                 raise ValueError(f"placement='thread' needs an engine with weights of its own (a server); "
@@ -215,7 +225,6 @@ class FullyAsyncRollout(RolloutWrapper):
             self.engine = ProcessEngine(EngineFactory(self.rollout), model, tokenizer, slots=2,
                                         uses_process_group=self.rollout.holds_own_weights, timeout=self.timeout,
                                         **self.process_options)
-        self.version, self._engine_version, self.restored = 0, 0, False
         self._clear()
 
     def _choose_path(self) -> str:
@@ -250,6 +259,9 @@ class FullyAsyncRollout(RolloutWrapper):
     # ------------------------------------------------------------------ weights
     def sync_weights(self, trained) -> dict[str, float]:
         """A snapshot of ``trained``'s weights as the next version; the driver loads it between two chunks."""
+        if self._twin is not None:  # FSDP2: every rank gathers the shards (validation samples with the copy)
+            refresh(trained, self._twin)
+            trained = self._twin
         if self.engine is None:
             return {}
         start, copies, pairs = time.perf_counter(), {}, []
@@ -289,26 +301,44 @@ class FullyAsyncRollout(RolloutWrapper):
     def stream(self, prompts, pairs: bool = False):
         """Batches of ``batch_size`` complete groups (the size of the first prompt batch) as they complete, the
         prompts drawn from ``prompts`` as admission needs them; ``pairs``: yield (prompts, samples)."""
+        if self.rank > 0:
+            yield from follow(self, pairs)
+            return
         if self.engine is None:
             raise RuntimeError("FullyAsyncRollout has no engine: call rollout.bind(model, tokenizer) (the Trainer does)")
-        prompts, ended = iter(prompts), False
+        prompts = iter(whole(prompts, "FullyAsyncRollout") if self.world > 1 else prompts)  # rank 0 draws for all
         if isinstance(self.engine, ProcessEngine):  # the child samples from the trainer's random stream
             import numpy as np
 
             self.engine.seed(torch.get_rng_state(), random.getstate(), np.random.get_state())
         self._start_driver()
+        steps = lead(self._steps(prompts), self.world)
         try:
-            while True:
-                ended = self._draw(prompts, ended)
-                groups = self._take(ended)
-                if groups is None:
-                    return
-                if not groups:  # prompts to draw first
-                    continue
-                batch, samples = self._laid_out(groups)
+            for batch, samples in steps:
                 yield (batch, samples) if pairs else samples
         finally:
+            steps.close()
             self._stop_driver()
+
+    def _steps(self, prompts):
+        """Every step's complete groups, in one share of whole groups per rank, with their stats."""
+        ended = False
+        while True:
+            ended = self._draw(prompts, ended)
+            groups = self._take(ended)
+            if groups is None:
+                return
+            if groups:  # else prompts to draw first
+                yield [self._laid_out(share) for share in shares(groups, self.world)], self.stats
+
+    def want(self, groups: int) -> None:
+        """The next batch the stream yields holds ``groups`` complete groups (once), taken for the same step as the
+        last one: dynamic sampling (``FilterGroups``) replaces the groups it filtered by the next ones to finish,
+        one for one. ``stats`` then describe every group taken for the step."""
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"want(groups): an integer >= 1, got {groups!r}")
+        with self._cond:
+            self._want = groups
 
     def _draw(self, prompts, ended: bool) -> bool:
         """Keep the queue holding what the driver may admit while the trainer learns; returns whether it ended."""
@@ -328,8 +358,9 @@ class FullyAsyncRollout(RolloutWrapper):
     def _take(self, ended: bool) -> list[_Group] | None:
         """Wait for ``batch_size`` complete groups, oldest first (dropping or waiting for stale ones). ``[]``: the
         queue needs prompts drawn first (a dropped group's replacement); ``None``: the prompts ended."""
-        start, B = time.perf_counter(), self.batch_size
+        start, topup = time.perf_counter(), self._want is not None
         with self._cond:
+            B = self._want or self.batch_size
             if self._learning:  # asked again with no push since the last batch: the next trains on this version too
                 self._learning = False
                 self._cond.notify_all()
@@ -359,8 +390,8 @@ class FullyAsyncRollout(RolloutWrapper):
             self._ready.sort(key=lambda g: g.seq)
             groups, self._ready = self._ready[:B], self._ready[B:]
             self._learning = True  # until the next sync_weights: admission leaves room for the version it brings
-            in_flight, dropped, self._dropped = len(self._active), self._dropped, 0
-        self._record(groups, time.perf_counter() - start, dropped, in_flight)
+            in_flight, dropped, self._dropped, self._want = len(self._active), self._dropped, 0, None
+        self._record(groups, time.perf_counter() - start, dropped, in_flight, topup)
         return groups
 
     def _age(self, group: _Group) -> int:
@@ -380,8 +411,14 @@ class FullyAsyncRollout(RolloutWrapper):
             bound = min(bound, self.batch_size * (self.threshold - int(self._learning)))
         return bound - len(self._active) - len(self._ready)
 
-    def _record(self, groups: list[_Group], waited: float, dropped: int, in_flight: int) -> None:
-        """verl's off-policy metrics over the batch's responses, and rlflow's ``async/*``."""
+    def _record(self, groups: list[_Group], waited: float, dropped: int, in_flight: int, topup: bool) -> None:
+        """verl's off-policy metrics over the batch's responses, and rlflow's ``async/*`` (a top-up: over every
+        group taken for the step, the waits and drops added up)."""
+        if topup:
+            groups = self._step + groups
+            waited += self.stats.get("timing_s/gen_wait", 0.0)
+            dropped += int(self.stats.get("async/dropped_groups", 0))
+        self._step = groups
         samples = [s for g in groups for s in g.samples]
         oldest = torch.tensor([min(s.versions, default=self.version) for s in samples], dtype=torch.float)
         newest = torch.tensor([max(s.versions, default=self.version) for s in samples], dtype=torch.float)
@@ -425,6 +462,7 @@ class FullyAsyncRollout(RolloutWrapper):
             self._active.clear()
             self._ready.clear()
             self._weights, self._learning, self._dropped, self._error = None, False, 0, None
+            self._want, self._step = None, []
 
     # ------------------------------------------------------------------ the driver thread
     def _start_driver(self) -> None:

@@ -41,6 +41,7 @@ from rlflow.phases import phase
 from rlflow.roles import Reward, Rollout, optional
 from rlflow.rollout.async_rollout import AsyncRollout
 from rlflow.rollout.dynamic_sampling import first_groups, group_metric, informative_rows, merge_stats
+from rlflow.rollout.ranks import ranks
 from rlflow.rollout.reference_responses import WithReferenceResponses, add_reference_rows
 from rlflow.rollout.wrapper import RolloutWrapper, cat_batches
 
@@ -112,6 +113,13 @@ class FilterGroups(Stage):
 
     ``stats``: ``dapo/num_gen_batches``, ``dapo/kept_group_frac`` (kept / generated, before the cut) and
     ``dapo/gen_score_mean`` (over every generated sample). Timed as ``timing_s/dynamic_sampling``.
+
+    **Over a stream of groups** (a rollout with ``want``: ``FullyAsyncRollout``) a filtered group is replaced by
+    the next group to finish, one for one: the stage asks the rollout for exactly the missing groups
+    (``rollout.want(k)``), which it takes for the same step, within the staleness bound, so no kept group is
+    generated and then cut. ``max_gen_batches`` bounds the groups scored per step to ``max_gen_batches x P``,
+    what that many synchronous rounds generate; ``dapo/num_gen_batches`` is then the groups scored / ``P``
+    (batches' worth, e.g. 1.25).
     """
 
     name = "dynamic_sampling"
@@ -123,6 +131,10 @@ class FilterGroups(Stage):
         self.metric, self.max_gen_batches = metric, max_gen_batches
 
     def stream(self, batches, experience):
+        want = optional(experience.rollout, Rollout, "want")
+        if want is not None:
+            yield from self._groupwise(batches, experience, want)
+            return
         pad = experience.tokenizer.pad_token_id
         for samples in batches:
             target = int(torch.unique(samples[K.GROUP]).numel())
@@ -151,6 +163,40 @@ class FilterGroups(Stage):
             self.stats = {"dapo/num_gen_batches": float(round_), "dapo/kept_group_frac": n_kept / n_groups,
                           "dapo/gen_score_mean": float(torch.cat(scores).float().mean())}
             yield first_groups(cat_batches(kept, pad), target)
+
+    def _groupwise(self, batches, experience, want):
+        """Over a stream of groups: the filtered ones replaced one for one (see the class docstring)."""
+        for samples in batches:
+            if ranks()[1] > 1:  # every rank at its first batch: top-ups rank by rank would need rank 0 to agree
+                raise NotImplementedError("FilterGroups over a fully asynchronous stream runs with one training "
+                                          "process for now")
+            target = int(torch.unique(samples[K.GROUP]).numel())
+            budget = self.max_gen_batches * target  # verl's 0 (no cap) arrives as sys.maxsize
+            kept, n_kept, n_groups, offset, scores = [], 0, 0, 0, []
+            while True:
+                scores.append(samples[K.SCORES])
+                samples.set(K.GROUP, samples[K.GROUP] + offset)  # ids unique across takes
+                offset = int(samples[K.GROUP].max()) + 1
+                rows, kept_groups, groups = informative_rows(group_metric(samples, self.metric, experience.reward),
+                                                             samples[K.GROUP])
+                kept.append(samples[rows])
+                n_kept, n_groups = n_kept + kept_groups, n_groups + groups
+                if n_kept >= target:
+                    break
+                if n_groups >= budget:
+                    raise RuntimeError(
+                        f"DynamicSampling: {n_groups} groups scored for one step ({self.max_gen_batches} batches' "
+                        f"worth, max_gen_batches) gave only {n_kept} prompt groups with a non-constant "
+                        f"{self.metric!r}; {target} are needed. Most prompts are solved by every sample or by none: "
+                        "raise max_gen_batches, change n, or the data")
+                want(min(target - n_kept, budget - n_groups))
+                samples = next(batches, None)
+                if samples is None:
+                    raise RuntimeError("FilterGroups (dynamic sampling) needs more prompts than the stream has: "
+                                       f"{n_kept} of {target} groups kept after {n_groups} scored")
+            self.stats = {"dapo/num_gen_batches": n_groups / target, "dapo/kept_group_frac": n_kept / n_groups,
+                          "dapo/gen_score_mean": float(torch.cat(scores).float().mean())}
+            yield first_groups(cat_batches(kept, experience.tokenizer.pad_token_id), target)
 
     def __repr__(self):
         return f"FilterGroups(metric={self.metric!r}, max_gen_batches={self.max_gen_batches})"
@@ -439,6 +485,17 @@ class PromptStream:
             per = size // self.world_size
             batch = batch[self.rank * per : (self.rank + 1) * per]
         return to_device(batch, self.device) if self.device is not None else batch
+
+    def whole(self) -> Iterator[TensorDict]:
+        """The loader's whole batches (every process's share), drawn by this process alone: a rollout that
+        generates for every process on one of them (``FullyAsyncRollout`` on rank 0) reads these, and the
+        checkpoint's loader position is that process's."""
+        while True:
+            self._before.append(self.loader.state_dict())
+            batch = next(self.loader, None)
+            if batch is None:
+                return
+            yield to_device(batch, self.device) if self.device is not None else batch
 
     @property
     def steps_per_epoch(self) -> int:

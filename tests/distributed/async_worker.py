@@ -1,0 +1,81 @@
+"""Run by torchrun from test_async_ranks.py: fully asynchronous RL on 2 processes, rank 0's engine feeding both.
+
+    python -m torch.distributed.run --nproc_per_node 2 async_worker.py OUT [VERL_OVERRIDE ...]
+
+Job 1, the Python API on DDP: 4 steps of ``FullyAsyncRollout(HFRollout(n=2), max_off_policy_threshold=2,
+"wait")`` over 8 prompts a step, saving every step; rank 0 writes OUT/result.pt with every rank's trained
+prompts and policy versions per step, the prompts rank 0 still held at the end, and every rank's final weights;
+then the same run resumed from its step 2 (OUT/resumed/result.pt), and the run one step off
+(``AsyncRollout(max_staleness=1)``, OUT/one_step_off/result.pt). Job 2, in the same
+processes (a launch starts every interpreter: the suite's cost): rlflow's verl entry point with the overrides given
+(verl's V1 keys; FSDP2, as verl's config gives on several processes), writing its run under OUT/verl.
+"""
+
+import sys
+
+import torch
+
+from rlflow import Batching, FunctionReward, Hardware, Loop, Optim, Policy, PPOLoss, PromptData, RunDir, Trainer
+from rlflow.algorithms import GRPO, TruncatedIS
+from rlflow.config.run import main as main_ppo
+from rlflow.data import keys as K
+from rlflow.models.tiny import char_tokenizer, tiny_qwen2
+from rlflow.module import Chain
+from rlflow.rollout import AsyncRollout, FullyAsyncRollout, HFRollout
+from rlflow.tasks.addition import AdditionTask
+
+STEPS, BATCH, THRESHOLD = 4, 8, 2
+
+
+def varied(solution_str: str, ground_truth: str) -> float:
+    """A score that differs between responses and between prompts."""
+    return (len(set(solution_str)) + sum(c.isdigit() for c in solution_str) + int(ground_truth[-1]) / 3) / 8 - 0.3
+
+
+class Trained:
+    """This rank's groups per step: prompt texts, the trainer's version and each group's oldest token version."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_rollout_end(self, trainer, batch):
+        self.steps.append({"version": trainer.global_step, "prompts": list(batch[K.PROMPT_TEXT][::2]),
+                           "oldest": batch[K.POLICY_VERSION].tolist(), "groups": batch[K.GROUP].tolist()})
+
+
+def python_api(out, resume=None, one_step_off=False):
+    torch.manual_seed(0)
+    tok = char_tokenizer()
+    model = tiny_qwen2(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                       seed=0)
+    rollout = AsyncRollout(HFRollout(n=2, max_new_tokens=4), max_staleness=1) if one_step_off else \
+        FullyAsyncRollout(HFRollout(n=2, max_new_tokens=4), max_off_policy_threshold=THRESHOLD,
+                          max_off_policy_strategy="wait", chunk_tokens=2)
+    trained = Trained()
+    trainer = Trainer(policy=Policy(model, tok), rollout=rollout, reward=FunctionReward(varied),
+                      estimator=Chain(TruncatedIS(), GRPO()), loss=PPOLoss(is_weights=True), optim=Optim(lr=5e-2),
+                      batching=Batching(batch_size=BATCH, micro_batch_size=2),
+                      loop=Loop(max_steps=STEPS, progress=False), run=RunDir(path=out, loggers=(), save_every=1, resume=resume),
+                      hardware=Hardware(accelerator="cpu", devices=2, strategy="ddp"), callbacks=[trained])
+    engine = rollout.engine is not None  # bound by the Trainer: rank 0's alone
+    try:
+        history = trainer.fit(PromptData(AdditionTask().splits()[0][:64], seed=0))
+        left = [p["values"][K.PROMPT_TEXT] for p in rollout.state_dict().get("prompts", [])]
+    finally:
+        rollout.close()
+    mine = {"steps": trained.steps, "left": left, "history": history, "engine": engine,
+            "weights": {n: p.detach().clone() for n, p in trainer.policy.model.named_parameters()}}
+    every = [None, None]
+    torch.distributed.all_gather_object(every, mine)
+    if trainer.fabric.global_rank == 0:
+        torch.save(every, f"{out}/result.pt")
+    trainer.fabric.barrier()
+
+
+if __name__ == "__main__":
+    out, overrides = sys.argv[1], sys.argv[2:]
+    python_api(out)
+    python_api(f"{out}/resumed", resume=f"{out}/global_step_2")  # the same run, resumed from its step 2
+    python_api(f"{out}/one_step_off", one_step_off=True)  # AsyncRollout(max_staleness=1), the same way
+    assert main_ppo(overrides + [f"trainer.default_local_dir={out}/verl"]) == 0
+    torch.distributed.barrier()  # gloo can abort at teardown unless every rank is done

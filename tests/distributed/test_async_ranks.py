@@ -1,0 +1,96 @@
+"""Fully asynchronous RL on 2 gloo processes (one torchrun launch, async_worker.py): rank 0's engine generates for
+both ranks, each step's groups are split whole among them, the weights reach the engine from rank 0."""
+
+import json
+
+import pytest
+import torch
+
+from rlflow.data import keys as K
+from rlflow.data.prompts import PromptData
+from rlflow.models.tiny import char_tokenizer
+from rlflow.tasks.addition import AdditionTask
+
+from .async_worker import BATCH, STEPS, THRESHOLD
+from .launch import torchrun, WORKER
+
+
+@pytest.fixture(scope="module")
+def launched(job, tmp_path_factory):
+    out = tmp_path_factory.mktemp("async_ranks")
+    verl = [a for a in job if not a.startswith("trainer.save_freq")] + [
+        "trainer.n_gpus_per_node=2", "trainer.total_training_steps=2", "trainer.logger=[console,file]",
+        "trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async", "trainer.v1.sampler.max_off_policy_threshold=1"]
+    proc = torchrun(2, out, *verl, worker=WORKER.with_name("async_worker.py"), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return torch.load(out / "result.pt", weights_only=False), out, proc.stdout
+
+
+def drawn_in_order(count):
+    loader = PromptData(AdditionTask().splits()[0][:64], seed=0).loader(BATCH, char_tokenizer())
+    return [p for _ in range(count // BATCH) for p in next(loader)[K.PROMPT_TEXT]]
+
+
+def test_every_drawn_prompt_is_trained_once_across_the_ranks_within_the_bound_and_the_ranks_stay_equal(launched):
+    (rank0, rank1), _, _ = launched
+    assert rank0["engine"] and not rank1["engine"]  # one engine, on rank 0
+    assert len(rank0["steps"]) == len(rank1["steps"]) == STEPS
+    trained = []
+    for mine, other in zip(rank0["steps"], rank1["steps"]):
+        assert mine["version"] == other["version"]
+        for share in (mine, other):  # whole groups, numbered per rank as a synchronous shard's
+            assert len(share["prompts"]) == BATCH // 2 and share["groups"] == [g for g in range(BATCH // 2)
+                                                                                for _ in range(2)]
+            assert share["version"] - min(share["oldest"]) + 1 <= THRESHOLD  # verl's age: within the bound
+        trained += mine["prompts"] + other["prompts"]
+    assert len(trained) == len(set(trained)) == STEPS * BATCH  # none trained twice, on either rank
+    left = rank0["left"]
+    drawn = len(trained) + len(left)
+    assert drawn % BATCH == 0 and not set(trained) & set(left)
+    assert sorted(trained + left) == sorted(drawn_in_order(drawn))  # the loader's first prompts, none lost
+    assert any(min(s["oldest"]) < s["version"] for s in rank0["steps"] + rank1["steps"])  # it did run ahead
+    for name, weights in rank0["weights"].items():
+        assert torch.equal(weights, rank1["weights"][name]), name
+    assert rank0["history"][-1]["training/off_policy/trajectory_staleness_worst/max"] == \
+        rank1["history"][-1]["training/off_policy/trajectory_staleness_worst/max"]  # rank 0's stats, on both
+
+
+def test_verls_v1_keys_train_fully_async_on_two_fsdp2_processes_with_the_engine_in_step(launched):
+    _, out, stdout = launched
+    assert "FullyAsyncRollout(" in stdout
+    rows = [json.loads(line) for line in (out / "verl" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "training/off_policy/trajectory_spans/max" in r]
+    assert len(steps) == 2 and all(r["training/off_policy/trajectory_staleness_worst/max"] == 0 for r in steps)
+    # threshold 1: every token is sampled with the weights it is trained on, gathered from FSDP2's shards into
+    # rank 0's engine after step 1 (stale weights give ~1e-2 here)
+    assert all(r["training/rollout_probs_diff_max"] < 1e-4 for r in steps)
+
+
+def test_resumed_from_a_checkpoint_the_ranks_train_the_prompts_rank_0_held_and_none_twice(launched):
+    """Resumed from step 2: rank 0's checkpoint holds its loader position and the prompts drawn but not trained;
+    steps 3-4 train those first. Steps 1-2 of the run + 3-4 of the resumed one: no prompt twice, none lost."""
+    run, out, _ = launched
+    resumed = torch.load(out / "resumed" / "result.pt", weights_only=False)
+    assert [s["version"] for s in resumed[0]["steps"]] == [s["version"] for s in resumed[1]["steps"]] == [2, 3]
+    lineage = [p for rank in run for s in rank["steps"][:2] for p in s["prompts"]]
+    lineage += [p for rank in resumed for s in rank["steps"] for p in s["prompts"]]
+    assert len(lineage) == len(set(lineage)) == STEPS * BATCH
+    left = resumed[0]["left"]
+    assert sorted(lineage + left) == sorted(drawn_in_order(len(lineage) + len(left)))
+
+
+def test_one_step_off_on_two_processes_trains_each_batch_once_split_whole_one_version_behind_at_most(launched):
+    """AsyncRollout by the same mechanism: rank 0's engine generates the loader's whole batches one step ahead;
+    each batch is trained once, half on each rank in whole groups, at most one version stale; equal weights."""
+    _, out, _ = launched
+    rank0, rank1 = torch.load(out / "one_step_off" / "result.pt", weights_only=False)
+    assert rank0["engine"] and not rank1["engine"]
+    trained = []
+    for mine, other in zip(rank0["steps"], rank1["steps"], strict=True):
+        for share in (mine, other):
+            assert share["groups"] == [g for g in range(BATCH // 2) for _ in range(2)]
+            assert share["version"] - min(share["oldest"]) <= 1
+        trained += mine["prompts"] + other["prompts"]
+    assert trained == drawn_in_order(STEPS * BATCH)  # the loader's batches in order, none twice
+    assert any(min(s["oldest"]) < s["version"] for s in rank0["steps"])  # it did run one step ahead
+    assert all(torch.equal(w, rank1["weights"][name]) for name, w in rank0["weights"].items())
