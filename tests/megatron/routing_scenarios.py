@@ -1,0 +1,90 @@
+"""MoE routing replay from the rollout (verl's R3) on ranks forked by test_router_replay.py (importing this module
+adds ``moe_rollout_replay`` to ``worker.SCENARIOS``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from rlflow.data import keys as K
+from rlflow.models.logprobs import TokenLogProbs
+
+from .worker import SCENARIOS, build, char_tokenizer, tiny_model, world_size
+
+Tensor = torch.Tensor
+
+
+def expected_experts(batch: TensorDict, layer: int) -> list[tuple[int, int, Tensor]]:
+    """``(row, decoder position, the rollout's k experts)`` of every token the rollout routed: each row's real prompt
+    tokens come first (position ``0..p-1``), then its response."""
+    P = batch[K.PROMPT_IDS].shape[1]
+    out = []
+    for row in range(batch.batch_size[0]):
+        real = int(batch[K.PROMPT_MASK][row].sum())
+        columns = torch.cat([batch[K.PROMPT_ROUTED_EXPERTS][row, P - real :], batch[K.ROUTED_EXPERTS][row]])
+        out += [(row, pos, experts[layer]) for pos, experts in enumerate(columns) if experts[layer, 0] >= 0]
+    return out
+
+
+def moe_rollout_replay(out: Path) -> dict:
+    """An HF rollout of a Qwen3-MoE-shaped model records its routing; the Megatron policy (expert parallel 2), its
+    routers then changed, scores the rows in another order with gradients: with R3 every routed token goes to the
+    rollout's experts, without replay not. Then two GRPO steps in the Trainer with R3."""
+    import lightning as L
+
+    from rlflow.rollout import HFRollout
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    world = world_size()
+    tok = char_tokenizer()
+    torch.manual_seed(1)
+    prompt_ids = torch.randint(3, 40, (3, 6))
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_ids[0, :2], prompt_mask[0, :2] = tok.pad_token_id, 0
+    rollout = HFRollout(n=2, max_new_tokens=5, seed=0, return_routed_experts=True)
+    rollout.bind(tiny_model("qwen3_moe", seed=3), tok)
+    batch = rollout(TensorDict({K.PROMPT_IDS: prompt_ids, K.PROMPT_MASK: prompt_mask}, batch_size=[3]))
+    order = torch.tensor([4, 0, 5, 2, 1, 3])  # another order of the rows, as a shuffled mini-batch has
+    shuffled = batch[order]
+    result = {"unrouted": int((batch[K.ROUTED_EXPERTS][..., 0] < 0).sum())}
+    for replay in ("R3", False):
+        fabric = L.Fabric(accelerator="cpu", devices=world,
+                          strategy=MegatronStrategy(expert_parallel=world, router_replay=replay))
+        fabric.launch()
+        module = fabric.setup_module(TokenLogProbs(tiny_model("qwen3_moe", seed=3)))
+        layers = module._forward_module.lm.gpt.decoder.layers
+        with torch.no_grad():  # the update's weights differ from the rollout's: here, the routers'
+            torch.manual_seed(7)
+            for layer in layers:
+                layer.mlp.router.weight.normal_(0, 0.5)
+        seen = []
+        hooks = [layer.mlp.router.register_forward_hook(lambda m, a, o: seen.append(o[1].clone())) for layer in layers]
+        routing = (shuffled[K.PROMPT_ROUTED_EXPERTS], shuffled[K.ROUTED_EXPERTS])
+        lp, _ = module(shuffled[K.PROMPT_IDS], shuffled[K.PROMPT_MASK], shuffled[K.RESPONSE_IDS],
+                       routed_experts=routing if replay else None)
+        fabric.backward(lp.sum())
+        for h in hooks:
+            h.remove()
+        same, tokens = [], 0
+        for layer, routing_map in enumerate(seen):  # (S x B') x experts, as the router saw the tokens
+            chosen = routing_map.view(-1, order.numel(), routing_map.shape[-1])
+            expected = expected_experts(shuffled, layer)
+            tokens += len(expected)
+            same.append(all(set(chosen[pos, row].nonzero().flatten().tolist()) == set(experts.tolist())
+                            for row, pos, experts in expected))
+        result[replay or "plain"] = {"same": same, "tokens": tokens, "grads": any(
+            p.grad is not None and p.grad.abs().sum() > 0 for p in module._forward_module.parameters())}
+        fabric.strategy.teardown()
+    trainer, data, record = build(str(out / "rollout_replay"), MegatronStrategy(expert_parallel=world,
+                                  router_replay="R3"), devices=world, kind="qwen3_moe", steps=2, routing=True)
+    trainer.fit(data)
+    result["trainer"] = {"counts": trainer.policy.module._forward_module.lm.routing_replay.counts,
+                         "grad_norm": [record.steps[s]["metrics"]["actor/grad_norm"] for s in (1, 2)]
+                         if record.steps else None}
+    trainer.fabric.strategy.teardown()
+    return result
+
+
+SCENARIOS.update({"moe_rollout_replay": moe_rollout_replay})
