@@ -120,7 +120,8 @@ ROLE_INERT: dict[str, str] = {
     f"{ROLL}.multi_turn.num_repeat_rollouts": "verl 0.9.1 itself never reads it; samples per prompt are rollout.n",
     **{f"{r}.profiler.*": "profiling is not supported yet" for r in (ACT, f"{AR}.ref", ROLL, "critic")},
     f"{ROLL}.skip_tokenizer_init": "rlflow's vLLM engine always starts with skip_tokenizer_init=True (token ids in and out)",
-    f"{ROLL}.moe_load_balance_metrics_interval": "only used with enable_rollout_routing_replay, which rlflow refuses",
+    f"{ROLL}.moe_load_balance_metrics_interval": ("verl's MoE load-balance metrics of the rollout's routing: rlflow "
+                                                  "logs none"),
     f"{ROLL}.prometheus.*": ("rlflow exports no Prometheus metrics of its rollout engine; its metrics go to "
                              "trainer.logger"),
     f"{ROLL}.quantization_config_file": "only used with rollout.quantization, which rlflow refuses",
@@ -146,10 +147,6 @@ ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
                      "engines do not decode speculatively)", _truthy),
     f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation)", _truthy),
     f"{ROLL}.quantization": ("quantized rollouts (rollout.quantization)", _truthy),
-    f"{ROLL}.enable_rollout_routing_replay": ("MoE routing replay from the rollout (enable_rollout_routing_replay: the "
-                                              "experts the generation engine routed to, verl's R3; rlflow replays the "
-                                              "old-log-prob pass's routing: actor.megatron.router_replay.mode=R2)",
-                                              _truthy),
     "critic.model.use_liger": ("Liger kernels", _truthy),
 }
 
