@@ -87,4 +87,35 @@ def moe_rollout_replay(out: Path) -> dict:
     return result
 
 
-SCENARIOS.update({"moe_rollout_replay": moe_rollout_replay})
+def verl_moe_inputs(folder: Path) -> None:
+    """The Qwen3-MoE-shaped model's folder (with a chat template) and prompts in verl's layout, for ``moe_r3_verl``."""
+    import pandas as pd
+
+    from ..config.conftest import CHAT_TEMPLATE, verl_rows
+
+    tok = char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tiny_model("qwen3_moe", seed=3).save_pretrained(folder / "model")
+    tok.save_pretrained(folder / "model")
+    pd.DataFrame(verl_rows(16, "train", 0)).to_parquet(folder / "train.parquet")
+
+
+def moe_r3_verl(out: Path) -> dict:
+    """verl's R3 keys through ``main_ppo`` at expert parallel 2 (rollout.name=hf): a GRPO step with two mini-batches.
+    Its update would stop on a batch without the rollout's routing (R3 replays it in every pass with gradients)."""
+    from rlflow.config.run import main
+
+    verl = out / "verl_moe"
+    code = main([f"data.train_files={verl}/train.parquet", f"actor_rollout_ref.model.path={verl}/model",
+                 "trainer.device=cpu", "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=megatron",
+                 "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+                 "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+                 "actor_rollout_ref.rollout.enable_rollout_routing_replay=True", "actor_rollout_ref.rollout.name=hf",
+                 "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                 "actor_rollout_ref.rollout.n=2", "data.max_prompt_length=8", "data.max_response_length=4",
+                 f"trainer.default_local_dir={verl}/run", "trainer.logger=[console]", "algorithm.adv_estimator=grpo",
+                 "trainer.val_before_train=false", "trainer.total_training_steps=1", "trainer.save_freq=-1"])
+    return {"code": code}
+
+
+SCENARIOS.update({"moe_rollout_replay": moe_rollout_replay, "moe_r3_verl": moe_r3_verl})

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.skipif(not megatron_available(),
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
-    return fork_launch(2, tmp_path_factory.mktemp("megatron-replay"), ["moe_replay", "moe_rollout_replay"])
+    out = tmp_path_factory.mktemp("megatron-replay")
+    routing_scenarios.verl_moe_inputs(out / "verl_moe")
+    return fork_launch(2, out, ["moe_replay", "moe_rollout_replay", "moe_r3_verl"])
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +68,9 @@ def test_r3_the_trainer_replays_the_rollouts_routing_in_the_old_log_prob_pass_an
     trainer = rollout_replay["trainer"]
     assert trainer["counts"] == {"recorded": 0, "replayed": 32}
     assert all(g > 0 for g in trainer["grad_norm"])
+
+
+def test_verls_r3_keys_train_through_main_ppo(launch, capsys):
+    """actor.megatron.router_replay.mode=R3 with rollout.enable_rollout_routing_replay=True and rollout.name=hf at
+    expert parallel 2: one GRPO step runs (its update stops on a batch without the rollout's routing)."""
+    assert launch["moe_r3_verl"]["code"] == 0
