@@ -31,8 +31,10 @@ def expected_experts(batch: TensorDict, layer: int) -> list[tuple[int, int, Tens
 def moe_rollout_replay(out: Path) -> dict:
     """An HF rollout of a Qwen3-MoE-shaped model records its routing; the Megatron policy (expert parallel 2), its
     routers then changed, scores the rows in another order with gradients: with R3 every routed token goes to the
-    rollout's experts, without replay not. Then two GRPO steps in the Trainer with R3."""
+    rollout's experts, without replay not; at pipeline parallel 2 (no gradients) each stage's layer replays its own
+    part. Then two GRPO steps in the Trainer with R3."""
     import lightning as L
+    import torch.distributed as dist
 
     from rlflow.rollout import HFRollout
     from rlflow.strategies.megatron import MegatronStrategy
@@ -49,33 +51,43 @@ def moe_rollout_replay(out: Path) -> dict:
     order = torch.tensor([4, 0, 5, 2, 1, 3])  # another order of the rows, as a shuffled mini-batch has
     shuffled = batch[order]
     result = {"unrouted": int((batch[K.ROUTED_EXPERTS][..., 0] < 0).sum())}
-    for replay in ("R3", False):
-        fabric = L.Fabric(accelerator="cpu", devices=world,
-                          strategy=MegatronStrategy(expert_parallel=world, router_replay=replay))
+    runs = {"R3": dict(expert_parallel=world, router_replay="R3"), "plain": dict(expert_parallel=world),
+            # pipeline parallel: each stage replays its own layer's routing (the old-log-prob pass, no gradients)
+            "R3_pp": dict(pipeline_parallel=world, router_replay="R3")}
+    for name, options in runs.items():
+        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=MegatronStrategy(**options))
         fabric.launch()
         module = fabric.setup_module(TokenLogProbs(tiny_model("qwen3_moe", seed=3)))
         layers = module._forward_module.lm.gpt.decoder.layers
-        with torch.no_grad():  # the update's weights differ from the rollout's: here, the routers'
-            torch.manual_seed(7)
+        with torch.no_grad():  # the update's weights differ from the rollout's: here, the routers' (the same on
+            torch.manual_seed(7)  # every rank: each stage takes its layers' draws)
+            drawn = [torch.empty_like(layers[0].mlp.router.weight).normal_(0, 0.5) for _ in range(2)]
             for layer in layers:
-                layer.mlp.router.weight.normal_(0, 0.5)
+                layer.mlp.router.weight.copy_(drawn[layer.layer_number - 1])
         seen = []
         hooks = [layer.mlp.router.register_forward_hook(lambda m, a, o: seen.append(o[1].clone())) for layer in layers]
         routing = (shuffled[K.PROMPT_ROUTED_EXPERTS], shuffled[K.ROUTED_EXPERTS])
-        lp, _ = module(shuffled[K.PROMPT_IDS], shuffled[K.PROMPT_MASK], shuffled[K.RESPONSE_IDS],
-                       routed_experts=routing if replay else None)
-        fabric.backward(lp.sum())
+        grad = name != "R3_pp"
+        with torch.set_grad_enabled(grad):
+            lp, _ = module(shuffled[K.PROMPT_IDS], shuffled[K.PROMPT_MASK], shuffled[K.RESPONSE_IDS],
+                           routed_experts=routing if options.get("router_replay") else None)
+        if grad:
+            fabric.backward(lp.sum())
         for h in hooks:
             h.remove()
-        same, tokens = [], 0
-        for layer, routing_map in enumerate(seen):  # (S x B') x experts, as the router saw the tokens
+        mine = {}
+        for layer, routing_map in zip(layers, seen):  # (S x B') x experts, as the router saw the tokens
             chosen = routing_map.view(-1, order.numel(), routing_map.shape[-1])
-            expected = expected_experts(shuffled, layer)
-            tokens += len(expected)
-            same.append(all(set(chosen[pos, row].nonzero().flatten().tolist()) == set(experts.tolist())
-                            for row, pos, experts in expected))
-        result[replay or "plain"] = {"same": same, "tokens": tokens, "grads": any(
-            p.grad is not None and p.grad.abs().sum() > 0 for p in module._forward_module.parameters())}
+            expected = expected_experts(shuffled, layer.layer_number - 1)
+            mine[layer.layer_number - 1] = (len(expected), all(
+                set(chosen[pos, row].nonzero().flatten().tolist()) == set(experts.tolist())
+                for row, pos, experts in expected))
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        merged = dict(sorted({k: v for ranks in everyone for k, v in ranks.items()}.items()))
+        result[name] = {"same": [same for _, same in merged.values()], "tokens": sum(n for n, _ in merged.values()),
+                        "grads": grad and any(p.grad is not None and p.grad.abs().sum() > 0
+                                              for p in module._forward_module.parameters())}
         fabric.strategy.teardown()
     trainer, data, record = build(str(out / "rollout_replay"), MegatronStrategy(expert_parallel=world,
                                   router_replay="R3"), devices=world, kind="qwen3_moe", steps=2, routing=True)

@@ -62,6 +62,13 @@ def test_r3_the_update_routes_every_token_to_the_experts_the_rollout_chose_after
     assert rollout_replay["R3"]["grads"] and rollout_replay["plain"]["grads"]
 
 
+def test_r3_at_pipeline_parallel_each_stage_replays_its_own_layers_routing(rollout_replay):
+    """At pipeline parallel 2 each stage holds one MoE layer: the pass without gradients (the old-log-prob pass)
+    routes every recorded token of each to the rollout's experts for that layer, after the same router change."""
+    assert rollout_replay["R3_pp"]["same"] == [True, True]
+    assert rollout_replay["R3_pp"]["tokens"] == rollout_replay["R3"]["tokens"] > 0
+
+
 def test_r3_the_trainer_replays_the_rollouts_routing_in_the_old_log_prob_pass_and_the_update(rollout_replay):
     """GRPO with two mini-batches per step at expert parallel 2 (8 rows per rank and step): the old-log-prob pass and
     the updates both replay the rollout's routing (8 + 8 rows per step), nothing is recorded."""
