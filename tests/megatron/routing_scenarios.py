@@ -89,14 +89,21 @@ def moe_rollout_replay(out: Path) -> dict:
                         "grads": grad and any(p.grad is not None and p.grad.abs().sum() > 0
                                               for p in module._forward_module.parameters())}
         fabric.strategy.teardown()
-    trainer, data, record = build(str(out / "rollout_replay"), MegatronStrategy(expert_parallel=world,
-                                  router_replay="R3"), devices=world, kind="qwen3_moe", steps=2, routing=True)
-    trainer.fit(data)
-    result["trainer"] = {"counts": trainer.policy.module._forward_module.lm.routing_replay.counts,
-                         "grad_norm": [record.steps[s]["metrics"]["actor/grad_norm"] for s in (1, 2)]
-                         if record.steps else None}
-    trainer.fabric.strategy.teardown()
+    result["trainer"] = replay_steps(out / "rollout_replay", MegatronStrategy(expert_parallel=world,
+                                     router_replay="R3"), routing=True)
     return result
+
+
+def replay_steps(folder: Path, strategy, routing: bool = False) -> dict:
+    """Two GRPO steps of the Qwen3-MoE-shaped model in the Trainer (two mini-batches per step, so the second update
+    runs on weights the first changed): the policy's routing-replay counts and the gradient norms."""
+    trainer, data, record = build(str(folder), strategy, devices=world_size(), kind="qwen3_moe", steps=2,
+                                  routing=routing)
+    trainer.fit(data)
+    out = {"counts": trainer.policy.module._forward_module.lm.routing_replay.counts,
+           "grad_norm": [record.steps[s]["metrics"]["actor/grad_norm"] for s in (1, 2)] if record.steps else None}
+    trainer.fabric.strategy.teardown()
+    return out
 
 
 def verl_moe_inputs(folder: Path) -> None:
