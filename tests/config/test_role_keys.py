@@ -153,13 +153,24 @@ def test_freeze_vision_tower_on_a_text_model_is_a_note(tiny):
     (f"{M}.mtp.enable=true", "multi-token prediction"),
     (f"{R}.disaggregation.enabled=true", "prefill/decode disaggregation"),
     (f"{R}.quantization=fp8", "quantized rollouts"),
-    (f"{R}.enable_rollout_routing_replay=true", "MoE routing replay"),
 ])
 def test_keys_that_would_change_the_run_are_refused_naming_the_feature(tiny, override, feature):
     with pytest.raises(ConfigError) as e:  # a NotSupportedError (more than one when others interpolate the key)
         make_plan(load_config(tiny + [override]))
     key = override.split("=")[0]
     assert f"{key}=" in str(e.value) and f"{feature}" in str(e.value) and "not supported" in str(e.value)
+
+
+def test_rollout_routing_is_recorded_by_the_hf_rollout_and_refused_for_a_server(tiny):
+    """enable_rollout_routing_replay (verl's R3, the rollout's side): HFRollout records the routed experts; a server
+    rollout cannot return them, refused naming the feature (tests/megatron/test_verl_keys.py: vLLM's reason)."""
+    hf = make_plan(load_config(tiny + [f"{R}.enable_rollout_routing_replay=true", f"{R}.name=hf"]))
+    assert hf.rollout_cls.__name__ == "HFRollout" and hf.rollout_kwargs["return_routed_experts"]
+    assert any(n.startswith(f"{R}.enable_rollout_routing_replay=True: the rollout records") for n in hf.notes)
+    with pytest.raises(ConfigError, match=f"{R}.enable_rollout_routing_replay=True: MoE routing replay from the "
+                                          "rollout with ServerRollout .* not supported"):
+        make_plan(load_config(tiny + [f"{R}.enable_rollout_routing_replay=true", f"{R}.name=vllm",
+                                      f"{R}.server.url=http://127.0.0.1:9"]))
 
 
 @pytest.mark.parametrize("override, reason", [

@@ -15,7 +15,8 @@ import torch
 
 from rlflow.models.logprobs import TokenLogProbs
 
-from .worker import SCENARIOS, build, lora_config, run_training, tiny_model, world_size
+from .routing_scenarios import replay_steps
+from .worker import SCENARIOS, lora_config, run_training, tiny_model, world_size
 
 
 def lora_tp(out: Path) -> dict:
@@ -158,14 +159,7 @@ def moe_replay(out: Path) -> dict:
         result["replay" if replay else "plain"] = {"same": same, "old": old, "grads": any(
             p.grad is not None and p.grad.abs().sum() > 0 for p in module._forward_module.parameters())}
         fabric.strategy.teardown()
-    # in the Trainer: GRPO with two mini-batches per step, so the second update runs on weights the first changed
-    trainer, data, record = build(str(out / "replay"), MegatronStrategy(expert_parallel=world, router_replay=True),
-                                  devices=world, kind="qwen3_moe", steps=2)
-    trainer.fit(data)
-    result["trainer"] = {"counts": trainer.policy.module._forward_module.lm.routing_replay.counts,
-                         "grad_norm": [record.steps[s]["metrics"]["actor/grad_norm"] for s in (1, 2)]
-                         if record.steps else None}
-    trainer.fabric.strategy.teardown()
+    result["trainer"] = replay_steps(out / "replay", MegatronStrategy(expert_parallel=world, router_replay=True))
     return result
 
 

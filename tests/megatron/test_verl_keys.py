@@ -3,6 +3,7 @@
 Nothing here starts megatron-core (these run without it installed).
 """
 
+import importlib.util
 import re
 
 import pandas as pd
@@ -207,21 +208,32 @@ def test_dist_checkpoint_keys_name_the_folders_each_role_starts_from(tmp_path):
             plan(f"{A}.strategy=megatron", *overrides)
 
 
-def test_router_replay_r2_is_the_strategys_and_r3_is_refused_naming_what_is_missing():
-    """verl's megatron.router_replay.mode: R2 turns on MegatronStrategy(router_replay=True) (tests/megatron/
-    test_router_replay.py runs it); R3 and the rollout's enable_rollout_routing_replay need the generation engine's
-    routed experts, which rlflow's engines do not return: refused, saying so."""
-    RR = f"{A}.megatron.router_replay"
+def test_router_replay_r2_and_r3_are_the_strategys_and_r3_takes_the_routing_from_an_hf_rollout():
+    """verl's megatron.router_replay.mode: R2 turns on MegatronStrategy(router_replay="R2"); R3 with the rollout's
+    enable_rollout_routing_replay (as verl's scripts set both) turns on router_replay="R3" and an HFRollout that
+    records the routed experts (tests/megatron/test_router_replay.py runs both). vLLM cannot return them here:
+    refused, saying why; R3 without the rollout's recording is an error naming the key to set."""
+    RR, ROLL = f"{A}.megatron.router_replay", "actor_rollout_ref.rollout"
     on = plan(f"{A}.strategy=megatron", f"{RR}.mode=R2", f"{RR}.record_file=/tmp/r")
-    assert on.trainer_kwargs["strategy"].router_replay and "router_replay=True" in repr(on.trainer_kwargs["strategy"])
+    assert on.trainer_kwargs["strategy"].router_replay == "R2"
+    assert "router_replay='R2'" in repr(on.trainer_kwargs["strategy"])
     assert any(n.startswith(f"{RR}.mode=R2: the policy's updates route") for n in on.notes)
     assert any(n.startswith(f"{RR}.record_file has no effect") for n in on.notes)
     assert not plan(f"{A}.strategy=megatron").trainer_kwargs["strategy"].router_replay
-    with pytest.raises(NotSupportedError, match=f"{RR}.mode='R3': MoE routing replay from the rollout .* do not "
-                                                "return them yet"):
-        plan(f"{A}.strategy=megatron", f"{RR}.mode=R3")
-    with pytest.raises(ConfigError, match="MoE routing replay from the rollout .*verl's R3"):
-        plan(f"{A}.strategy=megatron", f"{RR}.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+    r3 = plan(f"{A}.strategy=megatron", f"{RR}.mode=R3", f"{ROLL}.enable_rollout_routing_replay=true", f"{ROLL}.name=hf")
+    assert r3.trainer_kwargs["strategy"].router_replay == "R3"
+    assert r3.rollout_cls.__name__ == "HFRollout" and r3.rollout_kwargs["return_routed_experts"]
+    assert any(n.startswith(f"{RR}.mode=R3: every pass of the policy routes") for n in r3.notes)
+    with pytest.raises(ConfigError, match=f"{RR}.mode=R3 replays the routing the rollout recorded: set "
+                                          f"{ROLL}.enable_rollout_routing_replay=True"):
+        plan(f"{A}.strategy=megatron", f"{RR}.mode=R3", f"{ROLL}.name=hf")
+    recorded_only = plan(f"{A}.strategy=megatron", f"{ROLL}.enable_rollout_routing_replay=true", f"{ROLL}.name=hf")
+    assert any("recorded but not replayed" in n for n in recorded_only.notes)
+    if importlib.util.find_spec("vllm") is not None:
+        with pytest.raises(NotSupportedError, match="MoE routing replay from the rollout with VLLMRollout .*Model "
+                                                    "Runner V2, which needs Triton"):
+            plan(f"{A}.strategy=megatron", f"{RR}.mode=R3", f"{ROLL}.enable_rollout_routing_replay=true",
+                 f"{ROLL}.name=vllm")
     with pytest.raises(ConfigError, match="choose disabled, R2 or R3"):
         plan(f"{A}.strategy=megatron", f"{RR}.mode=R4")
 

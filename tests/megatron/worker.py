@@ -113,16 +113,18 @@ def lora_config(**kw):
 
 
 def build(out, strategy, steps=STEPS, resume=None, devices=1, kind="qwen2", save=False, mini_batches=2, critic=False,
-          accelerator="cpu", rm=False, lora=False, critic_lora=False):
+          accelerator="cpu", rm=False, lora=False, critic_lora=False, routing=False):
     """A GRPO Trainer on the addition task. ``mini_batches`` per RL step: with data parallelism a mini-batch is
     the union of every rank's k-th slice, so runs are only comparable across data-parallel sizes with 1.
-    ``critic``: PPO with GAE and a critic (a second tiny model) instead of GRPO. ``rm``: a reward model scores."""
+    ``critic``: PPO with GAE and a critic (a second tiny model) instead of GRPO. ``rm``: a reward model scores.
+    ``routing``: the rollout records the MoE experts it routes each token to (R3)."""
     model = tiny_model(kind)
     tok = char_tokenizer()
     train, _, _ = AdditionTask().splits()
     record = Record()
     trainer = Trainer(
-        policy=Policy(model, tok, lora=lora_config() if lora else None), rollout=SeededSampling(n=4, max_new_tokens=5, temperature=1.0),
+        policy=Policy(model, tok, lora=lora_config() if lora else None), rollout=SeededSampling(n=4, max_new_tokens=5, temperature=1.0,
+                                                                                      return_routed_experts=routing),
         reward=reward_model(tok) if rm else FunctionReward(varied),
         estimator=GAE(gamma=1.0, lam=0.95) if critic else GRPO(),
         loss=PPOLoss(kl_coef=0.05, entropy_coef=0.01),

@@ -29,6 +29,10 @@ POLICY_VERSION = "policy_version"  # B, int64: the weight version that sampled t
 # of its tokens' versions when a partial rollout spans several)
 POLICY_VERSION_MAX = "policy_version_max"  # B, int64: the newest version among the row's tokens (partial rollouts)
 TOKEN_POLICY_VERSION = "token_policy_version"  # B x R, int64: the version that sampled each token (-1 on padding)
+# MoE routing replay from the rollout (verl's R3): the experts each token was routed to while it was generated, per MoE
+# layer (L of them, in model order), k per token; -1 where the engine routed nothing (padding, the last token)
+PROMPT_ROUTED_EXPERTS = "prompt_routed_experts"  # B x P x L x k, int16, aligned with prompt_ids
+ROUTED_EXPERTS = "routed_experts"  # B x R x L x k, int16, aligned with response_ids
 
 # written by an agent (multi-turn) rollout (rlflow.rollout.agent)
 NUM_TURNS = "num_turns"  # B, int64: assistant turns + tool/user turns + 1, as verl counts them

@@ -41,6 +41,10 @@ class TokenLogProbs(nn.Module):
     :meth:`sequence_parallel` splits each packed row over a process group (``rlflow.models.ulysses``).
     """
 
+    #: whether the module the strategy made of this one takes the rollout's MoE routing (``routed_experts``, R3):
+    #: set by ``MegatronStrategy(router_replay="R3")``; transformers' MoE blocks take no given routing
+    replays_rollout_routing = False
+
     def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_tokens: int | None = None,
                  remove_padding: bool = False, pack_length: int | None = None, share_prompts: bool = True):
         super().__init__()

@@ -178,6 +178,8 @@ class Policy(BatchModule):
         extra = {} if topk_ids is None else {"topk_ids": topk_ids}
         if K.MULTI_MODAL_INPUTS in batch.keys():
             extra["multi_modal"] = per_row(batch, K.MULTI_MODAL_INPUTS)
+        if K.ROUTED_EXPERTS in batch.keys() and getattr(self.module, "replays_rollout_routing", False):
+            extra["routed_experts"] = (batch[K.PROMPT_ROUTED_EXPERTS], batch[K.ROUTED_EXPERTS])  # MoE replay (R3)
         mask = (batch.get(K.RESPONSE_MASK, None),) if self.remove_padding else ()
         with offloaded_activations(self.activation_offload):
             return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS], *mask, **extra)

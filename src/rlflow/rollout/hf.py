@@ -34,8 +34,9 @@ class HFRollout(SingleTurnRollout):
     def __init__(self, n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  max_new_tokens: int = 512, do_sample: bool = True, seed: int | None = None,
                  stop_token_ids: tuple[int, ...] = (), bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 cache_implementation: str | None = None, compile: bool = False, ignore_eos: bool = False):
+                 cache_implementation: str | None = None, compile: bool = False, ignore_eos: bool = False,
+                 return_routed_experts: bool = False):
         super().__init__(HFEngine(cache_implementation=cache_implementation, compile=compile), n,
                          temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                          do_sample=do_sample, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                         bucket_bytes=bucket_bytes)
+                         return_routed_experts=return_routed_experts, bucket_bytes=bucket_bytes)

@@ -54,6 +54,9 @@ class SingleTurnRollout(BatchModule):
         seed: seeds each call's sampling (``None``: the engine's random stream).
         stop_token_ids: tokens that end a response besides the tokenizer's EOS.
         ignore_eos: generation goes on past EOS (engines with ``supports_ignore_eos``).
+        return_routed_experts: also write the MoE experts each token was routed to while it was generated
+            (``prompt_routed_experts``, ``routed_experts``; engines with ``returns_routed_experts``): what
+            ``MegatronStrategy(router_replay="R3")`` replays.
         sampling: all of the options above at once, as :class:`SamplingParams` (then give none of them).
         bucket_bytes: the most bytes of weights sent to the engine in one piece (``sync_weights``).
 
@@ -81,14 +84,16 @@ class SingleTurnRollout(BatchModule):
     seed = sampling_option("seed")
     stop_token_ids = sampling_option("stop_token_ids")
     ignore_eos = sampling_option("ignore_eos")
+    return_routed_experts = sampling_option("return_routed_experts")
 
     def __init__(self, engine: Engine | None = None, n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = -1, max_new_tokens: int = 512, do_sample: bool = True, seed: int | None = None,
-                 stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
+                 stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False, return_routed_experts: bool = False,
                  sampling: SamplingParams | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         options = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
                                  max_new_tokens=max_new_tokens, greedy=not do_sample, seed=seed,
-                                 stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
+                                 stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+                                 return_routed_experts=return_routed_experts)
         if sampling is not None and options != SamplingParams():
             raise TypeError("SingleTurnRollout: give the sampling options either as sampling=SamplingParams(...) "
                             "or as keywords (n=..., temperature=...), not both")
@@ -118,6 +123,9 @@ class SingleTurnRollout(BatchModule):
         """:attr:`sampling`, checked against the engine (``ignore_eos`` needs an engine that supports it)."""
         if self.sampling.ignore_eos and self.engine is not None and not self.engine.supports_ignore_eos:
             raise ValueError(f"ignore_eos: {type(self.engine).__name__} cannot generate past EOS here")
+        if self.sampling.return_routed_experts and self.engine is not None and not self.engine.returns_routed_experts:
+            raise NotImplementedError(f"return_routed_experts (MoE routing replay from the rollout, verl's R3): "
+                                      f"{type(self.engine).__name__}: {self.engine.routed_experts_refusal}")
         return self.sampling
 
     # ------------------------------------------------------------------ engine and weights
@@ -210,18 +218,23 @@ class SingleTurnRollout(BatchModule):
     def samples(self, batch: TensorDict, completions: list[list[Completion]]) -> TensorDict:
         """Lay out the engine's completions (``n`` per prompt of ``batch``) as the rollout's batch."""
         flat = [c for per_prompt in completions for c in per_prompt]
-        return self.laid_out(batch, padded_completions(flat, self.tokenizer.pad_token_id))
+        sampled = padded_completions(flat, self.tokenizer.pad_token_id)
+        if self.return_routed_experts:
+            sampled += padded_routing(flat, batch.get(K.PROMPT_MASK).repeat_interleave(self.n, 0), sampled[0].shape[1])
+        return self.laid_out(batch, sampled)
 
-    def laid_out(self, batch: TensorDict, sampled: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> TensorDict:
-        """``batch``'s prompt rows repeated ``n`` times with the sampled ``(response_ids, response_mask, log_probs)``,
-        group ids and text."""
+    def laid_out(self, batch: TensorDict, sampled: tuple[torch.Tensor, ...]) -> TensorDict:
+        """``batch``'s prompt rows repeated ``n`` times with the sampled ``(response_ids, response_mask, log_probs)``
+        (and with ``return_routed_experts`` the prompt's and the response's routing), group ids and text."""
         num_prompts, ids = batch.batch_size[0], batch.get(K.PROMPT_IDS)
-        response, response_mask, log_probs = (t.to(ids.device) for t in sampled)
+        response, response_mask, log_probs, *routing = (t.to(ids.device) for t in sampled)
         # shallow: tensordict's clone(False) rebuilds every non-tensor row; repeat_interleave shares them
         batch = repeat_interleave(batch, self.n) if self.n > 1 else shallow_copy(batch)
         batch[K.RESPONSE_IDS] = response
         batch[K.RESPONSE_MASK] = response_mask
         batch[K.ROLLOUT_LOG_PROBS] = log_probs
+        if routing:
+            batch[K.PROMPT_ROUTED_EXPERTS], batch[K.ROUTED_EXPERTS] = routing
         batch[K.GROUP] = torch.arange(num_prompts, device=ids.device).repeat_interleave(self.n)
         batch[K.RESPONSE_TEXT] = stack(self.tokenizer.batch_decode(response.cpu(), skip_special_tokens=True))
         return batch
@@ -239,6 +252,21 @@ def padded_completions(completions: list[Completion], pad: int) -> tuple[torch.T
         response_mask[row, :length] = 1
         log_probs[row, :length] = torch.tensor(c.log_probs, dtype=torch.float32)
     return response, response_mask, log_probs
+
+
+def padded_routing(completions: list[Completion], prompt_mask: torch.Tensor, R: int) -> tuple[torch.Tensor, ...]:
+    """The completions' ``routed_experts`` (real prompt tokens, then the completion's) -> the prompt's routing
+    ``[N, P, L, k]`` aligned with the left-padded prompts and the response's ``[N, R, L, k]``, -1 on padding."""
+    if any("routed_experts" not in c.extras for c in completions):
+        raise RuntimeError("return_routed_experts: the engine returned completions without routed_experts")
+    first = completions[0].extras["routed_experts"]
+    prompt = torch.full((len(completions), prompt_mask.shape[1], *first.shape[1:]), -1, dtype=torch.int16)
+    response = torch.full((len(completions), R, *first.shape[1:]), -1, dtype=torch.int16)
+    for row, (c, real) in enumerate(zip(completions, prompt_mask.bool().cpu())):
+        routing, p = torch.as_tensor(c.extras["routed_experts"], dtype=torch.int16), int(real.sum())
+        prompt[row, real] = routing[:p]
+        response[row, : len(routing) - p] = routing[p:]
+    return prompt, response
 
 
 def multi_modal_prompts(batch: TensorDict) -> list[MultiModalPrompt | None] | None:

@@ -11,7 +11,8 @@ from tensordict import TensorDict
 from rlflow.data import keys as K
 from rlflow.module import BatchModule
 
-LEFT_PADDED = (K.PROMPT_IDS, K.PROMPT_MASK)
+LEFT_PADDED = (K.PROMPT_IDS, K.PROMPT_MASK, K.PROMPT_ROUTED_EXPERTS)
+ROUTING = (K.PROMPT_ROUTED_EXPERTS, K.ROUTED_EXPERTS)  # padded with -1: no expert
 
 
 class RolloutWrapper(BatchModule):
@@ -60,7 +61,7 @@ def cat_batches(batches: Sequence[TensorDict], pad_token_id: int) -> TensorDict:
     """Concatenate batches along rows, padding 2-D tensors to a common width first.
 
     Prompt ids/mask are padded on the left (they are left-padded), every other ``[B, X]`` tensor
-    on the right; ids get ``pad_token_id``, everything else 0. All batches must have the same keys.
+    on the right; ids get ``pad_token_id``, routed experts -1, everything else 0. All batches must have the same keys.
     The result carries no TensorDict device tag (its tensors stay where they were).
     """
     keys = [set(b.keys()) for b in batches]
@@ -77,7 +78,7 @@ def cat_batches(batches: Sequence[TensorDict], pad_token_id: int) -> TensorDict:
             width = max(other.get(key).shape[1] for other in batches)
             gap = width - value.shape[1]
             if gap:
-                fill = pad_token_id if key in (K.PROMPT_IDS, K.RESPONSE_IDS) else 0
+                fill = pad_token_id if key in (K.PROMPT_IDS, K.RESPONSE_IDS) else -1 if key in ROUTING else 0
                 pad = (0, 0) * (value.dim() - 2) + ((gap, 0) if key in LEFT_PADDED else (0, gap))
                 b.set(key, nnF.pad(value, pad, value=fill))
         padded.append(b)

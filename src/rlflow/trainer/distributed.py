@@ -32,11 +32,13 @@ def global_sum(fabric, value: torch.Tensor) -> torch.Tensor:
 
 
 def all_gather(tensor: torch.Tensor) -> torch.Tensor:
-    """``world x ...``: every rank's ``tensor`` (same shape everywhere), one collective, no autograd."""
-    world, flat = dist.get_world_size(), tensor.contiguous().reshape(-1)
+    """``world x ...``: every rank's ``tensor`` (same shape everywhere), one collective, no autograd. Bool and
+    int16 tensors travel as uint8 and int32 (gloo gathers neither)."""
+    carried = {torch.bool: torch.uint8, torch.int16: torch.int32}.get(tensor.dtype, tensor.dtype)
+    world, flat = dist.get_world_size(), tensor.contiguous().reshape(-1).to(carried)
     out = flat.new_empty(world * flat.numel())  # a flat output: what every backend accepts
     dist.all_gather_into_tensor(out, flat)
-    return out.view(world, *tensor.shape)
+    return out.view(world, *tensor.shape).to(tensor.dtype)
 
 
 def reduce_metrics(fabric, metrics: dict[str, float]) -> dict[str, float]:
@@ -106,7 +108,7 @@ def gather_in_group(batch: TensorDict, group) -> TensorDict:
 
 
 # ---------------------------------------------------------------- balancing tokens across ranks
-PROMPT_ALIGNED = (K.PROMPT_IDS, K.PROMPT_MASK)
+PROMPT_ALIGNED = (K.PROMPT_IDS, K.PROMPT_MASK, K.PROMPT_ROUTED_EXPERTS)
 
 
 def partition_equal_counts(lengths: list[int], parts: int) -> list[list[int]]:
@@ -126,11 +128,13 @@ def partition_equal_counts(lengths: list[int], parts: int) -> list[list[int]]:
 
 
 def _pad_response_aligned(batch: TensorDict, length: int) -> TensorDict:
-    """Right-pad every per-token tensor (``B x R x ...``; prompt tensors excluded) to ``R = length`` with zeros."""
+    """Right-pad every per-token tensor (``B x R x ...``; prompt tensors excluded) to ``R = length`` with zeros
+    (routed experts with -1: none)."""
     out = batch.clone(False)
     for key, value in batch.items():
         if type(value) is torch.Tensor and value.ndim >= 2 and key not in PROMPT_ALIGNED and value.shape[1] < length:
-            pad = value.new_zeros((value.shape[0], length - value.shape[1], *value.shape[2:]))
+            fill = -1 if key == K.ROUTED_EXPERTS else 0
+            pad = value.new_full((value.shape[0], length - value.shape[1], *value.shape[2:]), fill)
             out.set(key, torch.cat([value, pad], dim=1))
     return out
 
@@ -154,9 +158,8 @@ def balance_tokens(batch: TensorDict, fabric, dp_rank: int, dp_size: int, sp_siz
     tensors = _pad_response_aligned(batch.select(*[k for k, v in batch.items() if type(v) is torch.Tensor]),
                                     int(longest))
     gathered = {}
-    for key, value in tensors.items():  # world x n x ...; bool as uint8 (not every backend gathers bool)
-        out = all_gather(value.to(torch.uint8) if value.dtype == torch.bool else value)
-        out = (out.bool() if value.dtype == torch.bool else out)[::sp_size]  # one copy per SP group
+    for key, value in tensors.items():  # world x n x ...
+        out = all_gather(value)[::sp_size]  # one copy per SP group
         gathered[key] = out.reshape(dp_size, mini_batches, n // mini_batches, *value.shape[1:])
     everyone = TensorDict(gathered, batch_size=[dp_size, mini_batches, n // mini_batches], device=batch.device)
     vision = None

@@ -120,7 +120,8 @@ ROLE_INERT: dict[str, str] = {
     f"{ROLL}.multi_turn.num_repeat_rollouts": "verl 0.9.1 itself never reads it; samples per prompt are rollout.n",
     **{f"{r}.profiler.*": "profiling is not supported yet" for r in (ACT, f"{AR}.ref", ROLL, "critic")},
     f"{ROLL}.skip_tokenizer_init": "rlflow's vLLM engine always starts with skip_tokenizer_init=True (token ids in and out)",
-    f"{ROLL}.moe_load_balance_metrics_interval": "only used with enable_rollout_routing_replay, which rlflow refuses",
+    f"{ROLL}.moe_load_balance_metrics_interval": ("verl's MoE load-balance metrics of the rollout's routing: rlflow "
+                                                  "logs none"),
     f"{ROLL}.prometheus.*": ("rlflow exports no Prometheus metrics of its rollout engine; its metrics go to "
                              "trainer.logger"),
     f"{ROLL}.quantization_config_file": "only used with rollout.quantization, which rlflow refuses",
@@ -140,16 +141,15 @@ ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     **{f"{r}.optim.use_precision_aware_optimizer": ("Megatron's precision-aware optimizer (low-precision gradients "
                                                     "and Adam states)", _truthy) for r in _ROLES},
     "*.qat.enable": ("quantization-aware training (qat.enable)", _truthy),
-    "*.mtp.enable": ("multi-token prediction (mtp.enable: a model's MTP layers trained beside it, verl's enable_train, "
-                     "and used as the draft of speculative decoding, enable_rollout; rlflow's Megatron conversion builds "
-                     "no MTP layers (megatron-core's MultiTokenPredictionBlock) and maps no MTP weights, and its "
-                     "engines do not decode speculatively)", _truthy),
+    "*.mtp.enable": ("multi-token prediction (mtp.enable: verl builds megatron-core's MTP block from the checkpoint's "
+                     "MTP layers; enable_train adds mtp_loss_scaling_factor x their loss to the actor's, enable_rollout "
+                     "drafts speculative decoding with them. rlflow's Megatron conversion starts from the transformers "
+                     "model, which for the architectures it converts holds no MTP layers (MiMo-7B's are remote code), "
+                     "so there are no MTP weights to convert or sync, its log-prob head adds no MTP loss, and its "
+                     "engines do not decode speculatively; megatron-core 0.16.1's MTP block itself runs on CPU "
+                     "processes)", _truthy),
     f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation)", _truthy),
     f"{ROLL}.quantization": ("quantized rollouts (rollout.quantization)", _truthy),
-    f"{ROLL}.enable_rollout_routing_replay": ("MoE routing replay from the rollout (enable_rollout_routing_replay: the "
-                                              "experts the generation engine routed to, verl's R3; rlflow replays the "
-                                              "old-log-prob pass's routing: actor.megatron.router_replay.mode=R2)",
-                                              _truthy),
     "critic.model.use_liger": ("Liger kernels", _truthy),
 }
 

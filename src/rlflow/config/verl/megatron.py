@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 A = "actor_rollout_ref.actor"
 M = f"{A}.megatron"
+ROLL = "actor_rollout_ref.rollout"
 SIZES = {  # ParallelLayout field -> verl key under megatron
     "tensor": "tensor_model_parallel_size", "pipeline": "pipeline_model_parallel_size",
     "context": "context_parallel_size", "expert": "expert_model_parallel_size",
@@ -116,25 +117,31 @@ def _notes(cfg: VerlConfig, notes: list[str], on_cpu: bool, layout: ParallelLayo
     return overrides
 
 
-def router_replay(cfg: VerlConfig, notes: list[str]) -> bool:
-    """``megatron.router_replay.mode``: ``R2`` -> ``MegatronStrategy(router_replay=True)`` (the update replays the routing
-    of the old-log-prob pass); ``R3`` (the rollout engine's routing) is refused: rlflow's engines do not return it."""
-    key = f"{M}.router_replay"
+def router_replay(cfg: VerlConfig, notes: list[str]) -> str | bool:
+    """``megatron.router_replay.mode`` -> ``MegatronStrategy(router_replay=...)``: ``R2`` (the update replays the
+    routing of the old-log-prob pass) or ``R3`` (every pass replays the routing the rollout recorded, which needs
+    ``rollout.enable_rollout_routing_replay=True``: verl's scripts set both); ``False`` when disabled."""
+    key, recorded = f"{M}.router_replay", f"{ROLL}.enable_rollout_routing_replay"
     mode = cfg[f"{key}.mode"]
     if cfg[f"{key}.replay_file"]:
         raise NotSupportedError(f"{key}.replay_file", cfg[f"{key}.replay_file"], "MoE routing replay from a file")
     if cfg[f"{key}.record_file"]:
         notes.append(f"{key}.record_file has no effect: rlflow keeps the recorded routing in memory")
-    if mode == "R3":
-        raise NotSupportedError(f"{key}.mode", mode, "MoE routing replay from the rollout (R3: the routed experts "
-                                "the generation engine chose)", "rlflow's engines do not return them yet; "
-                                f"{key}.mode=R2 replays the routing of the old-log-prob pass.")
-    if mode not in (None, "disabled", "R2"):
+    if mode not in (None, "disabled", "R2", "R3"):
         raise ConfigError(f"{key}.mode={mode!r}: choose disabled, R2 or R3")
+    if mode == "R3" and not cfg[recorded]:
+        raise ConfigError(f"{key}.mode=R3 replays the routing the rollout recorded: set {recorded}=True (as verl's "
+                          f"scripts do), or {key}.mode=R2 for the old-log-prob pass's routing")
+    if mode != "R3" and cfg[recorded]:
+        notes.append(f"{recorded}=True: the rollout's routing is recorded but not replayed ({key}.mode={mode!r}; R3 "
+                     "replays it)")
     if mode == "R2":
         notes.append(f"{key}.mode=R2: the policy's updates route each token to the experts its old-log-prob pass chose "
                      "(no effect on a model without MoE layers)")
-    return mode == "R2"
+    if mode == "R3":
+        notes.append(f"{key}.mode=R3: every pass of the policy routes each token to the experts the rollout routed it "
+                     "to (no effect on a model without MoE layers)")
+    return mode if mode in ("R2", "R3") else False
 
 
 def _lora(cfg: VerlConfig) -> bool:

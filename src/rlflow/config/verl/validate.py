@@ -324,6 +324,25 @@ def rollout_engine_available(ctx: Context) -> None:
 
 
 @cross_check
+def rollout_routing(ctx: Context) -> None:
+    """MoE routing replay from the rollout (verl's R3) needs an engine that returns the routed experts: HFRollout's."""
+    key, name, server = f"{R}.enable_rollout_routing_replay", ctx.get(f"{R}.name"), ctx.get(f"{R}.server.url")
+    if not ctx.get(key) or (name == "hf" and not server) or name not in tables.ROLLOUT_ENGINES:
+        return
+    cls_name = tables.SERVER_ROLLOUTS.get(name, name) if server else tables.ROLLOUT_ENGINES[name][1]
+    why = (VLLM_ROUTING if name == "vllm" and not server else
+           f"{cls_name}'s engine does not return the routed experts")
+    ctx.add(NotSupportedError(key, True, f"MoE routing replay from the rollout with {cls_name} (verl's R3)",
+                              f"{why}. {R}.name=hf records them (HFRollout(return_routed_experts=True)); "
+                              f"{A}.megatron.router_replay.mode=R2 replays the old-log-prob pass's routing instead."))
+
+
+VLLM_ROUTING = ("vLLM 0.32 returns routed experts (enable_return_routed_experts) only from its Model Runner V2, which "
+                "needs Triton: its CPU build has none and refuses the option ('AuxOutput Connector requires Model "
+                "Runner V2'), and rlflow does not wire the GPU path yet")
+
+
+@cross_check
 def sequence_parallel(ctx: Context) -> None:
     keys = sequence_parallel_keys(ctx.get, ctx.cfg.is_provided, ctx.with_critic)  # verl 0.9: or the engine's key
     sizes = {k: ctx.get(k) for k in keys}

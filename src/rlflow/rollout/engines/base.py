@@ -46,6 +46,8 @@ class SamplingParams:
         stop_token_ids: tokens that end a completion besides the tokenizer's EOS (included in the completion).
         ignore_eos: EOS does not end a completion (it runs to ``max_new_tokens`` or a ``stop_token_ids`` token),
             as vLLM's ``ignore_eos``; engines that cannot (``supports_ignore_eos`` false) refuse it.
+        return_routed_experts: record the MoE experts each token is routed to while it is generated (MoE routing
+            replay from the rollout, verl's R3); engines that cannot (``returns_routed_experts`` false) refuse it.
     """
 
     n: int = 1
@@ -57,6 +59,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         if self.n < 1:
@@ -104,7 +107,9 @@ class Completion:
         token_ids: the generated tokens, the stop/EOS token included when it ended the completion.
         log_probs: the sampler's log-prob of each token (see the module docstring), ``len(token_ids)`` floats.
         finish_reason: ``"stop"`` (a stop/EOS token) or ``"length"`` (``max_new_tokens`` reached).
-        extras: anything else an engine reports (e.g. ``policy_version`` for asynchronous rollouts).
+        extras: anything else an engine reports (e.g. ``policy_version`` for asynchronous rollouts;
+            ``routed_experts``, ``[prompt + completion tokens, MoE layers, k]`` int16, with
+            ``SamplingParams(return_routed_experts=True)``: -1 where nothing was routed).
     """
 
     token_ids: list[int]
@@ -134,6 +139,10 @@ class Engine:
     accepts_images: bool = False
     #: True when :class:`SamplingParams` ``ignore_eos`` is honoured (generation past EOS).
     supports_ignore_eos: bool = False
+    #: True when :class:`SamplingParams` ``return_routed_experts`` is honoured; else ``routed_experts_refusal``
+    #: says why not
+    returns_routed_experts: bool = False
+    routed_experts_refusal: str = "this engine does not record the experts it routes tokens to"
     #: True when the engine samples in another process of its own (a server): asynchronous rollouts drive it
     #: from a thread instead of starting it in a child process.
     remote: bool = False

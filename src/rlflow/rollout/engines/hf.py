@@ -9,6 +9,7 @@ the same (same logits up to float rounding, same random draws).
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +27,7 @@ from transformers import (
 from rlflow.models.shared_prompt import cache_argument, can_share, distinct_prompts, prompt_cache
 from rlflow.models.vision import concat_inputs, generation_inputs
 from rlflow.rollout.engines.base import Completion, Engine, MultiModalPrompt, SamplingParams, WeightBuckets, counted
+from rlflow.rollout.engines.routing import RoutingRecorder
 
 
 class _RecordLogProbs(LogitsProcessor):
@@ -104,10 +106,14 @@ class HFEngine(Engine):
 
     Image-text-to-text models take images: each prompt's processor tensors are concatenated in row order
     (``rlflow.models.vision``) and ``generate`` derives the 3-D rotary positions from them.
+
+    ``SamplingParams(return_routed_experts=True)`` records the experts every MoE layer routes each token to
+    (:class:`~rlflow.rollout.engines.routing.RoutingRecorder`; the prompt's prefill is then not shared).
     """
 
     accepts_images = True
     supports_ignore_eos = True
+    returns_routed_experts = True
 
     def __init__(self, model: nn.Module | None = None, tokenizer=None, *, cache_implementation: str | None = None,
                  compile: bool = False):
@@ -149,13 +155,17 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def generate_padded(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
-                        vision_inputs: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+                        vision_inputs: dict[str, Tensor] | None = None,
+                        routing: RoutingRecorder | None = None) -> tuple[Tensor, Tensor]:
         """The tensor form: left-padded ``[N, P]`` prompts (one row per sample) -> ``(sequences[:, P:], log_probs)``,
         both ``[N, R]``; rows that stopped early are padded (ids with the pad id, log-probs with 0 from ``R``).
 
         ``vision_inputs``: the rows' processor tensors, concatenated in row order (``rlflow.models.vision``).
         Rows with the same prompt (a prompt's samples) share its prefill (:func:`shared_prefill`; not with
-        images, a static cache or compiled decoding)."""
+        images, a static cache, compiled decoding or a ``routing`` recorder, which records every row's routing)."""
+        if routing is not None and self.compile:
+            raise ValueError("HFEngine(compile=True) cannot record the routed experts (return_routed_experts): the "
+                             "compiled decoding step runs no hooks")
         stops = self.stops(params)
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=not params.greedy,
@@ -178,10 +188,12 @@ class HFEngine(Engine):
                     extra = generation_inputs(self.model, prompt_ids, vision_inputs)
                 else:
                     static = self.cache_implementation is not None  # a preallocated cache of transformers' own
-                    cache = None if static else shared_prefill(self.model, prompt_ids, prompt_mask)
+                    shared = not static and routing is None
+                    cache = shared_prefill(self.model, prompt_ids, prompt_mask) if shared else None
                     extra = {cache_argument(self.model): cache} if cache is not None else {}
-                sequences = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                                generation_config=config, logits_processor=procs, **extra)
+                with routing if routing is not None else nullcontext():
+                    sequences = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                                    generation_config=config, logits_processor=procs, **extra)
         finally:
             self.model.train(was_training)
         recorder.take(sequences)
@@ -191,10 +203,12 @@ class HFEngine(Engine):
         return response, log_probs
 
     def generate_tensors(self, prompt_ids: Tensor, prompt_mask: Tensor,
-                         params: SamplingParams) -> tuple[Tensor, Tensor, Tensor] | None:
+                         params: SamplingParams) -> tuple[Tensor, ...] | None:
         """:meth:`generate` without the trip through Python lists (see ``Engine.generate_tensors``): the same
         call to ``generate`` on the same left-padded rows, so the same samples. ``None`` when the prompts are
-        not plainly left-padded or a subclass changed :meth:`generate` (its list form is then the truth)."""
+        not plainly left-padded or a subclass changed :meth:`generate` (its list form is then the truth).
+        With ``params.return_routed_experts`` two more: the routing of the prompt and of the response tokens
+        (``[N, P, L, k]`` aligned with ``prompt_ids``, ``[N, R, L, k]``; -1 on padding)."""
         if type(self).generate is not HFEngine.generate:
             return None
         real = prompt_mask.bool()
@@ -207,12 +221,20 @@ class HFEngine(Engine):
         device = self.device()
         pad = self.tokenizer.pad_token_id
         ids = ids.masked_fill(~real, pad).repeat_interleave(params.n, 0).to(device)  # as ``left_padded`` builds them
-        response, log_probs = self.generate_padded(ids, real.long().repeat_interleave(params.n, 0).to(device), params)
+        rows_real = real.repeat_interleave(params.n, 0).to(device)
+        recorder = RoutingRecorder(self.model, ids.shape[0]) if params.return_routed_experts else None
+        response, log_probs = self.generate_padded(ids, rows_real.long(), params, routing=recorder)
         stops = self.stops(params)
         mask = response_mask_until_eos(response, stops or None)
         R = int(mask.sum(-1).max())  # rows that stopped are padded by generate; the longest completion sets R
         mask, valid = mask[:, :R], mask[:, :R].bool()
-        return response[:, :R].masked_fill(~valid, pad), mask, log_probs[:, :R].masked_fill(~valid, 0.0)
+        out = response[:, :R].masked_fill(~valid, pad), mask, log_probs[:, :R].masked_fill(~valid, 0.0)
+        if recorder is None:
+            return out
+        routing = recorder.routing(P + R)
+        prompt = routing.new_full((ids.shape[0], prompt_ids.shape[1], *routing.shape[2:]), -1)
+        prompt[:, prompt_ids.shape[1] - P :] = routing[:, :P].masked_fill(~rows_real[..., None, None], -1)
+        return *out, prompt, routing[:, P:].masked_fill(~valid[..., None, None], -1)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  multi_modal: list[MultiModalPrompt | None] | None = None) -> list[list[Completion]]:
@@ -221,7 +243,9 @@ class HFEngine(Engine):
         vision = None
         if multi_modal is not None:  # each prompt's images once per sample, in row order
             vision = concat_inputs([(m.inputs if m else {}) for m in multi_modal for _ in range(params.n)], device)
-        response, log_probs = self.generate_padded(ids, mask, params, vision)
+        recorder = RoutingRecorder(self.model, ids.shape[0]) if params.return_routed_experts else None
+        response, log_probs = self.generate_padded(ids, mask, params, vision, routing=recorder)
+        routing = recorder.routing(ids.shape[1] + response.shape[1]) if recorder is not None else None
         stops = set(self.stops(params))
         out: list[list[Completion]] = []
         for row, (tokens, lps) in enumerate(zip(response.tolist(), log_probs.tolist())):
@@ -230,7 +254,11 @@ class HFEngine(Engine):
             end = end if done else len(tokens)
             if row % params.n == 0:
                 out.append([])
-            out[-1].append(Completion(tokens[:end], lps[:end], "stop" if done else "length"))
+            extras = {}
+            if routing is not None:  # the real prompt tokens', then the completion's
+                seen = torch.cat([mask[row].bool(), torch.arange(response.shape[1], device=device) < end])
+                extras["routed_experts"] = routing[row][seen].cpu()
+            out[-1].append(Completion(tokens[:end], lps[:end], "stop" if done else "length", extras))
         return out
 
     @torch.no_grad()

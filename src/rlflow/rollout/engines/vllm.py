@@ -158,6 +158,11 @@ class VLLMEngine(Engine):
     """
 
     holds_own_weights = True
+    routed_experts_refusal = (
+        "not built: vLLM 0.32 returns routed experts (enable_return_routed_experts) only from its Model Runner V2, "
+        "which needs Triton; its CPU build has no Triton CPU backend and runs the V1 runner, so vLLM refuses at start-up "
+        "('AuxOutput Connector requires Model Runner V2'), and the GPU path is not wired in rlflow yet. HFRollout "
+        "records them (rollout.name=hf), or router_replay.mode=R2 replays the old-log-prob pass's routing")
 
     def __init__(self, model: str | Path | nn.Module | None = None, tokenizer=None, *, dtype: str = "auto",
                  max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,

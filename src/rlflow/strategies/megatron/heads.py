@@ -75,6 +75,7 @@ class _Tokens:
 
     ids: Tensor       # B' x S (B' >= B when rows are added to equalise expert-parallel ranks)
     predict: Tensor   # B x R: the position whose state predicts each response token
+    source: Tensor    # B x S: the column of cat(prompt, response) each position reads (>= P + R: padding)
 
 
 def _tokens(lm: MegatronLM, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor) -> _Tokens:
@@ -101,7 +102,16 @@ def _tokens(lm: MegatronLM, prompt_ids: Tensor, prompt_mask: Tensor, response_id
         padded = ids.new_full(tuple(shape.tolist()), pad)
         padded[:B, :S] = ids
         ids = padded
-    return _Tokens(ids, predict)
+    return _Tokens(ids, predict, source)
+
+
+def _routing(tokens: _Tokens, prompt_routing: Tensor, response_routing: Tensor, P: int, R: int) -> Tensor:
+    """The rollout's routing (``B x P x L x k`` aligned with the prompt, ``B x R x L x k`` with the response) in the
+    decoder's layout of ``tokens``: ``B x S x L x k``, -1 where nothing was routed."""
+    full = torch.cat([prompt_routing[:, prompt_routing.shape[1] - P :], response_routing[:, :R]], dim=1)
+    B, S = tokens.source.shape
+    column = tokens.source.clamp(max=P + R - 1).to(full.device)[..., None, None].expand(B, S, *full.shape[2:])
+    return full.gather(1, column).masked_fill((tokens.source >= P + R).to(full.device)[..., None, None], -1)
 
 
 def _equal_shapes(lm: MegatronLM):
@@ -176,17 +186,28 @@ class MegatronLogProbs(nn.Module):
         out = torch.cat(parts) if parts else states.sum(-1, keepdim=True)[:0].float().expand(0, width)
         return out.view(*predict.shape, width)
 
+    @property
+    def replays_rollout_routing(self) -> bool:
+        """Whether :meth:`forward` takes ``routed_experts`` (``MegatronStrategy(router_replay="R3")``)."""
+        replay = getattr(self.lm, "routing_replay", None)
+        return replay is not None and replay.mode == "R3"
+
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                response_mask: Tensor | None = None, topk_ids: Tensor | None = None) -> tuple[Tensor, ...]:
+                response_mask: Tensor | None = None, topk_ids: Tensor | None = None,
+                routed_experts: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, ...]:
         """Shapes: prompt ``B x P`` (left-padded), response ``B x R`` -> log-probs, entropy ``B x R``; with
-        ``topk_ids`` (``B x R x k``) also their log-probs ``B x R x k``, as ``TokenLogProbs``."""
+        ``topk_ids`` (``B x R x k``) also their log-probs ``B x R x k``, as ``TokenLogProbs``. ``routed_experts``:
+        the rollout's routing of the prompt and the response tokens, replayed in R3 mode."""
         B, R = response_ids.shape
         scored = response_ids[..., None] if topk_ids is None else torch.cat([response_ids[..., None], topk_ids], -1)
         width = scored.shape[-1] + 1
         tokens = _tokens(self.lm, prompt_ids, prompt_mask, response_ids)
         replay = getattr(self.lm, "routing_replay", None)  # MoE routing replay (.router_replay), when on
         if replay is not None:
-            replay.start(tokens.ids, B)
+            given = None
+            if routed_experts is not None and replay.mode == "R3":
+                given = _routing(tokens, *routed_experts, prompt_ids.shape[1], R)
+            replay.start(tokens.ids, B, given)
         out = run_stages(self.lm, tokens.ids, lambda h: self._head(self.lm.full_sequence(h), tokens.predict,
                                                                      scored), (B, R, width))
         if replay is not None:

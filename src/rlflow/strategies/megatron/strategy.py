@@ -73,8 +73,10 @@ class MegatronStrategy(ModelParallelStrategy):
             The Hugging Face model still gives the architecture and names; the Trainer then sends the loaded
             policy weights to its generation engine before the first rollout.
         dist_checkpoint_prefix: the key prefix inside those folders (verl's ``dist_checkpointing_prefix``).
-        router_replay: MoE routing replay of the trained policy (verl's ``router_replay.mode=R2``): its update routes
-            each token to the experts its old-log-prob pass chose (:mod:`.router_replay`); no effect on dense models.
+        router_replay: MoE routing replay of the trained policy (:mod:`.router_replay`; no effect on dense models):
+            ``True`` or ``"R2"`` (verl's ``router_replay.mode=R2``): its update routes each token to the experts its
+            old-log-prob pass chose; ``"R3"``: every pass routes each token to the experts the rollout routed it
+            to (the batch's ``routed_experts``: ``HFRollout(return_routed_experts=True)``).
         timeout: how long a rank waits in a collective before giving up.
     """
 
@@ -82,7 +84,7 @@ class MegatronStrategy(ModelParallelStrategy):
                  expert_parallel: int = 1, sequence_parallel: bool = False, layer_spec: str = "local",
                  distributed_optimizer: bool = False, transformer_overrides: dict | None = None,
                  optimizer_overrides: dict | None = None, dist_checkpoints: dict[str, str] | None = None,
-                 dist_checkpoint_prefix: str = "", router_replay: bool = False,
+                 dist_checkpoint_prefix: str = "", router_replay: bool | str = False,
                  timeout: timedelta = timedelta(minutes=10)):
         unknown = sorted(set(dist_checkpoints or {}) - set(DIST_ROLES))
         if unknown:
@@ -105,7 +107,9 @@ class MegatronStrategy(ModelParallelStrategy):
             self.optimizer_overrides = check_overrides(optimizer_overrides)
         self.dist_checkpoints = {role: str(path) for role, path in (dist_checkpoints or {}).items()}
         self.dist_checkpoint_prefix = dist_checkpoint_prefix
-        self.router_replay = router_replay
+        if router_replay not in (False, True, "R2", "R3"):
+            raise ValueError(f"router_replay={router_replay!r}: choose False, True (R2), 'R2' or 'R3'")
+        self.router_replay = "R2" if router_replay is True else router_replay
         self.loaded_policy_weights = False  # the policy started from a dist checkpoint: its engine needs them
         self._converted: list[nn.Module] = []  # the Megatron modules set up, for the distributed optimizer
         self._cpu_workarounds = None
@@ -120,7 +124,7 @@ class MegatronStrategy(ModelParallelStrategy):
             f", layer_spec={self.layer_spec!r}" if self.layer_spec != "local" else "") + (
             ", distributed_optimizer=True" if self.distributed_optimizer else "") + (
             f", dist_checkpoints={self.dist_checkpoints!r}" if self.dist_checkpoints else "") + (
-            ", router_replay=True" if self.router_replay else "")
+            f", router_replay={self.router_replay!r}" if self.router_replay else "")
         return f"MegatronStrategy({sizes or 'tensor_parallel=1'}{extra})"
 
     @property
@@ -187,7 +191,8 @@ class MegatronStrategy(ModelParallelStrategy):
         overrides = self._overrides(base, on_cpu) | ({"moe_enable_routing_replay": True} if replay else {})
         lm = MegatronLM(base, self.layout, self.layer_spec, on_cpu=on_cpu, overrides=overrides).to(self.root_device)
         if replay:
-            lm.routing_replay = RoutingReplay(lm, lm.padding_idx if lm.padding_idx is not None else 0)
+            lm.routing_replay = RoutingReplay(lm, lm.padding_idx if lm.padding_idx is not None else 0,
+                                              self.router_replay)
         if peft:
             megatron_lora.attach(lm, hf_model)
         slots = lm_slots(lm)
@@ -195,6 +200,8 @@ class MegatronStrategy(ModelParallelStrategy):
         mark_split_parameters(slots)
         if isinstance(module, TokenLogProbs):
             converted = MegatronLogProbs(lm, module.temperature, module.chunk_tokens, module.remove_padding)
+            # the Policy reads it through Fabric's wrapper, which forwards attribute reads to the module it was given
+            module.replays_rollout_routing = converted.replays_rollout_routing
         else:
             converted = MegatronValueModel(lm, module.value_head.to(self.root_device), module.remove_padding)
             if converted.value_head is None:
