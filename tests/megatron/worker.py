@@ -91,6 +91,10 @@ def tiny_model(kind: str = "qwen2", seed: int = 0):
             for layer in model.model.layers:
                 layer.mlp.gate.weight.normal_(0, 0.5)
         return model
+    if kind == "qwen3_5":
+        from .qwen3_5_scenarios import tiny_qwen3_5
+
+        return tiny_qwen3_5(common, seed)
     raise ValueError(kind)
 
 

@@ -1,4 +1,4 @@
-"""A Hugging Face decoder (Qwen2/Qwen2.5, Qwen3, Qwen3-MoE, Llama) rebuilt as this rank's megatron-core shard.
+"""A Hugging Face decoder (Qwen2/Qwen2.5, Qwen3, Qwen3-MoE, Llama, Qwen3.5 text) rebuilt as this rank's megatron-core shard.
 
 :func:`transformer_config_kwargs` maps the Hugging Face config to Megatron's ``TransformerConfig``;
 :class:`MegatronLM` holds the ``GPTModel`` of this rank (its pipeline stage, its tensor and expert
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlflow.strategies.megatron import qwen3_5
 from rlflow.strategies.megatron.layout import ParallelLayout
 
 
@@ -39,6 +40,8 @@ ARCHITECTURES = {
     "llama": Architecture(qkv_bias=False, qk_norm=False, moe=False),
     "qwen3": Architecture(qkv_bias=False, qk_norm=True, moe=False),
     "qwen3_moe": Architecture(qkv_bias=False, qk_norm=True, moe=True),
+    # Qwen3.5 (text): Gated DeltaNet and gated attention layers, zero-centred norms (strategies/megatron/qwen3_5.py)
+    "qwen3_5_text": Architecture(qkv_bias=False, qk_norm=True, moe=False),
 }
 
 
@@ -97,6 +100,8 @@ def transformer_config_kwargs(config, layout: ParallelLayout, *, on_cpu: bool, o
         expert_model_parallel_size=layout.expert, expert_tensor_parallel_size=layout.expert_tensor,
         sequence_parallel=layout.sequence_parallel and layout.tensor > 1,
     )
+    if qwen3_5.is_hybrid(config):
+        kwargs.update(qwen3_5.config_kwargs(config))
     if arch.moe:
         kwargs.update(
             num_moe_experts=config.num_experts, moe_router_topk=config.num_experts_per_tok,
@@ -178,6 +183,8 @@ class MegatronLM(nn.Module):
 
         config = hf_model.config
         layout.check_model(config)
+        if qwen3_5.is_hybrid(config):
+            qwen3_5.check_layout(layout)
         rotary = hf_model.get_decoder().rotary_emb
         if getattr(rotary, "attention_scaling", 1.0) != 1.0 or getattr(rotary, "rope_type", "default") not in (
                 "default", "linear", "llama3"):
@@ -194,7 +201,9 @@ class MegatronLM(nn.Module):
         if self.vocab_local == 0:
             raise ValueError(f"vocabulary {config.vocab_size} is too small for tensor parallel {layout.tensor}")
         self.gpt = _gpt_model_class()(
-            config=self.config, transformer_layer_spec=layer_spec(config, spec), vocab_size=rows,
+            config=self.config, vocab_size=rows,
+            transformer_layer_spec=qwen3_5.block_spec(config, self.config, spec) if qwen3_5.is_hybrid(config)
+            else layer_spec(config, spec),
             max_sequence_length=config.max_position_embeddings, pre_process=self.first_stage,
             post_process=self.last_stage, share_embeddings_and_output_weights=bool(config.tie_word_embeddings),
             position_embedding_type="rope", parallel_output=True)

@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from rlflow.strategies.megatron.model import MegatronLM, architecture, head_dim
+from rlflow.strategies.megatron.model import MegatronLM, architecture
 
 TENSOR, EXPERT = "tensor", "expert"  # the process groups a slot can be split over
 
@@ -126,11 +126,83 @@ def _norm_weight(module: nn.Module, fused_owner: nn.Module) -> nn.Parameter:
     return weight if weight is not None else module.weight
 
 
+def _attention(pre: str, attn: nn.Module, arch, config, groups: int, qpg: int) -> list[Slot]:
+    """Self-attention: fused ``linear_qkv`` (per query group: its query heads, [their output gates,] its key and
+    value head), q/k norms, ``linear_proj``."""
+    nq, d = config.num_attention_heads, config.kv_channels
+    H, nkv = config.hidden_size, nq // qpg
+    names = [pre + f"{p}_proj." for p in "qkv"]
+    rows = [nq * d, nkv * d, nkv * d]
+    gate = qpg if config.attention_output_gate else 0
+    parts = [slice(0, qpg), slice(qpg + gate, qpg + gate + 1), slice(qpg + gate + 1, qpg + gate + 2)]
+    if gate:  # Qwen3.5: transformers' q_proj holds each head's queries, then that head's output gate
+        slots = [_gated_query(names[0] + "weight", attn.linear_qkv.weight, nq * d, groups, qpg, d)]
+        slots += _fused([n + "weight" for n in names[1:]], attn.linear_qkv.weight, rows[1:], groups, parts[1:], d)
+    else:
+        slots = _fused([n + "weight" for n in names], attn.linear_qkv.weight, rows, groups, parts, d)
+    if arch.qkv_bias:
+        slots += _fused([n + "bias" for n in names], attn.linear_qkv.bias, rows, groups, parts, d)
+    if arch.qk_norm:
+        slots += [_same(pre + "q_norm.weight", attn.q_layernorm.weight),
+                  _same(pre + "k_norm.weight", attn.k_layernorm.weight)]
+    slots.append(_same(pre + "o_proj.weight", attn.linear_proj.weight, (H, nq * d), 1, TENSOR))
+    return slots
+
+
+def _gated_query(name: str, param: nn.Parameter, rows: int, groups: int, qpg: int, d: int) -> Slot:
+    """transformers' ``q_proj`` of gated attention, ``[q_h; gate_h]`` per head ``h`` (``2 * rows`` rows), against
+    Megatron's ``linear_qkv`` rows, per query group ``[q heads; gate heads; k; v]``."""
+    rest = tuple(param.shape[1:])
+
+    def heads(t: Tensor) -> Tensor:  # groups x (q, gate) x qpg x d x ...
+        return t.view(groups, 2 * qpg + 2, d, *rest)[:, : 2 * qpg].unflatten(1, (2, qpg))
+
+    def read(t: list[Tensor]) -> Tensor:
+        return heads(t[0]).transpose(1, 2).reshape(-1, *rest)
+
+    def write(t: list[Tensor], block: Tensor) -> None:
+        target = heads(t[0])
+        target.copy_(block.reshape(groups, qpg, 2, d, *rest).transpose(1, 2))
+
+    return Slot(name, (2 * rows, *rest), 0, TENSOR, (param,), read, write)
+
+
+def _rows(names: list[str], param: nn.Parameter, full_rows: list[int], tp: int) -> list[Slot]:
+    """Slots for a parameter whose rows are this rank's row blocks of ``names``, one after the other."""
+    rest, slots, start = tuple(param.shape[1:]), [], 0
+    for name, rows in zip(names, full_rows):
+        def read(t: list[Tensor], start=start, n=rows // tp) -> Tensor:
+            return t[0].narrow(0, start, n)
+
+        def write(t: list[Tensor], block: Tensor, start=start, n=rows // tp) -> None:
+            t[0].narrow(0, start, n).copy_(block)
+
+        slots.append(Slot(name, (rows, *rest), 0, TENSOR, (param,), read, write))
+        start += rows // tp
+    return slots
+
+
+def _gated_delta_net(pre: str, gdn: nn.Module, cfg, tp: int) -> list[Slot]:
+    """Megatron's GatedDeltaNet against transformers' ``linear_attn``: ``in_proj`` is ``in_proj_qkv | in_proj_z |
+    in_proj_b | in_proj_a``, ``conv1d`` and ``in_proj_qkv`` are ``q | k | v``. On ``tp`` ranks each rank holds
+    ``q_r | k_r | v_r``, not one block of transformers' fused ``in_proj_qkv``/``conv1d`` (refused in
+    :func:`~rlflow.strategies.megatron.qwen3_5.check_layout`)."""
+    z, heads = cfg.linear_value_head_dim * cfg.linear_num_value_heads, cfg.linear_num_value_heads
+    qkv = 2 * cfg.linear_key_head_dim * cfg.linear_num_key_heads + z
+    slots = _rows([pre + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")], gdn.in_proj.weight,
+                  [qkv, z, heads, heads], tp)
+    slots += _rows([pre + "conv1d.weight"], gdn.conv1d.weight, [qkv], tp)
+    slots += [_same(pre + "dt_bias", gdn.dt_bias, (heads,), 0, TENSOR),
+              _same(pre + "A_log", gdn.A_log, (heads,), 0, TENSOR), _same(pre + "norm.weight", gdn.out_norm.weight),
+              _same(pre + "out_proj.weight", gdn.out_proj.weight, (cfg.hidden_size, z), 1, TENSOR)]
+    return slots
+
+
 def lm_slots(lm: MegatronLM) -> list[Slot]:
     """Every transformers parameter this rank holds a block of, in the model's order."""
     cfg, gpt, tp = lm.hf_config, lm.gpt, lm.tp_size
     arch = architecture(cfg)
-    H, d, nq = cfg.hidden_size, head_dim(cfg), cfg.num_attention_heads
+    H, nq = cfg.hidden_size, cfg.num_attention_heads
     nkv = getattr(cfg, "num_key_value_heads", None) or nq
     qpg, groups = nq // nkv, nkv // tp
     slots = []
@@ -140,17 +212,12 @@ def lm_slots(lm: MegatronLM) -> list[Slot]:
     for layer in gpt.decoder.layers:
         pre = f"model.layers.{layer.layer_number - 1}."
         attn = layer.self_attention
-        slots.append(_same(pre + "input_layernorm.weight", _norm_weight(layer.input_layernorm, attn.linear_qkv)))
-        qkv = [pre + f"self_attn.{p}_proj." for p in "qkv"]
-        parts = [slice(0, qpg), slice(qpg, qpg + 1), slice(qpg + 1, qpg + 2)]
-        rows = [nq * d, nkv * d, nkv * d]
-        slots += _fused([n + "weight" for n in qkv], attn.linear_qkv.weight, rows, groups, parts, d)
-        if arch.qkv_bias:
-            slots += _fused([n + "bias" for n in qkv], attn.linear_qkv.bias, rows, groups, parts, d)
-        if arch.qk_norm:
-            slots += [_same(pre + "self_attn.q_norm.weight", attn.q_layernorm.weight),
-                      _same(pre + "self_attn.k_norm.weight", attn.k_layernorm.weight)]
-        slots.append(_same(pre + "self_attn.o_proj.weight", attn.linear_proj.weight, (H, nq * d), 1, TENSOR))
+        if hasattr(attn, "in_proj"):  # Qwen3.5's Gated DeltaNet layers (strategies/megatron/qwen3_5.py)
+            slots.append(_same(pre + "input_layernorm.weight", layer.input_layernorm.weight))
+            slots += _gated_delta_net(pre + "linear_attn.", attn, cfg, tp)
+        else:
+            slots.append(_same(pre + "input_layernorm.weight", _norm_weight(layer.input_layernorm, attn.linear_qkv)))
+            slots += _attention(pre + "self_attn.", attn, arch, lm.config, groups, qpg)
         mlp = layer.mlp
         slots.append(_same(pre + "post_attention_layernorm.weight",
                            _norm_weight(layer.pre_mlp_layernorm, getattr(mlp, "linear_fc1", None))))
