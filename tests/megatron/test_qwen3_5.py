@@ -33,3 +33,48 @@ def test_qwen3_5_at_tensor_parallel_2_is_refused_by_name():
     check_layout(ParallelLayout())
     with pytest.raises(ValueError, match="tensor parallel 1 only .*in_proj_qkv"):
         check_layout(ParallelLayout(tensor=2))
+
+
+def qwen3_5_folder(folder, **sizes):
+    """A Qwen3.5 text model folder (config and tokenizer only: the dry run reads no weights) and prompts."""
+    import pandas as pd
+    from transformers import Qwen3_5TextConfig
+
+    from rlflow.models.tiny import char_tokenizer
+
+    from ..config.conftest import CHAT_TEMPLATE, verl_rows
+
+    tok = char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(folder / "model")
+    Qwen3_5TextConfig(vocab_size=len(tok), **sizes).save_pretrained(folder / "model")
+    pd.DataFrame(verl_rows(8, "train", 0)).to_parquet(folder / "train.parquet")
+
+
+def test_the_verl_dry_run_accepts_qwen3_5_at_tensor_parallel_1_and_refuses_2_and_lora_by_name(tmp_path, capsys):
+    """Qwen3.5-9B-shaped (hidden 4096, 32 layers, 3 Gated DeltaNet layers per full-attention one): the dry run
+    prints the Megatron plan with the parameters of both layer kinds; tensor parallel 2 and LoRA are refused."""
+    import re
+
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from rlflow.config.run import main
+    from rlflow.strategies.megatron.memory import rank_memory
+
+    small = Qwen3_5TextConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    model = Qwen3_5ForCausalLM(small)  # 3 linear-attention layers, 1 full: the estimate averages them
+    assert rank_memory(small, ParallelLayout(), 1, 1, 8).total_parameters == sum(p.numel() for p in model.parameters())
+    qwen3_5_folder(tmp_path, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32)
+    argv = ["--dry-run", f"actor_rollout_ref.model.path={tmp_path}/model", f"data.train_files={tmp_path}/train.parquet",
+            "trainer.device=cpu", "trainer.n_gpus_per_node=1", "algorithm.adv_estimator=grpo", "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.logger=[console]",
+            "actor_rollout_ref.actor.strategy=megatron", f"trainer.default_local_dir={tmp_path}/run"]
+    assert main(argv) == 0
+    assert re.search(r"Megatron: TP 1.*Dry run: config and data are valid", capsys.readouterr().out, re.S)
+    two = [a.replace("n_gpus_per_node=1", "n_gpus_per_node=2") for a in argv]
+    assert main(two + ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]) != 0
+    assert "tensor parallel 1 only" in capsys.readouterr().err
+    assert main(argv + ["actor_rollout_ref.model.lora.rank=4"]) != 0
+    assert "does not adapt Qwen3.5" in capsys.readouterr().err

@@ -45,12 +45,14 @@ ARCHITECTURES = {
 }
 
 
-def architecture(config) -> Architecture:
-    """The architecture of a Hugging Face config, or a clear error for what the conversion does not cover."""
+def architecture(config, layout: ParallelLayout | None = None) -> Architecture:
+    """The architecture of a Hugging Face config, or a clear error for what the conversion does not cover (at
+    ``layout``, when given)."""
     arch = ARCHITECTURES.get(config.model_type)
     if arch is None:
+        why = qwen3_5.NOT_CONVERTED.get(config.model_type)
         raise ValueError(f"the Megatron strategy converts {', '.join(ARCHITECTURES)} models; "
-                         f"got model_type={config.model_type!r}")
+                         f"got model_type={config.model_type!r}" + (f": {why}" if why else ""))
     unsupported = [what for what, bad in (
         ("hidden_act other than silu", config.hidden_act != "silu"),
         ("attention_bias=True", bool(getattr(config, "attention_bias", False))),
@@ -62,6 +64,8 @@ def architecture(config) -> Architecture:
     ) if bad]
     if unsupported:
         raise ValueError(f"{config.model_type}: the Megatron conversion does not support {', '.join(unsupported)}")
+    if layout is not None and qwen3_5.is_hybrid(config):
+        qwen3_5.check_layout(layout)
     return arch
 
 
@@ -183,8 +187,7 @@ class MegatronLM(nn.Module):
 
         config = hf_model.config
         layout.check_model(config)
-        if qwen3_5.is_hybrid(config):
-            qwen3_5.check_layout(layout)
+        architecture(config, layout)
         rotary = hf_model.get_decoder().rotary_emb
         if getattr(rotary, "attention_scaling", 1.0) != 1.0 or getattr(rotary, "rope_type", "default") not in (
                 "default", "linear", "llama3"):

@@ -28,6 +28,16 @@ import torch
 from torch import nn
 
 HYBRID_MODEL_TYPES = ("qwen3_5_text",)
+# The other Qwen3.5 model types, refused with the reason (what converting them would still need)
+NOT_CONVERTED = {
+    "qwen3_5": "a Qwen3.5 checkpoint is a vision-language model (rlflow loads it as Qwen3_5ForConditionalGeneration): "
+               "its vision tower and multimodal rotary positions are not converted; the conversion covers its text "
+               "model, model_type qwen3_5_text (Qwen3_5ForCausalLM)",
+    "qwen3_5_moe": "a Qwen3.5-MoE checkpoint is a vision-language model whose text model is qwen3_5_moe_text, not "
+                   "converted yet (see qwen3_5_moe_text)",
+    "qwen3_5_moe_text": "Qwen3.5-MoE's routed experts with a sigmoid-gated shared expert on Gated DeltaNet layers are "
+                        "not converted yet (the dense qwen3_5_text is)",
+}
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -62,6 +72,22 @@ class GatedRMSNormWeight(nn.Module):
 
 def is_hybrid(config) -> bool:
     return config.model_type in HYBRID_MODEL_TYPES
+
+
+def layer_parameters(config) -> tuple[int, int]:
+    """(split over the tensor-parallel ranks, whole on each) parameters of an average decoder layer: Gated DeltaNet
+    and gated-attention layers differ, and the memory estimate counts every layer alike."""
+    H, d, nq, nkv = config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads
+    value = config.linear_value_head_dim * config.linear_num_value_heads
+    qkv = 2 * config.linear_key_head_dim * config.linear_num_key_heads + value
+    heads = config.linear_num_value_heads
+    linear = (H * (qkv + value + 2 * heads) + qkv * config.linear_conv_kernel_dim + 2 * heads + value * H,
+              config.linear_value_head_dim)
+    full = (H * 2 * nq * d + 2 * H * nkv * d + nq * d * H, 2 * d)
+    pattern = linear_attention_pattern(config)
+    split = sum(linear[0] if lin else full[0] for lin in pattern) // len(pattern) + 3 * H * config.intermediate_size
+    whole = sum(linear[1] if lin else full[1] for lin in pattern) // len(pattern) + 2 * H
+    return split, whole
 
 
 def linear_attention_pattern(config) -> list[int]:
