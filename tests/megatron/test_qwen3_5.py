@@ -1,9 +1,9 @@
 """Qwen3.5 (transformers' ``qwen3_5_text``: Gated DeltaNet and gated attention layers) under the Megatron strategy
 on a CPU process (gloo), against transformers (strategies/megatron/qwen3_5.py).
 
-One forked rank (``forked.py``) runs ``qwen3_5_convert`` at tensor parallel 1: megatron-core's GatedDeltaNet (with
+Forked ranks (``forked.py``) run ``qwen3_5_convert`` at tensor parallel 1 and 2: megatron-core's GatedDeltaNet (with
 its pure-torch chunked delta rule standing in for fla's kernel) and its gated attention reproduce transformers'
-``Qwen3_5ForCausalLM``. Tensor parallel 2 is refused by name (see ``check_layout``).
+``Qwen3_5ForCausalLM``. The verl dry run accepts the model and refuses what the conversion does not cover.
 """
 
 import pytest
@@ -18,21 +18,26 @@ pytestmark = pytest.mark.skipif(not megatron_available(),
                                 reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
 
-def test_qwen3_5_converted_equals_transformers_at_tensor_parallel_1(tmp_path):
-    """A linear-attention layer then a full-attention one, left padding in a row: logits, log-probs, entropy, a
-    teacher's top-k log-probs and every gradient equal transformers'; the weights go back to the engines under
-    transformers' names, exactly the ones loaded."""
-    r = fork_launch(1, tmp_path, ("qwen3_5_convert",))["qwen3_5_convert"]
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_qwen3_5_converted_equals_transformers(tmp_path, tensor):
+    """A linear-attention layer then a full-attention one, left padding in a row, at tensor parallel 1 and 2 (each
+    rank: half the attention and Gated DeltaNet heads, its q | k | v blocks of transformers' fused in_proj_qkv and
+    conv1d): logits, log-probs, entropy, a teacher's top-k log-probs and every gradient equal transformers'; the
+    weights go back to the engines under transformers' names, exactly the ones loaded."""
+    r = fork_launch(tensor, tmp_path, ("qwen3_5_convert",))["qwen3_5_convert"]
     assert r["logits"] < 1e-5 * max(1.0, r["logits_scale"]), r["logits"]
     assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5 and r["topk_log_probs"] < 1e-5, r
     assert r["grad_names"] and r["grad"] < 1e-5 * r["grad_scale"], (r["grad"], r["grad_scale"])
     assert r["exported_names"] and r["exported"] == 0.0
 
 
-def test_qwen3_5_at_tensor_parallel_2_is_refused_by_name():
-    check_layout(ParallelLayout())
-    with pytest.raises(ValueError, match="tensor parallel 1 only .*in_proj_qkv"):
-        check_layout(ParallelLayout(tensor=2))
+def test_gated_delta_net_heads_that_do_not_split_are_refused_by_name():
+    from transformers import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(linear_num_key_heads=2, linear_num_value_heads=6)
+    check_layout(ParallelLayout(tensor=2), config)
+    with pytest.raises(ValueError, match="linear_num_value_heads=6 not divisible by tensor parallel 4"):
+        check_layout(ParallelLayout(tensor=4), config)
 
 
 def qwen3_5_folder(folder, **sizes):
@@ -51,9 +56,11 @@ def qwen3_5_folder(folder, **sizes):
     pd.DataFrame(verl_rows(8, "train", 0)).to_parquet(folder / "train.parquet")
 
 
-def test_the_verl_dry_run_accepts_qwen3_5_at_tensor_parallel_1_and_refuses_2_and_lora_by_name(tmp_path, capsys):
+def test_the_verl_dry_run_accepts_qwen3_5_and_refuses_what_does_not_split_and_lora_by_name(tmp_path, capsys):
     """Qwen3.5-9B-shaped (hidden 4096, 32 layers, 3 Gated DeltaNet layers per full-attention one): the dry run
-    prints the Megatron plan with the parameters of both layer kinds; tensor parallel 2 and LoRA are refused."""
+    prints the Megatron plan with the parameters of both layer kinds (the estimate equals a small model's count) at
+    tensor parallel 1 and 2; Gated DeltaNet heads that do not split over the tensor-parallel ranks and LoRA are
+    refused."""
     import re
 
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -74,7 +81,12 @@ def test_the_verl_dry_run_accepts_qwen3_5_at_tensor_parallel_1_and_refuses_2_and
     assert main(argv) == 0
     assert re.search(r"Megatron: TP 1.*Dry run: config and data are valid", capsys.readouterr().out, re.S)
     two = [a.replace("n_gpus_per_node=1", "n_gpus_per_node=2") for a in argv]
-    assert main(two + ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]) != 0
-    assert "tensor parallel 1 only" in capsys.readouterr().err
+    assert main(two + ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]) == 0
+    assert "Megatron: TP 2" in capsys.readouterr().out
+    qwen3_5_folder(tmp_path, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, linear_num_key_heads=6,
+                   linear_num_value_heads=12)  # attention's 16 heads, 4 key/value heads split over 4 ranks; these not
+    four = [a.replace("n_gpus_per_node=1", "n_gpus_per_node=4") for a in argv]
+    assert main(four + ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"]) != 0
+    assert "Gated DeltaNet's linear_num_key_heads=6 not divisible by tensor parallel 4" in capsys.readouterr().err
     assert main(argv + ["actor_rollout_ref.model.lora.rank=4"]) != 0
     assert "does not adapt Qwen3.5" in capsys.readouterr().err

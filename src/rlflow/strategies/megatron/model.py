@@ -65,7 +65,7 @@ def architecture(config, layout: ParallelLayout | None = None) -> Architecture:
     if unsupported:
         raise ValueError(f"{config.model_type}: the Megatron conversion does not support {', '.join(unsupported)}")
     if layout is not None and qwen3_5.is_hybrid(config):
-        qwen3_5.check_layout(layout)
+        qwen3_5.check_layout(layout, config)
     return arch
 
 
@@ -217,7 +217,9 @@ class MegatronLM(nn.Module):
         for name, param in self.gpt.named_parameters():
             # replicated over the tensor-parallel ranks, but each rank's copy only sees its own heads (q/k norms)
             # or tokens (sequence parallel): the gradients are partial sums (Megatron's finalize_model_grads too)
-            if "q_layernorm" in name or "k_layernorm" in name or getattr(param, "sequence_parallel", False):
+            # (and Qwen3.5's Gated DeltaNet out_norm, over each rank's value heads)
+            if any(n in name for n in ("q_layernorm", "k_layernorm", "out_norm")) \
+                    or getattr(param, "sequence_parallel", False):
                 param.partial_over_tensor_parallel = True
 
     def hidden_states(self, input_ids: Tensor, stage_input: Tensor | None) -> Tensor:

@@ -105,14 +105,14 @@ def config_kwargs(config) -> dict:
     )  # partial rotary: MegatronLM passes the rotary angles of the rotated dimensions only (transformers' inv_freq)
 
 
-def check_layout(layout) -> None:
-    """What the conversion of Qwen3.5 does not cover yet, refused by name."""
-    if layout.tensor > 1:
-        raise ValueError(
-            f"Qwen3.5 under the Megatron strategy runs at tensor parallel 1 only (got {layout.tensor}): "
-            "megatron-core's GatedDeltaNet gives each tensor-parallel rank q_r | k_r | v_r of its input projection and "
-            "conv1d, which is not one block of transformers' fused in_proj_qkv / conv1d weights, the layout rlflow's weight slots, "
-            "exports and checkpoints use")
+def check_layout(layout, config) -> None:
+    """What the conversion of Qwen3.5 does not cover, refused by name."""
+    heads = {"linear_num_key_heads": config.linear_num_key_heads,
+             "linear_num_value_heads": config.linear_num_value_heads}
+    uneven = [f"{k}={n}" for k, n in heads.items() if n % layout.tensor]
+    if uneven:
+        raise ValueError(f"{layout.describe()} does not fit {config.model_type}: Gated DeltaNet's {', '.join(uneven)} "
+                         f"not divisible by tensor parallel {layout.tensor}")
 
 
 def _gated_delta_net_class():

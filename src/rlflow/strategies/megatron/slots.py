@@ -52,6 +52,9 @@ class Slot:
     read: Callable[[list[Tensor]], Tensor]
     write: Callable[[list[Tensor], Tensor], None]
     primary: bool = True  # False: a copy held elsewhere too (the tied embedding on the last stage)
+    # sizes of the parts along ``dim`` that are split separately (transformers' fused in_proj_qkv = q | k | v of
+    # Qwen3.5's Gated DeltaNet): a rank's block is its chunk of each part, one after the other
+    sections: tuple[int, ...] | None = None
 
     def bounds(self, rank: int, size: int) -> tuple[int, int]:
         """Start and length of rank ``rank``'s block along ``dim`` (``torch.chunk``'s split)."""
@@ -65,8 +68,18 @@ class Slot:
         """This rank's block of the full tensor."""
         if self.dim is None:
             return full
+        if self.sections:
+            return torch.cat([part.chunk(size, self.dim)[rank] for part in full.split(self.sections, self.dim)],
+                             self.dim)
         start, length = self.bounds(rank, size)
         return full.narrow(self.dim, start, length)
+
+    def assemble(self, blocks: list[Tensor]) -> Tensor:
+        """The full tensor from every rank's block, in rank order."""
+        if not self.sections:
+            return torch.cat(blocks, dim=self.dim)
+        parts = [b.split([n // len(blocks) for n in self.sections], self.dim) for b in blocks]
+        return torch.cat([torch.cat(same, self.dim) for same in zip(*parts)], self.dim)
 
 
 def _same(name: str, param: nn.Parameter, full: tuple | None = None, dim: int | None = None,
@@ -167,8 +180,10 @@ def _gated_query(name: str, param: nn.Parameter, rows: int, groups: int, qpg: in
     return Slot(name, (2 * rows, *rest), 0, TENSOR, (param,), read, write)
 
 
-def _rows(names: list[str], param: nn.Parameter, full_rows: list[int], tp: int) -> list[Slot]:
-    """Slots for a parameter whose rows are this rank's row blocks of ``names``, one after the other."""
+def _rows(names: list[str], param: nn.Parameter, full_rows: list[int], tp: int,
+          sections: dict[str, tuple[int, ...]] | None = None) -> list[Slot]:
+    """Slots for a parameter whose rows are this rank's row blocks of ``names``, one after the other (``sections``:
+    of a name whose parts are split separately)."""
     rest, slots, start = tuple(param.shape[1:]), [], 0
     for name, rows in zip(names, full_rows):
         def read(t: list[Tensor], start=start, n=rows // tp) -> Tensor:
@@ -177,7 +192,8 @@ def _rows(names: list[str], param: nn.Parameter, full_rows: list[int], tp: int) 
         def write(t: list[Tensor], block: Tensor, start=start, n=rows // tp) -> None:
             t[0].narrow(0, start, n).copy_(block)
 
-        slots.append(Slot(name, (rows, *rest), 0, TENSOR, (param,), read, write))
+        slots.append(Slot(name, (rows, *rest), 0, TENSOR, (param,), read, write,
+                          sections=(sections or {}).get(name)))
         start += rows // tp
     return slots
 
@@ -185,13 +201,14 @@ def _rows(names: list[str], param: nn.Parameter, full_rows: list[int], tp: int) 
 def _gated_delta_net(pre: str, gdn: nn.Module, cfg, tp: int) -> list[Slot]:
     """Megatron's GatedDeltaNet against transformers' ``linear_attn``: ``in_proj`` is ``in_proj_qkv | in_proj_z |
     in_proj_b | in_proj_a``, ``conv1d`` and ``in_proj_qkv`` are ``q | k | v``. On ``tp`` ranks each rank holds
-    ``q_r | k_r | v_r``, not one block of transformers' fused ``in_proj_qkv``/``conv1d`` (refused in
-    :func:`~rlflow.strategies.megatron.qwen3_5.check_layout`)."""
+    ``q_r | k_r | v_r`` of transformers' fused ``in_proj_qkv``/``conv1d``: sectioned slots."""
     z, heads = cfg.linear_value_head_dim * cfg.linear_num_value_heads, cfg.linear_num_value_heads
-    qkv = 2 * cfg.linear_key_head_dim * cfg.linear_num_key_heads + z
+    qk = cfg.linear_key_head_dim * cfg.linear_num_key_heads
+    qkv = 2 * qk + z
+    sections = {pre + "in_proj_qkv.weight": (qk, qk, z), pre + "conv1d.weight": (qk, qk, z)}
     slots = _rows([pre + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")], gdn.in_proj.weight,
-                  [qkv, z, heads, heads], tp)
-    slots += _rows([pre + "conv1d.weight"], gdn.conv1d.weight, [qkv], tp)
+                  [qkv, z, heads, heads], tp, sections)
+    slots += _rows([pre + "conv1d.weight"], gdn.conv1d.weight, [qkv], tp, sections)
     slots += [_same(pre + "dt_bias", gdn.dt_bias, (heads,), 0, TENSOR),
               _same(pre + "A_log", gdn.A_log, (heads,), 0, TENSOR), _same(pre + "norm.weight", gdn.out_norm.weight),
               _same(pre + "out_proj.weight", gdn.out_proj.weight, (cfg.hidden_size, z), 1, TENSOR)]
