@@ -52,4 +52,57 @@ def qwen3_5_convert(out: Path) -> dict:
     return result
 
 
-SCENARIOS.update({f.__name__: f for f in (qwen3_5_convert,)})
+def qwen3_5_checkpoint(out: Path) -> dict:
+    """One AdamW step at tensor parallel 2, saved with the strategy's sharded checkpoint (Gated DeltaNet's fused
+    in_proj_qkv / conv1d saved whole: a rank's q | k | v blocks are not one shard of them), loaded at pipeline
+    parallel 2 into a model with other weights: the log-probs are those of the model saved, and the loaded AdamW
+    moments are the saved ones (compared in transformers' layout, gathered)."""
+    import lightning as L
+
+    from rlflow.models.logprobs import TokenLogProbs
+    from rlflow.strategies.megatron import MegatronStrategy
+    from rlflow.strategies.megatron.slots import lm_slots
+    from rlflow.strategies.megatron.weight_buckets import gather_full
+
+    from .worker import tiny_model
+
+    torch.manual_seed(1)
+    prompt_ids, response_ids = torch.randint(3, 40, (3, 6)), torch.randint(3, 47, (3, 5))
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[0, :2] = 0
+    prompt_ids[0, :2] = 0
+
+    def setup(seed, **layout):
+        fabric = L.Fabric(accelerator="cpu", devices=world_size(), strategy=MegatronStrategy(**layout))
+        fabric.launch()
+        module = fabric.setup_module(TokenLogProbs(tiny_model("qwen3_5", seed=seed)))
+        return fabric, module, fabric.setup_optimizers(torch.optim.AdamW(module.parameters(), lr=1e-2))
+
+    def moments(module, optimizer):  # exp_avg of this stage's transformers tensors, full
+        slots = [s for s in lm_slots(module._forward_module.lm) if s.primary]
+        full = gather_full(slots, [s.read([optimizer.state[p]["exp_avg"] for p in s.params]) for s in slots])
+        return {s.name: t for s, t in zip(slots, full)}
+
+    fabric, module, optimizer = setup(3, tensor_parallel=2)
+    fabric.backward(module(prompt_ids, prompt_mask, response_ids)[0].sum())
+    optimizer.step()
+    with torch.no_grad():
+        expected = module(prompt_ids, prompt_mask, response_ids)[0]
+    saved = moments(module, optimizer)
+    fabric.save(out / "qwen3_5_ckpt", {"model": module, "optimizer": optimizer})
+    fabric.strategy.teardown()
+
+    fabric, module, optimizer = setup(7, pipeline_parallel=2)
+    fabric.backward(module(prompt_ids, prompt_mask, response_ids)[0].sum())  # AdamW state to load into
+    optimizer.step()
+    fabric.load(out / "qwen3_5_ckpt", {"model": module, "optimizer": optimizer})
+    with torch.no_grad():
+        got = module(prompt_ids, prompt_mask, response_ids)[0]
+    loaded = moments(module, optimizer)
+    fabric.strategy.teardown()
+    return {"log_probs": (got - expected).abs().max().item(),
+            "moments": max((loaded[n] - saved[n]).abs().max().item() for n in loaded),
+            "moment_names": sorted(loaded), "sectioned": [n for n in loaded if "in_proj_qkv" in n or "conv1d" in n]}
+
+
+SCENARIOS.update({f.__name__: f for f in (qwen3_5_convert, qwen3_5_checkpoint)})

@@ -31,6 +31,15 @@ def test_qwen3_5_converted_equals_transformers(tmp_path, tensor):
     assert r["exported_names"] and r["exported"] == 0.0
 
 
+def test_qwen3_5_checkpoint_at_tensor_parallel_2_resumes_at_pipeline_parallel_2(tmp_path):
+    """The strategy's sharded checkpoint after an AdamW step at TP 2, loaded at PP 2 into other weights: the
+    log-probs are the saved model's and the first stage's AdamW moments (the Gated DeltaNet layer, with transformers'
+    fused in_proj_qkv and conv1d) are the saved ones."""
+    r = fork_launch(2, tmp_path, ("qwen3_5_checkpoint",))["qwen3_5_checkpoint"]
+    assert r["log_probs"] < 1e-5, r
+    assert len(r["sectioned"]) == 2 and r["moments"] == 0.0, r
+
+
 def test_gated_delta_net_heads_that_do_not_split_are_refused_by_name():
     from transformers import Qwen3_5TextConfig
 
