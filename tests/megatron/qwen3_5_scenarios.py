@@ -15,30 +15,37 @@ import torch
 from .worker import SCENARIOS, compare, world_size
 
 
-def tiny_qwen3_5(common: dict, seed: int):
+def tiny_qwen3_5(common: dict, seed: int, moe: bool = False):
     """``Qwen3_5ForCausalLM`` (hidden 64, 4 heads of 16, a quarter of each rotated; Gated DeltaNet with 2 key and 4
     value heads of 16) with every norm weight drawn at random: transformers starts the zero-centred ones at 0 and
     the gated one at 1, where a norm taken for the other kind would go unnoticed."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
-    config = Qwen3_5TextConfig(head_dim=16, layer_types=["linear_attention", "full_attention"],
-                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                               linear_value_head_dim=16, linear_conv_kernel_dim=4, **common)
-    model = Qwen3_5ForCausalLM(config)
+    sizes = dict(head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    if moe:
+        common = {k: v for k, v in common.items() if k != "intermediate_size"}
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                           shared_expert_intermediate_size=48, **sizes, **common))
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**sizes, **common))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.3)
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # distinct router scores, open gates
+                p.normal_(0, 0.5)
     return model
 
 
-def qwen3_5_convert(out: Path) -> dict:
+def qwen3_5_convert(out: Path, kind: str = "qwen3_5", **layout) -> dict:
     import lightning as L
 
     from rlflow.strategies.megatron import MegatronStrategy
 
-    fabric = L.Fabric(accelerator="cpu", devices=world_size(), strategy=MegatronStrategy(tensor_parallel=world_size()))
+    layout = layout or dict(tensor_parallel=world_size())
+    fabric = L.Fabric(accelerator="cpu", devices=world_size(), strategy=MegatronStrategy(**layout))
     fabric.launch()
     torch.manual_seed(1)
     prompt_ids = torch.randint(3, 40, (3, 6))
@@ -47,7 +54,7 @@ def qwen3_5_convert(out: Path) -> dict:
     prompt_ids[0, :2] = 0
     response_ids = torch.randint(3, 47, (3, 5))
     topk_ids = torch.randint(0, 47, (3, 5, 4))
-    result = compare(fabric, "qwen3_5", prompt_ids, prompt_mask, response_ids, torch.randn(3, 5, 6), topk_ids)
+    result = compare(fabric, kind, prompt_ids, prompt_mask, response_ids, torch.randn(3, 5, 6), topk_ids)
     fabric.strategy.teardown()
     return result
 
@@ -105,4 +112,10 @@ def qwen3_5_checkpoint(out: Path) -> dict:
             "moment_names": sorted(loaded), "sectioned": [n for n in loaded if "in_proj_qkv" in n or "conv1d" in n]}
 
 
-SCENARIOS.update({f.__name__: f for f in (qwen3_5_convert, qwen3_5_checkpoint)})
+def qwen3_5_moe_convert(out: Path) -> dict:
+    """``qwen3_5_convert`` for Qwen3.5-MoE (4 routed experts, top 2, and a gated shared expert per layer), with the
+    experts split over the launch's ranks (expert parallel; tensor parallel 1)."""
+    return qwen3_5_convert(out, "qwen3_5_moe", expert_parallel=world_size())
+
+
+SCENARIOS.update({f.__name__: f for f in (qwen3_5_convert, qwen3_5_moe_convert, qwen3_5_checkpoint)})

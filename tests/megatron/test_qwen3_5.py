@@ -31,6 +31,16 @@ def test_qwen3_5_converted_equals_transformers(tmp_path, tensor):
     assert r["exported_names"] and r["exported"] == 0.0
 
 
+def test_qwen3_5_moe_converted_at_expert_parallel_2_equals_transformers(tmp_path):
+    """Qwen3.5-MoE (4 routed experts, top 2, a shared expert behind a sigmoid gate, per layer) with each rank holding
+    2 experts: the same checks as the dense model's."""
+    r = fork_launch(2, tmp_path, ("qwen3_5_moe_convert",))["qwen3_5_moe_convert"]
+    assert r["logits"] < 1e-5 * max(1.0, r["logits_scale"]), r["logits"]
+    assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5 and r["topk_log_probs"] < 1e-5, r
+    assert r["grad_names"] and r["grad"] < 1e-5 * r["grad_scale"], (r["grad"], r["grad_scale"])
+    assert r["exported_names"] and r["exported"] == 0.0
+
+
 def test_qwen3_5_checkpoint_at_tensor_parallel_2_resumes_at_pipeline_parallel_2(tmp_path):
     """The strategy's sharded checkpoint after an AdamW step at TP 2, loaded at PP 2 into other weights: the
     log-probs are the saved model's and the first stage's AdamW moments (the Gated DeltaNet layer, with transformers'
@@ -40,13 +50,16 @@ def test_qwen3_5_checkpoint_at_tensor_parallel_2_resumes_at_pipeline_parallel_2(
     assert len(r["sectioned"]) == 2 and r["moments"] == 0.0, r
 
 
-def test_gated_delta_net_heads_that_do_not_split_are_refused_by_name():
-    from transformers import Qwen3_5TextConfig
+def test_gated_delta_net_heads_that_do_not_split_and_moe_under_tensor_parallel_are_refused_by_name():
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(linear_num_key_heads=2, linear_num_value_heads=6)
     check_layout(ParallelLayout(tensor=2), config)
     with pytest.raises(ValueError, match="linear_num_value_heads=6 not divisible by tensor parallel 4"):
         check_layout(ParallelLayout(tensor=4), config)
+    check_layout(ParallelLayout(expert=8), Qwen3_5MoeTextConfig())
+    with pytest.raises(ValueError, match="Qwen3.5-MoE runs at tensor parallel 1 .*sequence parallelism"):
+        check_layout(ParallelLayout(tensor=2), Qwen3_5MoeTextConfig())
 
 
 def qwen3_5_folder(folder, **sizes):
@@ -72,7 +85,7 @@ def test_the_verl_dry_run_accepts_qwen3_5_and_refuses_what_does_not_split_and_lo
     refused."""
     import re
 
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     from rlflow.config.run import main
     from rlflow.strategies.megatron.memory import rank_memory
@@ -82,6 +95,12 @@ def test_the_verl_dry_run_accepts_qwen3_5_and_refuses_what_does_not_split_and_lo
                               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
     model = Qwen3_5ForCausalLM(small)  # 3 linear-attention layers, 1 full: the estimate averages them
     assert rank_memory(small, ParallelLayout(), 1, 1, 8).total_parameters == sum(p.numel() for p in model.parameters())
+    moe = Qwen3_5MoeTextConfig(**{k: v for k, v in small.to_dict().items() if k in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")},
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    total = rank_memory(moe, ParallelLayout(), 1, 1, 8).total_parameters
+    assert total == sum(p.numel() for p in Qwen3_5MoeForCausalLM(moe).parameters())
     qwen3_5_folder(tmp_path, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32)
     argv = ["--dry-run", f"actor_rollout_ref.model.path={tmp_path}/model", f"data.train_files={tmp_path}/train.parquet",
             "trainer.device=cpu", "trainer.n_gpus_per_node=1", "algorithm.adv_estimator=grpo", "data.train_batch_size=8",

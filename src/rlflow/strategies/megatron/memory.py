@@ -43,7 +43,7 @@ class LayerParameters:
 def layer_parameters(config) -> LayerParameters:
     """Parameters of one decoder layer of a Hugging Face config (Qwen2/Qwen3/Llama/Qwen3-MoE shapes)."""
     if qwen3_5.is_hybrid(config):
-        return LayerParameters(*qwen3_5.layer_parameters(config), experts=0)
+        return LayerParameters(*qwen3_5.layer_parameters(config))
     H, d, nq = config.hidden_size, head_dim(config), config.num_attention_heads
     nkv = getattr(config, "num_key_value_heads", None) or nq
     attention = H * nq * d * 2 + H * nkv * d * 2

@@ -42,6 +42,7 @@ ARCHITECTURES = {
     "qwen3_moe": Architecture(qkv_bias=False, qk_norm=True, moe=True),
     # Qwen3.5 (text): Gated DeltaNet and gated attention layers, zero-centred norms (strategies/megatron/qwen3_5.py)
     "qwen3_5_text": Architecture(qkv_bias=False, qk_norm=True, moe=False),
+    "qwen3_5_moe_text": Architecture(qkv_bias=False, qk_norm=True, moe=True),  # + a gated shared expert
 }
 
 
@@ -91,7 +92,7 @@ def transformer_config_kwargs(config, layout: ParallelLayout, *, on_cpu: bool, o
     arch = architecture(config)
     kwargs = dict(
         num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-        ffn_hidden_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
+        ffn_hidden_size=getattr(config, "intermediate_size", None) or config.moe_intermediate_size, num_attention_heads=config.num_attention_heads,
         num_query_groups=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         kv_channels=head_dim(config), normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
@@ -112,7 +113,7 @@ def transformer_config_kwargs(config, layout: ParallelLayout, *, on_cpu: bool, o
             moe_ffn_hidden_size=config.moe_intermediate_size,
             # transformers' Qwen3-MoE: softmax over all experts, top-k, renormalised when norm_topk_prob;
             # Megatron's default (top-k of the logits, then softmax) is the renormalised case
-            moe_router_pre_softmax=not config.norm_topk_prob,
+            moe_router_pre_softmax=not getattr(config, "norm_topk_prob", True),  # Qwen3.5-MoE: always renormalised
             # no auxiliary loss: transformers adds none unless output_router_logits, and a per-rank
             # load-balancing loss would make the update depend on how tokens are split over ranks
             moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,

@@ -27,16 +27,15 @@ import copy
 import torch
 from torch import nn
 
-HYBRID_MODEL_TYPES = ("qwen3_5_text",)
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 # The other Qwen3.5 model types, refused with the reason (what converting them would still need)
 NOT_CONVERTED = {
     "qwen3_5": "a Qwen3.5 checkpoint is a vision-language model (rlflow loads it as Qwen3_5ForConditionalGeneration): "
                "its vision tower and multimodal rotary positions are not converted; the conversion covers its text "
                "model, model_type qwen3_5_text (Qwen3_5ForCausalLM)",
-    "qwen3_5_moe": "a Qwen3.5-MoE checkpoint is a vision-language model whose text model is qwen3_5_moe_text, not "
-                   "converted yet (see qwen3_5_moe_text)",
-    "qwen3_5_moe_text": "Qwen3.5-MoE's routed experts with a sigmoid-gated shared expert on Gated DeltaNet layers are "
-                        "not converted yet (the dense qwen3_5_text is)",
+    "qwen3_5_moe": "a Qwen3.5-MoE checkpoint is a vision-language model (rlflow loads it as "
+                   "Qwen3_5MoeForConditionalGeneration): its vision tower and multimodal rotary positions are not "
+                   "converted; the conversion covers its text model, model_type qwen3_5_moe_text",
 }
 
 
@@ -74,8 +73,8 @@ def is_hybrid(config) -> bool:
     return config.model_type in HYBRID_MODEL_TYPES
 
 
-def layer_parameters(config) -> tuple[int, int]:
-    """(split over the tensor-parallel ranks, whole on each) parameters of an average decoder layer: Gated DeltaNet
+def layer_parameters(config) -> tuple[int, int, int]:
+    """(split over the tensor-parallel ranks, whole on each, routed experts) parameters of an average decoder layer: Gated DeltaNet
     and gated-attention layers differ, and the memory estimate counts every layer alike."""
     H, d, nq, nkv = config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads
     value = config.linear_value_head_dim * config.linear_num_value_heads
@@ -85,9 +84,13 @@ def layer_parameters(config) -> tuple[int, int]:
               config.linear_value_head_dim)
     full = (H * 2 * nq * d + 2 * H * nkv * d + nq * d * H, 2 * d)
     pattern = linear_attention_pattern(config)
-    split = sum(linear[0] if lin else full[0] for lin in pattern) // len(pattern) + 3 * H * config.intermediate_size
+    experts = getattr(config, "num_experts", None) or 0
+    mlp = 3 * H * (config.shared_expert_intermediate_size if experts else config.intermediate_size)
+    split = sum(linear[0] if lin else full[0] for lin in pattern) // len(pattern) + mlp
     whole = sum(linear[1] if lin else full[1] for lin in pattern) // len(pattern) + 2 * H
-    return split, whole
+    if experts:
+        whole += experts * H + H  # the router, the shared expert's gate
+    return split, whole, experts * 3 * H * (config.moe_intermediate_size if experts else 0)
 
 
 def linear_attention_pattern(config) -> list[int]:
@@ -97,7 +100,11 @@ def linear_attention_pattern(config) -> list[int]:
 
 def config_kwargs(config) -> dict:
     """The ``TransformerConfig`` fields of a Qwen3.5 text config (on top of the common ones of :mod:`.model`)."""
-    return dict(
+    moe = {}
+    if getattr(config, "num_experts", None):  # Qwen3.5-MoE: every layer's MLP is routed experts + a gated shared one
+        moe = dict(moe_shared_expert_intermediate_size=config.shared_expert_intermediate_size,
+                   moe_shared_expert_gate=True)
+    return moe | dict(
         attention_output_gate=True, experimental_attention_variant="gated_delta_net",
         linear_attention_freq=linear_attention_pattern(config), linear_conv_kernel_dim=config.linear_conv_kernel_dim,
         linear_key_head_dim=config.linear_key_head_dim, linear_value_head_dim=config.linear_value_head_dim,
@@ -109,6 +116,11 @@ def check_layout(layout, config) -> None:
     """What the conversion of Qwen3.5 does not cover, refused by name."""
     heads = {"linear_num_key_heads": config.linear_num_key_heads,
              "linear_num_value_heads": config.linear_num_value_heads}
+    if getattr(config, "num_experts", None) and layout.tensor > 1:
+        raise ValueError(f"{layout.describe()} does not fit {config.model_type}: Qwen3.5-MoE runs at tensor parallel 1 "
+                         "here (its experts split by expert parallel): megatron-core trains MoE layers under tensor "
+                         "parallelism only with sequence parallelism, which the local layer spec rlflow builds "
+                         "Qwen3.5 with does not run")
     uneven = [f"{k}={n}" for k, n in heads.items() if n % layout.tensor]
     if uneven:
         raise ValueError(f"{layout.describe()} does not fit {config.model_type}: Gated DeltaNet's {', '.join(uneven)} "
@@ -143,7 +155,8 @@ def block_spec(config, transformer_config, kind: str = "local"):
     if kind != "local":
         raise ValueError(f"layer_spec={kind!r}: Qwen3.5 is built with megatron-core's local modules only "
                          "(layer_spec='local')")
-    base = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    base = get_gpt_layer_local_spec(num_experts=getattr(config, "num_experts", None), qk_layernorm=True,
+                                    normalization="RMSNorm")
     norm = ModuleSpec(module=ZeroCenteredRMSNorm)
     gdn = ModuleSpec(module=_gated_delta_net_class(), submodules=GatedDeltaNetSubmodules(
         in_proj=ColumnParallelLinear, out_norm=ModuleSpec(module=GatedRMSNormWeight), out_proj=RowParallelLinear))

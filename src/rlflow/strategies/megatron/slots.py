@@ -243,6 +243,14 @@ def lm_slots(lm: MegatronLM) -> list[Slot]:
             slots += [_same(pre + "mlp.gate.weight", mlp.router.weight),
                       _stacked(pre + "mlp.experts.gate_up_proj", [e.linear_fc1.weight for e in experts], E),
                       _stacked(pre + "mlp.experts.down_proj", [e.linear_fc2.weight for e in experts], E)]
+            if mlp.shared_experts is not None:  # Qwen3.5-MoE: a shared expert with a sigmoid gate
+                shared = cfg.shared_expert_intermediate_size
+                slots += _fused([pre + "mlp.shared_expert.gate_proj.weight", pre + "mlp.shared_expert.up_proj.weight"],
+                                mlp.shared_experts.linear_fc1.weight, [shared, shared], 1, [slice(0, 1), slice(1, 2)],
+                                shared // tp)
+                slots += [_same(pre + "mlp.shared_expert.down_proj.weight", mlp.shared_experts.linear_fc2.weight,
+                                (H, shared), 1, TENSOR),
+                          _same(pre + "mlp.shared_expert_gate.weight", mlp.shared_experts.gate_weight)]
         else:
             ffn = cfg.intermediate_size
             slots += _fused([pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"], mlp.linear_fc1.weight,
