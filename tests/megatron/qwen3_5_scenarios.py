@@ -3,7 +3,9 @@
 
 - ``qwen3_5_convert``: a tiny Qwen3.5 built in code (a linear-attention layer, then a full-attention one) converted
   at the launch's tensor-parallel size against transformers: logits, log-probs, entropy, a teacher's top-k
-  log-probs, every gradient, and the weights exported back under transformers' names (``worker.compare``).
+  log-probs, every gradient, and the weights exported back under transformers' names (``worker.convert``);
+  ``qwen3_5_moe_convert``: the same for Qwen3.5-MoE at expert parallel = the launch's size;
+- ``qwen3_5_checkpoint``: a sharded checkpoint written at tensor parallel 2, loaded at pipeline parallel 2.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .worker import SCENARIOS, compare, world_size
+from .worker import SCENARIOS, convert, world_size
 
 
 def tiny_qwen3_5(common: dict, seed: int, moe: bool = False):
@@ -40,23 +42,14 @@ def tiny_qwen3_5(common: dict, seed: int, moe: bool = False):
 
 
 def qwen3_5_convert(out: Path, kind: str = "qwen3_5", **layout) -> dict:
-    import lightning as L
+    """``worker.convert`` for one Qwen3.5 model (at tensor parallel = the launch's size, or ``layout``)."""
+    return convert(out, kinds=(kind,), **layout)[kind]
 
-    from rlflow.strategies.megatron import MegatronStrategy
 
-    layout = layout or dict(tensor_parallel=world_size())
-    fabric = L.Fabric(accelerator="cpu", devices=world_size(), strategy=MegatronStrategy(**layout))
-    fabric.launch()
-    torch.manual_seed(1)
-    prompt_ids = torch.randint(3, 40, (3, 6))
-    prompt_mask = torch.ones_like(prompt_ids)
-    prompt_mask[0, :2] = 0  # left padding
-    prompt_ids[0, :2] = 0
-    response_ids = torch.randint(3, 47, (3, 5))
-    topk_ids = torch.randint(0, 47, (3, 5, 4))
-    result = compare(fabric, kind, prompt_ids, prompt_mask, response_ids, torch.randn(3, 5, 6), topk_ids)
-    fabric.strategy.teardown()
-    return result
+def qwen3_5_moe_convert(out: Path) -> dict:
+    """``qwen3_5_convert`` for Qwen3.5-MoE (4 routed experts, top 2, and a gated shared expert per layer), with the
+    experts split over the launch's ranks (expert parallel; tensor parallel 1)."""
+    return qwen3_5_convert(out, "qwen3_5_moe", expert_parallel=world_size())
 
 
 def qwen3_5_checkpoint(out: Path) -> dict:
@@ -110,12 +103,6 @@ def qwen3_5_checkpoint(out: Path) -> dict:
     return {"log_probs": (got - expected).abs().max().item(),
             "moments": max((loaded[n] - saved[n]).abs().max().item() for n in loaded),
             "moment_names": sorted(loaded), "sectioned": [n for n in loaded if "in_proj_qkv" in n or "conv1d" in n]}
-
-
-def qwen3_5_moe_convert(out: Path) -> dict:
-    """``qwen3_5_convert`` for Qwen3.5-MoE (4 routed experts, top 2, and a gated shared expert per layer), with the
-    experts split over the launch's ranks (expert parallel; tensor parallel 1)."""
-    return qwen3_5_convert(out, "qwen3_5_moe", expert_parallel=world_size())
 
 
 SCENARIOS.update({f.__name__: f for f in (qwen3_5_convert, qwen3_5_moe_convert, qwen3_5_checkpoint)})

@@ -178,16 +178,18 @@ def run_training(out: Path, strategy, **kw) -> dict:
 
 
 # ---------------------------------------------------------------- scenarios
-def convert(out: Path, accelerator: str = "cpu", layer_spec: str = "local", pipeline: bool = False) -> dict:
+def convert(out: Path, accelerator: str = "cpu", layer_spec: str = "local", pipeline: bool = False,
+            kinds=("qwen2", "qwen3", "llama"), **layout) -> dict:
     """Logits, log-probs, entropy and gradients of converted models against transformers' (tensor parallel =
     the launch's size; ``pipeline``: pipeline parallel instead, without the logits check: the output layer
-    lives on the last stage only), the weights the engines would receive, and padding removal's zeros."""
+    lives on the last stage only; or ``layout``), the weights the engines would receive, and padding removal's
+    zeros."""
     import lightning as L
 
     from rlflow.strategies.megatron import MegatronStrategy
 
     world = world_size()
-    layout = dict(pipeline_parallel=world) if pipeline else dict(tensor_parallel=world)
+    layout = layout or (dict(pipeline_parallel=world) if pipeline else dict(tensor_parallel=world))
     fabric = L.Fabric(accelerator=accelerator, devices=world,
                       strategy=MegatronStrategy(**layout, layer_spec=layer_spec))
     fabric.launch()
@@ -199,7 +201,7 @@ def convert(out: Path, accelerator: str = "cpu", layer_spec: str = "local", pipe
     response_ids = torch.randint(3, 47, (3, 5))
     topk_ids = torch.randint(0, 47, (3, 5, 4))  # a distillation teacher's top-k (forward_kl_topk), both vocab halves
     inputs = [t.to(fabric.device) for t in (prompt_ids, prompt_mask, response_ids, torch.randn(3, 5, 6), topk_ids)]
-    results = {kind: compare(fabric, kind, *inputs) for kind in ("qwen2", "qwen3", "llama")}
+    results = {kind: compare(fabric, kind, *inputs) for kind in kinds}
     fabric.strategy.teardown()
     return results
 
