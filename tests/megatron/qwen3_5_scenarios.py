@@ -5,7 +5,8 @@
   at the launch's tensor-parallel size against transformers: logits, log-probs, entropy, a teacher's top-k
   log-probs, every gradient, and the weights exported back under transformers' names (``worker.convert``);
   ``qwen3_5_moe_convert``: the same for Qwen3.5-MoE at expert parallel = the launch's size;
-- ``qwen3_5_checkpoint``: a sharded checkpoint written at tensor parallel 2, loaded at pipeline parallel 2.
+- ``qwen3_5_checkpoint``: a sharded checkpoint written at tensor parallel 2, loaded at pipeline parallel 2;
+- ``qwen3_5_train_tp``: two GRPO steps of the Trainer at tensor parallel 2.
 """
 
 from __future__ import annotations
@@ -105,4 +106,14 @@ def qwen3_5_checkpoint(out: Path) -> dict:
             "moment_names": sorted(loaded), "sectioned": [n for n in loaded if "in_proj_qkv" in n or "conv1d" in n]}
 
 
-SCENARIOS.update({f.__name__: f for f in (qwen3_5_convert, qwen3_5_moe_convert, qwen3_5_checkpoint)})
+def qwen3_5_train_tp(out: Path) -> dict:
+    """Two GRPO steps of the Trainer with a Qwen3.5 policy at tensor parallel 2 (``worker.build``)."""
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    from .worker import run_training
+
+    return run_training(out / "qwen3_5_tp", MegatronStrategy(tensor_parallel=2), kind="qwen3_5", steps=2)
+
+
+SCENARIOS.update({f.__name__: f for f in (qwen3_5_convert, qwen3_5_moe_convert, qwen3_5_checkpoint,
+                                          qwen3_5_train_tp)})

@@ -13,6 +13,8 @@ from rlflow.strategies.megatron.qwen3_5 import check_layout
 
 from . import qwen3_5_scenarios  # noqa: F401  (its scenarios, for the forked ranks)
 from .forked import fork_launch
+from .test_megatron import assert_same_run
+from .worker import build
 
 pytestmark = pytest.mark.skipif(not megatron_available(),
                                 reason="megatron-core is not installed (pip install -e '.[megatron]')")
@@ -48,6 +50,16 @@ def test_qwen3_5_checkpoint_at_tensor_parallel_2_resumes_at_pipeline_parallel_2(
     r = fork_launch(2, tmp_path, ("qwen3_5_checkpoint",))["qwen3_5_checkpoint"]
     assert r["log_probs"] < 1e-5, r
     assert len(r["sectioned"]) == 2 and r["moments"] == 0.0, r
+
+
+def test_qwen3_5_grpo_steps_at_tensor_parallel_2_equal_one_process(tmp_path):
+    """Two GRPO steps (rollouts from the engine, KL and entropy terms, two optimizer steps per RL step) of a Qwen3.5
+    policy at TP 2 give the losses, gradient norms and weights of the same Trainer with transformers' model on one
+    process, and the engine holds exactly the trained weights after each sync."""
+    got = fork_launch(2, tmp_path / "two", ("qwen3_5_train_tp",))["qwen3_5_train_tp"]
+    trainer, data, record = build(str(tmp_path / "one"), "auto", kind="qwen3_5", steps=2)
+    trainer.fit(data)
+    assert_same_run(got, record.steps, steps=(1, 2))
 
 
 def test_gated_delta_net_heads_that_do_not_split_and_moe_under_tensor_parallel_are_refused_by_name():
