@@ -6,6 +6,7 @@
   log-probs, every gradient, and the weights exported back under transformers' names (``worker.convert``);
   ``qwen3_5_moe_convert``: the same for Qwen3.5-MoE at expert parallel = the launch's size;
 - ``qwen3_5_checkpoint``: a sharded checkpoint written at tensor parallel 2, loaded at pipeline parallel 2;
+  ``qwen3_5_dist_ckpt``: the same with a Megatron dist checkpoint, loaded at pipeline parallel 2 and tensor parallel 1;
 - ``qwen3_5_train_tp``: two GRPO steps of the Trainer at tensor parallel 2.
 """
 
@@ -106,6 +107,42 @@ def qwen3_5_checkpoint(out: Path) -> dict:
             "moment_names": sorted(loaded), "sectioned": [n for n in loaded if "in_proj_qkv" in n or "conv1d" in n]}
 
 
+def qwen3_5_dist_ckpt(out: Path) -> dict:
+    """A Megatron dist checkpoint (verl's use_dist_checkpointing; megatron-core's own GatedDeltaNet sharding) written
+    at tensor parallel 2, loaded at pipeline parallel 2 and at tensor parallel 1 into other weights: the log-probs
+    are the saved model's."""
+    import lightning as L
+
+    from rlflow.models.logprobs import TokenLogProbs
+    from rlflow.strategies.megatron import MegatronStrategy, dist_checkpoint
+
+    from .worker import tiny_model
+
+    folder = out / "qwen3_5_dist_ckpt"
+    torch.manual_seed(1)
+    prompt_ids, response_ids = torch.randint(3, 40, (3, 6)), torch.randint(3, 47, (3, 5))
+    prompt_mask = torch.ones_like(prompt_ids)
+    with torch.no_grad():
+        expected, _ = TokenLogProbs(tiny_model("qwen3_5", seed=3))(prompt_ids, prompt_mask, response_ids)
+
+    def fabric_for(**strategy):
+        fabric = L.Fabric(accelerator="cpu", devices=world_size(), strategy=MegatronStrategy(**strategy))
+        fabric.launch()
+        return fabric
+
+    fabric = fabric_for(tensor_parallel=2)
+    dist_checkpoint.save(fabric.setup_module(TokenLogProbs(tiny_model("qwen3_5", seed=3)))._forward_module, folder)
+    fabric.strategy.teardown()
+    result = {}
+    for name, layout in (("pp2", {"pipeline_parallel": 2}), ("tp1", {})):
+        fabric = fabric_for(**layout, dist_checkpoints={"policy": str(folder)})
+        module = fabric.setup_module(TokenLogProbs(tiny_model("qwen3_5", seed=7)))
+        with torch.no_grad():
+            result[name] = (module(prompt_ids, prompt_mask, response_ids)[0] - expected).abs().max().item()
+        fabric.strategy.teardown()
+    return result
+
+
 def qwen3_5_train_tp(out: Path) -> dict:
     """Two GRPO steps of the Trainer with a Qwen3.5 policy at tensor parallel 2 (``worker.build``)."""
     from rlflow.strategies.megatron import MegatronStrategy
@@ -116,4 +153,4 @@ def qwen3_5_train_tp(out: Path) -> dict:
 
 
 SCENARIOS.update({f.__name__: f for f in (qwen3_5_convert, qwen3_5_moe_convert, qwen3_5_checkpoint,
-                                          qwen3_5_train_tp)})
+                                          qwen3_5_dist_ckpt, qwen3_5_train_tp)})

@@ -1,9 +1,11 @@
-"""Qwen3.5 (transformers' ``qwen3_5_text``: Gated DeltaNet and gated attention layers) under the Megatron strategy
-on a CPU process (gloo), against transformers (strategies/megatron/qwen3_5.py).
+"""Qwen3.5 (transformers' ``qwen3_5_text`` / ``qwen3_5_moe_text``: Gated DeltaNet and gated attention layers) under
+the Megatron strategy on CPU processes (gloo), against transformers (strategies/megatron/qwen3_5.py).
 
-Forked ranks (``forked.py``) run ``qwen3_5_convert`` at tensor parallel 1 and 2: megatron-core's GatedDeltaNet (with
-its pure-torch chunked delta rule standing in for fla's kernel) and its gated attention reproduce transformers'
-``Qwen3_5ForCausalLM``. The verl dry run accepts the model and refuses what the conversion does not cover.
+Forked ranks (``forked.py``, scenarios in ``qwen3_5_scenarios.py``): the conversion at tensor parallel 1 and 2
+(megatron-core's GatedDeltaNet, with its pure-torch chunked delta rule standing in for fla's kernel, and its gated
+attention reproduce transformers' ``Qwen3_5ForCausalLM``), Qwen3.5-MoE at expert parallel 2, a sharded checkpoint
+and a Megatron dist checkpoint across layouts, and GRPO steps at tensor parallel 2 against one process. The verl dry
+run accepts the models and refuses what the conversion does not cover, by name.
 """
 
 import pytest
@@ -50,6 +52,13 @@ def test_qwen3_5_checkpoint_at_tensor_parallel_2_resumes_at_pipeline_parallel_2(
     r = fork_launch(2, tmp_path, ("qwen3_5_checkpoint",))["qwen3_5_checkpoint"]
     assert r["log_probs"] < 1e-5, r
     assert len(r["sectioned"]) == 2 and r["moments"] == 0.0, r
+
+
+def test_qwen3_5_dist_checkpoint_at_tensor_parallel_2_loads_at_pipeline_parallel_2_and_tensor_parallel_1(tmp_path):
+    """verl's use_dist_checkpointing: megatron-core's own format (its GatedDeltaNet splits in_proj and conv1d into
+    q/k/v/z/b/a pieces), written at TP 2 from one model, loaded at PP 2 and TP 1 into other weights."""
+    r = fork_launch(2, tmp_path, ("qwen3_5_dist_ckpt",))["qwen3_5_dist_ckpt"]
+    assert r["pp2"] < 1e-5 and r["tp1"] < 1e-5, r
 
 
 def test_qwen3_5_grpo_steps_at_tensor_parallel_2_equal_one_process(tmp_path):
