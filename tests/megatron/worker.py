@@ -91,6 +91,10 @@ def tiny_model(kind: str = "qwen2", seed: int = 0):
             for layer in model.model.layers:
                 layer.mlp.gate.weight.normal_(0, 0.5)
         return model
+    if kind in ("qwen3_5", "qwen3_5_moe"):
+        from .qwen3_5_scenarios import tiny_qwen3_5
+
+        return tiny_qwen3_5(common, seed, moe=kind == "qwen3_5_moe")
     raise ValueError(kind)
 
 
@@ -176,16 +180,18 @@ def run_training(out: Path, strategy, **kw) -> dict:
 
 
 # ---------------------------------------------------------------- scenarios
-def convert(out: Path, accelerator: str = "cpu", layer_spec: str = "local", pipeline: bool = False) -> dict:
+def convert(out: Path, accelerator: str = "cpu", layer_spec: str = "local", pipeline: bool = False,
+            kinds=("qwen2", "qwen3", "llama"), **layout) -> dict:
     """Logits, log-probs, entropy and gradients of converted models against transformers' (tensor parallel =
     the launch's size; ``pipeline``: pipeline parallel instead, without the logits check: the output layer
-    lives on the last stage only), the weights the engines would receive, and padding removal's zeros."""
+    lives on the last stage only; or ``layout``), the weights the engines would receive, and padding removal's
+    zeros."""
     import lightning as L
 
     from rlflow.strategies.megatron import MegatronStrategy
 
     world = world_size()
-    layout = dict(pipeline_parallel=world) if pipeline else dict(tensor_parallel=world)
+    layout = layout or (dict(pipeline_parallel=world) if pipeline else dict(tensor_parallel=world))
     fabric = L.Fabric(accelerator=accelerator, devices=world,
                       strategy=MegatronStrategy(**layout, layer_spec=layer_spec))
     fabric.launch()
@@ -197,7 +203,7 @@ def convert(out: Path, accelerator: str = "cpu", layer_spec: str = "local", pipe
     response_ids = torch.randint(3, 47, (3, 5))
     topk_ids = torch.randint(0, 47, (3, 5, 4))  # a distillation teacher's top-k (forward_kl_topk), both vocab halves
     inputs = [t.to(fabric.device) for t in (prompt_ids, prompt_mask, response_ids, torch.randn(3, 5, 6), topk_ids)]
-    results = {kind: compare(fabric, kind, *inputs) for kind in ("qwen2", "qwen3", "llama")}
+    results = {kind: compare(fabric, kind, *inputs) for kind in kinds}
     fabric.strategy.teardown()
     return results
 
@@ -235,7 +241,7 @@ def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights, topk_i
     megatron = module._forward_module
     reduce_gradients(list(megatron.parameters()))  # the strategy's reduction, which divides by the world size
     for p in megatron.parameters():
-        p.grad.mul_(world)
+        p.grad.mul_(world // ps.get_data_parallel_world_size())  # identical batches on the data-parallel ranks
     slots = [(s.name, s) for s in lm_slots(megatron.lm) if s.primary]  # this pipeline stage's
     grads = gather_full([s for _, s in slots], [s.read([p.grad for p in s.params]) for _, s in slots])
     # every stage's (names, largest difference), so that rank 0 reports the whole model
@@ -255,7 +261,7 @@ def compare(fabric, kind, prompt_ids, prompt_mask, response_ids, weights, topk_i
         tokens = _tokens(megatron.lm, prompt_ids, prompt_mask, response_ids)  # real tokens first in each row
         local, _ = megatron.lm.gpt.output_layer(megatron.lm.hidden_states(tokens.ids, None),
                                                 weight=megatron.lm.output_weight())  # S x B x V/tp
-        parts = [torch.zeros_like(local) for _ in range(world)]
+        parts = [torch.zeros_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
         dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
         logits = torch.cat(parts, -1)[..., : hf.config.vocab_size].transpose(0, 1)
         P, R = prompt_ids.shape[1], response_ids.shape[1]

@@ -129,3 +129,19 @@ def test_shared_prompts_on_cuda_in_bf16(tokenizer):
     torch.testing.assert_close(results[0][0], results[1][0], atol=5e-2, rtol=5e-2)
     cosine = torch.nn.functional.cosine_similarity(results[0][1].float(), results[1][1].float(), dim=0)
     assert cosine > 0.999, cosine
+
+
+def test_a_hybrid_with_recurrent_layers_is_not_shared(tokenizer, repeated):
+    """Qwen3.5's cache holds Gated DeltaNet states that transformers cannot copy to other rows (its
+    LinearAttentionLayer has no batch_select_indices): such a model runs the padded pass, and its log-probs are
+    right."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    m = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=1,
+        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, pad_token_id=0))
+    assert not can_share(m)
+    lp, _ = TokenLogProbs(m)(*repeated)
+    torch.testing.assert_close(lp, naive_log_probs(m, *repeated, 1.0)[0], atol=1e-5, rtol=1e-5)

@@ -36,6 +36,11 @@ def can_share(lm: nn.Module) -> bool:
         return False
     if not getattr(base, "_supports_default_dynamic_cache", lambda: False)():  # e.g. recurrent layers
         return False
+    # hybrids whose cache holds recurrent states too (Qwen3.5's Gated DeltaNet: transformers' LinearAttentionLayer
+    # has no batch_select_indices to copy a prompt's state to its rows)
+    kinds = getattr(getattr(base, "config", None), "layer_types", None) or ()
+    if any(kind not in ("full_attention", "sliding_attention") for kind in kinds):
+        return False
     from torch.distributed.fsdp import FSDPModule
 
     return not any(isinstance(m, FSDPModule) for m in base.modules())

@@ -263,7 +263,7 @@ def dry_run_section(plan, config, seq_len: int) -> list[str]:
     from rlflow.strategies.megatron.model import architecture
 
     try:  # a model the conversion does not cover (a vision-language one, say) is refused here, not at build
-        architecture(config)
+        architecture(config, plan.devices.strategy.layout)
     except ValueError as e:
         raise NotSupportedError("actor_rollout_ref.actor.strategy", "megatron", f"this model ({e})") from None
     if isinstance(plan.lora, dict):

@@ -21,6 +21,8 @@ process when this was measured (``shared/reference/backends-on-cpu.md``).
    on CPU: "Torch not compiled with CUDA enabled"): that module's ``torch.cuda.synchronize()`` is a no-op.
 6. The writer's last step broadcasts a failure flag created on ``torch.cuda.current_device()``
    (``state_dict_saver.save_state_dict_async_finalize``): that module gets the same ``torch`` as item 3.
+7. megatron-core's GatedDeltaNet (Qwen3.5's linear-attention layers) refuses to be built without the ``fla``
+   package and allocates on ``torch.cuda.current_device()``: :func:`.qwen3_5.gated_delta_net_on_cpu`.
 
 Three more CUDA defaults are never reached because rlflow passes explicit inputs (see
 :mod:`~rlflow.strategies.megatron.model`): the causal mask (an explicit boolean mask), the rotary
@@ -35,6 +37,8 @@ import math
 import types
 
 import torch
+
+from rlflow.strategies.megatron.qwen3_5 import gated_delta_net_on_cpu
 
 PATCHED_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.transformer.moe.router",
                    "megatron.core.dist_checkpointing.strategies.filesystem_async",
@@ -104,6 +108,7 @@ class CPUWorkarounds:
         moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
         if not hasattr(moe_utils, "te_general_gemm"):
             self._set(moe_utils, "te_general_gemm", None)
+        gated_delta_net_on_cpu(self._set, proxy)
 
     def remove(self) -> None:
         from megatron.core.tensor_parallel import random as mp_random

@@ -31,6 +31,7 @@ import re
 import torch
 from torch import Tensor, nn
 
+from rlflow.strategies.megatron import qwen3_5
 from rlflow.strategies.megatron.model import MegatronLM, architecture, head_dim
 from rlflow.strategies.megatron.slots import TENSOR, Slot, _same
 
@@ -171,7 +172,12 @@ def peft_parts(peft_model) -> tuple[str, dict[tuple[int, str], dict[str, Part]]]
 
 def check_targets(config, target_modules) -> None:
     """A clear error, before anything is built, for targets this does not adapt on ``config``'s model: a MoE
-    model's MLPs are its routed experts (and PEFT's ``all-linear`` includes its router)."""
+    model's MLPs are its routed experts (and PEFT's ``all-linear`` includes its router); Qwen3.5's layers are not
+    adapted."""
+    if qwen3_5.is_hybrid(config):
+        raise ValueError("LoRA under the Megatron strategy does not adapt Qwen3.5 (qwen3_5_text): its gated q_proj and "
+                         "Gated DeltaNet projections have no adapter layout here; train it without LoRA, or with LoRA "
+                         "under FSDP")
     if not architecture(config).moe:
         return
     targets = {target_modules} if isinstance(target_modules, str) else set(target_modules or ())

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlflow.strategies.megatron import qwen3_5
 from rlflow.strategies.megatron.layout import ParallelLayout
 from rlflow.strategies.megatron.model import head_dim, padded_vocab
 
@@ -41,6 +42,8 @@ class LayerParameters:
 
 def layer_parameters(config) -> LayerParameters:
     """Parameters of one decoder layer of a Hugging Face config (Qwen2/Qwen3/Llama/Qwen3-MoE shapes)."""
+    if qwen3_5.is_hybrid(config):
+        return LayerParameters(*qwen3_5.layer_parameters(config))
     H, d, nq = config.hidden_size, head_dim(config), config.num_attention_heads
     nkv = getattr(config, "num_key_value_heads", None) or nq
     attention = H * nq * d * 2 + H * nkv * d * 2

@@ -1,4 +1,4 @@
-"""A Hugging Face decoder (Qwen2/Qwen2.5, Qwen3, Qwen3-MoE, Llama) rebuilt as this rank's megatron-core shard.
+"""A Hugging Face decoder (Qwen2/Qwen2.5, Qwen3, Qwen3-MoE, Llama, Qwen3.5 text) rebuilt as this rank's megatron-core shard.
 
 :func:`transformer_config_kwargs` maps the Hugging Face config to Megatron's ``TransformerConfig``;
 :class:`MegatronLM` holds the ``GPTModel`` of this rank (its pipeline stage, its tensor and expert
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlflow.strategies.megatron import qwen3_5
 from rlflow.strategies.megatron.layout import ParallelLayout
 
 
@@ -39,15 +40,20 @@ ARCHITECTURES = {
     "llama": Architecture(qkv_bias=False, qk_norm=False, moe=False),
     "qwen3": Architecture(qkv_bias=False, qk_norm=True, moe=False),
     "qwen3_moe": Architecture(qkv_bias=False, qk_norm=True, moe=True),
+    # Qwen3.5 (text): Gated DeltaNet and gated attention layers, zero-centred norms (strategies/megatron/qwen3_5.py)
+    "qwen3_5_text": Architecture(qkv_bias=False, qk_norm=True, moe=False),
+    "qwen3_5_moe_text": Architecture(qkv_bias=False, qk_norm=True, moe=True),  # + a gated shared expert
 }
 
 
-def architecture(config) -> Architecture:
-    """The architecture of a Hugging Face config, or a clear error for what the conversion does not cover."""
+def architecture(config, layout: ParallelLayout | None = None) -> Architecture:
+    """The architecture of a Hugging Face config, or a clear error for what the conversion does not cover (at
+    ``layout``, when given)."""
     arch = ARCHITECTURES.get(config.model_type)
     if arch is None:
+        why = qwen3_5.NOT_CONVERTED.get(config.model_type)
         raise ValueError(f"the Megatron strategy converts {', '.join(ARCHITECTURES)} models; "
-                         f"got model_type={config.model_type!r}")
+                         f"got model_type={config.model_type!r}" + (f": {why}" if why else ""))
     unsupported = [what for what, bad in (
         ("hidden_act other than silu", config.hidden_act != "silu"),
         ("attention_bias=True", bool(getattr(config, "attention_bias", False))),
@@ -59,6 +65,8 @@ def architecture(config) -> Architecture:
     ) if bad]
     if unsupported:
         raise ValueError(f"{config.model_type}: the Megatron conversion does not support {', '.join(unsupported)}")
+    if layout is not None and qwen3_5.is_hybrid(config):
+        qwen3_5.check_layout(layout, config)
     return arch
 
 
@@ -84,7 +92,7 @@ def transformer_config_kwargs(config, layout: ParallelLayout, *, on_cpu: bool, o
     arch = architecture(config)
     kwargs = dict(
         num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-        ffn_hidden_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
+        ffn_hidden_size=getattr(config, "intermediate_size", None) or config.moe_intermediate_size, num_attention_heads=config.num_attention_heads,
         num_query_groups=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         kv_channels=head_dim(config), normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
@@ -97,13 +105,15 @@ def transformer_config_kwargs(config, layout: ParallelLayout, *, on_cpu: bool, o
         expert_model_parallel_size=layout.expert, expert_tensor_parallel_size=layout.expert_tensor,
         sequence_parallel=layout.sequence_parallel and layout.tensor > 1,
     )
+    if qwen3_5.is_hybrid(config):
+        kwargs.update(qwen3_5.config_kwargs(config))
     if arch.moe:
         kwargs.update(
             num_moe_experts=config.num_experts, moe_router_topk=config.num_experts_per_tok,
             moe_ffn_hidden_size=config.moe_intermediate_size,
             # transformers' Qwen3-MoE: softmax over all experts, top-k, renormalised when norm_topk_prob;
             # Megatron's default (top-k of the logits, then softmax) is the renormalised case
-            moe_router_pre_softmax=not config.norm_topk_prob,
+            moe_router_pre_softmax=not getattr(config, "norm_topk_prob", True),  # Qwen3.5-MoE: always renormalised
             # no auxiliary loss: transformers adds none unless output_router_logits, and a per-rank
             # load-balancing loss would make the update depend on how tokens are split over ranks
             moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
@@ -178,6 +188,7 @@ class MegatronLM(nn.Module):
 
         config = hf_model.config
         layout.check_model(config)
+        architecture(config, layout)
         rotary = hf_model.get_decoder().rotary_emb
         if getattr(rotary, "attention_scaling", 1.0) != 1.0 or getattr(rotary, "rope_type", "default") not in (
                 "default", "linear", "llama3"):
@@ -194,7 +205,9 @@ class MegatronLM(nn.Module):
         if self.vocab_local == 0:
             raise ValueError(f"vocabulary {config.vocab_size} is too small for tensor parallel {layout.tensor}")
         self.gpt = _gpt_model_class()(
-            config=self.config, transformer_layer_spec=layer_spec(config, spec), vocab_size=rows,
+            config=self.config, vocab_size=rows,
+            transformer_layer_spec=qwen3_5.block_spec(config, self.config, spec) if qwen3_5.is_hybrid(config)
+            else layer_spec(config, spec),
             max_sequence_length=config.max_position_embeddings, pre_process=self.first_stage,
             post_process=self.last_stage, share_embeddings_and_output_weights=bool(config.tie_word_embeddings),
             position_embedding_type="rope", parallel_output=True)
@@ -205,7 +218,9 @@ class MegatronLM(nn.Module):
         for name, param in self.gpt.named_parameters():
             # replicated over the tensor-parallel ranks, but each rank's copy only sees its own heads (q/k norms)
             # or tokens (sequence parallel): the gradients are partial sums (Megatron's finalize_model_grads too)
-            if "q_layernorm" in name or "k_layernorm" in name or getattr(param, "sequence_parallel", False):
+            # (and Qwen3.5's Gated DeltaNet out_norm, over each rank's value heads)
+            if any(n in name for n in ("q_layernorm", "k_layernorm", "out_norm")) \
+                    or getattr(param, "sequence_parallel", False):
                 param.partial_over_tensor_parallel = True
 
     def hidden_states(self, input_ids: Tensor, stage_input: Tensor | None) -> Tensor:

@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from rlflow.strategies.megatron.distopt import DistributedOptimizer
 from rlflow.strategies.megatron.heads import MegatronLogProbs, MegatronValueModel
 from rlflow.strategies.megatron.slots import EXPERT, TENSOR, Slot, group_ranks, module_slots
+from rlflow.strategies.megatron.weight_buckets import gather_full
 
 META_FILE = "meta.pt"  # Fabric's name for the non-tensor part of a sharded checkpoint
 
@@ -64,6 +65,8 @@ class ShardedCheckpoint:
         rank, size = group_ranks(slot)
         if slot.dim is None or size == 1:
             return block
+        if slot.sections:  # a rank's block is not one shard of the full tensor (Qwen3.5's in_proj_qkv): saved whole
+            return gather_full([slot], [block])[0]
         return DTensor.from_local(block.contiguous(), self._mesh(slot.group), [Shard(slot.dim)], run_check=False,
                                   shape=torch.Size(slot.shape), stride=_contiguous_stride(slot.shape))
 
@@ -157,7 +160,7 @@ class ShardedCheckpoint:
         with torch.no_grad():
             for key, module in modules.items():
                 for name, slot in module_slots(module):
-                    slot.write([p.data for p in slot.params], _local(targets[key][name]))
+                    slot.write([p.data for p in slot.params], _local(targets[key][name], slot))
             for key, optimizer in optimizers.items():
                 self._restore_optimizer(optimizer, slots, opt_targets[key], key)
         meta = torch.load(path / META_FILE, weights_only=False)  # our own file
@@ -216,11 +219,12 @@ class ShardedCheckpoint:
             for p in slot.params:
                 optimizer.state.setdefault(p, {})
             for name, value in entry.items():
-                value = _local(value)
                 if (opt_key, key, name) in self._blockwise:
+                    value = _local(value, slot)
                     tensors = [optimizer.state[p].setdefault(name, torch.zeros_like(p)) for p in slot.params]
                     slot.write(tensors, value)
                 else:
+                    value = _local(value)
                     for p in slot.params:
                         optimizer.state[p][name] = value.clone()
         if loaded["state"]:
@@ -228,8 +232,13 @@ class ShardedCheckpoint:
                 group.update({k: v for k, v in saved.items() if k != "params"})
 
 
-def _local(value):
+def _local(value, slot: Slot | None = None):
+    """This rank's block of a loaded value: a shard's local tensor, or the block of a sectioned slot saved whole."""
     from torch.distributed.tensor import DTensor
 
-    return value.to_local() if isinstance(value, DTensor) else value
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if slot is not None and slot.sections and slot.dim is not None:
+        return slot.block_of(value, *group_ranks(slot))
+    return value
 

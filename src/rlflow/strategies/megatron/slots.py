@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from rlflow.strategies.megatron.model import MegatronLM, architecture, head_dim
+from rlflow.strategies.megatron.model import MegatronLM, architecture
 
 TENSOR, EXPERT = "tensor", "expert"  # the process groups a slot can be split over
 
@@ -52,6 +52,9 @@ class Slot:
     read: Callable[[list[Tensor]], Tensor]
     write: Callable[[list[Tensor], Tensor], None]
     primary: bool = True  # False: a copy held elsewhere too (the tied embedding on the last stage)
+    # sizes of the parts along ``dim`` that are split separately (transformers' fused in_proj_qkv = q | k | v of
+    # Qwen3.5's Gated DeltaNet): a rank's block is its chunk of each part, one after the other
+    sections: tuple[int, ...] | None = None
 
     def bounds(self, rank: int, size: int) -> tuple[int, int]:
         """Start and length of rank ``rank``'s block along ``dim`` (``torch.chunk``'s split)."""
@@ -65,8 +68,18 @@ class Slot:
         """This rank's block of the full tensor."""
         if self.dim is None:
             return full
+        if self.sections:
+            return torch.cat([part.chunk(size, self.dim)[rank] for part in full.split(self.sections, self.dim)],
+                             self.dim)
         start, length = self.bounds(rank, size)
         return full.narrow(self.dim, start, length)
+
+    def assemble(self, blocks: list[Tensor]) -> Tensor:
+        """The full tensor from every rank's block, in rank order."""
+        if not self.sections:
+            return torch.cat(blocks, dim=self.dim)
+        parts = [b.split([n // len(blocks) for n in self.sections], self.dim) for b in blocks]
+        return torch.cat([torch.cat(same, self.dim) for same in zip(*parts)], self.dim)
 
 
 def _same(name: str, param: nn.Parameter, full: tuple | None = None, dim: int | None = None,
@@ -126,11 +139,87 @@ def _norm_weight(module: nn.Module, fused_owner: nn.Module) -> nn.Parameter:
     return weight if weight is not None else module.weight
 
 
+def _attention(pre: str, attn: nn.Module, arch, config, groups: int, qpg: int) -> list[Slot]:
+    """Self-attention: fused ``linear_qkv`` (per query group: its query heads, [their output gates,] its key and
+    value head), q/k norms, ``linear_proj``."""
+    nq, d = config.num_attention_heads, config.kv_channels
+    H, nkv = config.hidden_size, nq // qpg
+    names = [pre + f"{p}_proj." for p in "qkv"]
+    rows = [nq * d, nkv * d, nkv * d]
+    gate = qpg if config.attention_output_gate else 0
+    parts = [slice(0, qpg), slice(qpg + gate, qpg + gate + 1), slice(qpg + gate + 1, qpg + gate + 2)]
+    if gate:  # Qwen3.5: transformers' q_proj holds each head's queries, then that head's output gate
+        slots = [_gated_query(names[0] + "weight", attn.linear_qkv.weight, nq * d, groups, qpg, d)]
+        slots += _fused([n + "weight" for n in names[1:]], attn.linear_qkv.weight, rows[1:], groups, parts[1:], d)
+    else:
+        slots = _fused([n + "weight" for n in names], attn.linear_qkv.weight, rows, groups, parts, d)
+    if arch.qkv_bias:
+        slots += _fused([n + "bias" for n in names], attn.linear_qkv.bias, rows, groups, parts, d)
+    if arch.qk_norm:
+        slots += [_same(pre + "q_norm.weight", attn.q_layernorm.weight),
+                  _same(pre + "k_norm.weight", attn.k_layernorm.weight)]
+    slots.append(_same(pre + "o_proj.weight", attn.linear_proj.weight, (H, nq * d), 1, TENSOR))
+    return slots
+
+
+def _gated_query(name: str, param: nn.Parameter, rows: int, groups: int, qpg: int, d: int) -> Slot:
+    """transformers' ``q_proj`` of gated attention, ``[q_h; gate_h]`` per head ``h`` (``2 * rows`` rows), against
+    Megatron's ``linear_qkv`` rows, per query group ``[q heads; gate heads; k; v]``."""
+    rest = tuple(param.shape[1:])
+
+    def heads(t: Tensor) -> Tensor:  # groups x (q, gate) x qpg x d x ...
+        return t.view(groups, 2 * qpg + 2, d, *rest)[:, : 2 * qpg].unflatten(1, (2, qpg))
+
+    def read(t: list[Tensor]) -> Tensor:
+        return heads(t[0]).transpose(1, 2).reshape(-1, *rest)
+
+    def write(t: list[Tensor], block: Tensor) -> None:
+        target = heads(t[0])
+        target.copy_(block.reshape(groups, qpg, 2, d, *rest).transpose(1, 2))
+
+    return Slot(name, (2 * rows, *rest), 0, TENSOR, (param,), read, write)
+
+
+def _rows(names: list[str], param: nn.Parameter, full_rows: list[int], tp: int,
+          sections: dict[str, tuple[int, ...]] | None = None) -> list[Slot]:
+    """Slots for a parameter whose rows are this rank's row blocks of ``names``, one after the other (``sections``:
+    of a name whose parts are split separately)."""
+    rest, slots, start = tuple(param.shape[1:]), [], 0
+    for name, rows in zip(names, full_rows):
+        def read(t: list[Tensor], start=start, n=rows // tp) -> Tensor:
+            return t[0].narrow(0, start, n)
+
+        def write(t: list[Tensor], block: Tensor, start=start, n=rows // tp) -> None:
+            t[0].narrow(0, start, n).copy_(block)
+
+        slots.append(Slot(name, (rows, *rest), 0, TENSOR, (param,), read, write,
+                          sections=(sections or {}).get(name)))
+        start += rows // tp
+    return slots
+
+
+def _gated_delta_net(pre: str, gdn: nn.Module, cfg, tp: int) -> list[Slot]:
+    """Megatron's GatedDeltaNet against transformers' ``linear_attn``: ``in_proj`` is ``in_proj_qkv | in_proj_z |
+    in_proj_b | in_proj_a``, ``conv1d`` and ``in_proj_qkv`` are ``q | k | v``. On ``tp`` ranks each rank holds
+    ``q_r | k_r | v_r`` of transformers' fused ``in_proj_qkv``/``conv1d``: sectioned slots."""
+    z, heads = cfg.linear_value_head_dim * cfg.linear_num_value_heads, cfg.linear_num_value_heads
+    qk = cfg.linear_key_head_dim * cfg.linear_num_key_heads
+    qkv = 2 * qk + z
+    sections = {pre + "in_proj_qkv.weight": (qk, qk, z), pre + "conv1d.weight": (qk, qk, z)}
+    slots = _rows([pre + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")], gdn.in_proj.weight,
+                  [qkv, z, heads, heads], tp, sections)
+    slots += _rows([pre + "conv1d.weight"], gdn.conv1d.weight, [qkv], tp, sections)
+    slots += [_same(pre + "dt_bias", gdn.dt_bias, (heads,), 0, TENSOR),
+              _same(pre + "A_log", gdn.A_log, (heads,), 0, TENSOR), _same(pre + "norm.weight", gdn.out_norm.weight),
+              _same(pre + "out_proj.weight", gdn.out_proj.weight, (cfg.hidden_size, z), 1, TENSOR)]
+    return slots
+
+
 def lm_slots(lm: MegatronLM) -> list[Slot]:
     """Every transformers parameter this rank holds a block of, in the model's order."""
     cfg, gpt, tp = lm.hf_config, lm.gpt, lm.tp_size
     arch = architecture(cfg)
-    H, d, nq = cfg.hidden_size, head_dim(cfg), cfg.num_attention_heads
+    H, nq = cfg.hidden_size, cfg.num_attention_heads
     nkv = getattr(cfg, "num_key_value_heads", None) or nq
     qpg, groups = nq // nkv, nkv // tp
     slots = []
@@ -140,17 +229,12 @@ def lm_slots(lm: MegatronLM) -> list[Slot]:
     for layer in gpt.decoder.layers:
         pre = f"model.layers.{layer.layer_number - 1}."
         attn = layer.self_attention
-        slots.append(_same(pre + "input_layernorm.weight", _norm_weight(layer.input_layernorm, attn.linear_qkv)))
-        qkv = [pre + f"self_attn.{p}_proj." for p in "qkv"]
-        parts = [slice(0, qpg), slice(qpg, qpg + 1), slice(qpg + 1, qpg + 2)]
-        rows = [nq * d, nkv * d, nkv * d]
-        slots += _fused([n + "weight" for n in qkv], attn.linear_qkv.weight, rows, groups, parts, d)
-        if arch.qkv_bias:
-            slots += _fused([n + "bias" for n in qkv], attn.linear_qkv.bias, rows, groups, parts, d)
-        if arch.qk_norm:
-            slots += [_same(pre + "self_attn.q_norm.weight", attn.q_layernorm.weight),
-                      _same(pre + "self_attn.k_norm.weight", attn.k_layernorm.weight)]
-        slots.append(_same(pre + "self_attn.o_proj.weight", attn.linear_proj.weight, (H, nq * d), 1, TENSOR))
+        if hasattr(attn, "in_proj"):  # Qwen3.5's Gated DeltaNet layers (strategies/megatron/qwen3_5.py)
+            slots.append(_same(pre + "input_layernorm.weight", layer.input_layernorm.weight))
+            slots += _gated_delta_net(pre + "linear_attn.", attn, cfg, tp)
+        else:
+            slots.append(_same(pre + "input_layernorm.weight", _norm_weight(layer.input_layernorm, attn.linear_qkv)))
+            slots += _attention(pre + "self_attn.", attn, arch, lm.config, groups, qpg)
         mlp = layer.mlp
         slots.append(_same(pre + "post_attention_layernorm.weight",
                            _norm_weight(layer.pre_mlp_layernorm, getattr(mlp, "linear_fc1", None))))
@@ -159,6 +243,14 @@ def lm_slots(lm: MegatronLM) -> list[Slot]:
             slots += [_same(pre + "mlp.gate.weight", mlp.router.weight),
                       _stacked(pre + "mlp.experts.gate_up_proj", [e.linear_fc1.weight for e in experts], E),
                       _stacked(pre + "mlp.experts.down_proj", [e.linear_fc2.weight for e in experts], E)]
+            if mlp.shared_experts is not None:  # Qwen3.5-MoE: a shared expert with a sigmoid gate
+                shared = cfg.shared_expert_intermediate_size
+                slots += _fused([pre + "mlp.shared_expert.gate_proj.weight", pre + "mlp.shared_expert.up_proj.weight"],
+                                mlp.shared_experts.linear_fc1.weight, [shared, shared], 1, [slice(0, 1), slice(1, 2)],
+                                shared // tp)
+                slots += [_same(pre + "mlp.shared_expert.down_proj.weight", mlp.shared_experts.linear_fc2.weight,
+                                (H, shared), 1, TENSOR),
+                          _same(pre + "mlp.shared_expert_gate.weight", mlp.shared_experts.gate_weight)]
         else:
             ffn = cfg.intermediate_size
             slots += _fused([pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"], mlp.linear_fc1.weight,

@@ -65,7 +65,7 @@ def gather_full(slots: list[Slot], tensors: list[Tensor]) -> list[Tensor]:
             s = slots[i]
             blocks = [out[r, offset : offset + numel].view(padded_shape).narrow(s.dim, 0, s.bounds(r, size)[1])
                       for r in range(size)]
-            full[i] = torch.cat(blocks, dim=s.dim)
+            full[i] = s.assemble(blocks)
             offset += numel
     return full
 
