@@ -64,7 +64,8 @@ def test_the_tree_checks_and_builds_as_a_tree_recipe(tiny, model_dir, capsys):
     plan = make_plan(load_config(tiny + CASES["remax_with_kl_in_reward"]))
     made = verl_tree(plan, total_steps(plan, build_data(plan, load_tokenizer(plan))))
     assert made.deferred == [] and components.check(made.tree) == []
-    assert made.tree["stages"] == [{"_target_": "rlflow.algorithms.GreedyBaseline"}]
+    # ReMax's greedy pass: a stage on the run's rollout, scored by a reward of its own (the same node again)
+    assert made.tree["stages"] == [{"_target_": "rlflow.algorithms.GreedyBaseline", "reward": made.tree["reward"]}]
     assert made.tree["estimator"]["_args_"][0]["controller"] == {"_target_": "rlflow.algorithms.FixedKLController"}
     trainer, data = components.build(made.tree)
     assert [type(m).__name__ for m in trainer.estimator.modules] == ["KLInReward", "ReMax"]

@@ -150,8 +150,8 @@ def reward_node(reward: RewardPlan, overlong: dict | None, deferred: list[str]) 
 
 def estimator_nodes(plan, loss: dict, deferred: list[str]) -> tuple[dict, list]:
     """The estimator (a ``Chain`` with the modules around it) and the stages of the experience stream, as
-    :func:`rlflow.config.verl.build.build_estimator` makes them; ReMax's ``GreedyBaseline()`` as a stage uses the run's
-    own rollout and reward."""
+    the verl keys ask; ReMax's ``GreedyBaseline`` as a stage uses the run's own rollout and a reward of its own (its
+    stats apart from the training reward's), or the run's own when that is a reward model (loaded once)."""
     controller = call(*plan.kl_controller, "estimator.controller", deferred) if plan.kl_controller else None
 
     def module(cls, kwargs, where):
@@ -162,7 +162,8 @@ def estimator_nodes(plan, loss: dict, deferred: list[str]) -> tuple[dict, list]:
     before = [(cls, kw) for cls, kw in plan.before if cls.__name__ != "GreedyBaseline"]
     stages = ([{"_target_": "rlflow.rollout.stream.FilterGroups", **plan.dynamic_sampling}]
               if plan.dynamic_sampling else [])
-    stages += [{"_target_": spec(cls)} for cls, _ in plan.before if cls.__name__ == "GreedyBaseline"]
+    own = {} if plan.reward.model is not None else {"reward": reward_node(plan.reward, plan.overlong, deferred)}
+    stages += [{"_target_": spec(cls), **own} for cls, _ in plan.before if cls.__name__ == "GreedyBaseline"]
     modules = ([module(c, k, "estimator") for c, k in before] + [call(plan.estimator_cls, plan.estimator_kwargs,
                                                                       "estimator", deferred)]
                + [module(c, k, "estimator") for c, k in plan.after])
