@@ -18,12 +18,12 @@ from hydra.utils import instantiate
 from rlflow.config import components
 from rlflow.config.verl.distillation import check_routes
 from rlflow.config.verl.data_classes import data_node, dataset_rows
-from rlflow.config.verl.folders import (TRUST, TRUST_TOKENIZER, critic_config, local_model, model_files,  # noqa: F401
-                                        policy_config, remote_code_errors)
+from rlflow.config.verl.folders import (TRUST, TRUST_TOKENIZER, local_model, model_files, policy_config,
+                                        remote_code_errors)
 from rlflow.config.verl.loading import ConfigError
 from rlflow.config.verl.plan import Plan
 from rlflow.config.verl.reward_fn import check_data_sources
-from rlflow.config.verl.tree import verl_tree, warmup_steps  # noqa: F401 - the dry run's, from here as before
+from rlflow.config.verl.tree import verl_tree
 from rlflow.data.prompts import DataError, PromptData
 from rlflow.models.checks import ModelFolderError, check_model_folder, check_tokenizer
 from rlflow.models.critic import Critic

@@ -200,7 +200,8 @@ def trainer_groups(plan, total: int, deferred: list[str]) -> dict:
     out = {arg: node(group, arg, deferred) for arg, group in groups(**settings).items()}
     out["run"]["loggers"] = loggers
     if strategy_kwargs is not None:
-        out["hardware"]["strategy"] = call(type(strategy), strategy_kwargs, "hardware.strategy", deferred)
+        given = {k: v for k, v in strategy_kwargs.items() if v != {}}  # an empty mapping is its default None
+        out["hardware"]["strategy"] = call(type(strategy), given, "hardware.strategy", deferred)
     return out
 
 
