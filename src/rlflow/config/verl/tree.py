@@ -111,10 +111,32 @@ def policy_node(plan, deferred: list[str]) -> dict:
     return out
 
 
+MT = "actor_rollout_ref.rollout.multi_turn"
+# AgentLoop's argument <- the verl key of the file it is loaded from, and the loader (one file each)
+AGENT_FILES = {"interaction": (f"{MT}.interaction_config_path", "rlflow.rollout.tools.config.load_interaction_config")}
+TOOL_FILES = {f"{MT}.tool_config_path": "rlflow.rollout.tools.config.load_tool_config",
+              f"{MT}.function_tool_path": "rlflow.rollout.tools.functions.load_function_tools"}
+
+
+def agent_kwargs(plan) -> dict:
+    """AgentLoop's arguments, its tools and interactions as the loaders of their files (tools from one file; from
+    a tool YAML and a Python file both, the loaded objects themselves)."""
+    kwargs = dict(plan.agent)
+    files = {key: plan.cfg[key] for key in TOOL_FILES if plan.cfg[key]}
+    if len(files) == 1:
+        (key, path), = files.items()
+        kwargs["tools"] = {"_target_": TOOL_FILES[key], "path": str(Path(path).expanduser().resolve())}
+    for arg, (key, loader) in AGENT_FILES.items():
+        if plan.cfg[key]:
+            kwargs[arg] = {"_target_": loader, "path": str(Path(plan.cfg[key]).expanduser().resolve())}
+    return kwargs
+
+
 def rollout_node(plan, deferred: list[str]) -> dict:
     """The rollout and the wrappers build_trainer puts around it (agent loop, asynchronous generation)."""
     rollout = call(plan.rollout_cls, plan.rollout_kwargs, "rollout", deferred)
-    for kwargs, target in ((plan.agent, "rlflow.rollout.agent.AgentLoop"),
+    agent = agent_kwargs(plan) if plan.agent is not None else None
+    for kwargs, target in ((agent, "rlflow.rollout.agent.AgentLoop"),
                            (plan.async_rollout, "rlflow.rollout.AsyncRollout"),
                            (plan.fully_async, "rlflow.rollout.FullyAsyncRollout")):
         if kwargs is not None:
