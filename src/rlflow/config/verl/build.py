@@ -18,18 +18,17 @@ from hydra.utils import instantiate
 from rlflow.config import components
 from rlflow.config.verl.distillation import check_routes
 from rlflow.config.verl.data_classes import data_node, dataset_rows
-from rlflow.config.verl.folders import (TRUST, TRUST_TOKENIZER, local_model, model_files, policy_config,
-                                        remote_code_errors)
+from rlflow.config.verl.folders import (TRUST, TRUST_TOKENIZER, load_vision_processor, local_model, model_files,
+                                        policy_config, remote_code_errors)
 from rlflow.config.verl.loading import ConfigError
 from rlflow.config.verl.plan import Plan
 from rlflow.config.verl.reward_fn import check_data_sources
-from rlflow.config.verl.tree import verl_tree
+from rlflow.config.verl.tree import prompts_node, verl_tree
 from rlflow.data.prompts import DataError, PromptData
 from rlflow.models.checks import ModelFolderError, check_model_folder, check_tokenizer
 from rlflow.models.critic import Critic
 from rlflow.models.hf_config import load_config
 from rlflow.models.policy import Policy
-from rlflow.models.vision import load_processor
 from rlflow.trainer.trainer import Trainer
 
 
@@ -54,38 +53,29 @@ def load_tokenizer(plan: Plan):
     return tok
 
 
-def load_vision_processor(plan: Plan):
-    """The processor of an image-text-to-text model folder (its images' size bounds from ``data.min/max_pixels``),
-    else ``None``; no weights are read."""
-    files, kw = model_files(plan), plan.policy_kwargs
-    if getattr(policy_config(plan), "vision_config", None) is None:
-        return None
-    trust = kw.get("tokenizer_trust_remote_code", kw.get("trust_remote_code", False))
-    with remote_code_errors("actor_rollout_ref.model.path", TRUST_TOKENIZER):
-        return load_processor(files["tokenizer_path"], kw.get("min_pixels"), kw.get("max_pixels"),
-                              trust_remote_code=trust)
-
-
 def build_data(plan: Plan, tokenizer, processor=None) -> PromptData:
-    """The prompts, filtered once with the policy's tokenizer; the built-in reward must cover their sources.
-
-    A vision-language policy's ``processor`` reads the rows' images (``data.image_key``)."""
-    kw = dict(plan.data_kwargs)
-    if processor is not None and kw.get("image_patch_size", 0) is None:  # verl: the processor's own patch size
-        kw["image_patch_size"] = getattr(getattr(processor, "image_processor", None), "patch_size", 14)
+    """The tree's ``data`` node, built, then filtered once with the policy's tokenizer; the built-in reward must
+    cover their sources. A ``data.custom_cls`` reads the files (with ``tokenizer`` and a vision-language policy's
+    ``processor``) and its rows take their place."""
+    node = prompts_node(plan, [])
+    rows = {}
     if plan.dataset_cls is not None:  # data.custom_cls: the user's class reads the files; rlflow takes its rows
-        node, cap = data_node(plan.cfg), {"train": "train_max_samples", "val": "val_max_samples"}
-        for split in ("train", "val"):
-            if kw[split] is not None:
-                kw[split] = dataset_rows(plan.dataset_cls, kw[split], split, tokenizer, processor, node,
-                                         kw.get(cap[split]) or -1)
-    if processor is None and kw.get("mm_processor_kwargs"):
-        plan.notes.append(f"data.mm_processor_kwargs={kw['mm_processor_kwargs']!r} has no effect: "
+        config, cap = data_node(plan.cfg), {"train": "train_max_samples", "val": "val_max_samples"}
+        rows = {split: dataset_rows(plan.dataset_cls, node[split], split, tokenizer, processor, config,
+                                    node.get(cap[split]) or -1) if node[split] is not None else None
+                for split in ("train", "val")}
+        node = {k: v for k, v in node.items() if k not in rows} | {"_partial_": True}
+    if "processor" not in node and node.get("mm_processor_kwargs"):
+        plan.notes.append(f"data.mm_processor_kwargs={node['mm_processor_kwargs']!r} has no effect: "
                           f"{plan.model_path} has no processor (not a vision-language model)")
     try:
-        data = PromptData(kw.pop("train"), val=kw.pop("val"), processor=processor, **kw)
-    except DataError as e:
-        raise ConfigError(f"data.train_files / data.val_files: {e}") from e
+        data = instantiate(components.resolved(node, "data"), _convert_="all")
+        data = data(rows["train"], val=rows["val"]) if rows else data
+    except (DataError, InstantiationException) as e:
+        cause = e.__cause__ if isinstance(e, InstantiationException) else e
+        if not isinstance(cause, DataError):
+            raise cause from None
+        raise ConfigError(f"data.train_files / data.val_files: {cause}") from cause
     if any(data.skipped_images.values()):
         plan.notes.append(f"data.bad_images=skip: dropped {data.skipped_images['train']} training and "
                           f"{data.skipped_images['val']} validation row(s) with a missing or corrupt image")

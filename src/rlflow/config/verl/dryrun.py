@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlflow.config.verl.build import build_data, load_tokenizer, load_vision_processor, total_steps
-from rlflow.config.verl.folders import critic_config, policy_config
+from rlflow.config.verl.build import build_data, load_tokenizer, total_steps
+from rlflow.config.verl.folders import critic_config, load_vision_processor, policy_config
 from rlflow.config.verl.key_notes import unused_notes
 from rlflow.config.verl.plan import Plan
 from rlflow.config.report import gib, line

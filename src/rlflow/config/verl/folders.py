@@ -10,6 +10,7 @@ from rlflow.config.verl.loading import ConfigError
 from rlflow.config.verl.plan import Plan
 from rlflow.models.hf_config import OverrideError, load_config
 from rlflow.models.hub import ModelNotFoundError, locate_model
+from rlflow.models.vision import load_processor
 
 
 def local_model(path: str, key: str) -> str:
@@ -65,3 +66,15 @@ def critic_config(plan: Plan):
         config = kw.get("config_path") and local_model(kw["config_path"], f"{key}.hf_config_path")
         return load_config(config or local_model(plan.critic_path, f"{key}.path"), kw.get("override_config"),
                            kw.get("trust_remote_code", False))
+
+
+def load_vision_processor(plan: Plan):
+    """The processor of an image-text-to-text model folder (its images' size bounds from ``data.min/max_pixels``),
+    else ``None``; no weights are read."""
+    files, kw = model_files(plan), plan.policy_kwargs
+    if getattr(policy_config(plan), "vision_config", None) is None:
+        return None
+    trust = kw.get("tokenizer_trust_remote_code", kw.get("trust_remote_code", False))
+    with remote_code_errors("actor_rollout_ref.model.path", TRUST_TOKENIZER):
+        return load_processor(files["tokenizer_path"], kw.get("min_pixels"), kw.get("max_pixels"),
+                              trust_remote_code=trust)

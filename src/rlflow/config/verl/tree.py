@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlflow.algorithms import ValueLoss
-from rlflow.config.verl.folders import local_model, model_files, policy_config
+from rlflow.config.verl.folders import load_vision_processor, local_model, model_files, policy_config
 from rlflow.config.verl.rewards import RM, RewardPlan
 from rlflow.config.components import locate
 from rlflow.config.verl.resolve import Fill, init_parameters
@@ -227,13 +227,22 @@ def trainer_groups(plan, total: int, deferred: list[str]) -> dict:
     return out
 
 
-def data_node(plan, deferred: list[str]) -> dict:
-    """``PromptData`` with the data keys; the prompts over ``max_prompt_length`` are dropped by ``fit``."""
+def prompts_node(plan, deferred: list[str]) -> dict:
+    """``PromptData`` with the data keys (the prompts over ``max_prompt_length`` are dropped by ``fit``), and a
+    vision-language policy's processor (``load_processor`` of its folder, bounded by ``data.min/max_pixels``)."""
     kwargs = dict(plan.data_kwargs)
     if plan.dataset_cls is not None:
         deferred.append("data: data.custom_cls reads the files with the policy's tokenizer")
-    if plan.vision:
-        deferred.append("data.processor: a vision-language model's processor is the loaded policy's")
+    kw = plan.policy_kwargs
+    if getattr(policy_config(plan), "vision_config", None) is not None:
+        kwargs["processor"] = {"_target_": "rlflow.models.vision.load_processor",
+                               "path": model_files(plan)["tokenizer_path"], "min_pixels": kw.get("min_pixels"),
+                               "max_pixels": kw.get("max_pixels"),
+                               "trust_remote_code": kw.get("tokenizer_trust_remote_code",
+                                                           kw.get("trust_remote_code", False))}
+        if kwargs.get("image_patch_size", 0) is None:  # verl: the processor's own patch size
+            processor = load_vision_processor(plan)
+            kwargs["image_patch_size"] = getattr(getattr(processor, "image_processor", None), "patch_size", 14)
     train, val = kwargs.pop("train"), kwargs.pop("val")
     return {"_target_": "rlflow.PromptData", "train": node(train, "data.train", deferred),
             "val": node(val, "data.val", deferred), **node(kwargs, "data", deferred)}
@@ -300,7 +309,7 @@ def verl_tree(plan, total: int) -> VerlTree:
     if plan.trainer_kwargs["callbacks"]:
         tree["callbacks"] = node(plan.trainer_kwargs["callbacks"], "callbacks", deferred)
     tree |= trainer_groups(plan, total, deferred)
-    tree["data"] = data_node(plan, deferred)
+    tree["data"] = prompts_node(plan, deferred)
     return VerlTree(without_defaults(tree), deferred)
 
 
