@@ -42,7 +42,6 @@ ALLOWED = {
     ("config.verl.reward_fn", "rewards"): "defers tensordict, torch, transformers",
     ("config.verl.reward_fn", "rewards.dispatch"): "defers tensordict, torch, transformers",
     ("config.verl.reward_fn", "rewards.geo3k"): "defers tensordict, torch, transformers",
-    ("config.verl.rewards", "rewards"): "defers tensordict, torch, transformers",
     ("config.verl.run", "config.verl.build"): "defers lightning, tensordict, torch, transformers",
     ("config.verl.run", "config.verl.dryrun"): "defers lightning, tensordict, torch, transformers",
     ("config.verl.run", "config.verl.plan"): "defers tensordict, torch, transformers",

@@ -10,7 +10,7 @@ import pytest
 
 import rlflow.config.devices as devices
 from rlflow.config import load_config, make_plan
-from rlflow.config.build import build_data, load_tokenizer
+from rlflow.config.build import build_data, build_trainer, load_tokenizer
 from rlflow.config.loading import ConfigError
 from tests.config.test_multi_turn_keys import chat_model_dir  # noqa: F401 - the fixture
 
@@ -57,6 +57,8 @@ def test_function_tools_reach_the_agent_loop(tiny, tmp_path):
     assert asyncio.run(tools["add"].execute({"a": 2, "b": 3})) == "5"
     assert json.loads(asyncio.run(tools["lookup"].execute({"country": "France"}))) == {"capital": "Paris"}
     assert asyncio.run(tools["lookup"].execute({"country": "Spain"})) == ("unknown", -0.5, {"misses": 1})
+    trainer, _ = build_trainer(plan)  # the run's tree loads the file: tools=load_function_tools(path=...)
+    assert sorted(trainer.rollout.tools) == ["add", "lookup"]
     (tmp_path / "none.py").write_text("x = 1\n")
     with pytest.raises(ConfigError, match=r"function_tool_path=.*defines no @function_tool"):
         make_plan(load_config(tiny + [f"{MT}.enable=true", f"{MT}.function_tool_path={tmp_path}/none.py"]))

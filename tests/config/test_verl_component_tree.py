@@ -7,9 +7,10 @@ import pytest
 
 import rlflow.config.devices as devices
 from rlflow.config import components, load_config, make_plan
-from rlflow.config.build import build_data, load_tokenizer, total_steps
+from rlflow.config.build import build_data, build_trainer, load_tokenizer, total_steps
 from rlflow.config.verl.tree import verl_tree
 from rlflow.trainer.main_ppo import main
+from tests.config.test_data_user_keys import DATASET
 
 TIMING = ("timing_s/", "perf/")  # wall-clock figures: the one thing two equal runs do not share
 HEADER = "(rlflow.config.verl.tree):\n\n"
@@ -63,19 +64,47 @@ def test_the_tree_checks_and_builds_as_a_tree_recipe(tiny, model_dir, capsys):
     plan = make_plan(load_config(tiny + CASES["remax_with_kl_in_reward"]))
     made = verl_tree(plan, total_steps(plan, build_data(plan, load_tokenizer(plan))))
     assert made.deferred == [] and components.check(made.tree) == []
-    assert made.tree["stages"] == [{"_target_": "rlflow.algorithms.GreedyBaseline"}]
+    # ReMax's greedy pass: a stage on the run's rollout, scored by a reward of its own (the same node again)
+    assert made.tree["stages"] == [{"_target_": "rlflow.algorithms.GreedyBaseline", "reward": made.tree["reward"]}]
     assert made.tree["estimator"]["_args_"][0]["controller"] == {"_target_": "rlflow.algorithms.FixedKLController"}
     trainer, data = components.build(made.tree)
     assert [type(m).__name__ for m in trainer.estimator.modules] == ["KLInReward", "ReMax"]
     assert len(data.train) == 12
 
 
-def test_what_the_tree_cannot_say_yet_is_listed(tiny, capsys):
-    """The reference's own scoring split is set on the policy's copy, which no constructor argument says: the dry
-    run lists it. A custom chat template is Policy.from_pretrained's argument."""
-    assert main(tiny + ["--dry-run", "data.max_prompt_length=48", "actor_rollout_ref.actor.use_kl_loss=true",
-                        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-                        "+actor_rollout_ref.model.custom_chat_template='{{ messages }}'"]) == 0
+def test_the_reference_split_is_a_node_and_what_the_tree_cannot_say_yet_is_listed(tiny, tmp_path, capsys):
+    """The reference's own scoring split is a node (a partial of frozen_reference the Trainer calls with its policy),
+    and the run builds it from there; a user's dataset class reads the files with the policy's tokenizer, which no
+    constructor argument says yet: the dry run lists it. A custom chat template is Policy.from_pretrained's argument."""
+    ref = ["data.max_prompt_length=48", "actor_rollout_ref.actor.use_kl_loss=true",
+           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+           "+actor_rollout_ref.model.custom_chat_template='{{ messages }}'"]
+    assert main(tiny + ["--dry-run", *ref]) == 0
     out = capsys.readouterr().out
-    assert "Not said by the tree yet" in out and "reference: its own scoring split" in out
-    assert "chat_template='{{ messages }}'" in out.split("Not said", 1)[0]
+    assert "Not said by the tree yet" not in out
+    assert "reference=functools.partial(frozen_reference, micro_batch_size=2, max_tokens_per_micro_batch=None)" in out
+    assert "chat_template='{{ messages }}'" in out
+    trainer, _ = build_trainer(make_plan(load_config(tiny + ref)))
+    assert trainer.reference.micro_batch_size == 2 and trainer.policy.micro_batch_size != 2
+    (tmp_path / "my_dataset.py").write_text(DATASET)
+    assert main(tiny + ["--dry-run", f"data.custom_cls.path={tmp_path}/my_dataset.py",
+                        "data.custom_cls.name=ReversedQuestions"]) == 0
+    out = capsys.readouterr().out
+    assert "Not said by the tree yet" in out and "data: data.custom_cls reads the files" in out
+
+
+def test_the_run_builds_what_the_tree_says(tiny, monkeypatch):
+    """The verl run instantiates the tree (one path): a node changed in the tree is what the built Trainer holds."""
+    import rlflow.config.verl.build as build
+
+    plan = make_plan(load_config(tiny))
+    written = build.verl_tree
+
+    def edited(plan, total):
+        made = written(plan, total)
+        made.tree["loss"]["clip_ratio"] = 0.123
+        return made
+
+    monkeypatch.setattr(build, "verl_tree", edited)
+    trainer, _ = build_trainer(plan)
+    assert trainer.loss.clip_ratio == 0.123

@@ -63,6 +63,7 @@ def test_the_seeds_vlm_snippet_runs_on_a_local_tiny_model(vlm_files, tmp_path, m
     assert main(argv + ["actor_rollout_ref.rollout.name=hf", "--dry-run"]) == 0
     report = capsys.readouterr().out
     assert "image_key='picture'" in report and "max_pixels=3136" in report and "prompt tokens: max 53" in report
+    assert "processor=load_processor(path=" in report and "Not said by the tree yet" not in report  # a node
     assert main(argv + ["actor_rollout_ref.rollout.name=hf"]) == 0
     out = capsys.readouterr().out
     assert "val-core/rlflow/shapes/reward/mean@1" in out and "step:1 " in out

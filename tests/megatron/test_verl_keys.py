@@ -160,7 +160,8 @@ def test_seed_70b_snippet_dry_runs_with_parallel_arithmetic(seventy_b, capsys):
             "actor_rollout_ref.rollout.name=hf", f"trainer.default_local_dir={seventy_b}/run"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    expected = [r"strategy=.MegatronStrategy\(tensor_parallel=8, pipeline_parallel=2\)",  # the tree names it (deferred)
+    assert "Not said by the tree yet" not in out
+    expected = [r"hardware=Hardware\(.*strategy=MegatronStrategy\(tensor_parallel=8, pipeline_parallel=2[,)]",  # a node
                 r"Megatron: TP 8 x PP 2 x DP 2 \(32 processes\)",
                 r"replicas \(data parallel\)\s+32 processes / \(TP 8 x CP 1 x PP 2\)\s+= 2",
                 r"layers per stage\s+80 layers / PP 2\s+= 40",

@@ -112,6 +112,8 @@ def load(path: str | Path, overrides: list[str] | tuple = ()) -> dict:
 def locate(target: Any, where: str, base_dir: str | Path | None = None) -> Callable:
     """The callable a ``_target_`` names: ``pkg.module.Name`` (``Name.attr`` too: ``rlflow.Policy.from_pretrained``)
     or ``file.py:Name``; a :class:`LookupError` naming ``where`` and what is missing otherwise."""
+    if callable(target) and not isinstance(target, str):  # a tree made in Python may hold the callable itself
+        return target
     if not isinstance(target, str) or not target:
         raise LookupError(f"{where}: a _target_ is a dotted path or file.py:Name, got {target!r}")
     obj = named(target, where, base_dir)
@@ -254,8 +256,12 @@ def resolved(value: Any, path: str = "", base_dir=None) -> Any:
 def build(tree: dict, base_dir: str | Path | None = None) -> tuple[Any, Any]:
     """``(trainer, data)`` of a tree, checked first (every problem in one :class:`ConfigError`); arguments are
     built before what takes them, in the recipe's order."""
+    trainer = build_trainer(tree, base_dir)
+    return trainer, instantiate(resolved(tree[DATA], DATA, base_dir), _convert_="all")
+
+
+def build_trainer(tree: dict, base_dir: str | Path | None = None) -> Any:
+    """The tree's Trainer alone (its ``data`` is checked, not built), checked first as :func:`build`."""
     raise_problems(check(tree, base_dir))
     root = {"_target_": TRAINER, **{k: v for k, v in tree.items() if k != DATA}}
-    trainer = instantiate(resolved(root, "", base_dir), _convert_="all")
-    data = instantiate(resolved(tree[DATA], DATA, base_dir), _convert_="all")
-    return trainer, data
+    return instantiate(resolved(root, "", base_dir), _convert_="all")

@@ -88,7 +88,7 @@ def _call(node: dict, path: str, names: _Names, depth: int) -> str:
     recursive = node.get("_recursive_", True)
     args = [_value(v, f"{at('_args_')}[{i}]", names, depth + 1, recursive) for i, v in enumerate(node.get("_args_", []))]
     args += [f"{k}={_value(v, at(k), names, depth + 1, recursive)}" for k, v in node.items() if k not in KEYWORDS]
-    func = names.of(target, at("_target_"))
+    func = names.of(target, at("_target_")) if isinstance(target, str) else repr(target)  # one without a path
     if node.get("_partial_", False):
         func, args = "functools.partial", [func, *args]
         names.bind("functools", ("functools",), lambda _: names.modules.append("functools"))

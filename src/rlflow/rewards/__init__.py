@@ -2,7 +2,7 @@
 weighted combinations of them."""
 
 from rlflow.rewards import geo3k, gsm8k, math, math_dapo
-from rlflow.rewards.base import Reward, RewardError, RewardWarning
+from rlflow.rewards.base import Reward, RewardError, RewardWarning, with_columns
 from rlflow.rewards.code import CodeReward
 from rlflow.rewards.combine import CombinedReward, WithRMScore
 from rlflow.rewards.dispatch import default_compute_score
@@ -27,4 +27,5 @@ __all__ = [
     "gsm8k",
     "math",
     "math_dapo",
+    "with_columns",
 ]

@@ -163,6 +163,13 @@ def _real(value: Any) -> float | None:
     return None
 
 
+def with_columns(reward: Reward, columns) -> Reward:
+    """``reward`` that also writes its extras ``columns`` to the batch (:attr:`Reward.columns`: GDPO reads them);
+    a tree's way to set them (``{_target_: rlflow.rewards.with_columns, reward: ..., columns: [...]}``)."""
+    reward.columns = columns
+    return reward
+
+
 def setup_rewards(fabric, *roles: Any) -> None:
     """Call ``setup(fabric)`` once on every :class:`Reward` reachable from ``roles``: the roles themselves and
     the objects they hold (a reward inside ``OverlongPenalty``, ``CombinedReward``, ``DynamicSampling`` or a

@@ -7,6 +7,7 @@ Built on Lightning Fabric (devices, precision, strategy, loggers, checkpoint IO)
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from itertools import islice
@@ -50,7 +51,9 @@ class Trainer:
             when the Trainer is built; trainer.rollout/reward: the stream's.
         stages, experience: the experience stream's stages (``rlflow.rollout.stream``: ``FilterGroups``, ``Prefetch``,
             ``GreedyBaseline``, ``ReferenceResponses``), or ``experience=Experience(rollout, reward, stages)``.
-        reference: a frozen policy for the KL term; ``"auto"`` makes one when the loss reads ``ref_log_probs``.
+        reference: a frozen policy for the KL term; ``"auto"`` makes one when the loss reads ``ref_log_probs``, and
+            so does a ``functools.partial`` of the policy (``partial(rlflow.models.reference.frozen_reference,
+            path=..., micro_batch_size=...)``: weights or a scoring split of its own).
         critic, value_loss: the value model and its loss (needed when ``estimator.needs_critic``).
         callbacks: objects with ``on_*`` hooks (a :class:`~rlflow.trainer.callbacks.NoLearningSignal` is added
             unless one is given).
@@ -87,9 +90,9 @@ class Trainer:
         self.policy, self.estimator, self.loss = policy, estimator, loss
         self.val_sampling = val_sampling
         self.critic, self.value_loss = critic, value_loss
-        if reference == "auto":
+        if reference == "auto" or isinstance(reference, functools.partial):  # made when something reads it
             wants_ref = K.REF_LOG_PROBS in set(loss.in_keys) | set(estimator.in_keys)
-            reference = policy.reference() if wants_ref else None
+            reference = (policy.reference() if reference == "auto" else reference(policy)) if wants_ref else None
         self.reference = reference
         if abs(policy.temperature - rollout.temperature) > 1e-9:
             raise ValueError(f"policy temperature {policy.temperature} != rollout temperature {rollout.temperature}: "

@@ -27,6 +27,7 @@ class Devices:
     per_node: int         # processes per node (Fabric's devices)
     nnodes: int
     offload: bool         # a CPU-offload key is on (only possible on CPU for now)
+    strategy_kwargs: dict | None = None  # a strategy object's constructor arguments (the tree's node of it)
 
 
 # Device nodes a CUDA (or ROCm, or WSL) GPU shows; without any, there is no GPU and torch need not load.
@@ -75,10 +76,10 @@ def resolve_devices(cfg: VerlConfig, notes: list[str], with_critic: bool, record
             f"CUDA device(s) (torch.cuda.device_count() = {found}). To run on what is here, add: {fix}")
     accelerator = "cuda" if wants_gpu else "cpu"
     processes = per_node * nnodes
-    strategy = "auto"
+    strategy, strategy_kwargs = "auto", None
     if record:  # the plan; validation (record=False) stays torch-free: rlflow.strategies imports Lightning
         if megatron_keys.wants_megatron(cfg):
-            strategy = megatron_keys.megatron_strategy(cfg, notes, processes, accelerator, with_critic)
+            strategy, strategy_kwargs = megatron_keys.megatron_strategy(cfg, notes, processes, accelerator, with_critic)
         else:
             megatron_keys.check_no_megatron_sizes(cfg)
     for role in () if strategy != "auto" else ("actor_rollout_ref.actor", "critic") if with_critic else (
@@ -103,7 +104,7 @@ def resolve_devices(cfg: VerlConfig, notes: list[str], with_critic: bool, record
     precision = get("trainer.precision")
     if precision == "auto":
         precision = "bf16-mixed" if accelerator == "cuda" else "32-true"
-    return Devices(accelerator, precision, strategy, processes, per_node, nnodes, offload)
+    return Devices(accelerator, precision, strategy, processes, per_node, nnodes, offload, strategy_kwargs)
 
 
 def under_torchrun(env=os.environ) -> bool:

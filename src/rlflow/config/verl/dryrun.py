@@ -1,6 +1,6 @@
 """``--dry-run``: validate config and data, then print what a run would do and stop.
 
-Prints the objects the run builds (as the Python calls), the data it found, the batch arithmetic
+Prints the component tree the run builds (as the Python a user would write: the run instantiates that tree), the data it found, the batch arithmetic
 of one RL step (prompts x n -> mini-batches -> micro-batches per device), the schedule, a rough
 estimate of memory and compute per step, and notes on the keys the user set; the full resolved
 config follows with ``--show-config``. Loads the tokenizer and the
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlflow.config.verl.build import (build_data, critic_config, load_tokenizer, load_vision_processor, policy_config,
-                                 total_steps, warmup_steps)
+from rlflow.config.verl.build import build_data, load_tokenizer, total_steps
+from rlflow.config.verl.folders import critic_config, load_vision_processor, policy_config
 from rlflow.config.verl.key_notes import unused_notes
 from rlflow.config.verl.plan import Plan
 from rlflow.config.report import gib, line
 from rlflow.config.components_python import python
-from rlflow.config.verl.tree import verl_tree
+from rlflow.config.verl.tree import verl_tree, warmup_steps
 from rlflow.config.verl.megatron import dry_run_section
 from rlflow.data.prompts import render_prompt
 
@@ -51,7 +51,8 @@ def prompt_lengths(data, tokenizer) -> list[int]:
     return [data.prompt_length(r, tokenizer) for r in rows]  # image tokens included for vision-language rows
 
 
-TREE = "Objects: this command's component tree, as the Python a user would write (rlflow.config.verl.tree):"
+TREE = ("Objects: this command's component tree, as the Python a user would write; the run builds this tree "
+        "(rlflow.config.verl.tree):")
 
 
 def objects_section(plan: Plan, total: int) -> list[str]:
@@ -59,7 +60,8 @@ def objects_section(plan: Plan, total: int) -> list[str]:
     made = verl_tree(plan, total)
     out = [TREE, "", python(made.tree).rstrip()]
     if made.deferred:
-        out += ["", "Not said by the tree yet (the run builds these as rlflow.config.verl.build does):"]
+        out += ["", "Not said by the tree yet (the run passes these objects as they are, or, for the data, loads "
+                    "them as rlflow.config.verl.build.build_data does):"]
         out += [f"  - {d}" for d in made.deferred]
     return out
 

@@ -100,15 +100,6 @@ def critic_lora_argument(cfg: VerlConfig, notes: list[str]) -> dict | str | None
     return kwargs
 
 
-def make_lora(argument: dict | str | None):
-    """What ``Policy(lora=...)`` takes: a ``peft.LoraConfig`` from its kwargs, or the adapter folder as it is."""
-    if not isinstance(argument, dict):
-        return argument
-    from peft import LoraConfig
-
-    return LoraConfig(**argument)
-
-
 def adapter_folder(cfg, notes: list[str], model: str, adapter, shape_keys) -> str:
     """A PEFT adapter folder named by ``{model}.lora_adapter_path`` (checked), with a note naming the shape keys the
     user set, which the adapter's own adapter_config.json overrides."""

@@ -194,7 +194,8 @@ def dist_checkpoints(cfg: VerlConfig, notes: list[str], with_critic: bool,
 
 
 def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, accelerator: str, with_critic: bool):
-    """The strategy of a verl config that asks for Megatron (see the module docstring)."""
+    """The strategy of a verl config that asks for Megatron (see the module docstring), and the keyword arguments
+    it was made with."""
     # rlflow.strategies imports Lightning and torch: not before a Megatron run is planned (validation stays light)
     from rlflow.strategies.megatron import MegatronStrategy, ParallelLayout, check_dist_checkpoint
 
@@ -226,12 +227,12 @@ def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, acceler
     optimizer = optimizer_overrides(cfg, notes, on_cpu)
     folders, prefix = dist_checkpoints(cfg, notes, with_critic, check_dist_checkpoint)
     replay = router_replay(cfg, notes)
-    try:
-        return MegatronStrategy(tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline,
-                                context_parallel=layout.context, expert_parallel=layout.expert,
-                                sequence_parallel=layout.sequence_parallel, layer_spec=spec,
-                                transformer_overrides=overrides, optimizer_overrides=optimizer,
-                                dist_checkpoints=folders, dist_checkpoint_prefix=prefix, router_replay=replay)
+    kwargs = dict(tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline, context_parallel=layout.context,
+                  expert_parallel=layout.expert, sequence_parallel=layout.sequence_parallel, layer_spec=spec,
+                  transformer_overrides=overrides, optimizer_overrides=optimizer, dist_checkpoints=folders,
+                  dist_checkpoint_prefix=prefix, router_replay=replay)
+    try:  # the object (checked; the dry run reads its layout) and its arguments (the tree's hardware.strategy node)
+        return MegatronStrategy(**kwargs), kwargs
     except ValueError as e:
         raise ConfigError(f"{A}.optim.override_optimizer_config: {e}") from None
 

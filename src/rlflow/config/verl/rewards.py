@@ -1,4 +1,4 @@
-"""verl's reward keys -> the reward the Trainer gets (:class:`RewardPlan`, then :func:`build_reward`).
+"""verl's reward keys -> the reward the Trainer gets (:class:`RewardPlan`, then the tree's reward node, :func:`rlflow.config.verl.tree.reward_node`).
 
 How a reward model and rule scores combine follows verl 0.9.1:
 
@@ -20,7 +20,7 @@ list of ``{path, name, weight, reward_kwargs}`` (``path`` defaults to ``custom_r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
@@ -32,7 +32,7 @@ CRF = "custom_reward_function"
 
 @dataclass
 class RewardPlan:
-    """What :func:`build_reward` makes. ``functions``: ``(name, function, weight)``; ``model``: the
+    """What the tree's reward node makes. ``functions``: ``(name, function, weight)``; ``model``: the
     ``ModelReward.from_pretrained`` arguments (with ``path``) or None; ``mode``: ``"functions"`` (their
     weighted sum), ``"model"`` (the model's score alone), ``"rm_argument"`` (the one function, given
     ``rm_score``), ``"sum"`` (model and functions, weighted)."""
@@ -44,7 +44,6 @@ class RewardPlan:
     timeout_s: float | None = 30.0
     processes: int = 0
     custom: bool = False
-    built: Any = field(default=None, repr=False, compare=False)  # the reward made from a plan with a model
 
 
 def reward_plan(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[str]) -> RewardPlan:
@@ -166,23 +165,3 @@ def _parameters(fn: Callable) -> set[str]:
         return set(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return set()
-
-
-def build_reward(plan: RewardPlan, local_model: Callable[[str, str], str]):
-    """The reward object (the dry run prints it as :func:`rlflow.config.verl.tree.reward_node`)."""
-    from rlflow.rewards import CombinedReward, FunctionReward, ModelReward, WithRMScore
-
-    parts = [(name, FunctionReward(fn, timeout_s=plan.timeout_s, processes=plan.processes, name=name), weight)
-             for name, fn, weight in plan.functions]
-    if plan.model is not None:
-        kwargs = dict(plan.model)
-        path = local_model(kwargs.pop("path"), f"{RM}.model.path")
-        model = ModelReward.from_pretrained(path, name="reward_model", **kwargs)
-        if plan.mode == "model":
-            return model
-        if plan.mode == "rm_argument":
-            return WithRMScore(model, parts[0][1])
-        parts = [("reward_model", model, plan.model_weight)] + parts
-    if len(parts) == 1 and parts[0][2] == 1.0:
-        return parts[0][1]
-    return CombinedReward({name: r for name, r, _ in parts}, weights={name: w for name, _, w in parts})

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlflow.algorithms import ValueLoss
-from rlflow.config.verl.build import local_model, model_files, policy_config, warmup_steps
+from rlflow.config.verl.folders import load_vision_processor, local_model, model_files, policy_config
 from rlflow.config.verl.rewards import RM, RewardPlan
 from rlflow.config.components import locate
 from rlflow.config.verl.resolve import Fill, init_parameters
@@ -57,7 +57,8 @@ def spec(obj: Any) -> str | None:
             continue
         if found is obj:
             return f"{prefix}.{name}"
-    source = inspect.getsourcefile(obj) if inspect.isfunction(obj) or inspect.isclass(obj) else None
+    from_file = module.startswith(FILE_MODULES) and (inspect.isfunction(obj) or inspect.isclass(obj))
+    source = inspect.getsourcefile(obj) if from_file else None
     return f"{source}:{name}" if source and "." not in name else None
 
 
@@ -81,16 +82,16 @@ def node(value: Any, where: str, deferred: list[str]) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type) and spec(type(value)):
         return {"_target_": spec(type(value)), **{f.name: node(getattr(value, f.name), f"{where}.{f.name}", deferred)
                                                   for f in dataclasses.fields(value) if f.init}}
-    deferred.append(f"{where}: {value!r} (an object the tree cannot name yet)")
-    return repr(value)
+    deferred.append(f"{where}: {value!r} (an object the tree cannot name yet: the run passes the object itself)")
+    return value
 
 
 def call(cls_or_fn: Any, kwargs: dict, where: str, deferred: list[str]) -> dict:
     """A node calling ``cls_or_fn`` with ``kwargs``."""
     target = spec(cls_or_fn)
     if target is None:
-        deferred.append(f"{where}: {cls_or_fn!r} has no import path")
-        target = repr(cls_or_fn)
+        deferred.append(f"{where}: {cls_or_fn!r} has no import path (the run calls it itself)")
+        target = cls_or_fn
     return {"_target_": target, **node(kwargs, where, deferred)}
 
 
@@ -110,10 +111,32 @@ def policy_node(plan, deferred: list[str]) -> dict:
     return out
 
 
+MT = "actor_rollout_ref.rollout.multi_turn"
+# AgentLoop's argument <- the verl key of the file it is loaded from, and the loader (one file each)
+AGENT_FILES = {"interaction": (f"{MT}.interaction_config_path", "rlflow.rollout.tools.config.load_interaction_config")}
+TOOL_FILES = {f"{MT}.tool_config_path": "rlflow.rollout.tools.config.load_tool_config",
+              f"{MT}.function_tool_path": "rlflow.rollout.tools.functions.load_function_tools"}
+
+
+def agent_kwargs(plan) -> dict:
+    """AgentLoop's arguments, its tools and interactions as the loaders of their files (tools from one file; from
+    a tool YAML and a Python file both, the loaded objects themselves)."""
+    kwargs = dict(plan.agent)
+    files = {key: plan.cfg[key] for key in TOOL_FILES if plan.cfg[key]}
+    if len(files) == 1:
+        (key, path), = files.items()
+        kwargs["tools"] = {"_target_": TOOL_FILES[key], "path": str(Path(path).expanduser().resolve())}
+    for arg, (key, loader) in AGENT_FILES.items():
+        if plan.cfg[key]:
+            kwargs[arg] = {"_target_": loader, "path": str(Path(plan.cfg[key]).expanduser().resolve())}
+    return kwargs
+
+
 def rollout_node(plan, deferred: list[str]) -> dict:
     """The rollout and the wrappers build_trainer puts around it (agent loop, asynchronous generation)."""
     rollout = call(plan.rollout_cls, plan.rollout_kwargs, "rollout", deferred)
-    for kwargs, target in ((plan.agent, "rlflow.rollout.agent.AgentLoop"),
+    agent = agent_kwargs(plan) if plan.agent is not None else None
+    for kwargs, target in ((agent, "rlflow.rollout.agent.AgentLoop"),
                            (plan.async_rollout, "rlflow.rollout.AsyncRollout"),
                            (plan.fully_async, "rlflow.rollout.FullyAsyncRollout")):
         if kwargs is not None:
@@ -147,10 +170,10 @@ def reward_node(reward: RewardPlan, overlong: dict | None, deferred: list[str]) 
     return out
 
 
-def estimator_nodes(plan, deferred: list[str]) -> tuple[dict, list]:
+def estimator_nodes(plan, loss: dict, deferred: list[str]) -> tuple[dict, list]:
     """The estimator (a ``Chain`` with the modules around it) and the stages of the experience stream, as
-    :func:`rlflow.config.verl.build.build_estimator` makes them; ReMax's ``GreedyBaseline()`` as a stage uses the run's
-    own rollout and reward."""
+    the verl keys ask; ReMax's ``GreedyBaseline`` as a stage uses the run's own rollout and a reward of its own (its
+    stats apart from the training reward's), or the run's own when that is a reward model (loaded once)."""
     controller = call(*plan.kl_controller, "estimator.controller", deferred) if plan.kl_controller else None
 
     def module(cls, kwargs, where):
@@ -161,14 +184,13 @@ def estimator_nodes(plan, deferred: list[str]) -> tuple[dict, list]:
     before = [(cls, kw) for cls, kw in plan.before if cls.__name__ != "GreedyBaseline"]
     stages = ([{"_target_": "rlflow.rollout.stream.FilterGroups", **plan.dynamic_sampling}]
               if plan.dynamic_sampling else [])
-    stages += [{"_target_": spec(cls)} for cls, _ in plan.before if cls.__name__ == "GreedyBaseline"]
+    own = {} if plan.reward.model is not None else {"reward": reward_node(plan.reward, plan.overlong, deferred)}
+    stages += [{"_target_": spec(cls), **own} for cls, _ in plan.before if cls.__name__ == "GreedyBaseline"]
     modules = ([module(c, k, "estimator") for c, k in before] + [call(plan.estimator_cls, plan.estimator_kwargs,
                                                                       "estimator", deferred)]
                + [module(c, k, "estimator") for c, k in plan.after])
-    if hasattr(plan.loss_cls, "selection"):
-        deferred.append("estimator: loss.selection() (a covariance loss's token selection) needs the loss object")
-    if plan.estimator_kwargs.get("reward_keys"):
-        deferred.append("reward.columns: GDPO's reward keys are set on the built reward")
+    if hasattr(plan.loss_cls, "selection"):  # loss.selection(): a covariance loss's tokens, chosen once per step
+        modules.append({"_target_": "rlflow.algorithms.policy_losses.CovSelection", "loss": loss})
     estimator = modules[0] if len(modules) == 1 else {"_target_": "rlflow.module.Chain", "_args_": modules}
     return estimator, stages
 
@@ -194,42 +216,86 @@ def trainer_groups(plan, total: int, deferred: list[str]) -> dict:
     settings = {k: v for k, v in plan.trainer_kwargs.items() if k != "callbacks"} | {
         "max_steps": total, "epochs": plan.total_epochs, "warmup_steps": warmup_steps(plan, total),
         "val_sampling": plan.val_sampling, "run_dir": run_dir}
+    strategy, strategy_kwargs = settings["strategy"], plan.devices.strategy_kwargs
+    if strategy_kwargs is not None:  # a strategy object (Megatron's): a node of its class and arguments
+        settings["strategy"] = None
     out = {arg: node(group, arg, deferred) for arg, group in groups(**settings).items()}
     out["run"]["loggers"] = loggers
+    if strategy_kwargs is not None:
+        given = {k: v for k, v in strategy_kwargs.items() if v != {}}  # an empty mapping is its default None
+        out["hardware"]["strategy"] = call(type(strategy), given, "hardware.strategy", deferred)
     return out
 
 
-def data_node(plan, deferred: list[str]) -> dict:
-    """``PromptData`` with the data keys; the prompts over ``max_prompt_length`` are dropped by ``fit``."""
+def prompts_node(plan, deferred: list[str]) -> dict:
+    """``PromptData`` with the data keys (the prompts over ``max_prompt_length`` are dropped by ``fit``), and a
+    vision-language policy's processor (``load_processor`` of its folder, bounded by ``data.min/max_pixels``)."""
     kwargs = dict(plan.data_kwargs)
     if plan.dataset_cls is not None:
         deferred.append("data: data.custom_cls reads the files with the policy's tokenizer")
-    if plan.vision:
-        deferred.append("data.processor: a vision-language model's processor is the loaded policy's")
+    kw = plan.policy_kwargs
+    if getattr(policy_config(plan), "vision_config", None) is not None:
+        kwargs["processor"] = {"_target_": "rlflow.models.vision.load_processor",
+                               "path": model_files(plan)["tokenizer_path"], "min_pixels": kw.get("min_pixels"),
+                               "max_pixels": kw.get("max_pixels"),
+                               "trust_remote_code": kw.get("tokenizer_trust_remote_code",
+                                                           kw.get("trust_remote_code", False))}
+        if kwargs.get("image_patch_size", 0) is None:  # verl: the processor's own patch size
+            processor = load_vision_processor(plan)
+            kwargs["image_patch_size"] = getattr(getattr(processor, "image_processor", None), "patch_size", 14)
     train, val = kwargs.pop("train"), kwargs.pop("val")
     return {"_target_": "rlflow.PromptData", "train": node(train, "data.train", deferred),
             "val": node(val, "data.val", deferred), **node(kwargs, "data", deferred)}
 
 
+def reference_node(plan) -> dict | None:
+    """verl's ``actor_rollout_ref.ref.*``: weights (``ref.model``) or a scoring split of the reference's own, as a
+    ``functools.partial`` of :func:`rlflow.models.reference.frozen_reference` the Trainer calls with its policy;
+    ``None`` (the Trainer's ``"auto"``: a copy with the policy's split) otherwise. The split: a token budget only
+    with the reference's dynamic batch size on, and then its micro size; else its micro size (unset: the policy's)."""
+    tokens = plan.ref_max_tokens
+    micro = (plan.ref_micro_batch_size if tokens or plan.ref_micro_batch_size is not None
+             else plan.policy_kwargs.get("micro_batch_size"))
+    same = (micro, tokens) == (plan.policy_kwargs.get("micro_batch_size"),
+                               plan.policy_kwargs.get("max_tokens_per_micro_batch"))
+    if plan.ref_model_path is None and same:
+        return None
+    path = (local_model(plan.ref_model_path, "actor_rollout_ref.ref.model") if plan.ref_model_path is not None
+            else None)
+    trust = plan.policy_kwargs.get("trust_remote_code", False)
+    return {"_target_": "rlflow.models.reference.frozen_reference", "_partial_": True,
+            **({"path": path} if path else {}), "micro_batch_size": micro, "max_tokens_per_micro_batch": tokens,
+            **({"trust_remote_code": True} if trust and path else {})}
+
+
+def warmup_steps(plan, total: int) -> int:
+    """verl's: lr_warmup_steps when > 0, else lr_warmup_steps_ratio x the decay steps (Megatron's lr_decay_steps
+    when set, else all steps)."""
+    steps, ratio = plan.warmup
+    decay = getattr(plan.trainer_kwargs["lr_schedule"], "decay_steps", None) or total
+    return steps if steps and steps > 0 else int(ratio * decay)
+
+
 def verl_tree(plan, total: int) -> VerlTree:
     """The component tree of ``plan`` for a run of ``total`` steps (:func:`rlflow.config.verl.build.total_steps`)."""
     deferred: list[str] = []
-    estimator, stages = estimator_nodes(plan, deferred)
     loss = call(plan.loss_cls, plan.loss_kwargs, "loss", deferred)
+    estimator, stages = estimator_nodes(plan, loss, deferred)
     if plan.distillation is not None:  # the teacher scores last, with the policy's scoring split
         d = plan.distillation
         loss = call(d["loss_cls"], {"rl_loss": loss if d["rl"] else None, **d["loss_kwargs"]}, "loss", deferred)
         stages.append(teacher_node(plan, d))
-    tree = {"policy": policy_node(plan, deferred), "rollout": rollout_node(plan, deferred),
-            "reward": reward_node(plan.reward, plan.overlong, deferred), "estimator": estimator, "loss": loss}
+    reward = reward_node(plan.reward, plan.overlong, deferred)
+    if plan.estimator_kwargs.get("reward_keys"):  # GDPO reads these per-key rewards
+        reward = {"_target_": "rlflow.rewards.with_columns", "reward": reward,
+                  "columns": list(plan.estimator_kwargs["reward_keys"])}
+    tree = {"policy": policy_node(plan, deferred), "rollout": rollout_node(plan, deferred), "reward": reward,
+            "estimator": estimator, "loss": loss}
     if stages:
         tree["stages"] = stages
-    if plan.ref_model_path is not None:
-        deferred.append("reference: actor_rollout_ref.ref.model is loaded and checked against the policy's vocabulary")
-    if plan.ref_micro_batch_size is not None or plan.ref_max_tokens != plan.policy_kwargs.get(
-            "max_tokens_per_micro_batch"):
-        deferred.append("reference: its own scoring split (actor_rollout_ref.ref.log_prob_*) is set on the "
-                        "policy's copy")
+    reference = reference_node(plan)
+    if reference is not None:
+        tree["reference"] = reference
     if plan.critic_path is not None:
         kw = dict(plan.critic_kwargs)
         if kw.get("config_path"):
@@ -243,7 +309,7 @@ def verl_tree(plan, total: int) -> VerlTree:
     if plan.trainer_kwargs["callbacks"]:
         tree["callbacks"] = node(plan.trainer_kwargs["callbacks"], "callbacks", deferred)
     tree |= trainer_groups(plan, total, deferred)
-    tree["data"] = data_node(plan, deferred)
+    tree["data"] = prompts_node(plan, deferred)
     return VerlTree(without_defaults(tree), deferred)
 
 
