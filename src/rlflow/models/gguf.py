@@ -53,18 +53,28 @@ def _require_gguf() -> None:
 
 
 @contextlib.contextmanager
-def _tensor_name_maps_cached():
+def _gguf_reads_cached():
     """transformers' GGUF load asks ``gguf.get_tensor_name_map(arch, layers)`` once per submodule (397 times for
-    SmolLM2, ~9 CPU s of a conversion's ~27), always with the same arguments: while it loads, the same map object
-    answers (it is only read), then the function is put back."""
+    SmolLM2, ~9 CPU s of a conversion's ~27, always with the same arguments) and parses the whole file again
+    (``gguf.GGUFReader``, ~2.5 CPU s: its 49,152-token vocabulary field by field) for the tokenizer, the config and
+    the weights, four times in a conversion. While a conversion runs, each is made once and the same object
+    answers (both are only read), then the functions are put back."""
     import gguf
 
-    original = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    name_map, reader = gguf.get_tensor_name_map, gguf.GGUFReader
+    readers = {}
+
+    def cached_reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.get_tensor_name_map, gguf.GGUFReader = functools.lru_cache(maxsize=None)(name_map), cached_reader
     try:
         yield
     finally:
-        gguf.get_tensor_name_map = original
+        gguf.get_tensor_name_map, gguf.GGUFReader = name_map, reader
 
 
 def gguf_to_folder(file: str | os.PathLike, out: str | os.PathLike | None = None, *, log=print) -> Path:
@@ -86,10 +96,10 @@ def gguf_to_folder(file: str | os.PathLike, out: str | os.PathLike | None = None
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     log(f"converting {file.name} to a Hugging Face folder (dequantized to float32, once): {folder}")
-    tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
-    with _tensor_name_maps_cached():
+    with _gguf_reads_cached():
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
         loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+        config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are dequantized: what is saved is a plain float32 model
     config.dtype = "float32"
