@@ -108,7 +108,7 @@ class TokenCount:
 def worker(engine: str, data: str, model: str, run_dir: str, conn) -> None:
     """Build the recipe's Trainer with ``engine``; on ("steps", k) run k steps and send their metrics."""
     from rlflow.config import load_config, make_plan
-    from rlflow.config.build import build_trainer
+    from rlflow.config.verl.build import build_trainer
     from rlflow.data.nontensor import to_device
 
     t0 = time.perf_counter()

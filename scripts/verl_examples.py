@@ -11,7 +11,7 @@ wrapped command on, ``python3 -c`` probes fail (no ``torch_npu``: the GPU branch
 ``tests/config/verl_examples/commands.json``.
 
 ``check`` rewrites each recorded command only for paths (model, data, stand-in files, output folders) and device
-counts (one CPU, every parallel size 1), runs ``rlflow.config.run.main([... '--dry-run'])`` in this process for
+counts (one CPU, every parallel size 1), runs ``rlflow.config.verl.run.main([... '--dry-run'])`` in this process for
 each, and reports accepted / refused with the problems rlflow printed, and a tally of the blocking keys.
 ``tests/config/verl_examples/README.md`` says exactly what is rewritten; ``tests/config/test_verl_examples.py``
 runs it in CI.
@@ -415,8 +415,8 @@ def environment(problem: str) -> str | None:
 
 
 def run_one(argv: list[str], cwd: Path) -> tuple[int, str, str]:
-    """``rlflow.config.run.main(argv)`` in this process, in ``cwd``: (exit code, stdout, stderr)."""
-    from rlflow.config.run import main as rlflow_main
+    """``rlflow.config.verl.run.main(argv)`` in this process, in ``cwd``: (exit code, stdout, stderr)."""
+    from rlflow.config.verl.run import main as rlflow_main
 
     out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
     cwd.mkdir(parents=True, exist_ok=True)

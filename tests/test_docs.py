@@ -502,9 +502,9 @@ def test_python_block_runs(key, namespace):
 @pytest.mark.parametrize("key", sorted(RUN_YAML), ids=lambda k: k[0])
 def test_yaml_block_loads_and_validates(key, tmp_path):
     """Every key known and every value valid (the files it names are the user's)."""
-    from rlflow.config.loading import load_config
-    from rlflow.config.native import load_native
-    from rlflow.config.validate import validate
+    from rlflow.config.verl.loading import load_config
+    from rlflow.config.verl.native import load_native
+    from rlflow.config.verl.validate import validate
 
     (tmp_path / "config.yaml").write_text(KEYED[key].text)
     problems: list = []
@@ -524,7 +524,7 @@ def test_yaml_block_loads_and_validates(key, tmp_path):
 
 @pytest.fixture
 def no_gpu(monkeypatch):
-    import rlflow.config.devices as devices
+    import rlflow.config.verl.devices as devices
 
     monkeypatch.setattr(devices, "cuda_count", lambda: 0)
 

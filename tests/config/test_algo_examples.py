@@ -6,7 +6,7 @@ import pytest
 from rlflow.algorithms import GDPO, DPPOTVLoss
 from rlflow.cli import main as cli_main
 from rlflow.config import load_config, make_plan
-from rlflow.config.build import build_trainer
+from rlflow.config.verl.build import build_trainer
 from rlflow.data.keys import REWARD_COLUMN
 
 REWARD = '''

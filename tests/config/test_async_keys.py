@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import ConfigError, NotSupportedError, load_config, make_plan
-from rlflow.config.key_notes import unused_notes
+from rlflow.config.verl.key_notes import unused_notes
 from rlflow.trainer.main_ppo import main
 
 BASE = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.model.path=m", "data.train_files=t.parquet",

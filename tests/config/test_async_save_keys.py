@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import load_config, make_plan
 from rlflow.trainer.main_ppo import main
 
@@ -45,7 +45,7 @@ def test_resume_from_an_async_checkpoint_equals_resume_from_a_synchronous_one(ti
 
 
 def test_del_local_ckpt_after_load_is_accepted_with_verls_reason(tiny):
-    from rlflow.config.run import unused_notes
+    from rlflow.config.verl.run import unused_notes
 
     p = make_plan(load_config(tiny + ["trainer.del_local_ckpt_after_load=true"]))
     assert ("trainer.del_local_ckpt_after_load=True has no effect in rlflow: verl deletes only the local copy of a "

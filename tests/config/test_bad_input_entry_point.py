@@ -6,7 +6,7 @@ import shutil
 import pandas as pd
 import pytest
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.trainer.main_ppo import main
 
 from .conftest import verl_rows

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import load_config, make_plan
 from rlflow.trainer import training_state as ckpt
 from rlflow.trainer.generations import DumpGenerations, LogValidationGenerations

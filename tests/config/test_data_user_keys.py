@@ -7,11 +7,11 @@ trained, and a bad one named."""
 import pandas as pd
 import pytest
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import load_config, make_plan
-from rlflow.config.build import build_data, load_tokenizer
-from rlflow.config.loading import ConfigError
-from rlflow.config.run import unused_notes
+from rlflow.config.verl.build import build_data, load_tokenizer
+from rlflow.config.verl.loading import ConfigError
+from rlflow.config.verl.run import unused_notes
 from rlflow.registry import load_object
 from rlflow.trainer.main_ppo import main
 from tests.config.conftest import verl_rows
@@ -126,7 +126,7 @@ def test_curriculum_sampler_orders_the_prompts_and_learns_each_step(tiny, tmp_pa
 def test_ref_model_is_the_reference_instead_of_a_policy_copy(tiny, tmp_path, model_dir):
     import torch
 
-    from rlflow.config.build import build_trainer
+    from rlflow.config.verl.build import build_trainer
     from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 
     other = tmp_path / "ref-model"
@@ -160,7 +160,7 @@ def test_over_sample_rate_is_accepted_with_a_note_as_verl_never_reads_it(tiny):
 
 def test_ignore_eos_reaches_the_hf_rollout_and_names_the_engines_that_cannot(tiny):
     from rlflow.config.errors import NotSupportedError
-    from rlflow.config.resolve import instantiate
+    from rlflow.config.verl.resolve import instantiate
 
     plan = make_plan(load_config(tiny + ["actor_rollout_ref.rollout.ignore_eos=true"]))
     rollout = instantiate(plan.rollout_cls, plan.rollout_kwargs, "actor_rollout_ref.rollout.*")  # as build_trainer

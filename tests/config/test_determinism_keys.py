@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import load_config, make_plan
-from rlflow.config.determinism import KEYS
+from rlflow.config.verl.determinism import KEYS
 from rlflow.trainer.main_ppo import main
 
 # A checkpoint callback (verl's trainer.checkpoint_callback_class) that records what the run saw at each save.

@@ -8,10 +8,10 @@ import pytest
 
 from rlflow.algorithms import PPOLoss
 from rlflow.algorithms.distillation import DistillationLoss, PolicyGradientDistillationLoss
-from rlflow.config.build import build_trainer
-from rlflow.config.loading import ConfigError, NotSupportedError, load_config
-from rlflow.config.plan import make_plan
-from rlflow.config.run import main
+from rlflow.config.verl.build import build_trainer
+from rlflow.config.verl.loading import ConfigError, NotSupportedError, load_config
+from rlflow.config.verl.plan import make_plan
+from rlflow.config.verl.run import main
 from rlflow.models.teacher import Teacher
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from tests.config.conftest import CHAT_TEMPLATE, verl_rows
@@ -123,7 +123,7 @@ def test_what_rlflow_cannot_do_is_refused_naming_the_key(tiny, teacher_dir, over
 
 def test_the_validation_knows_the_estimators_without_importing_torch():
     from rlflow.algorithms import distillation
-    from rlflow.config import distillation as keys
+    from rlflow.config.verl import distillation as keys
 
     assert keys.KINDS == distillation.KINDS
 
@@ -135,7 +135,7 @@ def test_enabled_without_a_teacher_model_names_the_key(tiny):
 
 def test_a_vision_language_student_distils_from_a_teacher_that_sees_the_images(vlm_files, tmp_path, monkeypatch):
     """verl's VL scripts (run_qwen3_vl_8b_fsdp.sh): the teacher scores each sample with its images."""
-    import rlflow.config.devices as devices
+    import rlflow.config.verl.devices as devices
 
     monkeypatch.setattr(devices, "cuda_count", lambda: 0)
     model = vlm_files / "model"

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import load_config, make_plan
-from rlflow.config.build import build_data, build_trainer, load_tokenizer
-from rlflow.config.loading import ConfigError
+from rlflow.config.verl.build import build_data, build_trainer, load_tokenizer
+from rlflow.config.verl.loading import ConfigError
 from tests.config.test_multi_turn_keys import chat_model_dir  # noqa: F401 - the fixture
 
 MT = "actor_rollout_ref.rollout.multi_turn"

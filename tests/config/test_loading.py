@@ -3,11 +3,11 @@
 import pytest
 
 import rlflow.algorithms
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import ConfigError, NotSupportedError, load_config, make_plan
-from rlflow.config import tables
-from rlflow.config.loading import DEFAULTS_FILE, flatten
-from rlflow.config.run import unused_notes
+from rlflow.config.verl import tables
+from rlflow.config.verl.loading import DEFAULTS_FILE, flatten
+from rlflow.config.verl.run import unused_notes
 
 QUICK_START = ["algorithm.adv_estimator=grpo", "data.train_files=~/data/gsm8k/train.parquet",
                "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B", "actor_rollout_ref.rollout.n=8",
@@ -212,7 +212,7 @@ def test_every_verl_key_is_honoured_inert_or_not_supported(tmp_path):
     for extra in (["algorithm.use_kl_in_reward=false"], ["algorithm.adv_estimator=gae", "critic.model.path=x"]):
         p = plan(*extra)
         read |= p.cfg.read
-    from rlflow.config.algos import ESTIMATOR_POOL, KL_CTRL_POOL, KL_IN_REWARD_KEYS, loss_pool
+    from rlflow.config.verl.algos import ESTIMATOR_POOL, KL_CTRL_POOL, KL_IN_REWARD_KEYS, loss_pool
 
     for pool in (ESTIMATOR_POOL, KL_CTRL_POOL, loss_pool(p.cfg)):  # read by whichever class takes the argument
         read |= {k for c in pool.values() for k in c.keys}
@@ -239,7 +239,7 @@ def test_native_recipe_maps_to_the_same_plan(tmp_path):
         "policy: {path: m}\nrollout: {n: 4, temperature: 0.7, max_new_tokens: 64}\nestimator: grpo\n"
         "loss: {clip_ratio: 0.25, kl_coef: 0.01}\ndata: {train: t.parquet, max_prompt_length: 32}\n"
         "trainer: {batch_size: 8, mini_batch_size: 4, lr: 1.0e-5, max_steps: 3, device: cpu}\n")
-    from rlflow.config.native import load_native
+    from rlflow.config.verl.native import load_native
 
     native = make_plan(load_native(tmp_path / "r.yaml", ["rollout.n=2"]))
     verl = make_plan(load_config([  # recipe paths are relative to the recipe; "m" is a hub id (no such folder there)

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import ConfigError, load_config, make_plan
-from rlflow.config.loading import NotSupportedError
-from rlflow.config.build import build_trainer
-from rlflow.config.dryrun import dry_run
-from rlflow.config.native import load_native
-from rlflow.config.run import unused_notes
+from rlflow.config.verl.loading import NotSupportedError
+from rlflow.config.verl.build import build_trainer
+from rlflow.config.verl.dryrun import dry_run
+from rlflow.config.verl.native import load_native
+from rlflow.config.verl.run import unused_notes
 from rlflow.models import lora as L
 from rlflow.models.policy import AdapterDisabledReference
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.models.checks import activation_checkpointing
 from rlflow.cli import main as cli_main
 from rlflow.config import load_config, make_plan
-from rlflow.config.build import build_trainer
+from rlflow.config.verl.build import build_trainer
 from rlflow.trainer.main_ppo import main
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "config" / "grpo_math.yaml"
@@ -136,7 +136,7 @@ def test_troubleshooting_keys_land_on_objects(tiny, capsys):
     assert trainer.loss.kl_coef == 0.01 and trainer.max_grad_norm == 0.5
     assert trainer.loss.clip_low == trainer.loss.clip_high == 0.3
     assert trainer.rollout.temperature == trainer.policy.temperature == 0.7 and trainer.rollout.top_p == 0.95
-    from rlflow.config.run import unused_notes
+    from rlflow.config.verl.run import unused_notes
 
     assert "algorithm.kl_ctrl.target_kl=0.1 is not used by this configuration" in "\n".join(unused_notes(plan.cfg))
     assert main(tiny + ["reward_model.sandbox_fusion.url=http://x"]) == 2
@@ -160,7 +160,7 @@ def test_scoring_token_budgets_land_on_objects(tiny, model_dir, capsys):
     assert (trainer.reference.micro_batch_size, trainer.reference.max_tokens_per_micro_batch) == (None, 30)
     assert (trainer.critic.micro_batch_size, trainer.critic.max_tokens_per_micro_batch) == (None, 50)
     assert trainer.max_tokens_per_micro_batch == 32768  # critic.use_dynamic_bsz: its ppo_max_token_len_per_gpu too
-    from rlflow.config.run import unused_notes
+    from rlflow.config.verl.run import unused_notes
 
     assert f"{R}.log_prob_micro_batch_size_per_gpu=2 is not used" in "\n".join(unused_notes(plan.cfg))
     off = build_trainer(make_plan(load_config(tiny + [f"{R}.log_prob_micro_batch_size_per_gpu=2",

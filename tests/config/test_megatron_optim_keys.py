@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlflow.config import ConfigError
-from rlflow.config.run import unused_notes
+from rlflow.config.verl.run import unused_notes
 from rlflow.trainer.main_ppo import main
 from rlflow.trainer.schedule import ParamSchedule, make_scheduler
 from tests.config.test_main_ppo import steps

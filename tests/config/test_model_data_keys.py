@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import load_config, make_plan
-from rlflow.config.build import build_critic, build_data, build_policy, load_tokenizer
-from rlflow.config.loading import ConfigError
-from rlflow.config.run import unused_notes
+from rlflow.config.verl.build import build_critic, build_data, build_policy, load_tokenizer
+from rlflow.config.verl.loading import ConfigError
+from rlflow.config.verl.run import unused_notes
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from rlflow.trainer.main_ppo import main
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import load_config, make_plan
-from rlflow.config.build import build_trainer
+from rlflow.config.verl.build import build_trainer
 from rlflow.models.tiny import tiny_qwen2
 from rlflow.rollout.agent import AgentLoop
 from rlflow.rollout.tools import Calculator, Gsm8kTool

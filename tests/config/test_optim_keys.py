@@ -10,9 +10,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import ConfigError, load_config, make_plan
-from rlflow.config.run import unused_notes
+from rlflow.config.verl.run import unused_notes
 from rlflow.data import keys as K
 from rlflow.trainer.main_ppo import main
 from tests.config.test_main_ppo import steps

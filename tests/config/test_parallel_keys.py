@@ -2,8 +2,8 @@
 
 import pytest
 
-from rlflow.config.loading import ConfigError, load_config
-from rlflow.config.plan import make_plan
+from rlflow.config.verl.loading import ConfigError, load_config
+from rlflow.config.verl.plan import make_plan
 
 A = "actor_rollout_ref.actor"
 BASE = ["actor_rollout_ref.model.path=m", "data.train_files=t.parquet", "trainer.device=cpu",

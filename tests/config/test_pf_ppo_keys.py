@@ -7,8 +7,8 @@ from rlflow.algorithms import GAE
 
 def test_entry_point_chains_pf_ppo_after_gae_and_notes_it_elsewhere(tiny, model_dir):
     from rlflow.config import load_config, make_plan
-    from rlflow.config.build import build_estimator, build_reward
-    from rlflow.config.loading import ConfigError
+    from rlflow.config.verl.build import build_estimator, build_reward
+    from rlflow.config.verl.loading import ConfigError
     from rlflow.rollout import HFRollout
 
     gae = [o for o in tiny if not o.startswith("algorithm.adv_estimator")] + [

@@ -7,11 +7,11 @@ import pytest
 
 import rlflow.algorithms as A
 from rlflow.config import load_config, make_plan
-from rlflow.config.build import build_data, build_trainer, load_tokenizer
-from rlflow.config.dryrun import dry_run
-from rlflow.config.loading import ConfigError, NotSupportedError
-from rlflow.config.native import load_native
-from rlflow.config.run import train
+from rlflow.config.verl.build import build_data, build_trainer, load_tokenizer
+from rlflow.config.verl.dryrun import dry_run
+from rlflow.config.verl.loading import ConfigError, NotSupportedError
+from rlflow.config.verl.native import load_native
+from rlflow.config.verl.run import train
 from rlflow.data.prompts import render_prompt
 from rlflow.rewards import OverlongPenalty, default_compute_score
 from rlflow.rollout.stream import FilterGroups

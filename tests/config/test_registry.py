@@ -4,11 +4,11 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow import GRPO, PPOLoss, keys, register_estimator
 from rlflow.config import ConfigError, load_config, make_plan
-from rlflow.config.build import build_trainer
-from rlflow.config.native import load_native
+from rlflow.config.verl.build import build_trainer
+from rlflow.config.verl.native import load_native
 from rlflow.registry import ESTIMATORS, POLICY_LOSSES
 
 MEDIAN = '''

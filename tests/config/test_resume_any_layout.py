@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.trainer import training_state as ckpt
 from rlflow.trainer.hf_export import load_policy_state
 from rlflow.trainer.main_ppo import main

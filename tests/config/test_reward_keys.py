@@ -2,13 +2,13 @@
 
 import pytest
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import load_config, make_plan
-from rlflow.config.build import build_reward
-from rlflow.config.dryrun import dry_run
-from rlflow.config.loading import ConfigError, NotSupportedError
-from rlflow.config.native import load_native
-from rlflow.config.run import unused_notes
+from rlflow.config.verl.build import build_reward
+from rlflow.config.verl.dryrun import dry_run
+from rlflow.config.verl.loading import ConfigError, NotSupportedError
+from rlflow.config.verl.native import load_native
+from rlflow.config.verl.run import unused_notes
 from rlflow.config.verl.tree import reward_node
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2_reward_model
 from rlflow.rewards import CombinedReward, FunctionReward, ModelReward, RewardError, WithRMScore

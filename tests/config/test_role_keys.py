@@ -7,11 +7,11 @@ import shutil
 import pytest
 import torch
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.algorithms import ValueLoss
 from rlflow.config import ConfigError, NotSupportedError, load_config, make_plan
-from rlflow.config.build import build_critic, build_policy, load_tokenizer
-from rlflow.config.run import unused_notes
+from rlflow.config.verl.build import build_critic, build_policy, load_tokenizer
+from rlflow.config.verl.run import unused_notes
 from rlflow.data import keys as K
 from rlflow.models.tiny_vlm import save_model_folder, tiny_processor, tiny_qwen2_5_vl
 from rlflow.models.vision import vision_tower

@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import ConfigError, NotSupportedError, load_config, make_plan
-from rlflow.config.build import build_trainer
-from rlflow.config.run import unused_notes
-from rlflow.config.validate import validate
+from rlflow.config.verl.build import build_trainer
+from rlflow.config.verl.run import unused_notes
+from rlflow.config.verl.validate import validate
 from rlflow.trainer.main_ppo import main
 from tests.config.conftest import CHAT_TEMPLATE, verl_rows
 from tests.config.test_vision_config import overrides as vlm_overrides

@@ -8,10 +8,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.cli import main as cli_main
 from rlflow.config import ConfigError, ConfigProblems
-from rlflow.config.run import load_and_check, parse_args
+from rlflow.config.verl.run import load_and_check, parse_args
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "config" / "grpo_math.yaml"
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -246,8 +246,8 @@ def test_every_recipe_reads_the_task_that_prepare_task_writes_at_the_repository_
     """``rlflow prepare-task addition runs/task`` (from the root) then any recipe: paths relative to recipes/yaml."""
     from omegaconf import OmegaConf
 
-    from rlflow.config.loading import flatten
-    from rlflow.config.native import _shorthand, anchor_paths, to_verl
+    from rlflow.config.verl.loading import flatten
+    from rlflow.config.verl.native import _shorthand, anchor_paths, to_verl
 
     root = Path(__file__).resolve().parents[2]
     for recipe in sorted((root / "recipes" / "yaml").glob("*.yaml")):  # load_native without the defaults (fast)
@@ -272,7 +272,7 @@ def test_choice_tables_match_the_code_they_stand_for():
     from rlflow import registry
     from rlflow.algorithms import functional
     from rlflow.algorithms.correction import LEVELS
-    from rlflow.config import checks
+    from rlflow.config.verl import checks
 
     assert checks.AGG_MODES == functional.AGG_MODES
     assert set(checks.KL_KINDS) == set(functional._KL)

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import components, load_config, make_plan
-from rlflow.config.build import build_data, build_trainer, load_tokenizer, total_steps
+from rlflow.config.verl.build import build_data, build_trainer, load_tokenizer, total_steps
 from rlflow.config.verl.tree import verl_tree
 from rlflow.trainer.main_ppo import main
 from tests.config.test_data_user_keys import DATASET

@@ -3,12 +3,12 @@
 import pytest
 import yaml
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import ConfigError, load_config
-from rlflow.config.run import load_and_check, parse_args, unused_notes
+from rlflow.config.verl.run import load_and_check, parse_args, unused_notes
 from rlflow.config.trees import flatten
-from rlflow.config.validate import validate
-from rlflow.config.verl_configs import VERL_CONFIG_DIR, verl_keys
+from rlflow.config.verl.validate import validate
+from rlflow.config.verl.configs import VERL_CONFIG_DIR, verl_keys
 
 @pytest.fixture(autouse=True)
 def no_gpus(monkeypatch):

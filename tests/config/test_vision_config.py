@@ -6,9 +6,9 @@ import random
 import pandas as pd
 import pytest
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow.config import load_config, make_plan
-from rlflow.config.build import build_trainer
+from rlflow.config.verl.build import build_trainer
 from rlflow.models.tiny_vlm import save_model_folder, tiny_processor, tiny_qwen2_5_vl
 from rlflow.tasks import shapes
 from rlflow.trainer.main_ppo import main
@@ -81,7 +81,7 @@ def test_vision_keys_reach_the_policy_and_the_data(vlm_files, tmp_path):
 
 
 def test_enable_vision_needs_an_image_text_to_text_model(tmp_path, vlm_files):
-    from rlflow.config.loading import ConfigError
+    from rlflow.config.verl.loading import ConfigError
     from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 
     tok = char_tokenizer()
@@ -110,7 +110,7 @@ def test_remax_regenerates_greedily_with_the_pictures(vlm_files, tmp_path, monke
 
 
 def test_bad_images_stop_the_run_naming_the_row_or_are_skipped_and_counted(vlm_files, tmp_path):
-    from rlflow.config.loading import ConfigError
+    from rlflow.config.verl.loading import ConfigError
 
     frame = pd.read_parquet(vlm_files / "train.parquet")
     frame.at[3, "picture"] = [{"bytes": b"not a png", "path": None}]

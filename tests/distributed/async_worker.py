@@ -17,7 +17,7 @@ import torch
 
 from rlflow import Batching, FunctionReward, Hardware, Loop, Optim, Policy, PPOLoss, PromptData, RunDir, Trainer
 from rlflow.algorithms import GRPO, TruncatedIS
-from rlflow.config.run import main as main_ppo
+from rlflow.config.verl.run import main as main_ppo
 from rlflow.data import keys as K
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 from rlflow.module import Chain

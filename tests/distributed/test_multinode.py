@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlflow.config.run import main as main_ppo
+from rlflow.config.verl.run import main as main_ppo
 
 from .launch import free_port, metrics
 

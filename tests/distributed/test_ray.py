@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("ray")
 
 from rlflow import Policy  # noqa: E402
-from rlflow.config.run import main as main_ppo  # noqa: E402
+from rlflow.config.verl.run import main as main_ppo  # noqa: E402
 from rlflow.launch.ray import RayLaunchError, check_gpu_nodes, run_workers  # noqa: E402
 from rlflow.launch.rollout_pool import pool_from_config, trainer_arguments  # noqa: E402
 

@@ -166,7 +166,7 @@ def moe_replay(out: Path) -> dict:
 def lora_verl(out: Path) -> dict:
     """verl's Megatron LoRA block through ``main_ppo`` at tensor parallel 2: a step, checkpointed, then resumed for a
     second; the adapter trains and the checkpoint holds its factors under PEFT's names."""
-    from rlflow.config.run import main
+    from rlflow.config.verl.run import main
 
     base = [f"data.train_files={out}/verl/train.parquet", f"actor_rollout_ref.model.path={out}/verl/model",
             "trainer.device=cpu", "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=megatron",

@@ -122,7 +122,7 @@ def verl_moe_inputs(folder: Path) -> None:
 def moe_r3_verl(out: Path) -> dict:
     """verl's R3 keys through ``main_ppo`` at expert parallel 2 (rollout.name=hf): a GRPO step with two mini-batches.
     Its update would stop on a batch without the rollout's routing (R3 replays it in every pass with gradients)."""
-    from rlflow.config.run import main
+    from rlflow.config.verl.run import main
 
     verl = out / "verl_moe"
     code = main([f"data.train_files={verl}/train.parquet", f"actor_rollout_ref.model.path={verl}/model",

@@ -6,9 +6,9 @@ distributed optimizer is built from (that optimizer runs on GPUs only: ``test_gp
 
 import pytest
 
-import rlflow.config.devices as devices
-from rlflow.config.loading import ConfigError, NotSupportedError, load_config
-from rlflow.config.plan import make_plan
+import rlflow.config.verl.devices as devices
+from rlflow.config.verl.loading import ConfigError, NotSupportedError, load_config
+from rlflow.config.verl.plan import make_plan
 from rlflow.strategies.megatron import MegatronStrategy, megatron_available
 
 pytestmark = pytest.mark.skipif(not megatron_available(),

@@ -108,7 +108,7 @@ def test_the_verl_dry_run_accepts_qwen3_5_and_refuses_what_does_not_split_and_lo
 
     from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
-    from rlflow.config.run import main
+    from rlflow.config.verl.run import main
     from rlflow.strategies.megatron.memory import rank_memory
 
     small = Qwen3_5TextConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=4,

@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-from rlflow.config.loading import ConfigError, NotSupportedError, load_config
-from rlflow.config.plan import make_plan
-from rlflow.config.run import main
+from rlflow.config.verl.loading import ConfigError, NotSupportedError, load_config
+from rlflow.config.verl.plan import make_plan
+from rlflow.config.verl.run import main
 from rlflow.models.tiny import char_tokenizer
 from rlflow.strategies import MegatronStrategy, resolve_strategy
 from rlflow.strategies.megatron import ParallelLayout

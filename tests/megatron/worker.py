@@ -347,7 +347,7 @@ def verl_entry(out: Path) -> dict:
     """``python -m rlflow.trainer.main_ppo`` with Megatron, as the seed spells it (tensor parallel 2, one step,
     checkpointed), then as verl spells it (pipeline parallel 2), resuming that checkpoint for a second step.
     ``OUT/verl`` holds the model folder and parquet files (written by the test)."""
-    from rlflow.config.run import main
+    from rlflow.config.verl.run import main
 
     base = [f"data.train_files={out}/verl/train.parquet", f"actor_rollout_ref.model.path={out}/verl/model",
             "trainer.device=cpu", "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=megatron",

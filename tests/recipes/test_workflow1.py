@@ -18,9 +18,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 from rlflow import FunctionReward
-from rlflow.config.reward_fn import load_function
+from rlflow.config.verl.reward_fn import load_function
 from tests.config.test_main_ppo import SEED_REWARD, steps
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from rlflow.config.loading import ConfigError
-from rlflow.config.reward_fn import check_data_sources
+from rlflow.config.verl.loading import ConfigError
+from rlflow.config.verl.reward_fn import check_data_sources
 from rlflow.rewards import default_compute_score, geo3k
 from rlflow.rewards.dispatch import supports
 

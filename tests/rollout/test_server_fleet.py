@@ -225,7 +225,7 @@ def test_fleet_urls_and_launch_commands_are_checked():
 
 def test_server_url_takes_a_list_of_servers():
     from rlflow.config import load_config, make_plan
-    from rlflow.config.loading import ConfigError
+    from rlflow.config.verl.loading import ConfigError
 
     base = ["trainer.device=cpu", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=vllm",
             "actor_rollout_ref.rollout.server.url=[http://127.0.0.1:8000,http://127.0.0.1:8001]"]

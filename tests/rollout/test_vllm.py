@@ -9,7 +9,7 @@ import torch
 from rlflow import FunctionReward, Policy, PPOLoss, PromptData, Trainer, Batching, Loop, Optim, RunDir
 from rlflow.algorithms import GRPO
 from rlflow.config import load_config, make_plan
-from rlflow.config.loading import ConfigError
+from rlflow.config.verl.loading import ConfigError
 from rlflow.data import keys as K
 from rlflow.data.prompts import collate, load_rows
 from rlflow.rollout import HFRollout, VLLMRollout

@@ -6,10 +6,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import rlflow.config.devices as devices
+import rlflow.config.verl.devices as devices
 import rlflow.rollout.engines.vllm
 from rlflow.config import load_config, make_plan
-from rlflow.config.run import unused_notes
+from rlflow.config.verl.run import unused_notes
 from rlflow.trainer.main_ppo import main
 from tests.config.conftest import verl_rows
 from tests.config.test_main_ppo import EXAMPLE, QUICK_START, steps
@@ -136,8 +136,8 @@ def test_the_seed_example_still_names_vllm():
 @requires_vllm
 def test_grpo_vllm_recipe_trains(vllm_engine, tmp_path, monkeypatch):
     """recipes/yaml/grpo_vllm.yaml on a small prepared task (an untrained model of the default job's shape)."""
-    from rlflow.config.build import build_trainer
-    from rlflow.config.native import load_native
+    from rlflow.config.verl.build import build_trainer
+    from rlflow.config.verl.native import load_native
     from rlflow.tasks import prepare as export
     from rlflow.tasks.addition import AdditionTask
 

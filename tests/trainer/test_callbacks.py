@@ -68,7 +68,7 @@ def test_the_seeds_workflow_1_on_the_builtin_tiny_model_says_why(tmp_path, monke
     step scores 0, and the warning says the tokenizer cannot write the box."""
     import pandas as pd
 
-    import rlflow.config.devices as devices
+    import rlflow.config.verl.devices as devices
     from rlflow.models.tiny import char_tokenizer, tiny_qwen2
     from rlflow.trainer.main_ppo import main
     from tests.config.conftest import CHAT_TEMPLATE, verl_rows
