@@ -295,3 +295,18 @@ def test_lora_adapters_split_as_the_megatron_layers_place_them():
     # q: A 4x64 + B (64/2)x4; down: A 4x(96/2) + B 64x4
     assert lora_parameters(config, 4, ["q_proj"], tensor=2) == 4 * 64 + 32 * 4
     assert lora_parameters(config, 4, ["down_proj"], tensor=2) == 4 * 48 + 64 * 4
+
+
+def test_a_moe_model_under_tensor_parallelism_is_refused_by_name_and_expert_parallel_accepted():
+    """megatron-core splits experts over tensor-parallel ranks only with sequence parallelism, which the local spec
+    does not run; before this check a Qwen3-MoE at TP 2 failed inside the conversion with a shape error."""
+    from rlflow.strategies.megatron.model import architecture
+
+    config = Qwen3MoeConfig(vocab_size=50, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32)
+    assert architecture(config, ParallelLayout(expert=2)).moe
+    with pytest.raises(ValueError, match=r"qwen3_moe: MoE models run at tensor parallel 1 .*expert_parallel"):
+        architecture(config, ParallelLayout(tensor=2))
+    dense = LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_attention_heads=4)
+    assert not architecture(dense, ParallelLayout(tensor=2)).moe

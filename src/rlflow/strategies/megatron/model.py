@@ -67,6 +67,12 @@ def architecture(config, layout: ParallelLayout | None = None) -> Architecture:
         raise ValueError(f"{config.model_type}: the Megatron conversion does not support {', '.join(unsupported)}")
     if layout is not None and qwen3_5.is_hybrid(config):
         qwen3_5.check_layout(layout, config)
+    elif layout is not None and arch.moe and layout.tensor > 1:
+        raise ValueError(f"{layout.describe()} does not fit {config.model_type}: MoE models run at tensor parallel 1 "
+                         "under the Megatron strategy, their experts split by expert parallelism (expert_parallel=N); "
+                         "megatron-core splits experts over tensor-parallel ranks (expert_tensor_parallel_size) only "
+                         "with sequence parallelism, which rlflow's local layer spec does not run, and rlflow's weight "
+                         "slots hold each expert whole")
     return arch
 
 
