@@ -122,6 +122,15 @@ def test_vllms_cpu_build_cannot_return_routed_experts(tmp_path, monkeypatch):
                       kv_cache_memory_bytes=2**26, enable_return_routed_experts=True)
     with pytest.raises(Exception, match="AuxOutput Connector requires Model Runner V2"):
         args.create_engine_config()
+    import vllm.envs
+
+    # an engine started earlier in this process froze vLLM's environment (vllm.envs.enable_envs_cache): read it
+    # afresh for this check, then put the frozen reader back as it was
+    frozen = vllm.envs.__getattr__
+    vllm.envs.disable_envs_cache()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(Exception, match="Model Runner V2 requires Triton"):
-        args.create_engine_config()
+    try:
+        with pytest.raises(Exception, match="Model Runner V2 requires Triton"):
+            args.create_engine_config()
+    finally:
+        vllm.envs.__getattr__ = frozen
