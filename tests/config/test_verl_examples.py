@@ -116,8 +116,8 @@ def test_only_the_named_backends_count():
     assert backend("override 'actor_rollout_ref.actor.profiler.tool_config.npu.level=...': not set yet") is None
     assert harness.environment("trainer.logger contains wandb, which is not installed: pip install wandb")
     # the refusal of R3 with rollout.name=vllm on CPU, as the dry run words it (rlflow.config.verl.validate)
-    assert backend(f"{R3}=True: MoE routing replay from the rollout with VLLMRollout on CPU (verl's R3) is not supported "
-                   f"yet in rlflow. {VLLM_ROUTING}. actor_rollout_ref.rollout.name=hf records them") == \
+    assert backend(f"{R3}=True: MoE routing replay from the rollout with VLLMRollout on CPU (verl's R3) is not "
+                   f"supported yet in rlflow. {VLLM_ROUTING}. actor_rollout_ref.rollout.name=hf records them") == \
         "vLLM's GPU Model Runner V2 (a CUDA GPU)"
 
 

@@ -95,7 +95,8 @@ def test_without_a_cuda_gpu_the_engine_refuses_at_once_naming_the_hardware():
     the same (tests/rollout/test_routed_experts.py pins vLLM's own refusal on CPU)."""
     why = routed_experts_unavailable()
     assert why is not None and "\n" not in why
-    with pytest.raises(NotImplementedError, match="GPU Model Runner V2, which needs a CUDA GPU .*no CUDA GPU.*HFRollout"):
+    with pytest.raises(NotImplementedError, match="GPU Model Runner V2, which needs a CUDA GPU .*no CUDA GPU.*"
+                                                  "HFRollout"):
         VLLMEngine(return_routed_experts=True)
     with pytest.raises(NotImplementedError, match="VLLMEngine: vLLM returns routed experts only from its GPU Model "
                                                   "Runner V2"):

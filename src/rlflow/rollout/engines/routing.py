@@ -65,7 +65,8 @@ def from_vllm(routed_experts, tokens: int, moe_layers: Sequence[int]) -> Tensor:
         raise ValueError(f"vLLM routed_experts has {array.shape[0]} token rows for a prompt and completion of {tokens} "
                          f"tokens (expected {tokens - 1}: every token but the last)")
     if moe_layers and max(moe_layers) >= array.shape[1]:
-        raise ValueError(f"vLLM routed_experts has {array.shape[1]} layers; the model's MoE layers are {list(moe_layers)}")
+        raise ValueError(f"vLLM routed_experts has {array.shape[1]} layers; the model's MoE layers are "
+                         f"{list(moe_layers)}")
     if array.size and int(array.max()) > torch.iinfo(torch.int16).max:
         raise ValueError(f"vLLM routed_experts holds expert {int(array.max())}, beyond rlflow's int16 layout")
     out = torch.full((tokens, len(moe_layers), array.shape[2]), -1, dtype=torch.int16)

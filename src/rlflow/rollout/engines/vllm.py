@@ -197,8 +197,8 @@ class VLLMEngine(Engine):
             if why is not None:
                 raise NotImplementedError(f"VLLMEngine(return_routed_experts=True): {why}")
             if not enable_prefix_caching:
-                raise ValueError("VLLMEngine(return_routed_experts=True) needs enable_prefix_caching=True: vLLM returns "
-                                 "routed experts only with its prefix cache on (rollout.enable_prefix_caching)")
+                raise ValueError("VLLMEngine(return_routed_experts=True) needs enable_prefix_caching=True: vLLM "
+                                 "returns routed experts only with its prefix cache on (rollout.enable_prefix_caching)")
         self.settings = dict(dtype=dtype, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                              enable_prefix_caching=enable_prefix_caching,
@@ -212,7 +212,7 @@ class VLLMEngine(Engine):
 
     @property
     def returns_routed_experts(self) -> bool:
-        """Started with ``return_routed_experts=True`` (possible on a CUDA GPU only: :func:`routed_experts_unavailable`)."""
+        """Started with ``return_routed_experts=True`` (a CUDA GPU only: :func:`routed_experts_unavailable`)."""
         return bool(self.settings["return_routed_experts"])
 
     @property
@@ -344,7 +344,7 @@ class VLLMEngine(Engine):
         return [samples[i : i + params.n] for i in range(0, len(samples), params.n)]
 
     def _routing(self, output, completion) -> dict:
-        """``routed_experts`` of one completion in rlflow's layout (:func:`~rlflow.rollout.engines.routing.from_vllm`)."""
+        """One completion's ``routed_experts`` in rlflow's layout (:func:`.routing.from_vllm`)."""
         if self.moe_layers is None:
             raise NotImplementedError(f"return_routed_experts: VLLMEngine: {self.routed_experts_refusal}")
         tokens = len(output.prompt_token_ids) + len(completion.token_ids)
