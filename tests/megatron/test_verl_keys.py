@@ -231,12 +231,26 @@ def test_router_replay_r2_and_r3_are_the_strategys_and_r3_takes_the_routing_from
     recorded_only = plan(f"{A}.strategy=megatron", f"{ROLL}.enable_rollout_routing_replay=true", f"{ROLL}.name=hf")
     assert any("recorded but not replayed" in n for n in recorded_only.notes)
     if importlib.util.find_spec("vllm") is not None:
-        with pytest.raises(NotSupportedError, match="MoE routing replay from the rollout with VLLMRollout .*Model "
-                                                    "Runner V2, which needs Triton"):
+        with pytest.raises(NotSupportedError, match="MoE routing replay from the rollout with VLLMRollout on CPU .*"
+                                                    "GPU Model Runner V2, which needs a CUDA GPU"):
             plan(f"{A}.strategy=megatron", f"{RR}.mode=R3", f"{ROLL}.enable_rollout_routing_replay=true",
                  f"{ROLL}.name=vllm")
     with pytest.raises(ConfigError, match="choose disabled, R2 or R3"):
         plan(f"{A}.strategy=megatron", f"{RR}.mode=R4")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="rollout.name=vllm needs vLLM installed")
+def test_r3_with_the_vllm_rollout_is_planned_on_a_cuda_machine(monkeypatch):
+    """On trainer.device=cuda (a machine with a GPU: one is pretended here, nothing starts) R3 with rollout.name=vllm
+    plans VLLMRollout(return_routed_experts=True), whose engine starts vLLM with enable_return_routed_experts."""
+    import rlflow.config.verl.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_count", lambda: 1)
+    RR, ROLL = f"{A}.megatron.router_replay", "actor_rollout_ref.rollout"
+    r3 = plan(f"{A}.strategy=megatron", f"{RR}.mode=R3", f"{ROLL}.enable_rollout_routing_replay=true",
+              f"{ROLL}.name=vllm", "trainer.device=cuda", "trainer.n_gpus_per_node=1")
+    assert r3.rollout_cls.__name__ == "VLLMRollout" and r3.rollout_kwargs["return_routed_experts"]
+    assert r3.trainer_kwargs["strategy"].router_replay == "R3"
 
 
 def test_lora_on_a_moe_models_experts_is_refused_at_the_dry_run_and_its_attention_accepted(tmp_path, capsys):
