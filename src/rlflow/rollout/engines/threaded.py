@@ -8,6 +8,9 @@ trainer's thread trains. It offers the same pipelined calls as
 Weights are snapshotted (copied) in the trainer's thread when pushed, so later optimizer steps cannot
 change them before the worker sends them; the worker then writes and reloads them (the server engine's
 own ``load_weights``) before the jobs submitted after the push.
+
+Any work can be a job (:meth:`ThreadedEngine.submit_call`): an agent loop's whole batch of conversations runs
+on the worker that way (``AsyncRollout`` over an ``AgentLoop``), its turns and tools under one weight version.
 """
 
 from __future__ import annotations
@@ -46,22 +49,31 @@ class ThreadedEngine(Engine):
         return dict(self.engine.stats)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> int:
+        return self.submit_call(self._generate, prompts, params)
+
+    def submit_call(self, work, *args) -> int:
+        """Run ``work(*args)`` on the worker, after the jobs and weight loads asked for before; :meth:`result`
+        gives its return value as ``Generated.completions``, with the weight version it ran under."""
         ticket = next(self.tickets)
-        self.jobs[ticket] = self.worker.submit(self._generate, prompts, params)
+        self.jobs[ticket] = self.worker.submit(self._run, work, args)
         return ticket
 
-    def _generate(self, prompts, params) -> Generated:
+    def _run(self, work, args) -> Generated:
         if self.failure is not None:
             raise self.failure
         start = time.perf_counter()
-        idle, version = start - self.idle_since, self.loaded_version
-        completions = self.engine.generate(prompts, params)
+        idle = start - self.idle_since
+        out = work(*args)
         done = time.perf_counter()
         self.idle_since = done
+        return Generated(out, self.loaded_version, done - start, idle)
+
+    def _generate(self, prompts, params) -> list[list[Completion]]:
+        completions = self.engine.generate(prompts, params)
         for per_prompt in completions:
             for c in per_prompt:
-                c.extras["policy_version"] = version
-        return Generated(completions, version, done - start, idle)
+                c.extras["policy_version"] = self.loaded_version  # weights load on this thread: it cannot change here
+        return completions
 
     def result(self, ticket: int) -> Generated:
         try:
@@ -101,6 +113,8 @@ class ThreadedEngine(Engine):
         return totals | {"weight_sync/push_s": time.perf_counter() - start}
 
     def close(self) -> None:
-        self.worker.shutdown(wait=False, cancel_futures=True)
+        """Cancel the jobs not started, wait for the one running (an engine must not close under a running call),
+        then close the engine."""
+        self.worker.shutdown(wait=True, cancel_futures=True)
         self.engine.close()
 
