@@ -22,7 +22,7 @@ from rlflow.tasks.calculator import CalculatorTask, chat_tokenizer
 from rlflow.trainer.options import with_groups
 from tests.rollout.agent_helpers import tool_caller
 from tests.rollout.test_agent_training import interior_spans
-from tests.rollout.test_async_rollout import Recorder, recomputed
+from tests.rollout.test_async_rollout import Recorder, push_two_updates, recomputed
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +129,7 @@ def test_a_batch_staler_than_the_bound_is_run_again_with_the_newest_weights(tok,
     stream = rollout.stream(PromptData(rows[0], seed=0).loader(2, tok))
     try:
         assert next(stream)[K.POLICY_VERSION].tolist() == [0] * 4 and len(rollout.in_flight) == 1
-        for _ in range(2):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(torch.randn_like(p) * 0.2)
-            rollout.sync_weights(model)
+        push_two_updates(rollout, model)
         again = next(stream)
         assert rollout.stats["async/over_bound_frac"] == 1 and rollout.stats["async/regenerated_samples"] == 4
         assert again[K.POLICY_VERSION].tolist() == [2] * 4

@@ -196,8 +196,9 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
     def with_options(self, **overrides):
         """A copy sampling with other options (validation): an agent loop's runs on the engine's thread, after the
         batches in flight; a single-turn rollout's samples through the engine (``sample_with``)."""
-        if self.agent is not None and self.engine is not None:
-            return OnWorker(self.agent.with_options(**overrides), self.engine)
+        if self.agent is not None:
+            copied = self.agent.with_options(**overrides)
+            return OnWorker(copied, self.engine) if self.engine is not None else copied
         return super().with_options(**overrides)
 
     @property
@@ -345,4 +346,5 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
                                f"prompts, expected {n} each")
 
     def __repr__(self) -> str:
-        return f"AsyncRollout({self.agent or self.rollout!r}, max_staleness={self.max_staleness}, placement={self.placement!r})"
+        wrapped = self.agent or self.rollout
+        return f"AsyncRollout({wrapped!r}, max_staleness={self.max_staleness}, placement={self.placement!r})"

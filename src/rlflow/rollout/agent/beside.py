@@ -24,10 +24,10 @@ from rlflow.rollout.wrapper import RolloutWrapper
 
 def engine_beside(agent: AgentLoop, model, tokenizer, timeout: float) -> ThreadedEngine:
     """Bind ``agent`` to ``model`` (a copy of it, when its engine would sample with the module itself) and return
-    the worker that runs its jobs."""
+    the worker that runs its jobs; the engine is the wrapped rollout's to close (``rollout.close()``)."""
     own = agent.rollout.holds_own_weights
     agent.bind(model if own else copy.deepcopy(model), tokenizer)
-    return ThreadedEngine(agent.rollout.engine, timeout=timeout)
+    return ThreadedEngine(agent.rollout.engine, timeout=timeout, closes_engine=False)
 
 
 def run_loop(agent: AgentLoop, batch: TensorDict) -> tuple[TensorDict, dict[str, float]]:

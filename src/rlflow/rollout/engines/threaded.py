@@ -30,12 +30,14 @@ class ThreadedEngine(Engine):
     Args:
         engine: the engine to drive (e.g. a :class:`~rlflow.rollout.engines.server.ServerEngine`).
         timeout: seconds :meth:`result` waits for one job before raising :class:`EngineProcessError`.
+        closes_engine: :meth:`close` closes ``engine`` too (``False``: its rollout decides, e.g. vLLM's shared
+            in-process engine stays for other rollouts).
     """
 
     holds_own_weights = True
 
-    def __init__(self, engine: Engine, *, timeout: float = 3600.0):
-        self.engine, self.timeout = engine, timeout
+    def __init__(self, engine: Engine, *, timeout: float = 3600.0, closes_engine: bool = True):
+        self.engine, self.timeout, self.closes_engine = engine, timeout, closes_engine
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlflow-async-engine")
         self.tickets = itertools.count()
         self.jobs: dict[int, Future] = {}
@@ -114,7 +116,8 @@ class ThreadedEngine(Engine):
 
     def close(self) -> None:
         """Cancel the jobs not started, wait for the one running (an engine must not close under a running call),
-        then close the engine."""
+        then close the engine (``closes_engine``)."""
         self.worker.shutdown(wait=True, cancel_futures=True)
-        self.engine.close()
+        if self.closes_engine:
+            self.engine.close()
 
