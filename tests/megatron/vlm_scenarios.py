@@ -1,0 +1,93 @@
+"""A vision-language model (tiny Qwen2.5-VL) under the Megatron strategy, run on ranks forked by test_vlm.py
+(importing this module adds its scenarios to ``worker.SCENARIOS``):
+
+- ``vlm_convert``: converted at tensor parallel = the launch's size (the language model split, the vision tower whole
+  on every rank) against transformers on a batch with images (one, two of different sizes, none): log-probs,
+  entropy and every gradient, the tower's included; the weights sent to the engines under transformers' names;
+- ``vlm_train``: one GRPO step of the Trainer at data parallel = the launch's size (micro-batches of one sample,
+  half of them without an image: the tower's gradients reduced over the replicas), checkpointed; its metrics and
+  weights, compared by the test with one process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .worker import SCENARIOS, world_size
+
+
+def vlm_batch(seed: int = 0):
+    """``(model, multi_modal rows, prompt ids, prompt mask, response ids)``: a tiny Qwen2.5-VL (4 heads, 2 key/value
+    heads: they split over 2 ranks) and a batch of its processor's rows with sampled-looking responses."""
+    from rlflow.data import keys as K
+    from rlflow.models.tiny_vlm import tiny_qwen2_5_vl
+
+    from ..vlm import batch, tiny_vlm
+
+    model, processor = tiny_vlm("qwen2_5_vl", seed=seed)
+    assert isinstance(model, type(tiny_qwen2_5_vl(processor.tokenizer)))
+    data = batch(processor)
+    torch.manual_seed(1)
+    response_ids = torch.randint(3, 40, (data[K.PROMPT_IDS].shape[0], 5))
+    return model, list(data[K.MULTI_MODAL_INPUTS]), data[K.PROMPT_IDS], data[K.PROMPT_MASK], response_ids
+
+
+def vlm_convert(out: Path) -> dict:
+    import lightning as L
+    from megatron.core import parallel_state as ps
+
+    from rlflow.models.logprobs import TokenLogProbs
+    from rlflow.strategies.megatron import MegatronStrategy
+    from rlflow.strategies.megatron.grads import reduce_gradients
+    from rlflow.strategies.megatron.slots import lm_slots
+    from rlflow.strategies.megatron.weight_buckets import gather_full
+
+    world = world_size()
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=MegatronStrategy(tensor_parallel=world))
+    fabric.launch()
+    hf, rows, prompt_ids, prompt_mask, response_ids = vlm_batch()
+    weights = torch.randn(*response_ids.shape, 2)
+    lp, ent = TokenLogProbs(hf)(prompt_ids, prompt_mask, response_ids, multi_modal=rows)
+    ((lp * weights[..., 0]).sum() + (ent * weights[..., 1]).sum()).backward()
+    hf_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    shell = vlm_batch()[0]
+    module = fabric.setup_module(TokenLogProbs(shell))
+    exported = {n: t.clone() for b in shell.weight_buckets(4096) for n, t in b}
+    lp2, ent2 = module(prompt_ids, prompt_mask, response_ids, multi_modal=rows)
+    fabric.backward((lp2 * weights[..., 0]).sum() + (ent2 * weights[..., 1]).sum())
+    megatron = module._forward_module
+    reduce_gradients(list(megatron.parameters()))  # divides by the world size: one replica here
+    slots = [s for s in lm_slots(megatron.lm) if s.primary]
+    grads = gather_full(slots, [s.read([p.grad * world for p in s.params]) for s in slots])
+    result = {
+        "log_probs": (lp2 - lp).abs().max().item(), "entropy": (ent2 - ent).abs().max().item(),
+        "log_probs_scale": lp.abs().max().item(),
+        "grad": max((g - hf_grads[s.name]).abs().max().item() for s, g in zip(slots, grads)),
+        "grad_scale": max(g.abs().max().item() for g in hf_grads.values()),
+        "grad_names": sorted(s.name for s in slots) == sorted(hf_grads),
+        "tower_grad": max(g.abs().max().item() for s, g in zip(slots, grads) if s.name.startswith("model.visual.")),
+        "exported_names": sorted(exported) == sorted(n for n, _ in hf.named_parameters()),
+        "exported": max((exported[n] - p).abs().max().item() for n, p in hf.named_parameters()),
+        "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+    }
+    fabric.strategy.teardown()
+    return result
+
+
+def vlm_train(out: Path) -> dict:
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    from ..distributed.vision_worker import build
+
+    trainer, data, record = build(str(out / "vlm_train"), MegatronStrategy(), world_size())
+    trainer.fit(data)
+    trainer.save(str(out / "vlm_ckpt"))
+    dist.barrier()
+    trainer.fabric.strategy.teardown()
+    return record.steps
+
+
+SCENARIOS.update({f.__name__: f for f in (vlm_convert, vlm_train)})
