@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not megatron_available(),
 @pytest.fixture(scope="module")
 def vlm_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("vlm")
-    return out, fork_launch(2, out, ("vlm_convert",))
+    return out, fork_launch(2, out, ("vlm_convert", "vlm_train"))
 
 
 def test_qwen2_5_vl_at_tensor_parallel_2_equals_transformers_with_images(vlm_runs):
@@ -35,3 +35,30 @@ def test_qwen2_5_vl_at_tensor_parallel_2_equals_transformers_with_images(vlm_run
     assert r["grad_names"] and r["grad"] < 1e-5 * r["grad_scale"], (r["grad"], r["grad_scale"])
     assert r["tower_grad"] > 0  # the images reached the loss through the tower
     assert r["exported_names"] and r["exported"] == 0.0
+
+
+def test_qwen2_5_vl_grpo_step_at_data_parallel_2_equals_one_process_and_exports_with_its_tower(vlm_runs, tmp_path):
+    """One GRPO step (micro-batches of one sample, half without an image: a replica's tower may get no gradient)
+    under the Megatron strategy on two data-parallel ranks gives the loss and weights of the same Trainer with
+    transformers' model on one process, the vision tower's included (it trained: verl's freeze_vision_tower=False);
+    the engine holds the trained weights after the sync; the checkpoint exports to a transformers folder that holds
+    them all."""
+    from transformers import AutoModelForImageTextToText
+
+    from rlflow.trainer.hf_export import export_hf
+
+    from ..distributed.vision_worker import build
+
+    _, runs = vlm_runs
+    trainer, data, record = build(str(tmp_path / "one"), "auto", 1)
+    tower = {k: v.detach().clone() for k, v in trainer.policy.model.state_dict().items() if "visual" in k}
+    trainer.fit(data)
+    assert_updates(record.steps)
+    one, two = record.steps[1], runs["vlm_train"]["steps"][1]
+    assert two["metrics"]["actor/pg_loss"] == pytest.approx(one["metrics"]["actor/pg_loss"], abs=1e-5)
+    assert two["metrics"]["actor/grad_norm"] == pytest.approx(one["metrics"]["actor/grad_norm"], rel=1e-4)
+    assert_same_weights(two["weights"], one["weights"])
+    assert tower and all(not torch.equal(one["weights"][k], v) for k, v in tower.items())  # the whole tower trained
+    assert runs["vlm_train"]["engine_diff"] == 0.0
+    exported = AutoModelForImageTextToText.from_pretrained(export_hf(runs["vlm_train"]["checkpoint"], tmp_path / "exported"))
+    assert_same_weights({n: p.detach() for n, p in exported.named_parameters()}, two["weights"])

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .worker import SCENARIOS, world_size
+from .worker import SCENARIOS, full_weights, world_size
 
 
 def vlm_batch(seed: int = 0):
@@ -84,10 +84,12 @@ def vlm_train(out: Path) -> dict:
 
     trainer, data, record = build(str(out / "vlm_train"), MegatronStrategy(), world_size())
     trainer.fit(data)
-    trainer.save(str(out / "vlm_ckpt"))
+    engine = dict(trainer.rollout.model.named_parameters(remove_duplicate=False))  # a full copy (ModelParallelStrategy)
+    synced = max((engine[n].detach() - w).abs().max().item() for n, w in full_weights(trainer).items())
+    checkpoint = trainer.save()  # RUN/global_step_1
     dist.barrier()
     trainer.fabric.strategy.teardown()
-    return record.steps
+    return {"steps": record.steps, "checkpoint": str(checkpoint), "engine_diff": synced}
 
 
 SCENARIOS.update({f.__name__: f for f in (vlm_convert, vlm_train)})
