@@ -127,8 +127,6 @@ def test_the_stand_ins_pass_once_the_refused_keys_are_dropped(stand_ins):
 # name, with the reason. The test fails when one of them is accepted (take it off the list) and when any other
 # script is refused for anything but a backend of BACKENDS, so the list can only shrink.
 KNOWN_GAPS = {
-    "examples/ascend_extras/grpo_trainer/run_qwen3_5_122b_a10b_32k_megatron.sh": "the Megatron strategy converts",
-    "examples/grpo_trainer/run_qwen3_5_397b_megatron.sh": "the Megatron strategy converts",
     "examples/grpo_trainer/run_deepseek_v4_flash_megatron.sh": "MoE routing replay from the rollout with VLLMRollout",
     "examples/grpo_trainer/run_deepseek_v4_veomni.sh": "MoE routing replay",
     "examples/router_replay/run_qwen3_30b_a3b_megatron.sh": "MoE routing replay from the rollout with VLLMRollout",

@@ -1,4 +1,5 @@
-"""A Hugging Face decoder (Qwen2/Qwen2.5, Qwen3, Qwen3-MoE, Llama, Qwen3.5 text) rebuilt as this rank's megatron-core shard.
+"""A Hugging Face decoder (Qwen2/Qwen2.5, Qwen3, Qwen3-MoE, Llama, Qwen3.5 text; a Qwen2.5-VL / Qwen3.5 language model,
+:mod:`.vision`) rebuilt as this rank's megatron-core shard.
 
 :func:`transformer_config_kwargs` maps the Hugging Face config to Megatron's ``TransformerConfig``;
 :class:`MegatronLM` holds the ``GPTModel`` of this rank (its pipeline stage, its tensor and expert
@@ -60,9 +61,8 @@ def architecture(config, layout: ParallelLayout | None = None) -> Architecture:
         config = language_config(config)
     arch = ARCHITECTURES.get(config.model_type)
     if arch is None:
-        why = qwen3_5.NOT_CONVERTED.get(config.model_type)
         raise ValueError(f"the Megatron strategy converts {', '.join(ARCHITECTURES)} models and the vision-language "
-                         f"{', '.join(LANGUAGE_MODELS)}; got model_type={config.model_type!r}" + (f": {why}" if why else ""))
+                         f"{', '.join(LANGUAGE_MODELS)}; got model_type={config.model_type!r}")
     unsupported = [what for what, bad in (
         ("hidden_act other than silu", config.hidden_act != "silu"),
         ("attention_bias=True", bool(getattr(config, "attention_bias", False))),
