@@ -1,9 +1,11 @@
-"""A vision-language model (tiny Qwen2.5-VL) under the Megatron strategy on CPU processes (gloo): the language model
-converted to megatron-core, the vision tower kept as transformers' module (strategies/megatron/vision.py).
+"""Vision-language models (tiny Qwen2.5-VL and Qwen3.5) under the Megatron strategy on CPU processes (gloo): the
+language model converted to megatron-core, the vision tower kept as transformers' module
+(strategies/megatron/vision.py).
 
 One launch of two forked ranks (``forked.py``, scenarios in ``vlm_scenarios.py``) runs the conversion of Qwen2.5-VL
-and Qwen3.5 at tensor parallel 2 against transformers, then one GRPO step at data parallel 2 against the same Trainer on one process,
-checkpointed and exported back to a transformers folder.
+and Qwen3.5 at tensor parallel 2 and of Qwen2.5-VL at pipeline parallel 2 against transformers, then one GRPO step
+at data parallel 2, checkpointed, compared with the same Trainer on one process and exported back to a transformers
+folder.
 """
 
 import pytest
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.skipif(not megatron_available(),
 @pytest.fixture(scope="module")
 def vlm_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("vlm")
-    return out, fork_launch(2, out, ("vlm_convert", "vlm_train"))
+    return out, fork_launch(2, out, ("vlm_convert", "vlm_convert_pp", "vlm_train"))
 
 
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_5"])
@@ -33,10 +35,22 @@ def test_vision_language_model_at_tensor_parallel_2_equals_transformers_with_ima
     transformers'; the weights go to the engines under transformers' names (model.visual.*,
     model.language_model.*), exactly the ones loaded."""
     r = vlm_runs[1]["vlm_convert"][kind]
-    assert r["tensor_parallel"] == 2
+    assert r["layout"] == (2, 1)
     assert r["log_probs"] < 1e-5 * max(1.0, r["log_probs_scale"]) and r["entropy"] < 1e-5, r
     assert r["grad_names"] and r["grad"] < 1e-5 * r["grad_scale"], (r["grad"], r["grad_scale"])
     assert r["tower_grad"] > 0  # the images reached the loss through the tower
+    assert r["exported_names"] and r["exported"] == 0.0
+
+
+def test_qwen2_5_vl_at_pipeline_parallel_2_equals_transformers_with_images(vlm_runs):
+    """The tower on the first stage only, the 3-D positions on both: log-probs, entropy and both stages' gradients
+    (the tower's, and the tied embedding's summed over its two copies) equal transformers'; the weights exported from
+    both stages are the ones loaded."""
+    r = vlm_runs[1]["vlm_convert_pp"]["qwen2_5_vl"]
+    assert r["layout"] == (1, 2)
+    assert r["log_probs"] < 1e-5 * max(1.0, r["log_probs_scale"]) and r["entropy"] < 1e-5, r
+    assert r["grad_names"] and r["grad"] < 1e-5 * r["grad_scale"], (r["grad"], r["grad_scale"])
+    assert r["tower_grad"] > 0
     assert r["exported_names"] and r["exported"] == 0.0
 
 
@@ -63,5 +77,6 @@ def test_qwen2_5_vl_grpo_step_at_data_parallel_2_equals_one_process_and_exports_
     assert_same_weights(two["weights"], one["weights"])
     assert tower and all(not torch.equal(one["weights"][k], v) for k, v in tower.items())  # the whole tower trained
     assert runs["vlm_train"]["engine_diff"] == 0.0
-    exported = AutoModelForImageTextToText.from_pretrained(export_hf(runs["vlm_train"]["checkpoint"], tmp_path / "exported"))
+    folder = export_hf(runs["vlm_train"]["checkpoint"], tmp_path / "exported")
+    exported = AutoModelForImageTextToText.from_pretrained(folder)
     assert_same_weights({n: p.detach() for n, p in exported.named_parameters()}, two["weights"])

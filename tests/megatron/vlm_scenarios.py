@@ -1,9 +1,11 @@
-"""A vision-language model (tiny Qwen2.5-VL) under the Megatron strategy, run on ranks forked by test_vlm.py
-(importing this module adds its scenarios to ``worker.SCENARIOS``):
+"""Vision-language models (tiny Qwen2.5-VL and Qwen3.5) under the Megatron strategy, run on ranks forked by
+test_vlm.py (importing this module adds its scenarios to ``worker.SCENARIOS``):
 
 - ``vlm_convert``: Qwen2.5-VL and Qwen3.5 converted at tensor parallel = the launch's size (the language model split,
-  the vision tower whole on every rank) against transformers on a batch with images (one, two of different sizes, none): log-probs,
-  entropy and every gradient, the tower's included; the weights sent to the engines under transformers' names;
+  the vision tower whole on every rank) against transformers on a batch with images (one, two of different sizes,
+  none): log-probs, entropy and every gradient, the tower's included; the weights sent to the engines under
+  transformers' names; ``vlm_convert_pp``: the same for Qwen2.5-VL at pipeline parallel = the launch's size (the
+  tower and its gradients on the first stage);
 - ``vlm_train``: one GRPO step of the Trainer at data parallel = the launch's size (micro-batches of one sample,
   half of them without an image: the tower's gradients reduced over the replicas), checkpointed; its metrics and
   weights, compared by the test with one process.
@@ -63,17 +65,23 @@ def vlm_batch(kind: str, seed: int = 0):
     return model, list(data[K.MULTI_MODAL_INPUTS]), data[K.PROMPT_IDS], data[K.PROMPT_MASK], response_ids
 
 
-def vlm_convert(out: Path) -> dict:
+def vlm_convert(out: Path, kinds=("qwen2_5_vl", "qwen3_5"), **layout) -> dict:
     import lightning as L
 
     from rlflow.strategies.megatron import MegatronStrategy
 
     world = world_size()
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=MegatronStrategy(tensor_parallel=world))
+    strategy = MegatronStrategy(**(layout or {"tensor_parallel": world}))
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
-    results = {kind: compare(fabric, kind) for kind in ("qwen2_5_vl", "qwen3_5")}
+    results = {kind: compare(fabric, kind) for kind in kinds}
     fabric.strategy.teardown()
     return results
+
+
+def vlm_convert_pp(out: Path) -> dict:
+    """``vlm_convert`` of Qwen2.5-VL at pipeline parallel = the launch's size: the tower on the first stage only."""
+    return vlm_convert(out, ("qwen2_5_vl",), pipeline_parallel=world_size())
 
 
 def compare(fabric, kind: str) -> dict:
@@ -97,18 +105,24 @@ def compare(fabric, kind: str) -> dict:
     fabric.backward((lp2 * weights[..., 0]).sum() + (ent2 * weights[..., 1]).sum())
     megatron = module._forward_module
     reduce_gradients(list(megatron.parameters()))  # divides by the world size: one replica here
-    slots = [s for s in lm_slots(megatron.lm) if s.primary]
-    grads = gather_full(slots, [s.read([p.grad * world for p in s.params]) for s in slots])
+    for p in megatron.parameters():
+        p.grad.mul_(world // ps.get_data_parallel_world_size())  # one replica per data-parallel rank
+    slots = [s for s in lm_slots(megatron.lm) if s.primary]  # this pipeline stage's
+    grads = gather_full(slots, [s.read([p.grad for p in s.params]) for s in slots])
+    stages = [None] * world  # every stage's (names, largest difference, largest tower gradient)
+    dist.all_gather_object(stages, ([s.name for s in slots],
+                                    max((g - hf_grads[s.name]).abs().max().item() for s, g in zip(slots, grads)),
+                                    max([g.abs().max().item() for s, g in zip(slots, grads)
+                                         if s.name.startswith("model.visual.")], default=0.0)))
     return {
         "log_probs": (lp2 - lp).abs().max().item(), "entropy": (ent2 - ent).abs().max().item(),
         "log_probs_scale": lp.abs().max().item(),
-        "grad": max((g - hf_grads[s.name]).abs().max().item() for s, g in zip(slots, grads)),
-        "grad_scale": max(g.abs().max().item() for g in hf_grads.values()),
-        "grad_names": sorted(s.name for s in slots) == sorted(hf_grads),
-        "tower_grad": max(g.abs().max().item() for s, g in zip(slots, grads) if s.name.startswith("model.visual.")),
+        "grad": max(gap for _, gap, _ in stages), "grad_scale": max(g.abs().max().item() for g in hf_grads.values()),
+        "grad_names": sorted({n for names, _, _ in stages for n in names}) == sorted(hf_grads),
+        "tower_grad": max(tower for _, _, tower in stages),
         "exported_names": sorted(exported) == sorted(n for n, _ in hf.named_parameters()),
         "exported": max((exported[n] - p).abs().max().item() for n, p in hf.named_parameters()),
-        "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+        "layout": (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()),
     }
 
 
@@ -127,4 +141,4 @@ def vlm_train(out: Path) -> dict:
     return {"steps": record.steps, "checkpoint": str(checkpoint), "engine_diff": synced}
 
 
-SCENARIOS.update({f.__name__: f for f in (vlm_convert, vlm_train)})
+SCENARIOS.update({f.__name__: f for f in (vlm_convert, vlm_convert_pp, vlm_train)})

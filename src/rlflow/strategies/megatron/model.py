@@ -254,7 +254,8 @@ class MegatronLM(nn.Module):
         if images is not None:
             rotary = self.vision.rotary(images.positions, self.inv_freq)
         else:
-            freqs = positions[:, None].float() * self.inv_freq  # rotary angles, halves repeated (transformers' rotate_half)
+            # rotary angles, halves repeated (transformers' rotate_half)
+            freqs = positions[:, None].float() * self.inv_freq
             rotary = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
         # the local spec's default causal mask is built on CUDA: pass it (True = not attended); Transformer
         # Engine builds its own causal mask

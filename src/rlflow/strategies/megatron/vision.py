@@ -97,7 +97,8 @@ class VisionPart(nn.Module):
         mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], 1)
         inputs = concat_inputs(rows or [], ids.device)
         images = torch.cat([prompt_ids == self.image_token_id, torch.zeros_like(response_ids, dtype=torch.bool)], 1)
-        expected = 0 if "image_grid_thw" not in inputs else int(inputs["image_grid_thw"].prod(-1).sum()) // self.merge ** 2
+        grid = inputs.get("image_grid_thw")
+        expected = 0 if grid is None else int(grid.prod(-1).sum()) // self.merge ** 2
         if expected != int(images.sum()):
             raise ValueError(f"{expected} image features for {int(images.sum())} image tokens: the rows' "
                              "multi_modal_inputs are missing or do not belong to these prompts")
