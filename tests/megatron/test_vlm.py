@@ -80,3 +80,23 @@ def test_qwen2_5_vl_grpo_step_at_data_parallel_2_equals_one_process_and_exports_
     folder = export_hf(runs["vlm_train"]["checkpoint"], tmp_path / "exported")
     exported = AutoModelForImageTextToText.from_pretrained(folder)
     assert_same_weights({n: p.detach() for n, p in exported.named_parameters()}, two["weights"])
+
+
+def test_what_the_vision_language_conversion_does_not_cover_is_refused_by_name():
+    """Another vision-language model (Qwen2-VL), sequence parallelism (the image features are written into the whole
+    sequence) and LoRA (the dry run's check of its targets) are refused with the reason; Qwen2.5-VL is accepted."""
+    from rlflow.strategies.megatron import ParallelLayout
+    from rlflow.strategies.megatron.lora import check_targets
+    from rlflow.strategies.megatron.model import architecture
+
+    from ..vlm import tiny_vlm
+
+    qwen2_5_vl, qwen2_vl = tiny_vlm("qwen2_5_vl")[0].config, tiny_vlm("qwen2_vl")[0].config
+    assert architecture(qwen2_5_vl, ParallelLayout(tensor=2)).qkv_bias  # its language model: Qwen2's
+    with pytest.raises(ValueError, match="and the vision-language qwen2_5_vl, qwen3_5, qwen3_5_moe; "
+                                         "got model_type='qwen2_vl'"):
+        architecture(qwen2_vl)
+    with pytest.raises(ValueError, match="sequence parallelism does not combine with a vision-language model"):
+        architecture(qwen2_5_vl, ParallelLayout(tensor=2, sequence_parallel=True))
+    with pytest.raises(ValueError, match=r"does not adapt a vision-language model \(qwen2_5_vl\)"):
+        check_targets(qwen2_5_vl, ["q_proj"])

@@ -188,8 +188,8 @@ class MegatronStrategy(ModelParallelStrategy):
         base = hf_model.get_base_model() if peft else hf_model
         if is_vision_language(base.config) and (peft or self.dist_checkpoints):
             raise ValueError(f"{base.config.model_type} under the Megatron strategy: "
-                             + ("LoRA adapters are not attached to a vision-language model's Megatron layers yet"
-                                if peft else "dist checkpoints hold megatron-core's GPTModel weights only, not the "
+                             + ("LoRA does not adapt a vision-language model's Megatron layers yet" if peft
+                                else "dist checkpoints hold megatron-core's GPTModel weights only, not the "
                                 "vision tower (start from the Hugging Face weights or an rlflow checkpoint)"))
         on_cpu = self.root_device.type == "cpu"
         trained = any(p.requires_grad for p in hf_model.parameters())
