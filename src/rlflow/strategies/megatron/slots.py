@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from rlflow.strategies.megatron.model import MegatronLM, architecture
+from rlflow.strategies.megatron.vision import TOWER_PREFIX, hf_name
 
 TENSOR, EXPERT = "tensor", "expert"  # the process groups a slot can be split over
 
@@ -265,7 +266,12 @@ def lm_slots(lm: MegatronLM) -> list[Slot]:
                                 primary=False))
     for adapter in getattr(lm, "lora", ()):  # LoRA factors (.lora.LinearLoRA), under PEFT's names
         slots += adapter.slots()
-    return slots
+    if lm.vision is None:
+        return slots
+    # a vision-language model (.vision): the language model's weights under its names there, the tower's whole
+    slots = [dataclasses.replace(s, name=hf_name(s.name, True)) for s in slots]
+    tower = lm.vision.tower
+    return slots + ([_same(TOWER_PREFIX + n, p) for n, p in tower.named_parameters()] if tower is not None else [])
 
 
 def module_slots(module: nn.Module) -> list[tuple[str, Slot]]:
@@ -276,7 +282,8 @@ def module_slots(module: nn.Module) -> list[tuple[str, Slot]]:
     (FSDP2, one process) name it too, so those checkpoints and these load each other."""
     slots = lm_slots(module.lm)
     if module.lm.hf_config.tie_word_embeddings:
-        slots += [dataclasses.replace(s, name="lm_head.weight") for s in slots if s.name == "model.embed_tokens.weight"]
+        embedding = hf_name("model.embed_tokens.weight", module.lm.vision is not None)
+        slots += [dataclasses.replace(s, name="lm_head.weight") for s in slots if s.name == embedding]
     keyed = [(module.state_prefix + s.name, s) for s in slots]
     head = getattr(module, "value_head", None)
     if head is not None:
