@@ -270,7 +270,7 @@ def reward_and_shaping(cfg: VerlConfig, notes: list[str]) -> tuple[RewardPlan, d
 def around_the_rollout(cfg: VerlConfig, notes: list[str], devices: Devices, after: list, sampling: dict | None,
                        template_kwargs: dict) -> tuple:
     """The plans of what goes around the rollout and the loss: (the agent loop, distillation, fully asynchronous
-    generation, asynchronous generation); multi-turn with fully asynchronous generation is refused."""
+    generation, asynchronous generation); multi_turn_async checks what the agent loop combines with."""
     agent = agent_plan(cfg, notes)
     if agent is not None and template_kwargs:
         agent["template_kwargs"] = template_kwargs
