@@ -1,20 +1,27 @@
 """Multi-turn agent rollouts in the fully asynchronous mode: FullyAsyncRollout over an AgentLoop with the calculator
 tool, on a tiny transformers model taught to call it. A conversation that a weight update lands in has tokens of
 two versions, each with the log-prob of the weights that sampled it; tool tokens are masked with version -1; a
-training run keeps every sample within the threshold; the prompts in flight survive a checkpoint."""
+training run keeps every sample within the threshold; the prompts in flight survive a checkpoint and a kill."""
 
 import copy
-import io
+import json
+import multiprocessing
+import os
+import signal
 
 import pytest
 import torch
 
-from rlflow import Policy, PromptData
+from rlflow import Batching, FunctionReward, Loop, Optim, Policy, PPOLoss, PromptData, RunDir, Trainer
+from rlflow.algorithms import GRPO, TruncatedIS
 from rlflow.data import keys as K
+from rlflow.module import Chain
 from rlflow.rollout import FullyAsyncRollout
 from rlflow.rollout.engines.base import Engine
+from rlflow.tasks.calculator import CalculatorTask
 from tests.rollout.test_agent_training import interior_spans
-from tests.rollout.test_async_agent import agent_loop, caller, make_trainer, rows, tok  # noqa: F401 - fixtures
+from tests.rollout.test_async_agent import (  # noqa: F401 - caller, rows, tok: fixtures
+    agent_loop, caller, longer_is_better, make_trainer, rows, tok)
 from tests.rollout.test_async_rollout import Recorder, recomputed
 from tests.rollout.test_fully_async import perturbed
 
@@ -112,38 +119,6 @@ def test_a_fully_async_multi_turn_run_trains_within_the_threshold(tok, caller, r
     assert sum(m["agent/tool_calls/mean"] for m in history) > 0
 
 
-def test_the_prompts_in_flight_are_saved_and_generated_again_first(tok, caller, rows):
-    """After a batch is taken, the checkpoint holds the prompts drawn and not trained (in flight, complete or
-    queued) as plain values; a fresh rollout loaded from it generates those conversations first, in order."""
-    rollout = FullyAsyncRollout(agent_loop(), max_off_policy_threshold=2, chunk_tokens=8)
-    rollout.bind(copy.deepcopy(caller), tok)
-    stream = rollout.stream(PromptData(rows[0], seed=0).loader(2, tok), pairs=True)
-    try:
-        taken, _ = next(stream)
-        state = rollout.state_dict()
-    finally:
-        stream.close()
-        rollout.close()
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    state = torch.load(buffer, weights_only=True)
-    saved = [p["values"][K.RAW_PROMPT] for p in state["prompts"]]
-    assert len(saved) >= 2 and not {str(p) for p in saved} & {str(p) for p in taken[K.RAW_PROMPT]}
-    again = FullyAsyncRollout(agent_loop(), max_off_policy_threshold=2, chunk_tokens=8)
-    again.bind(copy.deepcopy(caller), tok)
-    again.load_state_dict(state)
-    again.sync_weights(again.agent.rollout.model)  # the restored weights, under the restored version
-    stream = again.stream(PromptData(rows[0], seed=1).loader(2, tok), pairs=True)  # where the loader resumes
-    try:
-        first, samples = next(stream)
-    finally:
-        stream.close()
-        again.close()
-    assert [str(p) for p in first[K.RAW_PROMPT]] == [str(p) for p in saved[:2]]
-    assert samples[K.NUM_TURNS].min() >= 2
-
-
 def test_an_agent_loop_is_not_placed_in_a_process():
     with pytest.raises(ValueError, match="placement must be 'thread' or 'auto', not 'process'"):
         FullyAsyncRollout(agent_loop(), placement="process")
@@ -167,3 +142,59 @@ def test_a_batch_of_the_wrapped_agent_loop_and_validation_sample_in_the_trainers
         assert "num_turns/mean" in greedy.stats and batch[K.NUM_TURNS].shape == (2,)
     finally:
         rollout.close()
+
+
+def test_a_multi_turn_run_killed_mid_step_and_resumed_trains_every_drawn_prompt_once(tok, caller, tmp_path):
+    """SIGKILL in step 3's update (the checkpoint of step 2 on disk), then ``resume="auto"``: the conversations in
+    flight at the checkpoint start over from their prompts, the loader resumes after the last prompt drawn. Over
+    the run's lineage no prompt is trained twice, and trained + still outstanding = the first prompts drawn."""
+    steps, log, left = 4, tmp_path / "trained.jsonl", tmp_path / "outstanding.json"
+    train = CalculatorTask().splits()[0][:64]
+
+    class Log:
+        def on_rollout_end(self, trainer, batch):
+            with open(log, "a") as f:
+                prompts = [json.dumps(p) for p in batch[K.RAW_PROMPT][::2]]
+                f.write(json.dumps({"step": trainer.global_step + 1, "prompts": prompts}) + "\n")
+
+    def child(kill):
+        if kill:
+            real, calls = Trainer.update_actor, [0]
+
+            def update_actor(self, batch):
+                calls[0] += 1
+                if calls[0] == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(self, batch)
+
+            Trainer.update_actor = update_actor
+        rollout = FullyAsyncRollout(agent_loop(), max_off_policy_threshold=2, max_off_policy_strategy="wait",
+                                    chunk_tokens=8)
+        trainer = Trainer(policy=Policy(copy.deepcopy(caller), tok), rollout=rollout,
+                          reward=FunctionReward(longer_is_better), estimator=Chain(TruncatedIS(), GRPO()),
+                          loss=PPOLoss(is_weights=True), optim=Optim(lr=5e-2), batching=Batching(batch_size=4),
+                          loop=Loop(max_steps=steps, progress=False), callbacks=[Log()],
+                          run=RunDir(path=tmp_path / "run", loggers=(), save_every=1, resume="auto"))
+        try:
+            trainer.fit(PromptData(train, seed=0))
+            left.write_text(json.dumps([json.dumps(p["values"][K.RAW_PROMPT]) for p in rollout.state_dict()["prompts"]]))
+        finally:
+            rollout.close()
+
+    ctx = multiprocessing.get_context("fork")
+    for kill in (True, False):
+        proc = ctx.Process(target=child, args=(kill,))
+        proc.start()
+        proc.join(timeout=300)
+        assert proc.exitcode == (-signal.SIGKILL if kill else 0)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 3, 4]  # step 3 was taken, killed, and trained after resume
+    lineage = {r["step"]: r["prompts"] for r in records}  # each step as it was last trained
+    trained = [p for step in sorted(lineage) for p in lineage[step]]
+    assert len(trained) == len(set(trained)) == steps * 4  # none trained twice
+    outstanding = json.loads(left.read_text())
+    drawn = len(trained) + len(outstanding)
+    assert drawn % 4 == 0 and not set(trained) & set(outstanding)
+    loader = PromptData(train, seed=0).loader(4, tok)
+    order = [json.dumps(p) for _ in range(drawn // 4) for p in next(loader)[K.RAW_PROMPT]]
+    assert sorted(trained + outstanding) == sorted(order)  # none lost

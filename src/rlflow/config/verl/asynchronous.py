@@ -52,7 +52,6 @@ from __future__ import annotations
 from rlflow.config.verl import tables
 from rlflow.config.verl.devices import Devices
 from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
-from rlflow.config.verl.rollout import rollout_class
 
 STALENESS = "async_training.staleness_threshold"
 SWITCH = "trainer.async_weight_update"
@@ -230,13 +229,14 @@ def correction(cfg: VerlConfig, notes: list[str], after: list, key: str) -> None
         notes.append(f"{key} with {IS_LEVEL}=null: stale samples are trained without importance-sampling correction")
 
 
-def multi_turn_async(cfg: VerlConfig, notes: list[str], asynchronous: dict | None, fully_async: dict | None) -> None:
-    """Multi-turn rollouts (``multi_turn.enable``: an ``AgentLoop``) with asynchronous generation: one step off runs
-    each batch's loop beside the trainer; fully asynchronous generation runs the conversations on its driver thread,
-    where the engine must take requests from two threads (a server) or sample with a copy of the model (hf)."""
+def multi_turn_async(cfg: VerlConfig, notes: list[str], asynchronous: dict | None, fully_async: dict | None,
+                     engine: str) -> None:
+    """Multi-turn rollouts (``multi_turn.enable``: an ``AgentLoop`` around the rollout class named ``engine``) with
+    asynchronous generation: one step off runs each batch's loop beside the trainer; fully asynchronous generation
+    runs the conversations on its driver thread, where the engine must take requests from two threads (a server) or
+    sample with a copy of the model (hf)."""
     if fully_async is not None:
         key = PARTIAL if partial_rollouts(cfg) else MODE
-        engine = rollout_class(cfg).__name__
         if engine not in ("HFRollout", *tables.SERVER_ROLLOUTS.values()):
             raise NotSupportedError(
                 "actor_rollout_ref.rollout.multi_turn.enable", True,
