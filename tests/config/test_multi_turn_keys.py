@@ -167,5 +167,6 @@ def test_multi_turn_fully_async_refusals_name_why(example, capsys, override, mes
 def test_multi_turn_fully_async_over_a_server(example, capsys):
     """A server takes requests from the driver's thread and the trainer's: accepted (dry run)."""
     assert main(example + ["trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async", "--dry-run",
-                           "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.server.url=http://127.0.0.1:1"]) == 0
+                           "actor_rollout_ref.rollout.name=vllm",
+                           "actor_rollout_ref.rollout.server.url=http://127.0.0.1:1"]) == 0
     assert "rollout=FullyAsyncRollout(rollout=AgentLoop(rollout=ServerRollout(" in capsys.readouterr().out

@@ -68,7 +68,8 @@ def test_a_conversation_a_weight_update_lands_in_has_each_tokens_log_prob_from_t
         rollout.close()
     straddling = across = 0
     for batch in batches:
-        mask, versions, sampled = batch[K.RESPONSE_MASK].bool(), batch[K.TOKEN_POLICY_VERSION], batch[K.ROLLOUT_LOG_PROBS]
+        mask, versions = batch[K.RESPONSE_MASK].bool(), batch[K.TOKEN_POLICY_VERSION]
+        sampled = batch[K.ROLLOUT_LOG_PROBS]
         assert (versions[mask] >= 0).all() and (versions[~mask] == -1).all()
         assert (sampled[interior_spans(batch[K.RESPONSE_MASK])] == 0).all()
         assert torch.equal(torch.where(mask, versions, 99).min(-1).values, batch[K.POLICY_VERSION])
@@ -177,7 +178,8 @@ def test_a_multi_turn_run_killed_mid_step_and_resumed_trains_every_drawn_prompt_
                           run=RunDir(path=tmp_path / "run", loggers=(), save_every=1, resume="auto"))
         try:
             trainer.fit(PromptData(train, seed=0))
-            left.write_text(json.dumps([json.dumps(p["values"][K.RAW_PROMPT]) for p in rollout.state_dict()["prompts"]]))
+            saved = rollout.state_dict()["prompts"]
+            left.write_text(json.dumps([json.dumps(p["values"][K.RAW_PROMPT]) for p in saved]))
         finally:
             rollout.close()
 

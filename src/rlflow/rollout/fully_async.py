@@ -120,8 +120,9 @@ class FullyAsyncRollout(RolloutWrapper):
             thread would have to fork it, which can deadlock).
 
     Writes the wrapped rollout's keys and ``policy_version``, ``policy_version_max`` ([B] int64) and
-    ``token_policy_version`` ([B, R] int64, -1 on padding). Validation (``with_options``) and a single call
-    (``rollout(batch)``) sample in the trainer's process with the wrapped rollout, on the current weights.
+    ``token_policy_version`` ([B, R] int64, -1 on padding and an agent's tool tokens). Validation
+    (``with_options``) and a single call (``rollout(batch)``) sample in the trainer's process with the wrapped
+    rollout (or agent loop), on the current weights.
     """
 
     def __init__(self, rollout, max_off_policy_threshold: int | None = 8, max_off_policy_strategy: str = "drop", *,
@@ -410,8 +411,7 @@ class FullyAsyncRollout(RolloutWrapper):
             dropped += int(self.stats.get("async/dropped_groups", 0))
         self._step = groups
         samples = [s for g in groups for s in g.samples]
-        oldest = torch.tensor([self._oldest_newest(s)[0] for s in samples], dtype=torch.float)
-        newest = torch.tensor([self._oldest_newest(s)[1] for s in samples], dtype=torch.float)
+        oldest, newest = torch.tensor([self._oldest_newest(s) for s in samples], dtype=torch.float).T
         spans, staleness, worst = newest - oldest + 1, self.version - newest, self.version - oldest
         stats = {}
         for name, values in (("trajectory_spans", spans), ("trajectory_staleness", staleness),
@@ -444,9 +444,8 @@ class FullyAsyncRollout(RolloutWrapper):
             versions[row, :len(s.versions)] = torch.tensor(s.versions, dtype=torch.long)
         device = batch[K.PROMPT_IDS].device
         samples[K.TOKEN_POLICY_VERSION] = versions.to(device)
-        oldest, newest = zip(*(self._oldest_newest(s) for s in flat))
-        samples[K.POLICY_VERSION], samples[K.POLICY_VERSION_MAX] = torch.tensor(oldest).to(device), torch.tensor(
-            newest).to(device)
+        oldest, newest = torch.tensor([self._oldest_newest(s) for s in flat]).T.contiguous().to(device)
+        samples[K.POLICY_VERSION], samples[K.POLICY_VERSION_MAX] = oldest, newest
         return batch, samples
 
     def _group(self, row: TensorDict) -> _Group:
