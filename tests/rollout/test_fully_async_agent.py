@@ -4,26 +4,19 @@ two versions, each with the log-prob of the weights that sampled it; tool tokens
 training run keeps every sample within the threshold; the prompts in flight survive a checkpoint and a kill."""
 
 import copy
-import json
-import multiprocessing
-import os
-import signal
 
 import pytest
 import torch
 
-from rlflow import Batching, FunctionReward, Loop, Optim, Policy, PPOLoss, PromptData, RunDir, Trainer
-from rlflow.algorithms import GRPO, TruncatedIS
+from rlflow import Policy, PromptData
 from rlflow.data import keys as K
-from rlflow.module import Chain
 from rlflow.rollout import FullyAsyncRollout
 from rlflow.rollout.engines.base import Engine
 from rlflow.tasks.calculator import CalculatorTask
 from tests.rollout.test_agent_training import interior_spans
-from tests.rollout.test_async_agent import (  # noqa: F401 - caller, rows, tok: fixtures
-    agent_loop, caller, longer_is_better, make_trainer, rows, tok)
+from tests.rollout.test_async_agent import agent_loop, caller, make_trainer, rows, tok  # noqa: F401 - fixtures
 from tests.rollout.test_async_rollout import Recorder, recomputed
-from tests.rollout.test_fully_async import perturbed
+from tests.rollout.test_fully_async import perturbed, trains_every_drawn_prompt_once
 
 
 class PushAfter(Engine):
@@ -146,57 +139,10 @@ def test_a_batch_of_the_wrapped_agent_loop_and_validation_sample_in_the_trainers
 
 
 def test_a_multi_turn_run_killed_mid_step_and_resumed_trains_every_drawn_prompt_once(tok, caller, tmp_path):
-    """SIGKILL in step 3's update (the checkpoint of step 2 on disk), then ``resume="auto"``: the conversations in
-    flight at the checkpoint start over from their prompts, the loader resumes after the last prompt drawn. Over
-    the run's lineage no prompt is trained twice, and trained + still outstanding = the first prompts drawn."""
-    steps, log, left = 4, tmp_path / "trained.jsonl", tmp_path / "outstanding.json"
-    train = CalculatorTask().splits()[0][:64]
-
-    class Log:
-        def on_rollout_end(self, trainer, batch):
-            with open(log, "a") as f:
-                prompts = [json.dumps(p) for p in batch[K.RAW_PROMPT][::2]]
-                f.write(json.dumps({"step": trainer.global_step + 1, "prompts": prompts}) + "\n")
-
-    def child(kill):
-        if kill:
-            real, calls = Trainer.update_actor, [0]
-
-            def update_actor(self, batch):
-                calls[0] += 1
-                if calls[0] == 3:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return real(self, batch)
-
-            Trainer.update_actor = update_actor
-        rollout = FullyAsyncRollout(agent_loop(), max_off_policy_threshold=2, max_off_policy_strategy="wait",
-                                    chunk_tokens=8)
-        trainer = Trainer(policy=Policy(copy.deepcopy(caller), tok), rollout=rollout,
-                          reward=FunctionReward(longer_is_better), estimator=Chain(TruncatedIS(), GRPO()),
-                          loss=PPOLoss(is_weights=True), optim=Optim(lr=5e-2), batching=Batching(batch_size=4),
-                          loop=Loop(max_steps=steps, progress=False), callbacks=[Log()],
-                          run=RunDir(path=tmp_path / "run", loggers=(), save_every=1, resume="auto"))
-        try:
-            trainer.fit(PromptData(train, seed=0))
-            saved = rollout.state_dict()["prompts"]
-            left.write_text(json.dumps([json.dumps(p["values"][K.RAW_PROMPT]) for p in saved]))
-        finally:
-            rollout.close()
-
-    ctx = multiprocessing.get_context("fork")
-    for kill in (True, False):
-        proc = ctx.Process(target=child, args=(kill,))
-        proc.start()
-        proc.join(timeout=300)
-        assert proc.exitcode == (-signal.SIGKILL if kill else 0)
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 3, 4]  # step 3 was taken, killed, and trained after resume
-    lineage = {r["step"]: r["prompts"] for r in records}  # each step as it was last trained
-    trained = [p for step in sorted(lineage) for p in lineage[step]]
-    assert len(trained) == len(set(trained)) == steps * 4  # none trained twice
-    outstanding = json.loads(left.read_text())
-    drawn = len(trained) + len(outstanding)
-    assert drawn % 4 == 0 and not set(trained) & set(outstanding)
-    loader = PromptData(train, seed=0).loader(4, tok)
-    order = [json.dumps(p) for _ in range(drawn // 4) for p in next(loader)[K.RAW_PROMPT]]
-    assert sorted(trained + outstanding) == sorted(order)  # none lost
+    """SIGKILL in step 3's update, then ``resume="auto"``: the conversations in flight at the checkpoint start over
+    from their prompts, the loader resumes after the last prompt drawn; no prompt is lost or trained twice."""
+    trains_every_drawn_prompt_once(
+        tmp_path, lambda: FullyAsyncRollout(agent_loop(), max_off_policy_threshold=2, max_off_policy_strategy="wait",
+                                            chunk_tokens=8),
+        lambda: Policy(copy.deepcopy(caller), tok), PromptData(CalculatorTask().splits()[0][:64], seed=0),
+        K.RAW_PROMPT, steps=4)
