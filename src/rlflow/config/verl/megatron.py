@@ -144,6 +144,23 @@ def router_replay(cfg: VerlConfig, notes: list[str]) -> str | bool:
     return mode if mode in ("R2", "R3") else False
 
 
+def mtp_options(cfg: VerlConfig, notes: list[str]) -> dict | None:
+    """``actor_rollout_ref.model.mtp`` -> ``MegatronStrategy(mtp=...)`` (``MTPOptions``' fields), ``None`` when
+    ``enable`` is off (verl then builds no MTP block either). validate.multi_token_prediction refused the rest."""
+    key = "actor_rollout_ref.model.mtp"
+    if not cfg[f"{key}.enable"]:
+        return None
+    options = dict(train=bool(cfg[f"{key}.enable_train"]), detach_encoder=bool(cfg[f"{key}.detach_encoder"]),
+                   loss_scaling_factor=float(cfg[f"{key}.mtp_loss_scaling_factor"]))
+    notes.append(f"{key}.enable=True: the checkpoint's MTP layers run in megatron-core's MTP block ("
+                 + (f"trained: {options['loss_scaling_factor']} x their response-token cross-entropy joins the actor's "
+                    "loss, logged as actor/mtp_losses/mtp_1_loss" + (", stopped at the decoder's states and the token "
+                    "embeddings (detach_encoder)" if options["detach_encoder"] else "") if options["train"]
+                    else "carried and checkpointed, not trained: enable_train=False")
+                 + "); weight sync leaves them out (no speculative decoding)")
+    return options
+
+
 def _lora(cfg: VerlConfig) -> bool:
     """LoRA on the policy, in any of its spellings (rlflow.config.verl.lora)."""
     M_ = "actor_rollout_ref.model"
@@ -227,10 +244,11 @@ def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, acceler
     optimizer = optimizer_overrides(cfg, notes, on_cpu)
     folders, prefix = dist_checkpoints(cfg, notes, with_critic, check_dist_checkpoint)
     replay = router_replay(cfg, notes)
+    mtp = mtp_options(cfg, notes)
     kwargs = dict(tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline, context_parallel=layout.context,
                   expert_parallel=layout.expert, sequence_parallel=layout.sequence_parallel, layer_spec=spec,
                   transformer_overrides=overrides, optimizer_overrides=optimizer, dist_checkpoints=folders,
-                  dist_checkpoint_prefix=prefix, router_replay=replay)
+                  dist_checkpoint_prefix=prefix, router_replay=replay, **({"mtp": mtp} if mtp else {}))
     try:  # the object (checked; the dry run reads its layout) and its arguments (the tree's hardware.strategy node)
         return MegatronStrategy(**kwargs), kwargs
     except ValueError as e:

@@ -345,6 +345,25 @@ def rollout_routing(ctx: Context) -> None:
                               "instead."))
 
 
+@cross_check
+def multi_token_prediction(ctx: Context) -> None:
+    """verl's ``model.mtp``: the checkpoint's MTP layers in megatron-core's MTP block, so under the Megatron strategy
+    (as in verl: mbridge + Megatron); speculative decoding drafted by them is refused."""
+    key = "actor_rollout_ref.model.mtp"
+    if not ctx.get(f"{key}.enable"):
+        return
+    strategy = ctx.get(f"{A}.strategy")
+    if strategy != "megatron":
+        ctx.add(NotSupportedError(f"{key}.enable", True, f"multi-token prediction with {A}.strategy={strategy}",
+                                  "rlflow trains MTP layers in megatron-core's MTP block, as verl does: set "
+                                  f"model_engine=megatron or {A}.strategy=megatron."))
+    if ctx.get(f"{key}.enable_rollout"):
+        ctx.add(NotSupportedError(f"{key}.enable_rollout", True, "speculative decoding drafted by the MTP layers",
+                                  "rlflow starts its engines without a speculative config and its weight sync does "
+                                  "not send the MTP layers to a draft model; HFRollout does not decode speculatively. "
+                                  f"Training them ({key}.enable_train) does not need it."))
+
+
 VLLM_ROUTING = ("vLLM returns routed experts only from its GPU Model Runner V2, which needs a CUDA GPU and "
                 "Triton (trainer.device=cuda); on CPU vLLM runs its V1 runner, which refuses them (AuxOutput Connector "
                 "requires Model Runner V2)")
