@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.report import gib, line
+from rlflow.models import mimo
 
 if TYPE_CHECKING:
     from rlflow.strategies.megatron.layout import ParallelLayout
@@ -161,6 +162,14 @@ def mtp_options(cfg: VerlConfig, notes: list[str]) -> dict | None:
     return options
 
 
+def check_mtp_layers(plan, config) -> None:
+    """``mtp.enable=True`` needs a checkpoint with MTP layers (``config``: the policy's), as in verl."""
+    if getattr(plan.trainer_kwargs.get("strategy"), "mtp", None) is not None and not mimo.mtp_layer_count(config):
+        raise ConfigError(f"actor_rollout_ref.model.mtp.enable=True but actor_rollout_ref.model.path={plan.model_path} "
+                          "has no multi-token prediction layers (its config's num_nextn_predict_layers is 0 or absent), "
+                          "as verl refuses too: use a checkpoint with them (MiMo) or mtp.enable=False")
+
+
 def _lora(cfg: VerlConfig) -> bool:
     """LoRA on the policy, in any of its spellings (rlflow.config.verl.lora)."""
     M_ = "actor_rollout_ref.model"
@@ -285,6 +294,7 @@ def dry_run_section(plan, config, seq_len: int) -> list[str]:
         architecture(config, plan.devices.strategy.layout)
     except ValueError as e:
         raise NotSupportedError("actor_rollout_ref.actor.strategy", "megatron", f"this model ({e})") from None
+    check_mtp_layers(plan, config)
     if isinstance(plan.lora, dict):
         try:
             check_targets(config, plan.lora["target_modules"])
