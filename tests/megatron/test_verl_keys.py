@@ -343,7 +343,7 @@ def test_mtp_keys_are_the_megatron_strategys_and_refused_by_name_elsewhere(tmp_p
     assert plan(f"{A}.strategy=megatron").trainer_kwargs["strategy"].mtp is None
     with pytest.raises(NotSupportedError, match=rf"{M}.enable=True: multi-token prediction with {A}.strategy=fsdp"):
         plan(*keys)
-    with pytest.raises(NotSupportedError, match=f"{M}.enable_rollout=True: speculative decoding drafted by the MTP"):
+    with pytest.raises(NotSupportedError, match=f"{M}.enable_rollout=True: speculative decoding drafted by the MTP layers with actor_rollout_ref.rollout.name="):
         plan(f"{A}.strategy=megatron", *keys, f"{M}.enable_rollout=True")
     tok = char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
