@@ -109,9 +109,12 @@ def test_only_a_trained_mtp_block_gets_gradients_and_detach_encoder_stops_them_a
     assert min(runs["attached"]["grads"].values()) > 0 and runs["attached"]["mtp_changed"]
 
 
-def test_verls_mtp_keys_train_the_mtp_layers_through_main_ppo(launch, folder):
+def test_verls_mtp_keys_train_the_mtp_layers_through_main_ppo(launch, folder, tmp_path):
     """The MiMo example's model.mtp keys under model_engine=megatron (rollout hf): one GRPO step logs verl's MTP
-    metric, finite, and the checkpoint holds the MTP layers under MiMo's names, changed by the step."""
+    metric, finite, and the checkpoint holds the MTP layers under MiMo's names, changed by the step; exported as a
+    Hugging Face folder, they sit beside the body as in MiMo's checkpoints."""
+    from rlflow.trainer.hf_export import export_hf
+
     run = launch["mtp_verl"]
     assert run["code"] == 0
     logged = [row[METRIC] for row in run["metrics"] if METRIC in row]
@@ -120,3 +123,5 @@ def test_verls_mtp_keys_train_the_mtp_layers_through_main_ppo(launch, folder):
     saved = {k.removeprefix(mtp_scenarios.PREFIX): v for k, v in run["mtp_state"].items()}
     assert saved.keys() == start.keys()
     assert not torch.equal(saved["input_proj.weight"], start["input_proj.weight"])
+    exported = mtp_weights(export_hf(folder / "verl/run/global_step_1", tmp_path / "hf"))
+    assert all(torch.equal(exported[mtp_scenarios.PREFIX + k], v) for k, v in saved.items())

@@ -103,3 +103,21 @@ def save_tiny_mimo(folder: str | Path, body, mtp_layers: int = 1, seed: int = 0)
             state[f"{MTP_PREFIX}{k}.{name}"] = value.to(like.dtype).contiguous()
     save_file(state, weights, metadata={"format": "pt"})
     return folder
+
+
+def add_mtp_weights(folder: str | Path, tensors: dict[str, Tensor]) -> None:
+    """Write MTP tensors beside a saved model's safetensors: a shard of their own, listed in the index (made when the
+    model was saved as one file), so the folder loads as MiMo's does."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    folder, shard = Path(folder), "model-mtp.safetensors"
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.is_file():
+        index = json.loads(index_file.read_text())
+    else:
+        with safe_open(folder / "model.safetensors", framework="pt") as f:
+            index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in f.keys()}}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / shard, metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(tensors, shard))
+    index_file.write_text(json.dumps(index, indent=2))
