@@ -133,8 +133,9 @@ ROLE_INERT: dict[str, str] = {
     f"{ROLL}.disaggregation.*": "only used with disaggregation.enabled=True, which rlflow refuses",
     # the models
     f"{MOD}.tiled_mlp.*": _TILED, "critic.model.tiled_mlp.*": _TILED,
-    # model.mtp.{enable, enable_train, enable_rollout, detach_encoder, mtp_loss_scaling_factor}: read by
-    # rlflow.config.verl.megatron.mtp_options (Megatron's MTP block; validate.multi_token_prediction refuses the rest)
+    # model.mtp.{enable, enable_train, detach_encoder, mtp_loss_scaling_factor}: read by megatron.mtp_options under
+    # the Megatron strategy (validate.multi_token_prediction refuses enable=True otherwise, and enable_rollout)
+    f"{MOD}.mtp.*": "only used with actor_rollout_ref.actor.strategy=megatron (megatron-core's MTP block)",
     **{f"{MOD}.mtp.{k}": _MTP_DRAFT for k in ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
                                              "speculative_num_draft_tokens", "method", "num_speculative_tokens")},
     "critic.model.mtp.*": _MTP_CRITIC,
