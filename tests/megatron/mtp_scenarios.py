@@ -49,7 +49,8 @@ def mtp(out: Path) -> dict:
             "attached": MTPOptions(True, 0.2)}
     result = {}
     for name, options in runs.items():
-        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=MegatronStrategy(tensor_parallel=world, mtp=options))
+        strategy = MegatronStrategy(tensor_parallel=world, mtp=options)
+        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
         fabric.launch()
         module = fabric.setup_module(TokenLogProbs(load_causal_lm(str(out / "mimo"))))
         lm = module.lm
@@ -82,13 +83,13 @@ def mtp_verl(out: Path) -> dict:
     from rlflow.trainer.hf_export import load_policy_state
 
     run = out / "verl/run"
+    mtp, roll = "actor_rollout_ref.model.mtp", "actor_rollout_ref.rollout"
     code = main([f"data.train_files={out}/verl/train.parquet", f"actor_rollout_ref.model.path={out}/mimo",
                  "trainer.device=cpu", f"trainer.n_gpus_per_node={world_size()}", "model_engine=megatron",
                  f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={world_size()}",
-                 "actor_rollout_ref.model.mtp.enable=True", "actor_rollout_ref.model.mtp.enable_train=True",
-                 "actor_rollout_ref.model.mtp.mtp_loss_scaling_factor=0.1", "actor_rollout_ref.model.mtp.detach_encoder=True",
-                 "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=2",
-                 "actor_rollout_ref.rollout.name=hf", "data.max_prompt_length=8", "data.max_response_length=4",
+                 f"{mtp}.enable=True", f"{mtp}.enable_train=True", f"{mtp}.mtp_loss_scaling_factor=0.1",
+                 f"{mtp}.detach_encoder=True", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                 f"{roll}.n=2", f"{roll}.name=hf", "data.max_prompt_length=8", "data.max_response_length=4",
                  f"trainer.default_local_dir={run}", "trainer.logger=[console]", "algorithm.adv_estimator=grpo",
                  "trainer.save_freq=1", "trainer.val_before_train=false", "trainer.total_training_steps=1"])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]

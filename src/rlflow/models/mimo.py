@@ -95,8 +95,8 @@ def save_tiny_mimo(folder: str | Path, body, mtp_layers: int = 1, seed: int = 0)
     generator = torch.Generator().manual_seed(seed)
     layer = {k.removeprefix("model.layers.0."): v for k, v in state.items() if k.startswith("model.layers.0.")}
     for k in range(mtp_layers):
-        shapes = layer | {n: torch.empty(H) for n in ("token_layernorm.weight", "hidden_layernorm.weight",
-                                                     "final_layernorm.weight")} | {"input_proj.weight": torch.empty(H, 2 * H)}
+        norms = ("token_layernorm.weight", "hidden_layernorm.weight", "final_layernorm.weight")
+        shapes = layer | {n: torch.empty(H) for n in norms} | {"input_proj.weight": torch.empty(H, 2 * H)}
         for name, like in shapes.items():
             noise = torch.randn(like.shape, generator=generator, dtype=torch.float32)
             value = 1 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise

@@ -87,7 +87,8 @@ class MegatronStrategy(ModelParallelStrategy):
                  expert_parallel: int = 1, sequence_parallel: bool = False, layer_spec: str = "local",
                  distributed_optimizer: bool = False, transformer_overrides: dict | None = None,
                  optimizer_overrides: dict | None = None, dist_checkpoints: dict[str, str] | None = None,
-                 dist_checkpoint_prefix: str = "", router_replay: bool | str = False, mtp: MTPOptions | dict | None = None,
+                 dist_checkpoint_prefix: str = "", router_replay: bool | str = False,
+                 mtp: MTPOptions | dict | None = None,
                  timeout: timedelta = timedelta(minutes=10)):
         unknown = sorted(set(dist_checkpoints or {}) - set(DIST_ROLES))
         if unknown:
