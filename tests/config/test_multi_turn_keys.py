@@ -117,3 +117,26 @@ def test_interaction_config_and_inert_keys(example, capsys):
     out = capsys.readouterr().out
     assert "interaction=['gsm8k']" in out
     assert f"{MT}.use_inference_chat_template=True has no effect in rlflow: rlflow never re-renders" in out
+
+
+def test_multi_turn_runs_one_step_off(example, capsys):
+    """multi_turn.enable with trainer.async_weight_update: the agent loop runs beside the trainer, one step off
+    (dry run: the tree; a real run of 2 steps: the second batch was sampled one version back, with its tools)."""
+    one_step_off = example + ["trainer.async_weight_update=true"]
+    assert main(one_step_off + ["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout=AsyncRollout(rollout=AgentLoop(rollout=HFRollout(" in out and "max_staleness=1" in out
+    assert main(one_step_off + ["trainer.total_training_steps=2"]) == 0
+    logged = steps(capsys.readouterr().out)
+    assert logged[1]["async/staleness_max"] == 0 and logged[2]["async/staleness_max"] == 1
+    assert all("tool_call_counts/mean" in logged[s] and "rollout_corr/rollout_is_mean" in logged[s] for s in (1, 2))
+
+
+@pytest.mark.parametrize("fully_async", [["trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async"],
+                                         ["async_training.partial_rollout=true", "async_training.staleness_threshold=1"]])
+def test_multi_turn_with_fully_asynchronous_generation_is_refused_saying_why(example, capsys, fully_async):
+    assert main(example + fully_async) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    key = fully_async[-1].split("=")[0] if "v1" in fully_async[-1] else "async_training.partial_rollout"
+    assert f"{MT}.enable=True: multi-turn rollouts with fully asynchronous generation ({key}=" in err
+    assert "trainer.async_weight_update=true (or async_training.staleness_threshold=K)" in err

@@ -66,13 +66,15 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, base_model: str | Pat
     """
     checkpoint, out_dir = Path(checkpoint).expanduser(), Path(out_dir).expanduser()
     check_checkpoint(checkpoint)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     meta = checkpoint / "huggingface"
     if (checkpoint / ADAPTER_DIR / "adapter_config.json").exists():
         return export_lora(checkpoint, out_dir, base_model)
     mimo.register()  # a MiMo policy: its Qwen2 body here, its MTP layers written beside it (rlflow.models.mimo)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(meta))
+    config = AutoConfig.from_pretrained(meta)
+    vision_language = getattr(config, "vision_config", None) is not None  # its tower's weights are the policy's too
+    model = (AutoModelForImageTextToText if vision_language else AutoModelForCausalLM).from_config(config)
     try:
         weights = load_policy_state(checkpoint / "state.ckpt")
     except Exception as e:  # noqa: BLE001 - a torn or foreign file: say which one

@@ -222,3 +222,21 @@ def correction(cfg: VerlConfig, notes: list[str], after: list, key: str) -> None
                      f"{cfg[IS_THRESHOLD]}); set {IS_LEVEL}=null to train without it")
     elif cfg[IS_LEVEL] is None:
         notes.append(f"{key} with {IS_LEVEL}=null: stale samples are trained without importance-sampling correction")
+
+
+def multi_turn_async(cfg: VerlConfig, notes: list[str], asynchronous: dict | None, fully_async: dict | None) -> None:
+    """Multi-turn rollouts (``multi_turn.enable``: an ``AgentLoop``) with asynchronous generation: one step off runs
+    each batch's loop beside the trainer; fully asynchronous generation is refused, saying why."""
+    if fully_async is not None:
+        key = PARTIAL if partial_rollouts(cfg) else MODE
+        raise NotSupportedError(
+            "actor_rollout_ref.rollout.multi_turn.enable", True,
+            f"multi-turn rollouts with fully asynchronous generation ({key}={cfg[key]!r}: FullyAsyncRollout streams "
+            "single-turn requests and cuts them at weight updates, and an agent loop's conversations, with tools "
+            "between their turns, are not cut and resumed that way)",
+            f"One-step-off generation runs the agent loop beside the trainer: {SWITCH}=true (or {STALENESS}=K) "
+            "instead of it; or turn multi_turn off.")
+    if asynchronous is not None:
+        notes.append("multi_turn.enable with asynchronous generation: the rollout is AsyncRollout(AgentLoop(...)); "
+                     "each batch's whole loop (turns and tools) runs on a thread beside the trainer, sampling with a "
+                     "copy of the model (hf) or the engine's own weights (docs/async.md#multi-turn-agent-rollouts)")

@@ -289,12 +289,14 @@ def dry_run_section(plan, config, seq_len: int) -> list[str]:
     from rlflow.strategies.megatron.memory import rank_memory  # torch, as above
     from rlflow.strategies.megatron.lora import check_targets
     from rlflow.strategies.megatron.model import architecture
+    from rlflow.strategies.megatron.vision import language_config
 
-    try:  # a model the conversion does not cover (a vision-language one, say) is refused here, not at build
+    try:  # a model the conversion does not cover is refused here, not at build
         architecture(config, plan.devices.strategy.layout)
     except ValueError as e:
         raise NotSupportedError("actor_rollout_ref.actor.strategy", "megatron", f"this model ({e})") from None
     check_mtp_layers(plan, config)
+    config = language_config(config)  # a vision-language model: its language model's (its tower is not counted)
     if isinstance(plan.lora, dict):
         try:
             check_targets(config, plan.lora["target_modules"])

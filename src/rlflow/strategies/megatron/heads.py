@@ -216,14 +216,18 @@ class MegatronLogProbs(nn.Module):
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
                 response_mask: Tensor | None = None, topk_ids: Tensor | None = None,
-                routed_experts: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, ...]:
+                routed_experts: tuple[Tensor, Tensor] | None = None,
+                multi_modal: list[dict] | None = None) -> tuple[Tensor, ...]:
         """Shapes: prompt ``B x P`` (left-padded), response ``B x R`` -> log-probs, entropy ``B x R``; with
         ``topk_ids`` (``B x R x k``) also their log-probs ``B x R x k``, as ``TokenLogProbs``. ``routed_experts``:
-        the rollout's routing of the prompt and the response tokens, replayed in R3 mode."""
+        the rollout's routing of the prompt and the response tokens, replayed in R3 mode. ``multi_modal``: a
+        vision-language model's per-row processor outputs, as ``TokenLogProbs``' (:mod:`.vision`)."""
         B, R = response_ids.shape
         scored = response_ids[..., None] if topk_ids is None else torch.cat([response_ids[..., None], topk_ids], -1)
         width = scored.shape[-1] + 1
         tokens = _tokens(self.lm, prompt_ids, prompt_mask, response_ids)
+        images = None if self.lm.vision is None else self.lm.vision.batch(
+            prompt_ids, prompt_mask, response_ids, multi_modal, tokens.source, tuple(tokens.ids.shape))
         replay = getattr(self.lm, "routing_replay", None)  # MoE routing replay (.router_replay), when on
         if replay is not None:
             given = None
@@ -239,7 +243,7 @@ class MegatronLogProbs(nn.Module):
                 mtp.record(*self._mtp_losses(hidden, tokens, response_ids, response_mask, mtp.options.detach_encoder))
             return self._head(hidden, tokens.predict, scored)
 
-        out = run_stages(self.lm, tokens.ids, head, (B, R, width))
+        out = run_stages(self.lm, tokens.ids, head, (B, R, width), images)
         if replay is not None:
             replay.finish(tokens.ids, B)
         out = _trailing_zeros(out, response_mask, self.remove_padding)

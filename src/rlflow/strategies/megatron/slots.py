@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from rlflow.models.mimo import MTP_PREFIX
 from rlflow.strategies.megatron.model import MegatronLM, architecture
+from rlflow.strategies.megatron.vision import TOWER_PREFIX, hf_name
 
 TENSOR, EXPERT = "tensor", "expert"  # the process groups a slot can be split over
 
@@ -274,7 +275,12 @@ def lm_slots(lm: MegatronLM) -> list[Slot]:
     slots += mtp_slots(lm)
     for adapter in getattr(lm, "lora", ()):  # LoRA factors (.lora.LinearLoRA), under PEFT's names
         slots += adapter.slots()
-    return slots
+    if lm.vision is None:
+        return slots
+    # a vision-language model (.vision): the language model's weights under its names there, the tower's whole
+    slots = [dataclasses.replace(s, name=hf_name(s.name, True)) for s in slots]
+    tower = lm.vision.tower
+    return slots + ([_same(TOWER_PREFIX + n, p) for n, p in tower.named_parameters()] if tower is not None else [])
 
 
 def _swapped_halves(name: str, param: nn.Parameter, H: int) -> Slot:
@@ -315,7 +321,8 @@ def module_slots(module: nn.Module) -> list[tuple[str, Slot]]:
     (FSDP2, one process) name it too, so those checkpoints and these load each other."""
     slots = lm_slots(module.lm)
     if module.lm.hf_config.tie_word_embeddings:
-        slots += [dataclasses.replace(s, name="lm_head.weight") for s in slots if s.name == "model.embed_tokens.weight"]
+        embedding = hf_name("model.embed_tokens.weight", module.lm.vision is not None)
+        slots += [dataclasses.replace(s, name="lm_head.weight") for s in slots if s.name == embedding]
     keyed = [(module.state_prefix + s.name, s) for s in slots]
     head = getattr(module, "value_head", None)
     if head is not None:

@@ -44,6 +44,7 @@ from rlflow.strategies.megatron.mtp import MTPOptions
 from rlflow.strategies.megatron.router_replay import RoutingReplay
 from rlflow.strategies.megatron.sharded_checkpoint import ShardedCheckpoint
 from rlflow.strategies.megatron.slots import check_coverage, lm_slots, load_from_hf, mark_split_parameters, module_slots
+from rlflow.strategies.megatron.vision import is_vision_language
 from rlflow.strategies.megatron.weight_buckets import WeightExporter
 
 LAYER_SPECS = ("local", "transformer_engine")
@@ -191,6 +192,11 @@ class MegatronStrategy(ModelParallelStrategy):
         hf_model = module.lm
         peft = type(hf_model).__module__.startswith("peft.")  # a LoRA policy: adapters beside Megatron's layers
         base = hf_model.get_base_model() if peft else hf_model
+        if is_vision_language(base.config) and (peft or self.dist_checkpoints):
+            raise ValueError(f"{base.config.model_type} under the Megatron strategy: "
+                             + ("LoRA does not adapt a vision-language model's Megatron layers yet" if peft
+                                else "dist checkpoints hold megatron-core's GPTModel weights only, not the "
+                                "vision tower (start from the Hugging Face weights or an rlflow checkpoint)"))
         on_cpu = self.root_device.type == "cpu"
         trained = any(p.requires_grad for p in hf_model.parameters())
         replay = self.router_replay and trained and isinstance(module, TokenLogProbs) and architecture(base.config).moe
