@@ -40,6 +40,7 @@ class Architecture:
 
 ARCHITECTURES = {
     "qwen2": Architecture(qkv_bias=True, qk_norm=False, moe=False),
+    "mimo": Architecture(qkv_bias=True, qk_norm=False, moe=False),  # Qwen2 + MTP layers (rlflow.models.mimo)
     "qwen2_5_vl_text": Architecture(qkv_bias=True, qk_norm=False, moe=False),  # Qwen2.5-VL's language model (.vision)
     "llama": Architecture(qkv_bias=False, qk_norm=False, moe=False),
     "qwen3": Architecture(qkv_bias=False, qk_norm=True, moe=False),
@@ -219,10 +220,10 @@ class MegatronLM(nn.Module):
         self.vocab_local = max(0, min(rows // layout.tensor, config.vocab_size - self.vocab_start))  # real rows here
         if self.vocab_local == 0:
             raise ValueError(f"vocabulary {config.vocab_size} is too small for tensor parallel {layout.tensor}")
+        block = qwen3_5.block_spec(config, self.config, spec) if qwen3_5.is_hybrid(config) else layer_spec(config, spec)
         self.gpt = _gpt_model_class()(
-            config=self.config, vocab_size=rows,
-            transformer_layer_spec=qwen3_5.block_spec(config, self.config, spec) if qwen3_5.is_hybrid(config)
-            else layer_spec(config, spec),
+            config=self.config, vocab_size=rows, transformer_layer_spec=block,
+            mtp_block_spec=self._mtp_spec(block, spec),
             max_sequence_length=config.max_position_embeddings, pre_process=self.first_stage,
             post_process=self.last_stage, share_embeddings_and_output_weights=bool(config.tie_word_embeddings),
             position_embedding_type="rope", parallel_output=True)
@@ -240,6 +241,29 @@ class MegatronLM(nn.Module):
                     or getattr(param, "sequence_parallel", False):
                 param.partial_over_tensor_parallel = True
 
+    def _mtp_spec(self, block, spec: str):
+        """megatron-core's multi-token prediction block (``mtp_num_layers`` MTP layers after the decoder) or ``None``."""
+        if not self.config.mtp_num_layers:
+            return None
+        layout = self.layout
+        if layout.pipeline > 1 or layout.context > 1 or self.config.sequence_parallel:
+            raise ValueError(f"multi-token prediction runs at pipeline, context and sequence parallel 1 under rlflow's "
+                             f"Megatron strategy (its MTP block sits with the embedding on one stage); got "
+                             f"{layout.describe()}")
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        return get_gpt_mtp_block_spec(self.config, block, use_transformer_engine=spec == "transformer_engine")
+
+    def rotary_and_mask(self, S: int, device) -> tuple[Tensor, Tensor | None]:
+        """The rotary angles ``[S, 1, 1, D]`` of positions ``0..S-1`` and the causal mask (local spec) or ``None``."""
+        positions = torch.arange(S, device=device)
+        freqs = positions[:, None].float() * self.inv_freq  # rotary angles, halves repeated (transformers' rotate_half)
+        rotary = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+        # the local spec's default causal mask is built on CUDA: pass it (True = not attended); Transformer
+        # Engine builds its own causal mask
+        mask = torch.ones(S, S, dtype=torch.bool, device=device).triu(1)[None, None] if self.explicit_mask else None
+        return rotary, mask
+
     def hidden_states(self, input_ids: Tensor, stage_input: Tensor | None, images: VisionBatch | None = None) -> Tensor:
         """This stage's output ``[S, B, H]``: the embedding (first stage) or ``stage_input``, then its layers.
 
@@ -251,16 +275,9 @@ class MegatronLM(nn.Module):
         """
         S = input_ids.shape[1]
         positions = torch.arange(S, device=input_ids.device)
+        rotary, mask = self.rotary_and_mask(S, input_ids.device)
         if images is not None:
             rotary = self.vision.rotary(images.positions, self.inv_freq)
-        else:
-            # rotary angles, halves repeated (transformers' rotate_half)
-            freqs = positions[:, None].float() * self.inv_freq
-            rotary = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
-        # the local spec's default causal mask is built on CUDA: pass it (True = not attended); Transformer
-        # Engine builds its own causal mask
-        mask = torch.ones(S, S, dtype=torch.bool, device=input_ids.device).triu(1)[None, None] \
-            if self.explicit_mask else None
         if self.first_stage:
             hidden = self.gpt.embedding(input_ids=input_ids, position_ids=positions[None])
             if images is not None:
@@ -293,12 +310,16 @@ class MegatronLM(nn.Module):
         """The output layer's weight when it is the (tied) embedding, else ``None`` (the layer's own)."""
         return self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """``N x H`` final hidden states -> ``N x V_local`` logits of this rank's real vocabulary columns."""
+    def logits(self, hidden: Tensor, detach_weight: bool = False) -> Tensor:
+        """``N x H`` final hidden states -> ``N x V_local`` logits of this rank's real vocabulary columns
+        (``detach_weight``: no gradient reaches the output layer, as verl's MTP loss)."""
         layer = self.gpt.output_layer
+        weight = self.output_weight()
+        if detach_weight:
+            weight = (layer.weight if weight is None else weight).detach()
         sequence_parallel, layer.sequence_parallel = layer.sequence_parallel, False  # its input is gathered already
         try:
-            out, _ = layer(hidden[:, None], weight=self.output_weight())
+            out, _ = layer(hidden[:, None], weight=weight)
         finally:
             layer.sequence_parallel = sequence_parallel
         return out[:, 0, : self.vocab_local]
