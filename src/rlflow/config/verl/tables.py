@@ -89,7 +89,7 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.rollout.skip_rollout": (_REPLAY, _truthy),
     "actor_rollout_ref.rollout.trace.backend": ("rollout tracing (verl records each rollout's spans with the weave "
                                                 "or mlflow package, into a Weights & Biases Weave project or an MLflow "
-                                                "tracking server)", _truthy),
+                                                "experiment)", _truthy),
     "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
                                         "sources are scored without a server)", _truthy),
@@ -176,7 +176,7 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.rollout.over_sample_rate": ("verl 0.9 defines it (abort the last requests once (1 - rate) of "
                                                    "them finished) but no code of verl reads it: every sample is "
                                                    "generated to the end there, as here"),
-    "actor_rollout_ref.rollout.trace.token2text": "rollout tracing is not supported yet",
+    "actor_rollout_ref.rollout.trace.token2text": verl_0_9_keys.TRACE_ONLY,
     "actor_rollout_ref.rollout.skip_dump_dir": "only used with rollout.skip_rollout (replaying dumped rollouts), not "
                                                "supported yet",
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": _ENGINE,
