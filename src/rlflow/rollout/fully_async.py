@@ -298,9 +298,10 @@ class FullyAsyncRollout(RolloutWrapper):
         """One batch, generated now in the trainer's process with the current weights (nothing ahead)."""
         return self.rollout(batch)
 
-    def stream(self, prompts, pairs: bool = False):
+    def stream(self, prompts, pairs: bool = False, split: bool = True):
         """Batches of ``batch_size`` complete groups (the size of the first prompt batch) as they complete, the
-        prompts drawn from ``prompts`` as admission needs them; ``pairs``: yield (prompts, samples)."""
+        prompts drawn from ``prompts`` as admission needs them; ``pairs``: yield (prompts, samples). ``split=False``
+        (several processes, rank 0): every step's groups whole, handed out by the caller (dynamic sampling)."""
         if self.rank > 0:
             yield from follow(self, pairs)
             return
@@ -312,7 +313,8 @@ class FullyAsyncRollout(RolloutWrapper):
 
             self.engine.seed(torch.get_rng_state(), random.getstate(), np.random.get_state())
         self._start_driver()
-        steps = lead(self._steps(prompts), self.world)
+        world = self.world if split else 1
+        steps = lead(self._steps(prompts, world), world)
         try:
             for batch, samples in steps:
                 yield (batch, samples) if pairs else samples
@@ -320,8 +322,8 @@ class FullyAsyncRollout(RolloutWrapper):
             steps.close()
             self._stop_driver()
 
-    def _steps(self, prompts):
-        """Every step's complete groups, in one share of whole groups per rank, with their stats."""
+    def _steps(self, prompts, world: int):
+        """Every step's complete groups, in one share of whole groups per rank (``world`` shares), with their stats."""
         ended = False
         while True:
             ended = self._draw(prompts, ended)
@@ -329,7 +331,7 @@ class FullyAsyncRollout(RolloutWrapper):
             if groups is None:
                 return
             if groups:  # else prompts to draw first
-                yield [self._laid_out(share) for share in shares(groups, self.world)], self.stats
+                yield [self._laid_out(share) for share in shares(groups, world)], self.stats
 
     def want(self, groups: int) -> None:
         """The next batch the stream yields holds ``groups`` complete groups (once), taken for the same step as the
