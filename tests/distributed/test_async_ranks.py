@@ -94,3 +94,28 @@ def test_one_step_off_on_two_processes_trains_each_batch_once_split_whole_one_ve
     assert trained == drawn_in_order(STEPS * BATCH)  # the loader's batches in order, none twice
     assert any(min(s["oldest"]) < s["version"] for s in rank0["steps"])  # it did run one step ahead
     assert all(torch.equal(w, rank1["weights"][name]) for name, w in rank0["weights"].items())
+
+
+@pytest.mark.parametrize("mode", ["fully", "one_step_off"])
+def test_dynamic_sampling_on_two_processes_rank_0_filters_and_hands_out_only_kept_whole_groups(launched, mode):
+    """DAPO's filter with rank 0's engine: rank 0 alone scores (the other rank's reward never runs), filters and
+    tops up (fully async: the next groups to finish; one step off: the stream's next whole batches), and each step
+    trains exactly the first BATCH kept groups, split whole between the ranks; both ranks see rank 0's dapo/*."""
+    rank0, rank1 = torch.load(launched[1] / f"filtered_{mode}" / "result.pt", weights_only=False)
+    assert rank0["engine"] and not rank1["engine"] and rank0["scored"] and not rank1["scored"]
+    scored = iter(rank0["scored"])
+    for mine, other in zip(rank0["steps"], rank1["steps"], strict=True):
+        for share in (mine, other):
+            assert share["groups"] == [g for g in range(BATCH // 2) for _ in range(2)]
+            assert all(share["scores"][2 * i] != share["scores"][2 * i + 1] for i in range(BATCH // 2))
+            assert share["version"] - min(share["oldest"]) + 1 <= (THRESHOLD if mode == "fully" else 2)
+        kept, count = [], 0
+        while len(kept) < BATCH:  # this step's scored groups: one at a time (fully async) or whole batches
+            for _ in range(1 if mode == "fully" else BATCH):
+                text, scores = next(scored)
+                count += 1
+                kept += [text] if len(set(scores)) > 1 else []
+        assert mine["prompts"] + other["prompts"] == kept[:BATCH]
+        assert mine["dapo"] == other["dapo"] and mine["dapo"]["dapo/num_gen_batches"] == count / BATCH
+    assert any(s["dapo"]["dapo/num_gen_batches"] > 1 for s in rank0["steps"])  # it did filter
+    assert all(torch.equal(w, rank1["weights"][name]) for name, w in rank0["weights"].items())

@@ -409,8 +409,9 @@ class FullyAsyncRollout(RolloutWrapper):
     def _room(self) -> int:
         """Groups the driver may admit now (with the lock held): pacing, so that taken in order none is too old."""
         bound = self._limit()
-        if self.threshold is not None:  # while the trainer learns, the next batch is trained one version later
-            bound = min(bound, self.batch_size * (self.threshold - int(self._learning)))
+        if self.threshold is not None:  # while the trainer learns, the next batch is trained one version later;
+            taking = 0 if self._learning else (self._want or self.batch_size)  # a top-up takes its k groups only
+            bound = min(bound, self.batch_size * (self.threshold - 1) + taking)
         return bound - len(self._active) - len(self._ready)
 
     def _record(self, groups: list[_Group], waited: float, dropped: int, in_flight: int, topup: bool) -> None:

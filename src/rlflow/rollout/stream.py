@@ -122,6 +122,10 @@ class FilterGroups(Stage):
     generated and then cut. ``max_gen_batches`` bounds the groups scored per step to ``max_gen_batches x P``,
     what that many synchronous rounds generate; ``dapo/num_gen_batches`` is then the groups scored / ``P``
     (batches' worth, e.g. 1.25).
+
+    **Several processes with the engine on rank 0** (``AsyncRollout``, ``FullyAsyncRollout``): the stage runs on
+    rank 0 alone, over whole batches scored there, and the experience stream hands each rank its share of the kept
+    groups with rank 0's metrics (:mod:`rlflow.rollout.ranks`). With a rollout on every rank each filters its own.
     """
 
     name = "dynamic_sampling"
