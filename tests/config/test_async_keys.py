@@ -187,8 +187,8 @@ def test_staleness_zero_with_dynamic_sampling_is_the_synchronous_dynamic_samplin
     1 up to rounding here)."""
     for run, mode in (("sync", []), ("zero", ["async_training.staleness_threshold=0",
                                               "algorithm.rollout_correction.rollout_is=null"])):
-        assert main(tiny + FILTER + mode + parity_reward(tmp_path) + ["trainer.logger=[console,file]",
-                                                                      f"trainer.default_local_dir={tmp_path}/{run}"]) == 0
+        assert main(tiny + FILTER + mode + parity_reward(tmp_path) + [
+            "trainer.logger=[console,file]", f"trainer.default_local_dir={tmp_path}/{run}"]) == 0
     drop = ("timing_s/", "perf/", "async/", "weight_sync/")
     sync = [{k: v for k, v in r.items() if not k.startswith(drop)} for r in metric_rows(tmp_path / "sync")]
     steps = [r for r in sync if "dapo/num_gen_batches" in r]

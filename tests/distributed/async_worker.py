@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from rlflow import Batching, FunctionReward, Hardware, Loop, Optim, Policy, PPOLoss, PromptData, RunDir, Trainer
+from rlflow import Batching, Hardware, Loop, Optim, Policy, PPOLoss, PromptData, RunDir, Trainer
 from rlflow.algorithms import GRPO, TruncatedIS
 from rlflow.config.verl.run import main as main_ppo
 from rlflow.data import keys as K
@@ -26,6 +26,12 @@ from rlflow.module import Chain
 from rlflow.rollout import AsyncRollout, FullyAsyncRollout, HFRollout
 from rlflow.rollout.stream import FilterGroups
 from rlflow.tasks.addition import AdditionTask
+
+try:
+    from ..rollout.test_fully_async import Scored  # the reward, keeping (prompt text, scores) of every group scored
+except ImportError:  # run as a script by torchrun
+    sys.path[:0] = [str(__import__("pathlib").Path(__file__).parents[2])]
+    from tests.rollout.test_fully_async import Scored
 
 STEPS, BATCH, THRESHOLD = 4, 8, 2
 
@@ -38,21 +44,6 @@ def varied(solution_str: str, ground_truth: str) -> float:
 def parity(solution_str: str, ground_truth: str) -> float:
     """Even sums (the task writes the units digit first) score a constant 1: their group is filtered."""
     return 1.0 if int(ground_truth[0]) % 2 == 0 else varied(solution_str, ground_truth)
-
-
-class ScoredGroups(FunctionReward):
-    """The reward, keeping (prompt text, scores) of every group it scored, in order."""
-
-    def __init__(self, fn):
-        super().__init__(fn)
-        self.groups = []
-
-    def forward(self, batch):
-        out = super().forward(batch)
-        for g in out[K.GROUP].unique().tolist():
-            rows = (out[K.GROUP] == g).nonzero().flatten().tolist()
-            self.groups.append((out[K.PROMPT_TEXT][rows[0]], out[K.SCORES][rows].tolist()))
-        return out
 
 
 class Trained:
@@ -77,10 +68,11 @@ def python_api(out, resume=None, one_step_off=False, filtered=False):
     rollout = AsyncRollout(HFRollout(n=2, max_new_tokens=4), max_staleness=1) if one_step_off else \
         FullyAsyncRollout(HFRollout(n=2, max_new_tokens=4), max_off_policy_threshold=THRESHOLD,
                           max_off_policy_strategy="wait", chunk_tokens=2)
-    trained, reward = Trained(), ScoredGroups(parity if filtered else varied)
+    trained, reward = Trained(), Scored(parity if filtered else varied)
     trainer = Trainer(policy=Policy(model, tok), rollout=rollout, reward=reward,
                       stages=[FilterGroups("score", max_gen_batches=8)] if filtered else [],
-                      estimator=Chain(TruncatedIS(), GRPO()), loss=PPOLoss(is_weights=True), optim=Optim(lr=1e-3 if filtered else 5e-2),
+                      estimator=Chain(TruncatedIS(), GRPO()), loss=PPOLoss(is_weights=True),
+                      optim=Optim(lr=1e-3 if filtered else 5e-2),  # filtered: no collapse to one text
                       batching=Batching(batch_size=BATCH, micro_batch_size=2),
                       loop=Loop(max_steps=STEPS, progress=False), run=RunDir(path=out, loggers=(), save_every=1, resume=resume),
                       hardware=Hardware(accelerator="cpu", devices=2, strategy="ddp"), callbacks=[trained])

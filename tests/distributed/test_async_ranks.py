@@ -20,7 +20,8 @@ def launched(job, tmp_path_factory):
     out = tmp_path_factory.mktemp("async_ranks")
     verl = [a for a in job if not a.startswith("trainer.save_freq")] + [
         "trainer.n_gpus_per_node=2", "trainer.total_training_steps=2", "trainer.logger=[console,file]",
-        "trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async", "trainer.v1.sampler.max_off_policy_threshold=1"]
+        "trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async", "trainer.v1.sampler.max_off_policy_threshold=1",
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score"]  # DAPO's filter, on rank 0
     proc = torchrun(2, out, *verl, worker=WORKER.with_name("async_worker.py"), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out / "result.pt", weights_only=False), out, proc.stdout
@@ -56,11 +57,13 @@ def test_every_drawn_prompt_is_trained_once_across_the_ranks_within_the_bound_an
 
 
 def test_verls_v1_keys_train_fully_async_on_two_fsdp2_processes_with_the_engine_in_step(launched):
+    """verl's V1 keys with algorithm.filter_groups: rank 0 filters, both ranks log its dapo/* metrics."""
     _, out, stdout = launched
-    assert "FullyAsyncRollout(" in stdout
+    assert "FullyAsyncRollout(" in stdout and "FilterGroups(" in stdout
     rows = [json.loads(line) for line in (out / "verl" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "training/off_policy/trajectory_spans/max" in r]
     assert len(steps) == 2 and all(r["training/off_policy/trajectory_staleness_worst/max"] == 0 for r in steps)
+    assert all(r["dapo/num_gen_batches"] >= 1 and 0 < r["dapo/kept_group_frac"] <= 1 for r in steps)
     # threshold 1: every token is sampled with the weights it is trained on, gathered from FSDP2's shards into
     # rank 0's engine after step 1 (stale weights give ~1e-2 here)
     assert all(r["training/rollout_probs_diff_max"] < 1e-4 for r in steps)
