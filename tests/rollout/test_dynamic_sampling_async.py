@@ -56,7 +56,9 @@ def test_one_step_off_the_engine_generates_the_top_ups_ahead_within_the_bound(mo
         assert list(batch[K.PROMPT_TEXT][::2]) == kept[:B]
         assert metrics["dapo/num_gen_batches"] == rounds
         versions = batch[K.POLICY_VERSION]
-        assert 0 <= step - int(versions.min()) <= 1 and metrics["async/staleness_max"] <= 1
+        assert 0 <= step - int(versions.min()) <= 1
+        # async/* cover every batch of the step (the top-ups too), so the trained samples' staleness is within them
+        assert step - int(versions.min()) <= metrics["async/staleness_max"] <= 1
         mask = batch[K.RESPONSE_MASK].bool()
         for version in versions.unique().tolist():  # sampled by the engine with that version's weights
             rows = versions == version
