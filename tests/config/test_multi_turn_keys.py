@@ -133,10 +133,40 @@ def test_multi_turn_runs_one_step_off(example, capsys):
 
 
 @pytest.mark.parametrize("fully_async", [["trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async"],
+                                         ["trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async"],
                                          ["async_training.partial_rollout=true", "async_training.staleness_threshold=1"]])
-def test_multi_turn_with_fully_asynchronous_generation_is_refused_saying_why(example, capsys, fully_async):
-    assert main(example + fully_async) == 2
-    err = " ".join(capsys.readouterr().err.split())
-    key = fully_async[-1].split("=")[0] if "v1" in fully_async[-1] else "async_training.partial_rollout"
-    assert f"{MT}.enable=True: multi-turn rollouts with fully asynchronous generation ({key}=" in err
-    assert "trainer.async_weight_update=true (or async_training.staleness_threshold=K)" in err
+def test_multi_turn_with_fully_asynchronous_generation_shows_the_agent_loop_inside(example, capsys, fully_async):
+    assert main(example + fully_async + ["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout=FullyAsyncRollout(rollout=AgentLoop(rollout=HFRollout(" in out
+    assert "the rollout is FullyAsyncRollout(AgentLoop(...))" in " ".join(out.split())
+
+
+def test_multi_turn_runs_fully_asynchronously(example, capsys):
+    """verl V1's colocate_async with multi_turn.enable, 2 steps: the conversations (tools and all) are generated
+    beside training, and verl's off-policy metrics and the agent's are logged."""
+    assert main(example + ["trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async",
+                           "trainer.total_training_steps=2"]) == 0
+    logged = steps(capsys.readouterr().out)
+    for step in (1, 2):
+        assert "tool_call_counts/mean" in logged[step] and "rollout_corr/rollout_is_mean" in logged[step]
+        assert "training/off_policy/trajectory_staleness_worst/max" in logged[step]
+    assert logged[2]["async/policy_version"] == 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("async_training.pause_mode=keep", "async_training.pause_mode=keep with multi_turn.enable: an agent loop's turns"),
+    ("actor_rollout_ref.rollout.name=vllm", "(trainer.v1.trainer_mode='colocate_async') on VLLMRollout: the "
+                                            "conversations are generated from a thread beside the trainer"),
+])
+def test_multi_turn_fully_async_refusals_name_why(example, capsys, override, message):
+    assert main(example + ["trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async", override]) == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+
+
+def test_multi_turn_fully_async_over_a_server(example, capsys):
+    """A server takes requests from the driver's thread and the trainer's: accepted (dry run)."""
+    assert main(example + ["trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async", "--dry-run",
+                           "actor_rollout_ref.rollout.name=vllm",
+                           "actor_rollout_ref.rollout.server.url=http://127.0.0.1:1"]) == 0
+    assert "rollout=FullyAsyncRollout(rollout=AgentLoop(rollout=ServerRollout(" in capsys.readouterr().out

@@ -138,10 +138,6 @@ def test_the_stand_ins_pass_once_the_refused_keys_are_dropped(stand_ins):
 # name, with the reason. The test fails when one of them is accepted (take it off the list) and when any other
 # script is refused for anything but a backend of BACKENDS, so the list can only shrink.
 KNOWN_GAPS = {
-    "examples/ascend_extras/grpo_trainer/run_qwen3_5_122b_a10b_32k_megatron.sh": "the Megatron strategy converts",
-    "examples/grpo_trainer/run_qwen3_5_397b_megatron.sh": "the Megatron strategy converts",
-    "examples/mtp_trainer/run_mimo_7b_mtp_megatron.sh": "multi-token prediction",
-    "examples/mtp_trainer/run_mimo_7b_mtp_rl_vllm_sgl_megatron.sh": "multi-token prediction",
 }
 
 

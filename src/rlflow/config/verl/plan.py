@@ -36,7 +36,7 @@ from rlflow.config.verl.resolve import class_kwargs
 from rlflow.config.verl.reward_section import user_names
 from rlflow.config.verl.rewards import RewardPlan, reward_plan
 from rlflow.config.verl.role_keys import SP_ENGINE_KEYS, model_paths, sequence_parallel_keys
-from rlflow.config.verl.rollout import rollout_plan
+from rlflow.config.verl.rollout import rollout_class, rollout_plan
 from rlflow.config.verl.trainer_extras import critic_warmup_steps, generation_callbacks, keep_checkpoints
 from rlflow.config.verl.trainer_keys import checkpoint_callbacks, v1_mode
 from rlflow.config.verl.validate import check
@@ -270,7 +270,7 @@ def reward_and_shaping(cfg: VerlConfig, notes: list[str]) -> tuple[RewardPlan, d
 def around_the_rollout(cfg: VerlConfig, notes: list[str], devices: Devices, after: list, sampling: dict | None,
                        template_kwargs: dict) -> tuple:
     """The plans of what goes around the rollout and the loss: (the agent loop, distillation, fully asynchronous
-    generation, asynchronous generation); multi-turn with fully asynchronous generation is refused."""
+    generation, asynchronous generation); multi_turn_async checks what the agent loop combines with."""
     agent = agent_plan(cfg, notes)
     if agent is not None and template_kwargs:
         agent["template_kwargs"] = template_kwargs
@@ -282,7 +282,7 @@ def around_the_rollout(cfg: VerlConfig, notes: list[str], devices: Devices, afte
     fully_async = v1_async_plan(cfg, notes, devices, after, sampling)
     asynchronous = async_plan(cfg, notes, devices, after, sampling)
     if agent:
-        multi_turn_async(cfg, notes, asynchronous, fully_async)
+        multi_turn_async(cfg, notes, asynchronous, fully_async, rollout_class(cfg).__name__)
     return agent, distill, fully_async, asynchronous
 
 

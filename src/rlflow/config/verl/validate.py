@@ -345,6 +345,30 @@ def rollout_routing(ctx: Context) -> None:
                               "instead."))
 
 
+@cross_check
+def multi_token_prediction(ctx: Context) -> None:
+    """verl's ``model.mtp``: the checkpoint's MTP layers in megatron-core's MTP block, so under the Megatron strategy
+    (as in verl: mbridge + Megatron); speculative decoding drafted by them is refused."""
+    key = "actor_rollout_ref.model.mtp"
+    if not ctx.get(f"{key}.enable"):
+        return
+    strategy = ctx.get(f"{A}.strategy")
+    # no apostrophe in the reasons: the verl-examples harness reads them with quoted text taken out
+    if strategy != "megatron":
+        ctx.add(NotSupportedError(f"{key}.enable", True, f"multi-token prediction with {A}.strategy={strategy}",
+                                  "rlflow trains MTP layers in the MTP block of megatron-core, as verl does: set "
+                                  f"model_engine=megatron or {A}.strategy=megatron."))
+    if ctx.get(f"{key}.enable_rollout"):
+        name = ctx.get(f"{R}.name")
+        engine = "the SGLang server" if name == "sglang" else f"{R}.name={name}"
+        ctx.add(NotSupportedError(f"{key}.enable_rollout", True, f"speculative decoding drafted by the MTP layers with "
+                                  f"{engine}", "The weight sync of rlflow sends an engine the main model only, never "
+                                  "the MTP layers a draft reads (an SGLang server drafts with the MTP layers of the "
+                                  "checkpoint it loaded, set at its launch); HFRollout and the vLLM engine of rlflow "
+                                  f"start without a speculative config. Training the layers ({key}.enable_train) does "
+                                  "not need it."))
+
+
 VLLM_ROUTING = ("vLLM returns routed experts only from its GPU Model Runner V2, which needs a CUDA GPU and "
                 "Triton (trainer.device=cuda); on CPU vLLM runs its V1 runner, which refuses them (AuxOutput Connector "
                 "requires Model Runner V2)")
