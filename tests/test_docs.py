@@ -350,6 +350,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/async.md", "from rlflow.rollout import FullyAsyncRollout, HFRollout"): [],
     ("docs/async.md", "from rlflow.algorithms import GRPO, BypassLoss, RolloutAsOld"): [],
     ("docs/async.md", "from rlflow.rollout.stream import FilterGroups"): [],
+    ("docs/async.md", "from rlflow.rollout import AsyncRollout, HFRollout"): [],
     ("docs/async.md", "from rlflow.rollout.agent import AgentLoop   # fully asynchronous, multi-turn"): [],
     ("docs/async.md", "from rlflow import Batching, FunctionReward, Loop, Optim, Policy, PPOLoss, PromptData, RunDir, Trainer"): [],
     ("docs/algorithms/cispo.md", "from rlflow.algorithms import CISPOLoss"): [],
