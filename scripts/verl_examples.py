@@ -191,6 +191,7 @@ OUTPUT_KEYS = re.compile(r"^trainer\.default_local_dir$|_data_dir$|^global_profi
 ONE = re.compile(r"(^|\.)(n_gpus_per_node|nnodes|num_replicas|\w*parallel_size|tp|pp|ep|cp|etp)$")
 NULL = re.compile(r"(^|\.)(virtual_pipeline_model_parallel_size|vpp)$")
 ALL_DEVICES = re.compile(r"(^|\.)fsdp_size$")  # verl's -1: every device (8 of one device cannot be)
+MTP_MODEL = re.compile(r"MiMo-7B")  # a checkpoint with multi-token prediction layers (rlflow.models.mimo)
 VISION_MODEL = re.compile(r"-VL|_vl|vl-|GLM-4\.1V|MiniCPM-o|MiniCPM-V", re.IGNORECASE)
 # data file name -> (data_source its verl preprocessing script writes, kind); the first match wins
 DATASETS = [("geo3k", "hiyouga/geometry3k", "image"),
@@ -218,8 +219,8 @@ class Fixtures:
         return path if path.exists() else make(path)
 
     def model(self, kind: str) -> Path:
-        makers = {"text": text_model, "image": vision_model, "reward": reward_model,
-                  "adapter": lambda p: lora_adapter(p, self.model("text")), "dist": dist_checkpoint_folder}
+        makers = {"text": text_model, "image": vision_model, "reward": reward_model, "dist": dist_checkpoint_folder,
+                  "adapter": lambda p: lora_adapter(p, self.model("text")), "mimo": lambda p: text_model(p, 1)}
         return self._once(kind, makers[kind])
 
     def data(self, source: str, kind: str, split: str, rows: int) -> Path:
@@ -242,14 +243,16 @@ class Fixtures:
             "    return float(ground_truth in solution_str)\n"), p)[1])
 
 
-def text_model(folder: Path) -> Path:
-    """The test suite's tiny model (tests/config/conftest.py), with a long context."""
+def text_model(folder: Path, mtp_layers: int = 0) -> Path:
+    """The test suite's tiny model (tests/config/conftest.py), with a long context; MiMo-shaped with ``mtp_layers``."""
+    from rlflow.models.mimo import save_tiny_mimo
     from rlflow.models.tiny import char_tokenizer, tiny_qwen2
     from tests.config.conftest import CHAT_TEMPLATE
 
     tok = char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
-    tiny_qwen2(len(tok), num_layers=1, intermediate_size=64, **SIZES).save_pretrained(folder)
+    model = tiny_qwen2(len(tok), num_layers=1, intermediate_size=64, **SIZES)
+    save_tiny_mimo(folder, model, mtp_layers) if mtp_layers else model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 
@@ -343,7 +346,7 @@ def rewrite(argv: list[str], fx: Fixtures, out: Path) -> list[str]:
         if name in REWARD_MODEL_KEYS:
             value = str(fx.model("reward"))
         elif MODEL_KEYS.search(name):
-            value = str(fx.model("image" if vision else "text"))
+            value = str(fx.model("image" if vision else "mimo" if MTP_MODEL.search(value) else "text"))
         elif name.endswith("lora_adapter_path") and value not in ("", "null"):
             value = str(fx.model("adapter"))
         elif name.endswith("megatron.dist_checkpointing_path") and value not in ("", "null"):

@@ -50,6 +50,7 @@ ALLOWED = {
     ("config.verl.megatron", "strategies.megatron.memory"): "defers lightning_fabric, torch",
     ("config.verl.megatron", "strategies.megatron.model"): "defers lightning_fabric, torch",
     ("config.verl.megatron", "strategies.megatron.lora"): "defers lightning_fabric, torch",
+    ("config.verl.megatron", "strategies.megatron.vision"): "defers lightning_fabric, torch",
     ("models.policy", "models.lora"): "defers peft",
     ("models.critic", "models.lora"): "defers peft",
     ("rewards.model", "strategies"): "defers lightning_fabric",

@@ -117,3 +117,56 @@ def test_interaction_config_and_inert_keys(example, capsys):
     out = capsys.readouterr().out
     assert "interaction=['gsm8k']" in out
     assert f"{MT}.use_inference_chat_template=True has no effect in rlflow: rlflow never re-renders" in out
+
+
+def test_multi_turn_runs_one_step_off(example, capsys):
+    """multi_turn.enable with trainer.async_weight_update: the agent loop runs beside the trainer, one step off
+    (dry run: the tree; a real run of 2 steps: the second batch was sampled one version back, with its tools)."""
+    one_step_off = example + ["trainer.async_weight_update=true"]
+    assert main(one_step_off + ["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout=AsyncRollout(rollout=AgentLoop(rollout=HFRollout(" in out and "max_staleness=1" in out
+    assert main(one_step_off + ["trainer.total_training_steps=2"]) == 0
+    logged = steps(capsys.readouterr().out)
+    assert logged[1]["async/staleness_max"] == 0 and logged[2]["async/staleness_max"] == 1
+    assert all("tool_call_counts/mean" in logged[s] and "rollout_corr/rollout_is_mean" in logged[s] for s in (1, 2))
+
+
+@pytest.mark.parametrize("fully_async", [["trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async"],
+                                         ["trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async"],
+                                         ["async_training.partial_rollout=true", "async_training.staleness_threshold=1"]])
+def test_multi_turn_with_fully_asynchronous_generation_shows_the_agent_loop_inside(example, capsys, fully_async):
+    assert main(example + fully_async + ["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout=FullyAsyncRollout(rollout=AgentLoop(rollout=HFRollout(" in out
+    assert "the rollout is FullyAsyncRollout(AgentLoop(...))" in " ".join(out.split())
+
+
+def test_multi_turn_runs_fully_asynchronously(example, capsys):
+    """verl V1's colocate_async with multi_turn.enable, 2 steps: the conversations (tools and all) are generated
+    beside training, and verl's off-policy metrics and the agent's are logged."""
+    assert main(example + ["trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async",
+                           "trainer.total_training_steps=2"]) == 0
+    logged = steps(capsys.readouterr().out)
+    for step in (1, 2):
+        assert "tool_call_counts/mean" in logged[step] and "rollout_corr/rollout_is_mean" in logged[step]
+        assert "training/off_policy/trajectory_staleness_worst/max" in logged[step]
+    assert logged[2]["async/policy_version"] == 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("async_training.pause_mode=keep", "async_training.pause_mode=keep with multi_turn.enable: an agent loop's turns"),
+    ("actor_rollout_ref.rollout.name=vllm", "(trainer.v1.trainer_mode='colocate_async') on VLLMRollout: the "
+                                            "conversations are generated from a thread beside the trainer"),
+])
+def test_multi_turn_fully_async_refusals_name_why(example, capsys, override, message):
+    assert main(example + ["trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async", override]) == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+
+
+def test_multi_turn_fully_async_over_a_server(example, capsys):
+    """A server takes requests from the driver's thread and the trainer's: accepted (dry run)."""
+    assert main(example + ["trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async", "--dry-run",
+                           "actor_rollout_ref.rollout.name=vllm",
+                           "actor_rollout_ref.rollout.server.url=http://127.0.0.1:1"]) == 0
+    assert "rollout=FullyAsyncRollout(rollout=AgentLoop(rollout=ServerRollout(" in capsys.readouterr().out

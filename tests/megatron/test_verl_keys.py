@@ -231,12 +231,26 @@ def test_router_replay_r2_and_r3_are_the_strategys_and_r3_takes_the_routing_from
     recorded_only = plan(f"{A}.strategy=megatron", f"{ROLL}.enable_rollout_routing_replay=true", f"{ROLL}.name=hf")
     assert any("recorded but not replayed" in n for n in recorded_only.notes)
     if importlib.util.find_spec("vllm") is not None:
-        with pytest.raises(NotSupportedError, match="MoE routing replay from the rollout with VLLMRollout .*Model "
-                                                    "Runner V2, which needs Triton"):
+        with pytest.raises(NotSupportedError, match="MoE routing replay from the rollout with VLLMRollout on CPU .*"
+                                                    "GPU Model Runner V2, which needs a CUDA GPU"):
             plan(f"{A}.strategy=megatron", f"{RR}.mode=R3", f"{ROLL}.enable_rollout_routing_replay=true",
                  f"{ROLL}.name=vllm")
     with pytest.raises(ConfigError, match="choose disabled, R2 or R3"):
         plan(f"{A}.strategy=megatron", f"{RR}.mode=R4")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="rollout.name=vllm needs vLLM installed")
+def test_r3_with_the_vllm_rollout_is_planned_on_a_cuda_machine(monkeypatch):
+    """On trainer.device=cuda (a machine with a GPU: one is pretended here, nothing starts) R3 with rollout.name=vllm
+    plans VLLMRollout(return_routed_experts=True), whose engine starts vLLM with enable_return_routed_experts."""
+    import rlflow.config.verl.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_count", lambda: 1)
+    RR, ROLL = f"{A}.megatron.router_replay", "actor_rollout_ref.rollout"
+    r3 = plan(f"{A}.strategy=megatron", f"{RR}.mode=R3", f"{ROLL}.enable_rollout_routing_replay=true",
+              f"{ROLL}.name=vllm", "trainer.device=cuda", "trainer.n_gpus_per_node=1")
+    assert r3.rollout_cls.__name__ == "VLLMRollout" and r3.rollout_kwargs["return_routed_experts"]
+    assert r3.trainer_kwargs["strategy"].router_replay == "R3"
 
 
 def test_lora_on_a_moe_models_experts_is_refused_at_the_dry_run_and_its_attention_accepted(tmp_path, capsys):
@@ -310,3 +324,43 @@ def test_a_moe_model_under_tensor_parallelism_is_refused_by_name_and_expert_para
         architecture(config, ParallelLayout(tensor=2))
     dense = LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_attention_heads=4)
     assert not architecture(dense, ParallelLayout(tensor=2)).moe
+
+
+def test_mtp_keys_are_the_megatron_strategys_and_refused_by_name_elsewhere(tmp_path, capsys):
+    """verl's model.mtp under Megatron gives MegatronStrategy(mtp=MTPOptions(...)) with verl's values
+    (tests/megatron/test_mtp.py trains with it); refused by name under FSDP, with speculative decoding
+    (enable_rollout), and at the dry run for a checkpoint without MTP layers, which MiMo's passes."""
+    from rlflow.models.mimo import save_tiny_mimo
+    from rlflow.models.tiny import tiny_qwen2
+    from rlflow.strategies.megatron.mtp import MTPOptions
+
+    M = "actor_rollout_ref.model.mtp"
+    keys = [f"{M}.enable=True", f"{M}.enable_train=True", f"{M}.mtp_loss_scaling_factor=0.2", f"{M}.detach_encoder=True"]
+    on = plan(f"{A}.strategy=megatron", *keys)
+    assert on.trainer_kwargs["strategy"].mtp == MTPOptions(train=True, loss_scaling_factor=0.2, detach_encoder=True)
+    assert any(n.startswith(f"{M}.enable=True: the checkpoint's MTP layers run in megatron-core's") for n in on.notes)
+    assert plan(f"{A}.strategy=megatron", f"{M}.enable=True").trainer_kwargs["strategy"].mtp == MTPOptions()
+    assert plan(f"{A}.strategy=megatron").trainer_kwargs["strategy"].mtp is None
+    with pytest.raises(NotSupportedError, match=rf"{M}.enable=True: multi-token prediction with {A}.strategy=fsdp"):
+        plan(*keys)
+    drafted = f"{M}.enable_rollout=True: speculative decoding drafted by the MTP layers with actor_rollout_ref.rollout"
+    with pytest.raises(NotSupportedError, match=drafted):
+        plan(f"{A}.strategy=megatron", *keys, f"{M}.enable_rollout=True")
+    tok = char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    body = tiny_qwen2(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    body.save_pretrained(tmp_path / "qwen2")
+    save_tiny_mimo(tmp_path / "mimo", body)
+    for name in ("qwen2", "mimo"):
+        tok.save_pretrained(tmp_path / name)
+    pd.DataFrame(verl_rows(8, "train", 0)).to_parquet(tmp_path / "train.parquet")
+    argv = ["--dry-run", f"data.train_files={tmp_path}/train.parquet", "trainer.device=cpu",
+            "trainer.n_gpus_per_node=1",
+            "algorithm.adv_estimator=grpo", "data.train_batch_size=8", f"{A}.ppo_mini_batch_size=8",
+            "trainer.logger=[console]", "model_engine=megatron", f"trainer.default_local_dir={tmp_path}/run",
+            "data.max_prompt_length=8", "data.max_response_length=4", *keys]
+    assert main(argv + [f"actor_rollout_ref.model.path={tmp_path}/qwen2"]) != 0
+    assert f"{M}.enable=True but actor_rollout_ref.model.path={tmp_path}/qwen2 has no multi-token prediction layers" \
+        in capsys.readouterr().err
+    assert main(argv + [f"actor_rollout_ref.model.path={tmp_path}/mimo"]) == 0
+    assert "Dry run: config and data are valid" in capsys.readouterr().out

@@ -59,6 +59,40 @@ def test_agent_loop_over_in_process_vllm(vllm_engine, vllm_model_dir):
     assert loop.stats["agent/tool_calls/mean"] >= 1 and out.batch_size[0] == 6
 
 
+
+@requires_vllm
+def test_agent_loop_over_in_process_vllm_one_step_off(vllm_engine, vllm_model_dir):
+    """AsyncRollout runs the loop over the in-process engine on a thread: the batch generated ahead keeps the
+    weights it was submitted under (version 0) though new ones were pushed meanwhile, and its log-probs on the
+    model's turns are those weights'; the next batch samples with the pushed ones (version 1)."""
+    from rlflow.rollout import AsyncRollout, VLLMRollout
+
+    policy, before = Policy.from_pretrained(vllm_model_dir), Policy.from_pretrained(vllm_model_dir)
+    loop = AgentLoop(VLLMRollout(n=2, max_new_tokens=16, seed=1, **ENGINE_OPTIONS), [COUNT], format=EveryTurnCalls(),
+                     max_assistant_turns=3, max_response_tokens=MAX_MODEL_LEN - 8)
+    rollout = AsyncRollout(loop, max_staleness=1)
+    rollout.bind(policy.model, policy.tokenizer)
+    rows, _ = load_rows([{"prompt": p, "ground_truth": ""} for p in PROMPTS])
+    stream = rollout.stream(collate(rows, policy.tokenizer) for _ in range(3))
+    try:
+        assert next(stream)[K.POLICY_VERSION].tolist() == [0] * 6 and len(rollout.in_flight) == 1
+        with torch.no_grad():
+            for p in policy.model.parameters():
+                p.mul_(1.05)
+        rollout.sync_weights(policy.model)
+        for version, sampler, other in ((0, before, policy), (1, policy, before)):
+            out = next(stream)
+            mask = out[K.RESPONSE_MASK].bool()
+            assert out[K.POLICY_VERSION].tolist() == [version] * 6 and rollout.stats["agent/tool_calls/mean"] >= 1
+            with torch.no_grad():
+                assert (sampler.log_probs(out)[0] - out[K.ROLLOUT_LOG_PROBS])[mask].abs().max().item() < 1e-4
+                assert (other.log_probs(out)[0] - out[K.ROLLOUT_LOG_PROBS])[mask].abs().max().item() > 1e-3
+    finally:
+        stream.close()
+        rollout.close()
+    assert vllm_engine[0].llm is not None  # the session's shared engine stays open for the other tests
+
+
 @requires_vllm
 def test_agent_loop_over_a_server(vllm_server, vllm_model_dir, tmp_path):
     from rlflow.rollout import ServerRollout

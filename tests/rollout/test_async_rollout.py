@@ -62,6 +62,15 @@ def recomputed(model, tokenizer, weights, batch):
     return Policy(twin, tokenizer)(batch.clone())[K.OLD_LOG_PROBS]
 
 
+def push_two_updates(rollout, model):
+    """Move ``model``'s weights twice, pushing each to ``rollout``: the batch generated ahead falls two versions behind."""
+    for _ in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.2)
+        rollout.sync_weights(model)
+
+
 def test_one_step_off_samples_come_from_the_weights_one_update_back(model, tokenizer, addition_rows, tmp_path):
     """Batch t (t >= 1) was sampled while step t-1 trained, with the weights of version t-1: its rollout
     log-probs are those weights' log-probs (and not the current ones'), and it says so in policy_version."""
@@ -128,11 +137,7 @@ def test_batches_over_the_bound_are_generated_again_and_the_batches_ahead_are_re
         first = next(stream)
         assert len(drawn) == 2 and len(rollout.in_flight) == 1  # batch 0 sampled, batch 1 in flight
         assert first[K.POLICY_VERSION].tolist() == [0] * 8 and rollout.stats["async/over_bound_frac"] == 0
-        for _ in range(2):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(torch.randn_like(p) * 0.2)
-            rollout.sync_weights(model)
+        push_two_updates(rollout, model)
         again = next(stream)
         assert rollout.stats["async/over_bound_frac"] == 1 and rollout.stats["async/regenerated_samples"] == 8
         assert again[K.POLICY_VERSION].tolist() == [2] * 8 and rollout.stats["async/staleness_max"] == 0

@@ -3,6 +3,10 @@ log-prob of the weights that sampled it; a run keeps every sample within max_off
 off-policy metrics; threshold 1 trains every token on the weights it was sampled with."""
 
 import copy
+import json
+import multiprocessing
+import os
+import signal
 
 import pytest
 import torch
@@ -332,25 +336,18 @@ def test_bad_arguments_name_themselves(kwargs, match):
         FullyAsyncRollout(HFRollout(n=2), **kwargs)
 
 
-def test_a_run_killed_mid_step_and_resumed_trains_every_drawn_prompt_once(model, tokenizer, addition_rows, tmp_path):
-    """SIGKILL in step 3's update (its batch taken, the checkpoint of step 2 on disk), then ``resume="auto"``: the
-    prompts drawn but not trained at the checkpoint (queued, in flight or complete) are saved with it and generated
-    again, the loader resumes after the last prompt drawn. Over the run's lineage (each step as last trained) no
-    prompt is trained twice, and trained + still outstanding at the end = exactly the first prompts the loader
-    drew, none lost."""
-    import json
-    import multiprocessing
-    import os
-    import signal
-
-    from rlflow.trainer.trainer import Trainer
-
-    steps, log, left = 5, tmp_path / "trained.jsonl", tmp_path / "outstanding.json"
+def trains_every_drawn_prompt_once(tmp_path, rollout, policy, data, key, steps=5, batch_size=4):
+    """Runs a Trainer over ``rollout()`` (n=2) and ``policy()`` in a forked child, SIGKILLed in step 3's update (its
+    batch taken, the checkpoint of step 2 on disk), then again with ``resume="auto"``; checks, with each prompt
+    named by its ``key`` column, that over the run's lineage (each step as last trained) no prompt is trained twice,
+    and trained + still outstanding at the end = exactly the first prompts the loader drew, none lost."""
+    log, left = tmp_path / "trained.jsonl", tmp_path / "outstanding.json"
 
     class Log:
         def on_rollout_end(self, trainer, batch):
             with open(log, "a") as f:
-                f.write(json.dumps({"step": trainer.global_step + 1, "prompts": batch[K.PROMPT_TEXT][::2]}) + "\n")
+                prompts = [json.dumps(p) for p in batch[key][::2]]
+                f.write(json.dumps({"step": trainer.global_step + 1, "prompts": prompts}) + "\n")
 
     def child(kill):
         if kill:
@@ -363,18 +360,16 @@ def test_a_run_killed_mid_step_and_resumed_trains_every_drawn_prompt_once(model,
                 return real(self, batch)
 
             Trainer.update_actor = update_actor
-        rollout = FullyAsyncRollout(HFRollout(n=2, max_new_tokens=4), max_off_policy_threshold=2,
-                                    max_off_policy_strategy="wait", chunk_tokens=2)
-        trainer = Trainer(policy=Policy(copy.deepcopy(model), tokenizer), rollout=rollout,
-                          reward=FunctionReward(longer_is_better), estimator=Chain(TruncatedIS(), GRPO()),
-                          loss=PPOLoss(is_weights=True), optim=Optim(lr=5e-2), batching=Batching(batch_size=4),
-                          loop=Loop(max_steps=steps, progress=False), callbacks=[Log()],
-                          run=RunDir(path=tmp_path / "run", loggers=(), save_every=1, resume="auto"))
+        wrapped = rollout()
+        trainer = Trainer(policy=policy(), rollout=wrapped, reward=FunctionReward(longer_is_better),
+                          estimator=Chain(TruncatedIS(), GRPO()), loss=PPOLoss(is_weights=True), optim=Optim(lr=5e-2),
+                          batching=Batching(batch_size=batch_size), loop=Loop(max_steps=steps, progress=False),
+                          callbacks=[Log()], run=RunDir(path=tmp_path / "run", loggers=(), save_every=1, resume="auto"))
         try:
-            trainer.fit(PromptData(addition_rows[0], seed=0))
-            left.write_text(json.dumps([p["values"][K.PROMPT_TEXT] for p in rollout.state_dict()["prompts"]]))
+            trainer.fit(data)
+            left.write_text(json.dumps([json.dumps(p["values"][key]) for p in wrapped.state_dict()["prompts"]]))
         finally:
-            rollout.close()
+            wrapped.close()
 
     ctx = multiprocessing.get_context("fork")
     for kill in (True, False):
@@ -383,13 +378,23 @@ def test_a_run_killed_mid_step_and_resumed_trains_every_drawn_prompt_once(model,
         proc.join(timeout=300)
         assert proc.exitcode == (-signal.SIGKILL if kill else 0)
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 3, 4, 5]  # step 3 was taken, killed, and trained after resume
+    # step 3 was taken, killed, and trained after resume
+    assert [r["step"] for r in records] == [1, 2, 3, *range(3, steps + 1)]
     lineage = {r["step"]: r["prompts"] for r in records}  # each step as it was last trained
     trained = [p for step in sorted(lineage) for p in lineage[step]]
-    assert len(trained) == len(set(trained)) == steps * 4  # none trained twice
+    assert len(trained) == len(set(trained)) == steps * batch_size  # none trained twice
     outstanding = json.loads(left.read_text())
     drawn = len(trained) + len(outstanding)
-    assert drawn % 4 == 0 and not set(trained) & set(outstanding)
-    loader = PromptData(addition_rows[0], seed=0).loader(4, tokenizer)
-    order = [p for _ in range(drawn // 4) for p in next(loader)[K.PROMPT_TEXT]]
+    assert drawn % batch_size == 0 and not set(trained) & set(outstanding)
+    loader = data.loader(batch_size, policy().tokenizer)
+    order = [json.dumps(p) for _ in range(drawn // batch_size) for p in next(loader)[key]]
     assert sorted(trained + outstanding) == sorted(order)  # none lost
+
+
+def test_a_run_killed_mid_step_and_resumed_trains_every_drawn_prompt_once(model, tokenizer, addition_rows, tmp_path):
+    """SIGKILL mid-step and resume: the prompts drawn but not trained at the checkpoint (queued, in flight or
+    complete) are saved with it and generated again, the loader resumes after the last prompt drawn."""
+    trains_every_drawn_prompt_once(
+        tmp_path, lambda: FullyAsyncRollout(HFRollout(n=2, max_new_tokens=4), max_off_policy_threshold=2,
+                                            max_off_policy_strategy="wait", chunk_tokens=2),
+        lambda: Policy(copy.deepcopy(model), tokenizer), PromptData(addition_rows[0], seed=0), K.PROMPT_TEXT)

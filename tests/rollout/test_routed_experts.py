@@ -1,7 +1,8 @@
 """The MoE experts a rollout routes each token to (verl's R3, the rollout's side; rollout/engines/routing.py).
 
 HFRollout(return_routed_experts=True) records them while it generates; the Megatron strategy replays them
-(tests/megatron/test_router_replay.py). vLLM's CPU build cannot return them: the last test pins why.
+(tests/megatron/test_router_replay.py). vLLM's CPU build cannot return them: the last test pins why (vLLM on a GPU:
+tests/rollout/test_vllm_routed_experts.py).
 """
 
 import pytest
@@ -96,7 +97,8 @@ def test_joined_batches_pad_the_routing_with_no_expert(sampled):
 
 
 def test_a_dense_model_and_an_engine_without_routing_are_refused_by_name():
-    """Recording needs MoE layers; vLLM's engine refuses the option when the rollout is built, saying why."""
+    """Recording needs MoE layers; vLLM's engine without a CUDA GPU refuses the option when the rollout is built,
+    saying why (tests/rollout/test_vllm_routed_experts.py: the engine's side)."""
     tok = char_tokenizer()
     rollout = HFRollout(n=1, max_new_tokens=2, return_routed_experts=True)
     rollout.bind(tiny_qwen2(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -105,16 +107,18 @@ def test_a_dense_model_and_an_engine_without_routing_are_refused_by_name():
                          batch_size=[1])
     with pytest.raises(ValueError, match="has no MoE layers"):
         rollout(prompts)
-    with pytest.raises(NotImplementedError, match="VLLMEngine: not built: vLLM 0.32 returns routed experts"):
-        SingleTurnRollout(VLLMEngine(), return_routed_experts=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(NotImplementedError, match="VLLMEngine: vLLM returns routed experts only from its GPU"):
+            SingleTurnRollout(VLLMEngine(), return_routed_experts=True)
 
 
 @requires_vllm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU build's limit")
 def test_vllms_cpu_build_cannot_return_routed_experts(tmp_path, monkeypatch):
     """Why VLLMEngine refuses: vLLM 0.32 returns routed experts only from its Model Runner V2, which needs Triton;
-    the CPU build has no Triton backend, so its engine configuration refuses the option. When a vLLM release lifts
-    this, this test fails: then wire enable_return_routed_experts into VLLMEngine."""
+    the CPU build has no Triton backend, so its engine configuration refuses the option (VLLMEngine therefore refuses
+    return_routed_experts without a CUDA GPU). When a vLLM release lifts this, this test fails: then let VLLMEngine
+    return them on CPU too (routed_experts_unavailable)."""
     from vllm.engine.arg_utils import EngineArgs
 
     tiny_moe(64).save_pretrained(tmp_path)

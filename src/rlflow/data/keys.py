@@ -28,7 +28,7 @@ REWARD_BASELINE = "reward_baseline"  # B, float: e.g. ReMax's greedy-rollout sco
 POLICY_VERSION = "policy_version"  # B, int64: the weight version that sampled the row (asynchronous rollouts; the oldest
 # of its tokens' versions when a partial rollout spans several)
 POLICY_VERSION_MAX = "policy_version_max"  # B, int64: the newest version among the row's tokens (partial rollouts)
-TOKEN_POLICY_VERSION = "token_policy_version"  # B x R, int64: the version that sampled each token (-1 on padding)
+TOKEN_POLICY_VERSION = "token_policy_version"  # B x R, int64: the version that sampled each token (-1: padding, tools)
 # MoE routing replay from the rollout (verl's R3): the experts each token was routed to while it was generated, per MoE
 # layer (L of them, in model order), k per token; -1 where the engine routed nothing (padding, the last token)
 PROMPT_ROUTED_EXPERTS = "prompt_routed_experts"  # B x P x L x k, int16, aligned with prompt_ids

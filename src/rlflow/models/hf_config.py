@@ -17,6 +17,8 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from rlflow.models import mimo
+
 ATTN = "attn_implementation"
 
 
@@ -74,5 +76,6 @@ def load_config(path, override_config: dict | None = None, trust_remote_code: bo
     """``AutoConfig.from_pretrained(path)`` with the overrides applied (:func:`apply_overrides`)."""
     from transformers import AutoConfig
 
+    mimo.register()  # MiMo's Qwen2 body loads without its remote code (rlflow.models.mimo)
     config = AutoConfig.from_pretrained(path, **model_kwargs(override_config, trust_remote_code))
     return apply_overrides(config, effective_overrides(override_config), where)

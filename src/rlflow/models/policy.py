@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -180,9 +181,21 @@ class Policy(BatchModule):
             extra["multi_modal"] = per_row(batch, K.MULTI_MODAL_INPUTS)
         if K.ROUTED_EXPERTS in batch.keys() and getattr(self.module, "replays_rollout_routing", False):
             extra["routed_experts"] = (batch[K.PROMPT_ROUTED_EXPERTS], batch[K.ROUTED_EXPERTS])  # MoE replay (R3)
-        mask = (batch.get(K.RESPONSE_MASK, None),) if self.remove_padding else ()
+        # trained multi-token prediction layers (Megatron's, rlflow.strategies.megatron.mtp) train on the response mask
+        wants_mask = self.remove_padding or getattr(self.module, "mtp_losses", None) is not None
+        mask = (batch.get(K.RESPONSE_MASK, None),) if wants_mask else ()
         with offloaded_activations(self.activation_offload):
             return self.module(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS], *mask, **extra)
+
+    def with_auxiliary_loss(self, out, num_tokens: float):
+        """A micro-batch's ``LossOutput`` plus the loss the model's own layers left in its :meth:`log_probs` passes:
+        multi-token prediction under the Megatron strategy (``rlflow.strategies.megatron.mtp``), its per-layer mean
+        cross-entropy as stats. ``num_tokens``: the mini-batch's response tokens per process (the token-mean divisor)."""
+        losses = getattr(self.module, "mtp_losses", None)
+        extra = losses.take(num_tokens) if losses is not None else None
+        if extra is None:
+            return out
+        return dataclasses.replace(out, loss=out.loss + extra[0], stats=out.stats | extra[1])
 
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:

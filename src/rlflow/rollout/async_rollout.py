@@ -20,6 +20,9 @@ batches generated ahead are the ones the trainer takes next. ``sync_weights`` pu
 waiting for the engine, and each batch carries ``policy_version`` (the version that sampled it) and
 metrics (``stats``): staleness, batches over the bound, and each side's waiting time. Called on one batch
 (``rollout(batch)``) it cannot know the next one: it generates that batch and nothing ahead.
+
+Around an ``AgentLoop`` (multi-turn, with tools) the whole loop of a batch is the engine's job, run on a thread
+beside the trainer (:mod:`rlflow.rollout.agent.beside`): the same bound, versions and metrics.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from tensordict import TensorDict
 
 from rlflow.data import keys as K
 from rlflow.models.policy import lora_module
+from rlflow.rollout.agent.beside import OnWorker, engine_beside, run_loop
+from rlflow.rollout.agent.loop import AgentLoop
 from rlflow.rollout.engines.base import hf_weight_buckets
 from rlflow.rollout.engines.process import ProcessEngine
 from rlflow.rollout.engines.threaded import ThreadedEngine
@@ -80,12 +85,14 @@ def single_turn(rollout, wrapper: str) -> SingleTurnRollout:
 
 
 class AsyncRollout(RolloutWrapper):
-    """Runs a single-turn rollout's engine beside the trainer, up to ``max_staleness`` batches ahead.
+    """Runs a rollout's engine beside the trainer, up to ``max_staleness`` batches ahead.
 
     Args:
         rollout: the single-turn rollout whose engine samples (``HFRollout``, ``VLLMRollout``, ``ServerRollout``, or a
             ``SingleTurnRollout`` with any engine: a copy of it is bound in the child process); its sampling options
-            and batch layout are used as they are.
+            and batch layout are used as they are. Or an ``AgentLoop`` around one: each batch's whole loop
+            (turns and tools) runs on a thread beside the trainer, sampling with a copy of the model (transformers)
+            or the engine's own weights (vLLM, a server); ``placement`` is then ``"thread"``.
         max_staleness: batches generated ahead of training, which is also the most versions a sample may lag
             the policy it trains (``0``: synchronous, in the engine's process; ``1``: one-step-off).
         placement: ``"process"`` runs the engine in a child process
@@ -107,6 +114,8 @@ class AsyncRollout(RolloutWrapper):
     prompt stream; kept for dashboards that plot it),
     ``async/policy_version``, ``timing_s/gen_wait`` (the trainer waiting for samples) and
     ``timing_s/train_wait`` (the engine waiting for work: its idle time before the batches of this step).
+    They cover every batch collected since the last push: with dynamic sampling (``FilterGroups``) the step's
+    top-up batches too, which the engine generates ahead like any batch of the stream.
 
     Checkpoints hold the policy version; in-flight batches are not saved: after a resume the first batch
     is generated with the restored weights and the pipeline refills from there. Several training processes:
@@ -119,18 +128,23 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
             raise ValueError(f"max_staleness must be an integer >= 0 (batches generated ahead), got {max_staleness!r}")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-        super().__init__(single_turn(rollout, "AsyncRollout"))
+        self.agent = rollout if isinstance(rollout, AgentLoop) else None  # it runs whole on the engine's thread
+        if self.agent is not None and placement == "process":
+            raise ValueError("AsyncRollout over an AgentLoop runs the loop on a thread beside the trainer (its tools "
+                             "run in the trainer's process): placement must be 'thread' or 'auto', not 'process'")
+        super().__init__(single_turn(rollout.rollout if self.agent else rollout, "AsyncRollout"))
         self.out_keys = tuple(rollout.out_keys) + (K.POLICY_VERSION,)
         self.max_staleness, self.timeout = max_staleness, timeout
         self.placement = placement if placement != "auto" else (
-            "thread" if rollout.engine.remote else "process")
+            "thread" if self.rollout.engine.remote or self.agent else "process")
         self.process_options = {"start_method": start_method, "threads": threads, "max_restarts": max_engine_restarts}
-        self.given_engine = rollout.engine  # the rollout's own, bound in the child (a copy) or here (a server)
+        self.given_engine = self.rollout.engine  # the rollout's own, bound in the child (a copy) or here (a server)
         self.engine: ProcessEngine | ThreadedEngine | None = None
         self.version = 0
         self.in_flight: deque[_Job] = deque()
         self.reseed, self.restored = False, False
         self.stats: dict[str, float] = {}
+        self._since_push: list[tuple] = []  # per batch collected since the last push: (versions, over, gen_s, waits)
         self.rank, self.world, self.device, self._twin = 0, 1, None, None
 
     @property
@@ -142,6 +156,8 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
         """Start the engine beside the trainer with ``model``'s weights (version 0). Several processes: the engine
         runs on rank 0 only, the others sample validation batches in-process (:mod:`rlflow.rollout.ranks`)."""
         self.rank, self.world = ranks()
+        if self.agent is not None:
+            return self._bind_agent(model, tokenizer)
         self._twin = full_twin(model, "AsyncRollout") if self.world > 1 else None
         model = self._twin if self._twin is not None else model
         self.device = next(model.parameters()).device
@@ -167,8 +183,30 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
                                         **self.process_options)
         self.rollout.sample_with(self.engine, model, tokenizer)  # validation copies (with_options) use it too
         self.engine.loaded_from = model
-        self.version, self.restored = 0, False
+        self.version, self.restored, self._since_push = 0, False, []
         self.in_flight.clear()
+
+    def _bind_agent(self, model, tokenizer) -> None:
+        if self.world > 1 or lora_module(model) is not None:
+            raise NotImplementedError("AsyncRollout over an AgentLoop runs on one training process with a full "
+                                      "(not LoRA) policy for now: use the AgentLoop without AsyncRollout")
+        self._close_engine()
+        self.engine = engine_beside(self.agent, model, tokenizer, self.timeout)
+        self.engine.loaded_from = model
+        self.version, self.restored, self._since_push = 0, False, []
+        self.in_flight.clear()
+
+    def with_options(self, **overrides):
+        """A copy sampling with other options (validation): an agent loop's runs on the engine's thread, after the
+        batches in flight; a single-turn rollout's samples through the engine (``sample_with``)."""
+        if self.agent is not None:
+            copied = self.agent.with_options(**overrides)
+            return OnWorker(copied, self.engine) if self.engine is not None else copied
+        return super().with_options(**overrides)
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return (self.agent or self.rollout).max_new_tokens
 
     def bind_prompts(self, loader) -> None:
         """Deprecated, and does nothing: the engine reads the batches ahead from the prompt stream itself
@@ -200,6 +238,7 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
             self.restored = False
         else:
             self.version += 1
+        self._since_push = []
         start = time.perf_counter()
         metrics = self.engine.load_weights(hf_weight_buckets(trained, self.rollout.bucket_bytes), version=self.version)
         self.engine.loaded_from = trained
@@ -212,6 +251,7 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
         """Restore the version count; batches in flight are dropped (they are generated again after the
         restored weights arrive with the ``sync_weights`` that follows a checkpoint load)."""
         self.version, self.restored, self.reseed = int(state["policy_version"]), True, True
+        self._since_push = []
         self._drop_in_flight()
 
     # ------------------------------------------------------------------ sampling
@@ -222,9 +262,11 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
         self._start()
         return self._collect(self._submit(batch))
 
-    def stream(self, prompts, pairs: bool = False):
+    def stream(self, prompts, pairs: bool = False, split: bool = True):
         """Samples for every batch of the iterator ``prompts``, keeping the next ``max_staleness`` batches in
         flight on the engine (read from ``prompts`` as they are needed); ``pairs``: yield (prompts, samples).
+        ``split=False`` (several processes, rank 0): every whole batch, handed out by the caller (the experience
+        stream, after dynamic sampling).
 
         The engine's random state is set from the trainer's before its first batch, so a stream with
         ``max_staleness=0`` samples what the synchronous run samples. Batches still in flight when the
@@ -233,7 +275,8 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
             yield from follow(self, pairs)
             return
         self._start(reseed=True)
-        steps = lead(self._steps(iter(whole(prompts, "AsyncRollout") if self.world > 1 else prompts)), self.world)
+        world = self.world if split else 1
+        steps = lead(self._steps(iter(whole(prompts, "AsyncRollout") if self.world > 1 else prompts), world), world)
         try:
             for batch, samples in steps:
                 yield (batch, samples) if pairs else samples
@@ -241,8 +284,8 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
             steps.close()
             self._drop_in_flight()
 
-    def _steps(self, prompts):
-        """Every batch's samples, split in one share of whole groups per rank, with their stats."""
+    def _steps(self, prompts, world: int):
+        """Every batch's samples, split in one share of whole groups per rank (``world`` shares), with their stats."""
         ended = False
         while True:
             while not ended and len(self.in_flight) <= self.max_staleness:
@@ -254,7 +297,7 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
                 return
             job = self.in_flight.popleft()
             samples = self._collect(job)
-            yield row_shares(job.prompts, samples, self.world, self.rollout.n), self.stats
+            yield row_shares(job.prompts, samples, world, self.rollout.n), self.stats
 
     def _start(self, reseed: bool = False) -> None:
         if self.engine is None:
@@ -273,25 +316,38 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
         if stale > self.max_staleness:  # weights were pushed more often than batches were taken
             generated.append(self.engine.result(self._submit(job.prompts).ticket))
         wait = time.perf_counter() - start
-        batch = job.prompts
-        completions = generated[-1].completions
-        self._check(completions, batch.batch_size[0])
-        samples = self.rollout.samples(batch, completions)
-        versions = torch.tensor([c.extras["policy_version"] for per_prompt in completions for c in per_prompt],
-                                dtype=torch.long)
+        batch, last = job.prompts, generated[-1]
+        if self.agent is not None:  # the loop's samples, every turn of them sampled by one version
+            samples, loop_stats = last.completions
+            versions = torch.full((samples.batch_size[0],), last.version, dtype=torch.long)
+        else:
+            self._check(last.completions, batch.batch_size[0])
+            samples, loop_stats = self.rollout.samples(batch, last.completions), {}
+            versions = torch.tensor([c.extras["policy_version"] for per_prompt in last.completions
+                                     for c in per_prompt], dtype=torch.long)
         samples[K.POLICY_VERSION] = versions.to(batch[K.PROMPT_IDS].device)
-        staleness = (self.version - versions).float()
-        over = float(stale > self.max_staleness)
-        self.stats = dict(self.engine.stats) | {
-            "async/staleness_mean": float(staleness.mean()), "async/staleness_max": float(staleness.max()),
-            "async/over_bound_frac": over, "async/regenerated_samples": over * len(versions),
-            "async/mispredicted_batches": 0.0, "async/policy_version": float(self.version),
-            "async/engine_gen_s": sum(g.gen_s for g in generated),
-            "timing_s/gen_wait": wait, "timing_s/train_wait": sum(g.idle_s for g in generated),
-        }
+        self._since_push.append((versions, float(stale > self.max_staleness), sum(g.gen_s for g in generated),
+                                 wait, sum(g.idle_s for g in generated)))
+        self.stats = dict(self.engine.stats) | loop_stats | self._step_stats()
         return samples
 
+    def _step_stats(self) -> dict[str, float]:
+        """``async/*`` and the waits over every batch collected since the last push: the step's batches (several
+        with dynamic sampling's top-ups, the filtered ones included)."""
+        batches = self._since_push
+        staleness = (self.version - torch.cat([b[0] for b in batches])).float()
+        return {
+            "async/staleness_mean": float(staleness.mean()), "async/staleness_max": float(staleness.max()),
+            "async/over_bound_frac": sum(b[1] for b in batches) / len(batches),
+            "async/regenerated_samples": sum(b[1] * len(b[0]) for b in batches),
+            "async/mispredicted_batches": 0.0, "async/policy_version": float(self.version),
+            "async/engine_gen_s": sum(b[2] for b in batches),
+            "timing_s/gen_wait": sum(b[3] for b in batches), "timing_s/train_wait": sum(b[4] for b in batches),
+        }
+
     def _submit(self, batch: TensorDict) -> _Job:
+        if self.agent is not None:
+            return _Job(self.engine.submit_call(run_loop, self.agent, batch), batch)
         ids, mask = batch[K.PROMPT_IDS].cpu(), batch[K.PROMPT_MASK].cpu()
         return _Job(self.engine.submit(unpadded(ids, mask), self.rollout.sampling), batch)
 
@@ -306,4 +362,5 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
                                f"prompts, expected {n} each")
 
     def __repr__(self) -> str:
-        return f"AsyncRollout({self.rollout!r}, max_staleness={self.max_staleness}, placement={self.placement!r})"
+        wrapped = self.agent or self.rollout
+        return f"AsyncRollout({wrapped!r}, max_staleness={self.max_staleness}, placement={self.placement!r})"

@@ -43,12 +43,7 @@ def drive_kept(fa) -> None:
                 if fa._stopping:
                     return
                 weights, fa._weights = fa._weights, None
-                admitted = []
-                while weights is None and fa._queue and fa._room() > 0:
-                    group = fa._queue.popleft()
-                    group.admitted = fa.version
-                    fa._active.append(group)
-                    admitted.append(group)
+                admitted = fa._admit() if weights is None else []
                 answered = [f for f in pending if f.done()]
             if weights is not None:
                 version, pairs = weights

@@ -32,6 +32,9 @@ class VLLMRollout(SingleTurnRollout):
         weight_transfer: how updates reach the engine: ``"auto"`` (vLLM's weight-transfer protocol), a backend
             name, or ``"reload"`` (see ``VLLMEngine``).
         engine_kwargs: more ``vllm.LLM`` arguments.
+        return_routed_experts: also write the MoE experts each token was routed to (``prompt_routed_experts``,
+            ``routed_experts``, as ``HFRollout(return_routed_experts=True)``; verl's R3): CUDA GPUs only (vLLM's Model
+            Runner V2), refused at once elsewhere.
 
     Raises:
         ImportError: at once when vLLM is not installed, with the install commands for CPU and GPU machines.
@@ -46,7 +49,7 @@ class VLLMRollout(SingleTurnRollout):
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, enable_chunked_prefill: bool | None = None,
                  free_cache_engine: bool = True, engine_seed: int = 0, engine_kwargs: dict | None = None,
-                 weight_transfer: str | None = "auto"):
+                 weight_transfer: str | None = "auto", return_routed_experts: bool = False):
         if engine is None and importlib.util.find_spec("vllm") is None:
             raise ImportError(f"VLLMRollout needs vLLM, which is not installed: {INSTALL_HINT}")
         engine = engine or VLLMEngine(
@@ -55,6 +58,7 @@ class VLLMRollout(SingleTurnRollout):
             enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
             free_cache_engine=free_cache_engine, seed=engine_seed, weight_transfer=weight_transfer, shared=True,
-            **(engine_kwargs or {}))
+            return_routed_experts=return_routed_experts, **(engine_kwargs or {}))
         super().__init__(engine, n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                         do_sample=do_sample, seed=seed, stop_token_ids=stop_token_ids, bucket_bytes=bucket_bytes)
+                         do_sample=do_sample, seed=seed, stop_token_ids=stop_token_ids,
+                         return_routed_experts=return_routed_experts, bucket_bytes=bucket_bytes)

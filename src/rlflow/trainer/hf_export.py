@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlflow.models import mimo
 from rlflow.trainer.training_state import latest_checkpoint
 
 if TYPE_CHECKING:  # torch loads only once a checkpoint is known to exist: a wrong path is reported at once
@@ -65,17 +66,21 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, base_model: str | Pat
     """
     checkpoint, out_dir = Path(checkpoint).expanduser(), Path(out_dir).expanduser()
     check_checkpoint(checkpoint)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     meta = checkpoint / "huggingface"
     if (checkpoint / ADAPTER_DIR / "adapter_config.json").exists():
         return export_lora(checkpoint, out_dir, base_model)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(meta))
+    mimo.register()  # a MiMo policy: its Qwen2 body here, its MTP layers written beside it (rlflow.models.mimo)
+    config = AutoConfig.from_pretrained(meta)
+    vision_language = getattr(config, "vision_config", None) is not None  # its tower's weights are the policy's too
+    model = (AutoModelForImageTextToText if vision_language else AutoModelForCausalLM).from_config(config)
     try:
         weights = load_policy_state(checkpoint / "state.ckpt")
     except Exception as e:  # noqa: BLE001 - a torn or foreign file: say which one
         raise ExportError(f"cannot read {checkpoint / 'state.ckpt'}: it may be incomplete or damaged "
                           f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from e
+    mtp = {k: weights.pop(k) for k in list(weights) if k.startswith(mimo.MTP_PREFIX)}
     try:
         missing, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError as e:  # shapes differ from huggingface/config.json
@@ -87,6 +92,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, base_model: str | Pat
                           f"unexpected {unexpected}")
     model.tie_weights()
     model.save_pretrained(out_dir)
+    if mtp:
+        mimo.add_mtp_weights(out_dir, mtp)
     AutoTokenizer.from_pretrained(meta).save_pretrained(out_dir)
     return out_dir
 

@@ -287,7 +287,7 @@ class Trainer:
             micro[K.LOG_PROBS], micro[K.ENTROPY] = log_probs, entropy
             if K.OLD_LOG_PROBS not in micro.keys():  # one update per batch: the policy before it is the old one
                 self.mismatch.add(micro.set(K.OLD_LOG_PROBS, log_probs.detach()))
-            return call_loss(self.loss, micro, agg)
+            return self.policy.with_auxiliary_loss(call_loss(self.loss, micro, agg), agg.num_tokens)
 
         return self._update(batch, self.policy.module, self.optimizer, "actor", micro_loss)
 

@@ -21,6 +21,7 @@ from rlflow.config.verl.data_classes import data_node, dataset_rows
 from rlflow.config.verl.folders import (TRUST, TRUST_TOKENIZER, load_vision_processor, local_model, model_files,
                                         policy_config, remote_code_errors)
 from rlflow.config.verl.loading import ConfigError
+from rlflow.config.verl.megatron import check_mtp_layers
 from rlflow.config.verl.plan import Plan
 from rlflow.config.verl.reward_fn import check_data_sources
 from rlflow.config.verl.tree import prompts_node, verl_tree
@@ -138,7 +139,9 @@ def verl_errors():
 
 def check_models(plan: Plan) -> None:
     """What the verl entry point checks of the policy's folder before the tree is built (no weights read)."""
-    vision = getattr(policy_config(plan), "vision_config", None) is not None
+    config = policy_config(plan)
+    vision = getattr(config, "vision_config", None) is not None
+    check_mtp_layers(plan, config)
     if plan.policy_kwargs.get("freeze_vision_tower") and not vision:
         plan.notes.append(f"actor_rollout_ref.actor.freeze_vision_tower=True: {plan.model_path} is a text model, "
                           "so there is no vision tower to freeze")

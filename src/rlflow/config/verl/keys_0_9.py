@@ -44,7 +44,11 @@ _MEGATRON_SCHEDULE = ("only used with Megatron's schedule: optim.lr_decay_style 
 _PRECISION_AWARE = ("only used with optim.use_precision_aware_optimizer=True (Megatron's), which rlflow refuses; "
                     "rlflow keeps float32 gradients and AdamW states")
 _QAT_ONLY = "only used with qat.enable=True (quantization-aware training), which rlflow refuses"
-_MTP_ONLY = "only used with mtp.enable=True (multi-token prediction), which rlflow refuses"
+_MTP_ROLLOUT = ("the rollout's copy of actor_rollout_ref.model.mtp (verl's engines read enable_rollout and the "
+                "speculative keys from it); rlflow reads actor_rollout_ref.model.mtp")
+_MTP_DRAFT = ("only used with mtp.enable_rollout=True (speculative decoding drafted by the MTP layers), which rlflow "
+              "refuses")
+_MTP_CRITIC = "only used with critic.model.mtp.enable=True (a critic with MTP layers), which rlflow refuses"
 _MLORA_ONLY = ("only used with model.lora.rank > 0 (verl's Megatron LoRA block, rlflow.config.verl.megatron_lora), which "
                "reads the keys it has a counterpart for")
 _TILED = ("a memory setting (TiledMLP computes the same MLP in slices); rlflow runs each MLP whole, and "
@@ -125,11 +129,16 @@ ROLE_INERT: dict[str, str] = {
     f"{ROLL}.prometheus.*": ("rlflow exports no Prometheus metrics of its rollout engine; its metrics go to "
                              "trainer.logger"),
     f"{ROLL}.quantization_config_file": "only used with rollout.quantization, which rlflow refuses",
-    f"{ROLL}.mtp.*": _MTP_ONLY,
+    f"{ROLL}.mtp.*": _MTP_ROLLOUT,
     f"{ROLL}.disaggregation.*": "only used with disaggregation.enabled=True, which rlflow refuses",
     # the models
     f"{MOD}.tiled_mlp.*": _TILED, "critic.model.tiled_mlp.*": _TILED,
-    f"{MOD}.mtp.*": _MTP_ONLY, "critic.model.mtp.*": _MTP_ONLY,
+    # model.mtp.{enable, enable_train, detach_encoder, mtp_loss_scaling_factor}: read by megatron.mtp_options under
+    # the Megatron strategy (validate.multi_token_prediction refuses enable=True otherwise, and enable_rollout)
+    f"{MOD}.mtp.*": "only used with actor_rollout_ref.actor.strategy=megatron (megatron-core's MTP block)",
+    **{f"{MOD}.mtp.{k}": _MTP_DRAFT for k in ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+                                             "speculative_num_draft_tokens", "method", "num_speculative_tokens")},
+    "critic.model.mtp.*": _MTP_CRITIC,
     f"{MOD}.lora.*": _MLORA_ONLY, "critic.model.lora.*": _MLORA_ONLY,
     "critic.model.custom_chat_template": ("the critic scores the policy's token ids; prompts are rendered once, with "
                                           "actor_rollout_ref.model.custom_chat_template"),
@@ -141,13 +150,8 @@ ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     **{f"{r}.optim.use_precision_aware_optimizer": ("Megatron's precision-aware optimizer (low-precision gradients "
                                                     "and Adam states)", _truthy) for r in _ROLES},
     "*.qat.enable": ("quantization-aware training (qat.enable)", _truthy),
-    "*.mtp.enable": ("multi-token prediction (mtp.enable: verl builds megatron-core's MTP block from the checkpoint's "
-                     "MTP layers; enable_train adds mtp_loss_scaling_factor x their loss to the actor's, enable_rollout "
-                     "drafts speculative decoding with them. rlflow's Megatron conversion starts from the transformers "
-                     "model, which for the architectures it converts holds no MTP layers (MiMo-7B's are remote code), "
-                     "so there are no MTP weights to convert or sync, its log-prob head adds no MTP loss, and its "
-                     "engines do not decode speculatively; megatron-core 0.16.1's MTP block itself runs on CPU "
-                     "processes)", _truthy),
+    "critic.model.mtp.enable": ("multi-token prediction layers on the critic (verl trains them on the actor only)",
+                                _truthy),
     f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation)", _truthy),
     f"{ROLL}.quantization": ("quantized rollouts (rollout.quantization)", _truthy),
     "critic.model.use_liger": ("Liger kernels", _truthy),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.config.report import gib, line
+from rlflow.models import mimo
 
 if TYPE_CHECKING:
     from rlflow.strategies.megatron.layout import ParallelLayout
@@ -144,6 +145,31 @@ def router_replay(cfg: VerlConfig, notes: list[str]) -> str | bool:
     return mode if mode in ("R2", "R3") else False
 
 
+def mtp_options(cfg: VerlConfig, notes: list[str]) -> dict | None:
+    """``actor_rollout_ref.model.mtp`` -> ``MegatronStrategy(mtp=...)`` (``MTPOptions``' fields), ``None`` when
+    ``enable`` is off (verl then builds no MTP block either). validate.multi_token_prediction refused the rest."""
+    key = "actor_rollout_ref.model.mtp"
+    if not cfg[f"{key}.enable"]:
+        return None
+    options = dict(train=bool(cfg[f"{key}.enable_train"]), detach_encoder=bool(cfg[f"{key}.detach_encoder"]),
+                   loss_scaling_factor=float(cfg[f"{key}.mtp_loss_scaling_factor"]))
+    notes.append(f"{key}.enable=True: the checkpoint's MTP layers run in megatron-core's MTP block ("
+                 + (f"trained: {options['loss_scaling_factor']} x their response-token cross-entropy joins the actor's "
+                    "loss, logged as actor/mtp_losses/mtp_1_loss" + (", stopped at the decoder's states and the token "
+                    "embeddings (detach_encoder)" if options["detach_encoder"] else "") if options["train"]
+                    else "carried and checkpointed, not trained: enable_train=False")
+                 + "); weight sync leaves them out (no speculative decoding)")
+    return options
+
+
+def check_mtp_layers(plan, config) -> None:
+    """``mtp.enable=True`` needs a checkpoint with MTP layers (``config``: the policy's), as in verl."""
+    if getattr(plan.trainer_kwargs.get("strategy"), "mtp", None) is not None and not mimo.mtp_layer_count(config):
+        raise ConfigError(f"actor_rollout_ref.model.mtp.enable=True but actor_rollout_ref.model.path={plan.model_path} "
+                          "has no multi-token prediction layers (its config's num_nextn_predict_layers is 0 or absent), "
+                          "as verl refuses too: use a checkpoint with them (MiMo) or mtp.enable=False")
+
+
 def _lora(cfg: VerlConfig) -> bool:
     """LoRA on the policy, in any of its spellings (rlflow.config.verl.lora)."""
     M_ = "actor_rollout_ref.model"
@@ -227,10 +253,11 @@ def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, acceler
     optimizer = optimizer_overrides(cfg, notes, on_cpu)
     folders, prefix = dist_checkpoints(cfg, notes, with_critic, check_dist_checkpoint)
     replay = router_replay(cfg, notes)
+    mtp = mtp_options(cfg, notes)
     kwargs = dict(tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline, context_parallel=layout.context,
                   expert_parallel=layout.expert, sequence_parallel=layout.sequence_parallel, layer_spec=spec,
                   transformer_overrides=overrides, optimizer_overrides=optimizer, dist_checkpoints=folders,
-                  dist_checkpoint_prefix=prefix, router_replay=replay)
+                  dist_checkpoint_prefix=prefix, router_replay=replay, **({"mtp": mtp} if mtp else {}))
     try:  # the object (checked; the dry run reads its layout) and its arguments (the tree's hardware.strategy node)
         return MegatronStrategy(**kwargs), kwargs
     except ValueError as e:
@@ -262,11 +289,14 @@ def dry_run_section(plan, config, seq_len: int) -> list[str]:
     from rlflow.strategies.megatron.memory import rank_memory  # torch, as above
     from rlflow.strategies.megatron.lora import check_targets
     from rlflow.strategies.megatron.model import architecture
+    from rlflow.strategies.megatron.vision import language_config
 
-    try:  # a model the conversion does not cover (a vision-language one, say) is refused here, not at build
+    try:  # a model the conversion does not cover is refused here, not at build
         architecture(config, plan.devices.strategy.layout)
     except ValueError as e:
         raise NotSupportedError("actor_rollout_ref.actor.strategy", "megatron", f"this model ({e})") from None
+    check_mtp_layers(plan, config)
+    config = language_config(config)  # a vision-language model: its language model's (its tower is not counted)
     if isinstance(plan.lora, dict):
         try:
             check_targets(config, plan.lora["target_modules"])

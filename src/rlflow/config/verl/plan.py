@@ -21,12 +21,12 @@ from rlflow import registry
 from rlflow.config.verl import tables
 from rlflow.config.verl.agent import agent_plan
 from rlflow.config.verl.algos import bypass_loss, gdpo_keys, ESTIMATOR_POOL, companions, loss_pool, pf_ppo
-from rlflow.config.verl.asynchronous import async_plan, sync_cadence, v1_async_plan
+from rlflow.config.verl.asynchronous import async_plan, multi_turn_async, sync_cadence, v1_async_plan
 from rlflow.config.verl.data_classes import data_source_key, dataset_class, sampler_factory
 from rlflow.config.verl.data_keys import data_extras
 from rlflow.config.verl.devices import Devices, resolve_devices
 from rlflow.config.verl.distillation import distillation_plan
-from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.verl.loading import ConfigError, VerlConfig
 from rlflow.config.verl.determinism import determinism
 from rlflow.config.verl.lora import critic_lora_argument, lora_argument
 from rlflow.config.verl.modeldata import chat_template_kwargs, engine_loading, model_loading, patch_size
@@ -35,7 +35,7 @@ from rlflow.config.verl.resolve import class_kwargs
 from rlflow.config.verl.reward_section import user_names
 from rlflow.config.verl.rewards import RewardPlan, reward_plan
 from rlflow.config.verl.role_keys import SP_ENGINE_KEYS, model_paths, sequence_parallel_keys
-from rlflow.config.verl.rollout import rollout_plan
+from rlflow.config.verl.rollout import rollout_class, rollout_plan
 from rlflow.config.verl.trainer_extras import critic_warmup_steps, generation_callbacks, keep_checkpoints
 from rlflow.config.verl.trainer_keys import checkpoint_callbacks, v1_mode
 from rlflow.config.verl.validate import check
@@ -269,7 +269,7 @@ def reward_and_shaping(cfg: VerlConfig, notes: list[str]) -> tuple[RewardPlan, d
 def around_the_rollout(cfg: VerlConfig, notes: list[str], devices: Devices, after: list, sampling: dict | None,
                        template_kwargs: dict) -> tuple:
     """The plans of what goes around the rollout and the loss: (the agent loop, distillation, fully asynchronous
-    generation, asynchronous generation); multi-turn with asynchronous generation is refused."""
+    generation, asynchronous generation); multi_turn_async checks what the agent loop combines with."""
     agent = agent_plan(cfg, notes)
     if agent is not None and template_kwargs:
         agent["template_kwargs"] = template_kwargs
@@ -280,9 +280,8 @@ def around_the_rollout(cfg: VerlConfig, notes: list[str], devices: Devices, afte
     sync_cadence(cfg, notes)
     fully_async = v1_async_plan(cfg, notes, devices, after, sampling)
     asynchronous = async_plan(cfg, notes, devices, after, sampling)
-    if agent and (asynchronous or fully_async):
-        raise NotSupportedError("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn rollouts with "
-                                "asynchronous generation", "Turn one of them off.")
+    if agent:
+        multi_turn_async(cfg, notes, asynchronous, fully_async, rollout_class(cfg).__name__)
     return agent, distill, fully_async, asynchronous
 
 

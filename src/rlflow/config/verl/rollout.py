@@ -142,7 +142,7 @@ def rollout_plan(cfg: VerlConfig, devices: Devices, notes: list[str], n: int, te
             raise NotSupportedError(f"{R}.ignore_eos", True, f"generation past EOS with {cls.__name__}",
                                     f"{R}.name=hf generates past EOS (HFRollout(ignore_eos=True)).")
         kwargs["ignore_eos"] = True
-    if cfg[f"{R}.enable_rollout_routing_replay"]:  # validate.rollout_routing refused engines other than HFRollout
+    if cfg[f"{R}.enable_rollout_routing_replay"]:  # validate.rollout_routing refused the rest
         kwargs["return_routed_experts"] = True
         notes.append(f"{R}.enable_rollout_routing_replay=True: the rollout records the MoE experts each token is routed "
                      "to (prompt_routed_experts, routed_experts); the Megatron policy replays them with "

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlflow.config.verl import checks, tables
+from rlflow.config.verl import devices as verl_devices
 from rlflow.config.verl.devices import resolve_devices
 from rlflow.config.verl.distillation import loss_problems as distillation_loss_problems
 from rlflow.config.verl.reward_fn import reward_file_problem, split_reward_spec
@@ -325,21 +326,52 @@ def rollout_engine_available(ctx: Context) -> None:
 
 @cross_check
 def rollout_routing(ctx: Context) -> None:
-    """MoE routing replay from the rollout (verl's R3) needs an engine that returns the routed experts: HFRollout's."""
+    """MoE routing replay from the rollout (verl's R3) needs an engine that returns the routed experts: HFRollout's,
+    or VLLMRollout's on a CUDA GPU (vLLM's Model Runner V2)."""
     key, name, server = f"{R}.enable_rollout_routing_replay", ctx.get(f"{R}.name"), ctx.get(f"{R}.server.url")
     if not ctx.get(key) or (name == "hf" and not server) or name not in tables.ROLLOUT_ENGINES:
         return
+    device = ctx.get("trainer.device")
+    if name == "vllm" and not server and (device == "cuda" or (device == "auto" and verl_devices.cuda_count() > 0)):
+        return  # VLLMRollout(return_routed_experts=True)
     cls_name = tables.SERVER_ROLLOUTS.get(name, name) if server else tables.ROLLOUT_ENGINES[name][1]
-    why = (VLLM_ROUTING if name == "vllm" and not server else
-           f"{cls_name}'s engine does not return the routed experts")
-    ctx.add(NotSupportedError(key, True, f"MoE routing replay from the rollout with {cls_name} (verl's R3)",
+    in_process_vllm = name == "vllm" and not server
+    why = VLLM_ROUTING if in_process_vllm else f"{cls_name}'s engine does not return the routed experts"
+    where = " on CPU" if in_process_vllm else ""
+    # no other apostrophe than verl's: the verl-examples harness reads the reason with quoted text taken out
+    ctx.add(NotSupportedError(key, True, f"MoE routing replay from the rollout with {cls_name}{where} (verl's R3)",
                               f"{why}. {R}.name=hf records them (HFRollout(return_routed_experts=True)); "
-                              f"{A}.megatron.router_replay.mode=R2 replays the old-log-prob pass's routing instead."))
+                              f"{A}.megatron.router_replay.mode=R2 replays the routing of the old-log-prob pass "
+                              "instead."))
 
 
-VLLM_ROUTING = ("vLLM 0.32 returns routed experts (enable_return_routed_experts) only from its Model Runner V2, which "
-                "needs Triton: its CPU build has none and refuses the option ('AuxOutput Connector requires Model "
-                "Runner V2'), and rlflow does not wire the GPU path yet")
+@cross_check
+def multi_token_prediction(ctx: Context) -> None:
+    """verl's ``model.mtp``: the checkpoint's MTP layers in megatron-core's MTP block, so under the Megatron strategy
+    (as in verl: mbridge + Megatron); speculative decoding drafted by them is refused."""
+    key = "actor_rollout_ref.model.mtp"
+    if not ctx.get(f"{key}.enable"):
+        return
+    strategy = ctx.get(f"{A}.strategy")
+    # no apostrophe in the reasons: the verl-examples harness reads them with quoted text taken out
+    if strategy != "megatron":
+        ctx.add(NotSupportedError(f"{key}.enable", True, f"multi-token prediction with {A}.strategy={strategy}",
+                                  "rlflow trains MTP layers in the MTP block of megatron-core, as verl does: set "
+                                  f"model_engine=megatron or {A}.strategy=megatron."))
+    if ctx.get(f"{key}.enable_rollout"):
+        name = ctx.get(f"{R}.name")
+        engine = "the SGLang server" if name == "sglang" else f"{R}.name={name}"
+        ctx.add(NotSupportedError(f"{key}.enable_rollout", True, f"speculative decoding drafted by the MTP layers with "
+                                  f"{engine}", "The weight sync of rlflow sends an engine the main model only, never "
+                                  "the MTP layers a draft reads (an SGLang server drafts with the MTP layers of the "
+                                  "checkpoint it loaded, set at its launch); HFRollout and the vLLM engine of rlflow "
+                                  f"start without a speculative config. Training the layers ({key}.enable_train) does "
+                                  "not need it."))
+
+
+VLLM_ROUTING = ("vLLM returns routed experts only from its GPU Model Runner V2, which needs a CUDA GPU and "
+                "Triton (trainer.device=cuda); on CPU vLLM runs its V1 runner, which refuses them (AuxOutput Connector "
+                "requires Model Runner V2)")
 
 
 @cross_check

@@ -165,21 +165,32 @@ class AgentLoop(RolloutWrapper):
 
     # ------------------------------------------------------------------ the rollout
     def forward(self, batch: TensorDict) -> TensorDict:
+        self.rollout.resync()  # a shared engine loaded another model's weights since
+        trajs = self.trajectories(batch)
+        run_sync(self.run(trajs))
+        return self.laid_out(batch, trajs)
+
+    def trajectories(self, batch: TensorDict) -> list[Trajectory]:
+        """The starting states of ``batch``'s samples, ``n`` per prompt in the order of its rows."""
         if self.rollout.tokenizer is None:
             raise RuntimeError("AgentLoop has no engine: call rollout.bind(model, tokenizer) (the Trainer does)")
-        n, num_prompts = self.n, batch.batch_size[0]
-        self.rollout.resync()  # a shared engine loaded another model's weights since
         if self.tools or self.interaction is not None or self.environment is not None:
             self.chat  # fails now, naming the fix, when the tokenizer has no chat template to render turns with
+        num_prompts = batch.batch_size[0]
         prompts, raw = self.prompt_ids(batch), _column(batch, K.RAW_PROMPT, num_prompts)
-        extra = _column(batch, K.EXTRA_INFO, num_prompts)
         rows = [{"ground_truth": g, "data_source": d, "extra_info": e} for g, d, e in zip(
-            _column(batch, K.GROUND_TRUTH, num_prompts), _column(batch, K.DATA_SOURCE, num_prompts), extra)]
-        trajs = [self.new_trajectory(prompts[i], raw[i], rows[i]) for i in range(num_prompts) for _ in range(n)]
-        run_sync(self.run(trajs))
+            _column(batch, K.GROUND_TRUTH, num_prompts), _column(batch, K.DATA_SOURCE, num_prompts),
+            _column(batch, K.EXTRA_INFO, num_prompts))]
+        return [self.new_trajectory(prompts[i], raw[i], rows[i]) for i in range(num_prompts) for _ in range(self.n)]
+
+    def laid_out(self, batch: TensorDict, trajs: list[Trajectory]) -> TensorDict:
+        """``batch``'s rows, ``n`` each, with the finished ``trajs`` (of :meth:`trajectories`) written in; the
+        metrics go to ``stats``."""
+        n, num_prompts, device = self.n, batch.batch_size[0], batch[K.PROMPT_IDS].device
+        extra = _column(batch, K.EXTRA_INFO, num_prompts)
         out = batch.repeat_interleave(n, dim=0) if n > 1 else batch.clone(False)
-        self.write(out, trajs, [extra[i] for i in range(num_prompts) for _ in range(n)], batch[K.PROMPT_IDS].device)
-        out[K.GROUP] = torch.arange(num_prompts, device=batch[K.PROMPT_IDS].device).repeat_interleave(n)
+        self.write(out, trajs, [extra[i] for i in range(num_prompts) for _ in range(n)], device)
+        out[K.GROUP] = torch.arange(num_prompts, device=device).repeat_interleave(n)
         self.stats = summarize(trajs)
         return out
 
@@ -215,7 +226,7 @@ class AgentLoop(RolloutWrapper):
                 start = time.perf_counter()
                 turn = await sampler.generate(t.context, t.remaining)
                 t.gen_s += time.perf_counter() - start
-                t.add_model_turn(turn.token_ids, turn.log_probs)
+                t.add_model_turn(turn.token_ids, turn.log_probs, turn.extras.get("token_versions"))
                 text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
                 t.messages.append({"role": "assistant", "content": text})
                 if turn.finish_reason == "length" or t.remaining <= 0:

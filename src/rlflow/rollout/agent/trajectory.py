@@ -27,6 +27,7 @@ class Trajectory:
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)   # per response token: the weights that sampled it, -1: none
     assistant_turns: int = 0
     user_turns: int = 0
     tool_calls: int = 0
@@ -50,10 +51,12 @@ class Trajectory:
     def remaining(self) -> int:
         return self.budget - len(self.response_ids)
 
-    def add_model_turn(self, token_ids: list[int], log_probs: list[float]) -> None:
+    def add_model_turn(self, token_ids: list[int], log_probs: list[float], versions: list[int] | None = None) -> None:
+        """Append a model turn (mask 1); ``versions``: per token, the policy version that sampled it, if known."""
         self.response_ids += token_ids
         self.response_mask += [1] * len(token_ids)
         self.log_probs += log_probs
+        self.versions += list(versions) if versions is not None else [-1] * len(token_ids)
         self.assistant_turns += 1
 
     def add_observation(self, token_ids: list[int]) -> bool:
@@ -63,6 +66,7 @@ class Trajectory:
         self.response_ids += token_ids
         self.response_mask += [0] * len(token_ids)
         self.log_probs += [0.0] * len(token_ids)
+        self.versions += [-1] * len(token_ids)
         return True
 
     @property

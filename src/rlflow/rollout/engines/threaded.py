@@ -8,6 +8,9 @@ trainer's thread trains. It offers the same pipelined calls as
 Weights are snapshotted (copied) in the trainer's thread when pushed, so later optimizer steps cannot
 change them before the worker sends them; the worker then writes and reloads them (the server engine's
 own ``load_weights``) before the jobs submitted after the push.
+
+Any work can be a job (:meth:`ThreadedEngine.submit_call`): an agent loop's whole batch of conversations runs
+on the worker that way (``AsyncRollout`` over an ``AgentLoop``), its turns and tools under one weight version.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ class ThreadedEngine(Engine):
     Args:
         engine: the engine to drive (e.g. a :class:`~rlflow.rollout.engines.server.ServerEngine`).
         timeout: seconds :meth:`result` waits for one job before raising :class:`EngineProcessError`.
+        closes_engine: :meth:`close` closes ``engine`` too (``False``: its rollout decides, e.g. vLLM's shared
+            in-process engine stays for other rollouts).
     """
 
     holds_own_weights = True
 
-    def __init__(self, engine: Engine, *, timeout: float = 3600.0):
-        self.engine, self.timeout = engine, timeout
+    def __init__(self, engine: Engine, *, timeout: float = 3600.0, closes_engine: bool = True):
+        self.engine, self.timeout, self.closes_engine = engine, timeout, closes_engine
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlflow-async-engine")
         self.tickets = itertools.count()
         self.jobs: dict[int, Future] = {}
@@ -46,22 +51,31 @@ class ThreadedEngine(Engine):
         return dict(self.engine.stats)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> int:
+        return self.submit_call(self._generate, prompts, params)
+
+    def submit_call(self, work, *args) -> int:
+        """Run ``work(*args)`` on the worker, after the jobs and weight loads asked for before; :meth:`result`
+        gives its return value as ``Generated.completions``, with the weight version it ran under."""
         ticket = next(self.tickets)
-        self.jobs[ticket] = self.worker.submit(self._generate, prompts, params)
+        self.jobs[ticket] = self.worker.submit(self._run, work, args)
         return ticket
 
-    def _generate(self, prompts, params) -> Generated:
+    def _run(self, work, args) -> Generated:
         if self.failure is not None:
             raise self.failure
         start = time.perf_counter()
-        idle, version = start - self.idle_since, self.loaded_version
-        completions = self.engine.generate(prompts, params)
+        idle = start - self.idle_since
+        out = work(*args)
         done = time.perf_counter()
         self.idle_since = done
+        return Generated(out, self.loaded_version, done - start, idle)
+
+    def _generate(self, prompts, params) -> list[list[Completion]]:
+        completions = self.engine.generate(prompts, params)
         for per_prompt in completions:
             for c in per_prompt:
-                c.extras["policy_version"] = version
-        return Generated(completions, version, done - start, idle)
+                c.extras["policy_version"] = self.loaded_version  # weights load on this thread: it cannot change here
+        return completions
 
     def result(self, ticket: int) -> Generated:
         try:
@@ -101,6 +115,9 @@ class ThreadedEngine(Engine):
         return totals | {"weight_sync/push_s": time.perf_counter() - start}
 
     def close(self) -> None:
-        self.worker.shutdown(wait=False, cancel_futures=True)
-        self.engine.close()
+        """Cancel the jobs not started, wait for the one running (an engine must not close under a running call),
+        then close the engine (``closes_engine``)."""
+        self.worker.shutdown(wait=True, cancel_futures=True)
+        if self.closes_engine:
+            self.engine.close()
 

@@ -15,6 +15,12 @@ engine therefore multiplies the logits by ``1/T`` inside the model's logits proc
 ``log_softmax(logits / T)`` and its top-k/top-p act on the same scaled logits, exactly as transformers'
 warpers do. One temperature is active per ``generate`` call (calls are serialised by a lock).
 
+**Routed experts** (verl's R3, ``return_routed_experts=True``): vLLM records the experts each fed token is routed
+to, for every decoder layer (``enable_return_routed_experts``), and returns them with the finished completion;
+:func:`~rlflow.rollout.engines.routing.from_vllm` keeps the MoE layers and pads the last token with -1, the HF
+engine's layout. vLLM 0.32 does this only in its Model Runner V2 (CUDA GPUs with Triton); on CPU the engine
+refuses the option at once.
+
 **Host process.** vLLM's in-process start seeds the global RNGs, replaces ``torch.set_num_threads`` with a
 no-op that only warns, freezes the garbage collector, and sets environment variables (``LOCAL_WORLD_SIZE``
 among them), and its CPU sampler draws from the global torch RNG at every step. Every call into vLLM runs
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib.util
 import json
 import os
 import random
@@ -41,6 +48,7 @@ from torch import nn
 
 from rlflow.models.hf_config import apply_overrides
 from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets, counted
+from rlflow.rollout.engines.routing import config_moe_layers, from_vllm
 from rlflow.rollout.engines.weights_on_disk import model_folder, shared_temp_dir, write_checkpoint, writes_checkpoints
 from rlflow.rollout.engines.weight_transfer import LLMClient, Sender, choose_backend
 from rlflow.rollout.weight_sync import update_buckets
@@ -113,6 +121,24 @@ class HostIsolation:
         return False
 
 
+ROUTED_EXPERTS_NEED_GPU = (
+    "vLLM returns routed experts only from its GPU Model Runner V2, which needs a CUDA GPU and Triton; {missing}, "
+    "so vLLM would run its V1 runner, which refuses enable_return_routed_experts (AuxOutput Connector requires "
+    "Model Runner V2). Record them with HFRollout (rollout.name=hf) here")
+
+
+def routed_experts_unavailable() -> str | None:
+    """Why vLLM cannot return routed experts on this machine (no CUDA GPU, no Triton, the V1 runner asked for), or
+    ``None`` where it can. Reads no vLLM module (importing vLLM changes the host process)."""
+    if not torch.cuda.is_available():
+        return ROUTED_EXPERTS_NEED_GPU.format(missing="this machine has no CUDA GPU")
+    if importlib.util.find_spec("triton") is None:
+        return ROUTED_EXPERTS_NEED_GPU.format(missing="Triton is not installed")
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").lower() in ("0", "false"):
+        return ROUTED_EXPERTS_NEED_GPU.format(missing="VLLM_USE_V2_MODEL_RUNNER=0 asks for the V1 runner")
+    return None
+
+
 def check_head_size(config) -> None:
     """vLLM's CPU attention supports a fixed set of head sizes; fail before the first generate, not at it."""
     if torch.cuda.is_available():
@@ -158,11 +184,6 @@ class VLLMEngine(Engine):
     """
 
     holds_own_weights = True
-    routed_experts_refusal = (
-        "not built: vLLM 0.32 returns routed experts (enable_return_routed_experts) only from its Model Runner V2, "
-        "which needs Triton; its CPU build has no Triton CPU backend and runs the V1 runner, so vLLM refuses at start-up "
-        "('AuxOutput Connector requires Model Runner V2'), and the GPU path is not wired in rlflow yet. HFRollout "
-        "records them (rollout.name=hf), or router_replay.mode=R2 replays the old-log-prob pass's routing")
 
     def __init__(self, model: str | Path | nn.Module | None = None, tokenizer=None, *, dtype: str = "auto",
                  max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
@@ -170,16 +191,35 @@ class VLLMEngine(Engine):
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, enable_chunked_prefill: bool | None = None,
                  free_cache_engine: bool = False, seed: int = 0, weight_transfer: str | None = "auto",
-                 shared: bool = False, **engine_kwargs):
+                 shared: bool = False, return_routed_experts: bool = False, **engine_kwargs):
+        if return_routed_experts:
+            why = routed_experts_unavailable()
+            if why is not None:
+                raise NotImplementedError(f"VLLMEngine(return_routed_experts=True): {why}")
+            if not enable_prefix_caching:
+                raise ValueError("VLLMEngine(return_routed_experts=True) needs enable_prefix_caching=True: vLLM "
+                                 "returns routed experts only with its prefix cache on (rollout.enable_prefix_caching)")
         self.settings = dict(dtype=dtype, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                              enable_prefix_caching=enable_prefix_caching,
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                              enable_chunked_prefill=enable_chunked_prefill, free_cache_engine=free_cache_engine,
-                             seed=seed, weight_transfer=weight_transfer) | engine_kwargs
+                             seed=seed, weight_transfer=weight_transfer,
+                             return_routed_experts=return_routed_experts) | engine_kwargs
         self.shared, self.llm, self.loaded_from, self.pool_key = shared, None, None, None
         if model is not None:
             self.bind(model, tokenizer)
+
+    @property
+    def returns_routed_experts(self) -> bool:
+        """Started with ``return_routed_experts=True`` (a CUDA GPU only: :func:`routed_experts_unavailable`)."""
+        return bool(self.settings["return_routed_experts"])
+
+    @property
+    def routed_experts_refusal(self) -> str:
+        why = routed_experts_unavailable()
+        return why or ("build the engine with VLLMEngine(return_routed_experts=True) (VLLMRollout(return_routed_experts"
+                       "=True)): vLLM records them only when its engine is started to (enable_return_routed_experts)")
 
     def bind(self, model: str | Path | nn.Module, tokenizer) -> None:
         """Start vLLM with ``model`` (a folder or a transformers model, see ``model`` above), or, ``shared``, join
@@ -201,7 +241,7 @@ class VLLMEngine(Engine):
               kv_cache_memory_bytes: int | None, gpu_memory_utilization: float | None, enforce_eager: bool,
               enable_prefix_caching: bool, max_num_batched_tokens: int | None, max_num_seqs: int | None,
               enable_chunked_prefill: bool | None, free_cache_engine: bool, seed: int, weight_transfer: str | None,
-              **engine_kwargs) -> None:
+              return_routed_experts: bool, **engine_kwargs) -> None:
         from transformers import AutoConfig
 
         self.isolation = HostIsolation(seed)
@@ -222,6 +262,13 @@ class VLLMEngine(Engine):
                 "(vLLM's multimodal input path builds transformers' AutoProcessor, whose Qwen2-VL video processor "
                 "needs torchvision, removed on CPU installs); use HFRollout")
         check_head_size(self.config)
+        self.moe_layers = None  # with return_routed_experts: the decoder-layer index of each MoE layer
+        if return_routed_experts:
+            self.moe_layers = config_moe_layers(self.config, bool(engine_kwargs.get("trust_remote_code")))
+            if not self.moe_layers:
+                raise ValueError(f"{self.config.architectures}: no MoE layers; recording the routed experts "
+                                 "(return_routed_experts, verl's enable_rollout_routing_replay) needs a MoE model")
+            engine_kwargs["enable_return_routed_experts"] = True
         eos = tokenizer.eos_token_id if tokenizer is not None else self.config.eos_token_id
         self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.on_gpu = torch.cuda.is_available()
@@ -291,9 +338,17 @@ class VLLMEngine(Engine):
                 self.llm.sleep(level=1)
                 self.asleep = True
         samples = [Completion(list(c.token_ids), [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)],
-                              "length" if c.finish_reason == "length" else "stop")
+                              "length" if c.finish_reason == "length" else "stop",
+                              self._routing(out, c) if params.return_routed_experts else {})
                    for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         return [samples[i : i + params.n] for i in range(0, len(samples), params.n)]
+
+    def _routing(self, output, completion) -> dict:
+        """One completion's ``routed_experts`` in rlflow's layout (:func:`.routing.from_vllm`)."""
+        if self.moe_layers is None:
+            raise NotImplementedError(f"return_routed_experts: VLLMEngine: {self.routed_experts_refusal}")
+        tokens = len(output.prompt_token_ids) + len(completion.token_ids)
+        return {"routed_experts": from_vllm(completion.routed_experts, tokens, self.moe_layers)}
 
     def load_weights(self, buckets: WeightBuckets) -> dict[str, float]:
         """One round of the weight-transfer protocol (one ``update_weights`` per bucket, as they are gathered)

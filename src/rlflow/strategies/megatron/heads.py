@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from rlflow.models.head import auto_chunk_tokens
 from rlflow.models.packing import response_lengths
 from rlflow.strategies.megatron.model import MegatronLM
+from rlflow.strategies.megatron.mtp import mtp_states
 from rlflow.strategies.megatron.pipeline import run_stages
 
 
@@ -186,6 +187,27 @@ class MegatronLogProbs(nn.Module):
         out = torch.cat(parts) if parts else states.sum(-1, keepdim=True)[:0].float().expand(0, width)
         return out.view(*predict.shape, width)
 
+    def _mtp_chunk(self, hidden: Tensor, ids: Tensor) -> Tensor:
+        """The MTP layers' log-probs of ``ids`` (temperature 1; the output layer's weight detached, as verl's)."""
+        logits = self.lm.logits(hidden, detach_weight=True).float()
+        return vocab_parallel_log_probs(logits, ids - self.lm.vocab_start)[0]
+
+    def _mtp_losses(self, hidden: Tensor, tokens: _Tokens, response_ids: Tensor, response_mask: Tensor,
+                    detach_encoder: bool) -> tuple[Tensor, Tensor]:
+        """Each MTP layer's cross-entropy sum over the response tokens it predicts, and their count (:mod:`.mtp`):
+        layer ``k`` predicts response token ``t`` from the position ``1 + k`` before the main head's."""
+        (B, R), sums, counts = response_ids.shape, [], []
+        for k, states in enumerate(mtp_states(self.lm, hidden, tokens.ids, detach_encoder)):
+            at = tokens.predict - (1 + k)
+            valid = (at >= 0) & response_mask.bool()
+            picked = _response_states(states, at.clamp_min(0)).view(B, R, -1)[valid]
+            ids = response_ids[valid]
+            parts = [checkpoint(self._mtp_chunk, picked[i : i + self.chunk_tokens], ids[i : i + self.chunk_tokens],
+                                use_reentrant=False) for i in range(0, ids.numel(), self.chunk_tokens)]
+            sums.append(-torch.cat(parts).sum() if parts else picked.sum() * 0.0)
+            counts.append(valid.sum().float())
+        return torch.stack(sums), torch.stack(counts)
+
     @property
     def replays_rollout_routing(self) -> bool:
         """Whether :meth:`forward` takes ``routed_experts`` (``MegatronStrategy(router_replay="R3")``)."""
@@ -194,22 +216,34 @@ class MegatronLogProbs(nn.Module):
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
                 response_mask: Tensor | None = None, topk_ids: Tensor | None = None,
-                routed_experts: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, ...]:
+                routed_experts: tuple[Tensor, Tensor] | None = None,
+                multi_modal: list[dict] | None = None) -> tuple[Tensor, ...]:
         """Shapes: prompt ``B x P`` (left-padded), response ``B x R`` -> log-probs, entropy ``B x R``; with
         ``topk_ids`` (``B x R x k``) also their log-probs ``B x R x k``, as ``TokenLogProbs``. ``routed_experts``:
-        the rollout's routing of the prompt and the response tokens, replayed in R3 mode."""
+        the rollout's routing of the prompt and the response tokens, replayed in R3 mode. ``multi_modal``: a
+        vision-language model's per-row processor outputs, as ``TokenLogProbs``' (:mod:`.vision`)."""
         B, R = response_ids.shape
         scored = response_ids[..., None] if topk_ids is None else torch.cat([response_ids[..., None], topk_ids], -1)
         width = scored.shape[-1] + 1
         tokens = _tokens(self.lm, prompt_ids, prompt_mask, response_ids)
+        images = None if self.lm.vision is None else self.lm.vision.batch(
+            prompt_ids, prompt_mask, response_ids, multi_modal, tokens.source, tuple(tokens.ids.shape))
         replay = getattr(self.lm, "routing_replay", None)  # MoE routing replay (.router_replay), when on
         if replay is not None:
             given = None
             if routed_experts is not None and replay.mode == "R3":
                 given = _routing(tokens, *routed_experts, prompt_ids.shape[1], R)
             replay.start(tokens.ids, B, given)
-        out = run_stages(self.lm, tokens.ids, lambda h: self._head(self.lm.full_sequence(h), tokens.predict,
-                                                                     scored), (B, R, width))
+        mtp = getattr(self.lm, "mtp_losses", None)  # .mtp: trained MTP layers add their loss in update passes
+        train_mtp = mtp is not None and torch.is_grad_enabled() and response_mask is not None
+
+        def head(hidden: Tensor) -> Tensor:
+            hidden = self.lm.full_sequence(hidden)
+            if train_mtp:
+                mtp.record(*self._mtp_losses(hidden, tokens, response_ids, response_mask, mtp.options.detach_encoder))
+            return self._head(hidden, tokens.predict, scored)
+
+        out = run_stages(self.lm, tokens.ids, head, (B, R, width), images)
         if replay is not None:
             replay.finish(tokens.ids, B)
         out = _trailing_zeros(out, response_mask, self.remove_padding)

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from rlflow.strategies.megatron import qwen3_5
 from rlflow.strategies.megatron.model import MegatronLM, architecture, head_dim
 from rlflow.strategies.megatron.slots import TENSOR, Slot, _same
+from rlflow.strategies.megatron.vision import is_vision_language
 
 # Hugging Face projection -> (Megatron layer under the decoder layer, column- or row-parallel)
 TARGETS = {"q_proj": ("self_attention.linear_qkv", "column"), "k_proj": ("self_attention.linear_qkv", "column"),
@@ -173,7 +174,11 @@ def peft_parts(peft_model) -> tuple[str, dict[tuple[int, str], dict[str, Part]]]
 def check_targets(config, target_modules) -> None:
     """A clear error, before anything is built, for targets this does not adapt on ``config``'s model: a MoE
     model's MLPs are its routed experts (and PEFT's ``all-linear`` includes its router); Qwen3.5's layers are not
-    adapted."""
+    adapted, nor a vision-language model."""
+    if is_vision_language(config):
+        raise ValueError(f"LoRA under the Megatron strategy does not adapt a vision-language model "
+                         f"({config.model_type}): its adapters are not attached to the converted language model and "
+                         "the vision tower together; train it without LoRA, or with LoRA under FSDP")
     if qwen3_5.is_hybrid(config):
         raise ValueError("LoRA under the Megatron strategy does not adapt Qwen3.5 (qwen3_5_text): its gated q_proj and "
                          "Gated DeltaNet projections have no adapter layout here; train it without LoRA, or with LoRA "

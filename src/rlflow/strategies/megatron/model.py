@@ -1,4 +1,5 @@
-"""A Hugging Face decoder (Qwen2/Qwen2.5, Qwen3, Qwen3-MoE, Llama, Qwen3.5 text) rebuilt as this rank's megatron-core shard.
+"""A Hugging Face decoder (Qwen2/Qwen2.5, Qwen3, Qwen3-MoE, Llama, Qwen3.5 text; a Qwen2.5-VL / Qwen3.5 language model,
+:mod:`.vision`) rebuilt as this rank's megatron-core shard.
 
 :func:`transformer_config_kwargs` maps the Hugging Face config to Megatron's ``TransformerConfig``;
 :class:`MegatronLM` holds the ``GPTModel`` of this rank (its pipeline stage, its tensor and expert
@@ -24,6 +25,8 @@ from torch import Tensor, nn
 
 from rlflow.strategies.megatron import qwen3_5
 from rlflow.strategies.megatron.layout import ParallelLayout
+from rlflow.strategies.megatron.vision import (LANGUAGE_MODELS, VisionBatch, VisionPart, is_vision_language,
+                                               language_config)
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class Architecture:
 
 ARCHITECTURES = {
     "qwen2": Architecture(qkv_bias=True, qk_norm=False, moe=False),
+    "mimo": Architecture(qkv_bias=True, qk_norm=False, moe=False),  # Qwen2 + MTP layers (rlflow.models.mimo)
+    "qwen2_5_vl_text": Architecture(qkv_bias=True, qk_norm=False, moe=False),  # Qwen2.5-VL's language model (.vision)
     "llama": Architecture(qkv_bias=False, qk_norm=False, moe=False),
     "qwen3": Architecture(qkv_bias=False, qk_norm=True, moe=False),
     "qwen3_moe": Architecture(qkv_bias=False, qk_norm=True, moe=True),
@@ -47,13 +52,18 @@ ARCHITECTURES = {
 
 
 def architecture(config, layout: ParallelLayout | None = None) -> Architecture:
-    """The architecture of a Hugging Face config, or a clear error for what the conversion does not cover (at
-    ``layout``, when given)."""
+    """The architecture of a Hugging Face config (a vision-language model's: its language model's, :mod:`.vision`),
+    or a clear error for what the conversion does not cover (at ``layout``, when given)."""
+    if is_vision_language(config) and config.model_type in LANGUAGE_MODELS:
+        if layout is not None and layout.sequence_parallel and layout.tensor > 1:
+            raise ValueError(f"{config.model_type}: sequence parallelism does not combine with a vision-language "
+                             "model under the Megatron strategy (its image features are written into the whole "
+                             "sequence's embeddings before the decoder)")
+        config = language_config(config)
     arch = ARCHITECTURES.get(config.model_type)
     if arch is None:
-        why = qwen3_5.NOT_CONVERTED.get(config.model_type)
-        raise ValueError(f"the Megatron strategy converts {', '.join(ARCHITECTURES)} models; "
-                         f"got model_type={config.model_type!r}" + (f": {why}" if why else ""))
+        raise ValueError(f"the Megatron strategy converts {', '.join(ARCHITECTURES)} models and the vision-language "
+                         f"{', '.join(LANGUAGE_MODELS)}; got model_type={config.model_type!r}")
     unsupported = [what for what, bad in (
         ("hidden_act other than silu", config.hidden_act != "silu"),
         ("attention_bias=True", bool(getattr(config, "attention_bias", False))),
@@ -192,9 +202,9 @@ class MegatronLM(nn.Module):
         from megatron.core import parallel_state as ps
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        config = hf_model.config
+        config = language_config(hf_model.config)
+        architecture(hf_model.config, layout)
         layout.check_model(config)
-        architecture(config, layout)
         rotary = hf_model.get_decoder().rotary_emb
         if getattr(rotary, "attention_scaling", 1.0) != 1.0 or getattr(rotary, "rope_type", "default") not in (
                 "default", "linear", "llama3"):
@@ -210,14 +220,16 @@ class MegatronLM(nn.Module):
         self.vocab_local = max(0, min(rows // layout.tensor, config.vocab_size - self.vocab_start))  # real rows here
         if self.vocab_local == 0:
             raise ValueError(f"vocabulary {config.vocab_size} is too small for tensor parallel {layout.tensor}")
+        block = qwen3_5.block_spec(config, self.config, spec) if qwen3_5.is_hybrid(config) else layer_spec(config, spec)
         self.gpt = _gpt_model_class()(
-            config=self.config, vocab_size=rows,
-            transformer_layer_spec=qwen3_5.block_spec(config, self.config, spec) if qwen3_5.is_hybrid(config)
-            else layer_spec(config, spec),
+            config=self.config, vocab_size=rows, transformer_layer_spec=block,
+            mtp_block_spec=self._mtp_spec(block, spec),
             max_sequence_length=config.max_position_embeddings, pre_process=self.first_stage,
             post_process=self.last_stage, share_embeddings_and_output_weights=bool(config.tie_word_embeddings),
             position_embedding_type="rope", parallel_output=True)
         self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
+        # a vision-language model's tower (first stage) and multimodal positions (.vision)
+        self.vision = VisionPart(hf_model, self.first_stage) if is_vision_language(hf_model.config) else None
         self.explicit_mask = spec == "local"
         # transformers' nn.Embedding(padding_idx): that token's row gets no gradient from its lookups
         self.padding_idx = getattr(hf_model.get_input_embeddings(), "padding_idx", None)
@@ -229,23 +241,47 @@ class MegatronLM(nn.Module):
                     or getattr(param, "sequence_parallel", False):
                 param.partial_over_tensor_parallel = True
 
-    def hidden_states(self, input_ids: Tensor, stage_input: Tensor | None) -> Tensor:
+    def _mtp_spec(self, block, spec: str):
+        """megatron-core's multi-token prediction block (``mtp_num_layers`` MTP layers after the decoder) or ``None``."""
+        if not self.config.mtp_num_layers:
+            return None
+        layout = self.layout
+        if layout.pipeline > 1 or layout.context > 1 or self.config.sequence_parallel:
+            raise ValueError(f"multi-token prediction runs at pipeline, context and sequence parallel 1 under rlflow's "
+                             f"Megatron strategy (its MTP block sits with the embedding on one stage); got "
+                             f"{layout.describe()}")
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        return get_gpt_mtp_block_spec(self.config, block, use_transformer_engine=spec == "transformer_engine")
+
+    def rotary_and_mask(self, S: int, device) -> tuple[Tensor, Tensor | None]:
+        """The rotary angles ``[S, 1, 1, D]`` of positions ``0..S-1`` and the causal mask (local spec) or ``None``."""
+        positions = torch.arange(S, device=device)
+        freqs = positions[:, None].float() * self.inv_freq  # rotary angles, halves repeated (transformers' rotate_half)
+        rotary = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+        # the local spec's default causal mask is built on CUDA: pass it (True = not attended); Transformer
+        # Engine builds its own causal mask
+        mask = torch.ones(S, S, dtype=torch.bool, device=device).triu(1)[None, None] if self.explicit_mask else None
+        return rotary, mask
+
+    def hidden_states(self, input_ids: Tensor, stage_input: Tensor | None, images: VisionBatch | None = None) -> Tensor:
         """This stage's output ``[S, B, H]``: the embedding (first stage) or ``stage_input``, then its layers.
 
         ``input_ids`` is ``B x S`` with every row's real tokens first and its padding last (see
         :mod:`.heads`), so position ``j`` is token ``j`` of its sequence and a causal mask is the whole
         mask: padding sits after every real token. On the last stage the output is the final-norm state.
+        ``images`` (a vision-language model's batch, :mod:`.vision`): their features go into the embeddings and the
+        rotary angles are taken at its 3-D positions.
         """
         S = input_ids.shape[1]
         positions = torch.arange(S, device=input_ids.device)
-        freqs = positions[:, None].float() * self.inv_freq  # rotary angles, halves repeated (transformers' rotate_half)
-        rotary = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
-        # the local spec's default causal mask is built on CUDA: pass it (True = not attended); Transformer
-        # Engine builds its own causal mask
-        mask = torch.ones(S, S, dtype=torch.bool, device=input_ids.device).triu(1)[None, None] \
-            if self.explicit_mask else None
+        rotary, mask = self.rotary_and_mask(S, input_ids.device)
+        if images is not None:
+            rotary = self.vision.rotary(images.positions, self.inv_freq)
         if self.first_stage:
             hidden = self.gpt.embedding(input_ids=input_ids, position_ids=positions[None])
+            if images is not None:
+                hidden = self.vision.embed(hidden, images)
             if self.padding_idx is not None and hidden.requires_grad:
                 is_pad = (input_ids == self.padding_idx).transpose(0, 1)[..., None]  # S x B x 1
                 if self.config.sequence_parallel:  # the embedding output is this rank's slice of the sequence
@@ -274,12 +310,16 @@ class MegatronLM(nn.Module):
         """The output layer's weight when it is the (tied) embedding, else ``None`` (the layer's own)."""
         return self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """``N x H`` final hidden states -> ``N x V_local`` logits of this rank's real vocabulary columns."""
+    def logits(self, hidden: Tensor, detach_weight: bool = False) -> Tensor:
+        """``N x H`` final hidden states -> ``N x V_local`` logits of this rank's real vocabulary columns
+        (``detach_weight``: no gradient reaches the output layer, as verl's MTP loss)."""
         layer = self.gpt.output_layer
+        weight = self.output_weight()
+        if detach_weight:
+            weight = (layer.weight if weight is None else weight).detach()
         sequence_parallel, layer.sequence_parallel = layer.sequence_parallel, False  # its input is gathered already
         try:
-            out, _ = layer(hidden[:, None], weight=self.output_weight())
+            out, _ = layer(hidden[:, None], weight=weight)
         finally:
             layer.sequence_parallel = sequence_parallel
         return out[:, 0, : self.vocab_local]

@@ -86,17 +86,17 @@ def broadcast_outputs(out: Tensor) -> Tensor:
     return out
 
 
-def run_stages(lm, input_ids: Tensor, head, out_shape: tuple) -> Tensor:
+def run_stages(lm, input_ids: Tensor, head, out_shape: tuple, images=None) -> Tensor:
     """Outputs ``out_shape`` of ``head`` (applied on the last stage to its ``[S, B, H]`` hidden states), on every stage.
 
     ``lm`` is a :class:`~rlflow.strategies.megatron.model.MegatronLM`; ``head`` returns a float32 tensor of
-    ``out_shape``.
+    ``out_shape``. ``images``: a vision-language batch's (:class:`~rlflow.strategies.megatron.vision.VisionBatch`).
     """
     B, S = input_ids.shape
     stage_input = None
     if not lm.first_stage:
         stage_input = receive_forward((S // lm.sequence_chunk(), B, lm.config.hidden_size), input_ids.device)
-    hidden = lm.hidden_states(input_ids, stage_input)
+    hidden = lm.hidden_states(input_ids, stage_input, images)
     if lm.last_stage:
         return broadcast_outputs(head(hidden))
     return send_and_receive_outputs(hidden, out_shape)

@@ -28,15 +28,6 @@ import torch
 from torch import nn
 
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
-# The other Qwen3.5 model types, refused with the reason (what converting them would still need)
-NOT_CONVERTED = {
-    "qwen3_5": "a Qwen3.5 checkpoint is a vision-language model (rlflow loads it as Qwen3_5ForConditionalGeneration): "
-               "its vision tower and multimodal rotary positions are not converted; the conversion covers its text "
-               "model, model_type qwen3_5_text (Qwen3_5ForCausalLM)",
-    "qwen3_5_moe": "a Qwen3.5-MoE checkpoint is a vision-language model (rlflow loads it as "
-                   "Qwen3_5MoeForConditionalGeneration): its vision tower and multimodal rotary positions are not "
-                   "converted; the conversion covers its text model, model_type qwen3_5_moe_text",
-}
 
 
 class ZeroCenteredRMSNorm(nn.Module):

@@ -35,7 +35,9 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from rlflow.models.mimo import MTP_PREFIX
 from rlflow.strategies.megatron.model import MegatronLM, architecture
+from rlflow.strategies.megatron.vision import TOWER_PREFIX, hf_name
 
 TENSOR, EXPERT = "tensor", "expert"  # the process groups a slot can be split over
 
@@ -215,47 +217,54 @@ def _gated_delta_net(pre: str, gdn: nn.Module, cfg, tp: int) -> list[Slot]:
     return slots
 
 
-def lm_slots(lm: MegatronLM) -> list[Slot]:
-    """Every transformers parameter this rank holds a block of, in the model's order."""
-    cfg, gpt, tp = lm.hf_config, lm.gpt, lm.tp_size
+def _layer_slots(lm: MegatronLM, pre: str, layer: nn.Module) -> list[Slot]:
+    """The slots of one decoder layer (a ``TransformerLayer``) under the transformers prefix ``pre``."""
+    cfg, tp = lm.hf_config, lm.tp_size
     arch = architecture(cfg)
     H, nq = cfg.hidden_size, cfg.num_attention_heads
     nkv = getattr(cfg, "num_key_value_heads", None) or nq
     qpg, groups = nq // nkv, nkv // tp
     slots = []
+    attn = layer.self_attention
+    if hasattr(attn, "in_proj"):  # Qwen3.5's Gated DeltaNet layers (strategies/megatron/qwen3_5.py)
+        slots.append(_same(pre + "input_layernorm.weight", layer.input_layernorm.weight))
+        slots += _gated_delta_net(pre + "linear_attn.", attn, cfg, tp)
+    else:
+        slots.append(_same(pre + "input_layernorm.weight", _norm_weight(layer.input_layernorm, attn.linear_qkv)))
+        slots += _attention(pre + "self_attn.", attn, arch, lm.config, groups, qpg)
+    mlp = layer.mlp
+    slots.append(_same(pre + "post_attention_layernorm.weight",
+                       _norm_weight(layer.pre_mlp_layernorm, getattr(mlp, "linear_fc1", None))))
+    if arch.moe:
+        experts, E = mlp.experts.local_experts, cfg.num_experts
+        slots += [_same(pre + "mlp.gate.weight", mlp.router.weight),
+                  _stacked(pre + "mlp.experts.gate_up_proj", [e.linear_fc1.weight for e in experts], E),
+                  _stacked(pre + "mlp.experts.down_proj", [e.linear_fc2.weight for e in experts], E)]
+        if mlp.shared_experts is not None:  # Qwen3.5-MoE: a shared expert with a sigmoid gate
+            shared = cfg.shared_expert_intermediate_size
+            slots += _fused([pre + "mlp.shared_expert.gate_proj.weight", pre + "mlp.shared_expert.up_proj.weight"],
+                            mlp.shared_experts.linear_fc1.weight, [shared, shared], 1, [slice(0, 1), slice(1, 2)],
+                            shared // tp)
+            slots += [_same(pre + "mlp.shared_expert.down_proj.weight", mlp.shared_experts.linear_fc2.weight,
+                            (H, shared), 1, TENSOR),
+                      _same(pre + "mlp.shared_expert_gate.weight", mlp.shared_experts.gate_weight)]
+    else:
+        ffn = cfg.intermediate_size
+        slots += _fused([pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"], mlp.linear_fc1.weight,
+                        [ffn, ffn], 1, [slice(0, 1), slice(1, 2)], ffn // tp)
+        slots.append(_same(pre + "mlp.down_proj.weight", mlp.linear_fc2.weight, (H, ffn), 1, TENSOR))
+    return slots
+
+
+def lm_slots(lm: MegatronLM) -> list[Slot]:
+    """Every transformers parameter this rank holds a block of, in the model's order."""
+    cfg, gpt = lm.hf_config, lm.gpt
+    slots = []
     if lm.first_stage:
         slots.append(_vocab("model.embed_tokens.weight", gpt.embedding.word_embeddings.weight, lm.vocab_size,
                             lm.vocab_local))
     for layer in gpt.decoder.layers:
-        pre = f"model.layers.{layer.layer_number - 1}."
-        attn = layer.self_attention
-        if hasattr(attn, "in_proj"):  # Qwen3.5's Gated DeltaNet layers (strategies/megatron/qwen3_5.py)
-            slots.append(_same(pre + "input_layernorm.weight", layer.input_layernorm.weight))
-            slots += _gated_delta_net(pre + "linear_attn.", attn, cfg, tp)
-        else:
-            slots.append(_same(pre + "input_layernorm.weight", _norm_weight(layer.input_layernorm, attn.linear_qkv)))
-            slots += _attention(pre + "self_attn.", attn, arch, lm.config, groups, qpg)
-        mlp = layer.mlp
-        slots.append(_same(pre + "post_attention_layernorm.weight",
-                           _norm_weight(layer.pre_mlp_layernorm, getattr(mlp, "linear_fc1", None))))
-        if arch.moe:
-            experts, E = mlp.experts.local_experts, cfg.num_experts
-            slots += [_same(pre + "mlp.gate.weight", mlp.router.weight),
-                      _stacked(pre + "mlp.experts.gate_up_proj", [e.linear_fc1.weight for e in experts], E),
-                      _stacked(pre + "mlp.experts.down_proj", [e.linear_fc2.weight for e in experts], E)]
-            if mlp.shared_experts is not None:  # Qwen3.5-MoE: a shared expert with a sigmoid gate
-                shared = cfg.shared_expert_intermediate_size
-                slots += _fused([pre + "mlp.shared_expert.gate_proj.weight", pre + "mlp.shared_expert.up_proj.weight"],
-                                mlp.shared_experts.linear_fc1.weight, [shared, shared], 1, [slice(0, 1), slice(1, 2)],
-                                shared // tp)
-                slots += [_same(pre + "mlp.shared_expert.down_proj.weight", mlp.shared_experts.linear_fc2.weight,
-                                (H, shared), 1, TENSOR),
-                          _same(pre + "mlp.shared_expert_gate.weight", mlp.shared_experts.gate_weight)]
-        else:
-            ffn = cfg.intermediate_size
-            slots += _fused([pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"], mlp.linear_fc1.weight,
-                            [ffn, ffn], 1, [slice(0, 1), slice(1, 2)], ffn // tp)
-            slots.append(_same(pre + "mlp.down_proj.weight", mlp.linear_fc2.weight, (H, ffn), 1, TENSOR))
+        slots += _layer_slots(lm, f"model.layers.{layer.layer_number - 1}.", layer)
     if lm.last_stage:
         slots.append(_same("model.norm.weight", gpt.decoder.final_layernorm.weight))
         if not cfg.tie_word_embeddings:
@@ -263,8 +272,44 @@ def lm_slots(lm: MegatronLM) -> list[Slot]:
         elif not lm.first_stage:  # the last stage's copy of the tied embedding
             slots.append(_vocab("model.embed_tokens.weight", gpt.output_layer.weight, lm.vocab_size, lm.vocab_local,
                                 primary=False))
+    slots += mtp_slots(lm)
     for adapter in getattr(lm, "lora", ()):  # LoRA factors (.lora.LinearLoRA), under PEFT's names
         slots += adapter.slots()
+    if lm.vision is None:
+        return slots
+    # a vision-language model (.vision): the language model's weights under its names there, the tower's whole
+    slots = [dataclasses.replace(s, name=hf_name(s.name, True)) for s in slots]
+    tower = lm.vision.tower
+    return slots + ([_same(TOWER_PREFIX + n, p) for n, p in tower.named_parameters()] if tower is not None else [])
+
+
+def _swapped_halves(name: str, param: nn.Parameter, H: int) -> Slot:
+    """MiMo's ``input_proj`` (``H x 2H`` over ``[hidden states | token embeddings]``) as megatron-core's ``eh_proj``
+    (over ``[embeddings | hidden states]``): the two column halves swap; rows split over the tensor-parallel ranks."""
+    def swap(t: Tensor) -> Tensor:
+        return torch.cat([t[:, H:], t[:, :H]], dim=1)
+
+    def write(t: list[Tensor], block: Tensor) -> None:
+        t[0].copy_(swap(block))
+
+    return Slot(name, (H, 2 * H), 0, TENSOR, (param,), lambda t: swap(t[0]), write)
+
+
+def mtp_slots(lm: MegatronLM) -> list[Slot]:
+    """megatron-core's MTP layers under MiMo's names (``model.mtp_layers.{k}.``, :mod:`rlflow.models.mimo`): its
+    norms of the token embeddings (``enorm``) and hidden states (``hnorm``), their projection, a decoder layer and the
+    final norm. Empty without an MTP block."""
+    mtp = getattr(lm.gpt, "mtp", None)
+    if mtp is None:
+        return []
+    H, slots = lm.hf_config.hidden_size, []
+    for k, layer in enumerate(mtp.layers):
+        pre = f"{MTP_PREFIX}{k}."
+        slots += [_same(pre + "token_layernorm.weight", layer.enorm.weight),
+                  _same(pre + "hidden_layernorm.weight", layer.hnorm.weight),
+                  _swapped_halves(pre + "input_proj.weight", layer.eh_proj.weight, H)]
+        slots += _layer_slots(lm, pre, layer.transformer_layer)
+        slots.append(_same(pre + "final_layernorm.weight", layer.final_layernorm.weight))
     return slots
 
 
@@ -276,7 +321,8 @@ def module_slots(module: nn.Module) -> list[tuple[str, Slot]]:
     (FSDP2, one process) name it too, so those checkpoints and these load each other."""
     slots = lm_slots(module.lm)
     if module.lm.hf_config.tie_word_embeddings:
-        slots += [dataclasses.replace(s, name="lm_head.weight") for s in slots if s.name == "model.embed_tokens.weight"]
+        embedding = hf_name("model.embed_tokens.weight", module.lm.vision is not None)
+        slots += [dataclasses.replace(s, name="lm_head.weight") for s in slots if s.name == embedding]
     keyed = [(module.state_prefix + s.name, s) for s in slots]
     head = getattr(module, "value_head", None)
     if head is not None:

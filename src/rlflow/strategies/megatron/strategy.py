@@ -37,12 +37,14 @@ from rlflow.strategies.megatron.cpu import CPUWorkarounds
 from rlflow.strategies.megatron.distopt import DistributedOptimizer, check_overrides
 from rlflow.strategies.megatron.grads import clip_, global_grad_norm, reduce_gradients
 from rlflow.strategies.megatron.heads import MegatronLogProbs, MegatronValueModel
-from rlflow.strategies.megatron import lora as megatron_lora
+from rlflow.strategies.megatron import lora as megatron_lora, mtp as megatron_mtp
 from rlflow.strategies.megatron.layout import ParallelLayout
 from rlflow.strategies.megatron.model import MegatronLM, architecture
+from rlflow.strategies.megatron.mtp import MTPOptions
 from rlflow.strategies.megatron.router_replay import RoutingReplay
 from rlflow.strategies.megatron.sharded_checkpoint import ShardedCheckpoint
 from rlflow.strategies.megatron.slots import check_coverage, lm_slots, load_from_hf, mark_split_parameters, module_slots
+from rlflow.strategies.megatron.vision import is_vision_language
 from rlflow.strategies.megatron.weight_buckets import WeightExporter
 
 LAYER_SPECS = ("local", "transformer_engine")
@@ -77,6 +79,8 @@ class MegatronStrategy(ModelParallelStrategy):
             ``True`` or ``"R2"`` (verl's ``router_replay.mode=R2``): its update routes each token to the experts its
             old-log-prob pass chose; ``"R3"``: every pass routes each token to the experts the rollout routed it
             to (the batch's ``routed_experts``: ``HFRollout(return_routed_experts=True)``).
+        mtp: multi-token prediction of the trained policy (verl's ``model.mtp``, :mod:`.mtp`): its checkpoint's MTP
+            layers in megatron-core's MTP block, trained with ``MTPOptions(train=True)``; ``None``: not built.
         timeout: how long a rank waits in a collective before giving up.
     """
 
@@ -85,6 +89,7 @@ class MegatronStrategy(ModelParallelStrategy):
                  distributed_optimizer: bool = False, transformer_overrides: dict | None = None,
                  optimizer_overrides: dict | None = None, dist_checkpoints: dict[str, str] | None = None,
                  dist_checkpoint_prefix: str = "", router_replay: bool | str = False,
+                 mtp: MTPOptions | dict | None = None,
                  timeout: timedelta = timedelta(minutes=10)):
         unknown = sorted(set(dist_checkpoints or {}) - set(DIST_ROLES))
         if unknown:
@@ -110,6 +115,7 @@ class MegatronStrategy(ModelParallelStrategy):
         if router_replay not in (False, True, "R2", "R3"):
             raise ValueError(f"router_replay={router_replay!r}: choose False, True (R2), 'R2' or 'R3'")
         self.router_replay = "R2" if router_replay is True else router_replay
+        self.mtp = MTPOptions(**mtp) if isinstance(mtp, dict) else mtp  # a dict: from a config tree
         self.loaded_policy_weights = False  # the policy started from a dist checkpoint: its engine needs them
         self._converted: list[nn.Module] = []  # the Megatron modules set up, for the distributed optimizer
         self._cpu_workarounds = None
@@ -124,7 +130,8 @@ class MegatronStrategy(ModelParallelStrategy):
             f", layer_spec={self.layer_spec!r}" if self.layer_spec != "local" else "") + (
             ", distributed_optimizer=True" if self.distributed_optimizer else "") + (
             f", dist_checkpoints={self.dist_checkpoints!r}" if self.dist_checkpoints else "") + (
-            f", router_replay={self.router_replay!r}" if self.router_replay else "")
+            f", router_replay={self.router_replay!r}" if self.router_replay else "") + (
+            f", mtp={self.mtp!r}" if self.mtp else "")
         return f"MegatronStrategy({sizes or 'tensor_parallel=1'}{extra})"
 
     @property
@@ -185,10 +192,20 @@ class MegatronStrategy(ModelParallelStrategy):
         hf_model = module.lm
         peft = type(hf_model).__module__.startswith("peft.")  # a LoRA policy: adapters beside Megatron's layers
         base = hf_model.get_base_model() if peft else hf_model
+        if is_vision_language(base.config) and (peft or self.dist_checkpoints):
+            raise ValueError(f"{base.config.model_type} under the Megatron strategy: "
+                             + ("LoRA does not adapt a vision-language model's Megatron layers yet" if peft
+                                else "dist checkpoints hold megatron-core's GPTModel weights only, not the "
+                                "vision tower (start from the Hugging Face weights or an rlflow checkpoint)"))
         on_cpu = self.root_device.type == "cpu"
         trained = any(p.requires_grad for p in hf_model.parameters())
         replay = self.router_replay and trained and isinstance(module, TokenLogProbs) and architecture(base.config).moe
         overrides = self._overrides(base, on_cpu) | ({"moe_enable_routing_replay": True} if replay else {})
+        mtp = self.mtp if trained and isinstance(module, TokenLogProbs) else None  # the policy's MTP layers (.mtp)
+        if mtp is not None:
+            if peft:
+                raise ValueError("multi-token prediction (mtp) does not combine with LoRA under the Megatron strategy")
+            overrides |= megatron_mtp.config_overrides(mtp, base.config)
         lm = MegatronLM(base, self.layout, self.layer_spec, on_cpu=on_cpu, overrides=overrides).to(self.root_device)
         if replay:
             lm.routing_replay = RoutingReplay(lm, lm.padding_idx if lm.padding_idx is not None else 0,
@@ -196,8 +213,11 @@ class MegatronStrategy(ModelParallelStrategy):
         if peft:
             megatron_lora.attach(lm, hf_model)
         slots = lm_slots(lm)
-        load_from_hf([(s.name, s) for s in slots], megatron_lora.base_state(hf_model) if peft else hf_model.state_dict())
+        state = megatron_lora.base_state(hf_model) if peft else hf_model.state_dict()
+        load_from_hf([(s.name, s) for s in slots], megatron_mtp.with_mtp_weights(state, base) if mtp else state)
         mark_split_parameters(slots)
+        if mtp is not None:
+            megatron_mtp.attach(lm, mtp, module)
         if isinstance(module, TokenLogProbs):
             converted = MegatronLogProbs(lm, module.temperature, module.chunk_tokens, module.remove_padding)
             # the Policy reads it through Fabric's wrapper, which forwards attribute reads to the module it was given
@@ -223,7 +243,7 @@ class MegatronStrategy(ModelParallelStrategy):
         self._converted.append(converted)
         # read by rlflow.weights.full_weight_buckets (and, with LoRA, rlflow.models.lora.merged_weight_buckets)
         hf_model.weight_buckets = (WeightExporter(*megatron_lora.export_slots(slots, lm.lora)) if peft
-                                   else WeightExporter(slots)).buckets
+                                   else WeightExporter(megatron_mtp.engine_slots(slots))).buckets
         hf_model.to("meta")  # the Hugging Face tensors are not needed any more
         base.tie_weights()  # .to("meta") unties them; weight sync names a tied embedding's aliases (lm_head.weight)
         return converted
