@@ -9,7 +9,6 @@ prompts, ``*_micro_batch_size_per_gpu`` counts trajectories (samples).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -430,9 +429,9 @@ def logger_names(cfg: VerlConfig, notes: list[str]) -> list[str]:
     (wandb named by the user and not installed was a validation error)."""
     names = []
     for name in cfg["trainer.logger"]:
-        if name == "wandb" and importlib.util.find_spec("wandb") is None:
+        if name == "wandb" and tables.wandb_install():
             notes.append("trainer.logger: wandb (in verl's default [console, wandb]) is not installed, so nothing "
-                         "is sent to W&B; `pip install wandb` to log there. The metrics are written to "
+                         f"is sent to W&B; `{tables.wandb_install()}` to log there. The metrics are written to "
                          f"{cfg['trainer.default_local_dir']}/metrics.jsonl")
             continue
         if tables.LOGGERS[name] not in names:

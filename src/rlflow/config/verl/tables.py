@@ -10,6 +10,7 @@ rules every key is checked against (ranges, choices, paths) are in :mod:`rlflow.
 
 from __future__ import annotations
 
+import importlib.util
 from fnmatch import fnmatchcase
 from typing import Any, Callable
 
@@ -48,6 +49,15 @@ MEGATRON_OPTIMIZERS = {"adam": "AdamW", "sgd": "SGD"}
 LOGGERS = {"console": "console", "tensorboard": "tensorboard", "wandb": "wandb", "file": "jsonl", "jsonl": "jsonl",
            "csv": "csv"}
 VERL_ONLY_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
+# the wandb logger is Lightning's (pytorch_lightning.loggers.WandbLogger; rlflow itself needs only lightning_fabric):
+# its modules -> the pip packages that install them (rlflow[wandb])
+WANDB_PACKAGES = {"wandb": "wandb", "pytorch_lightning": "pytorch-lightning"}
+
+
+def wandb_install() -> str | None:
+    """The pip command that installs what the wandb logger lacks here, or None when nothing is missing."""
+    missing = [package for module, package in WANDB_PACKAGES.items() if importlib.util.find_spec(module) is None]
+    return f"pip install {' '.join(missing)}" if missing else None
 
 # ---------------------------------------------------------------------------------------------
 # Keys recognised but not supported yet: key -> (feature, predicate on the value that triggers it)

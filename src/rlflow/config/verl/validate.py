@@ -291,8 +291,8 @@ def loggers(ctx: Context) -> None:
                                       f"Available: {', '.join(tables.LOGGERS)}."))
         elif name not in tables.LOGGERS:
             ctx.add(f"trainer.logger: unknown logger {name!r}; choose from {', '.join(tables.LOGGERS)}")
-        elif name == "wandb" and "trainer.logger" in ctx.cfg.provided and importlib.util.find_spec("wandb") is None:
-            ctx.add("trainer.logger contains wandb, which is not installed: pip install wandb")
+        elif name == "wandb" and "trainer.logger" in ctx.cfg.provided and tables.wandb_install():
+            ctx.add(f"trainer.logger contains wandb, which is not installed: {tables.wandb_install()}")
 
 
 @cross_check
