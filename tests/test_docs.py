@@ -434,6 +434,7 @@ RUN_YAML = {("docs/verl-compat.md", "policy: {path: models/qwen-0.5b}    # LoRA:
                                     "target_modules: all-linear}}"): "native",  # a recipe
             ("docs/rewards.md", "reward_model:"): "verl",  # verl keys
             ("docs/rewards.md", "reward:"): "verl",  # verl 0.9's reward section
+            ("docs/rewards.md", "reward:#2"): "verl",  # a reward-manager class from a file
             ("docs/config-tree.md", "policy:                       # the task's tiny model after the supervised "
                                     "warm start (shipped for seeds 0-2)"): "tree"}  # a component tree
 

@@ -83,8 +83,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
                                         "sources are scored without a server)", _truthy),
-    "reward.reward_manager.source": ("reward-manager classes loaded from a file (verl's source=importlib; "
-                                     "rlflow's managers: naive, prime, dapo, batch)", _not("register")),
     "trainer.default_hdfs_dir": ("HDFS checkpoints", _truthy),
 }
 
@@ -208,7 +206,9 @@ INERT: dict[str, str] = {
     "reward_model.sandbox_fusion.memory_limit_mb": "code runs in rlflow's local sandbox; its limits are "
                                                    "rlflow.rewards.code.DEFAULT_LIMITS (512 MiB)",
     # verl 0.9's reward section: the keys without an older counterpart (the others: rlflow.config.verl.reward_section)
-    "reward.reward_manager.module.*": "only used with reward.reward_manager.source=importlib, not supported",
+    "reward.reward_manager.module.path": "only used with reward.reward_manager.source=importlib",
+    "reward.reward_manager.module.name": ("the module name verl gives the file in sys.modules; rlflow names a "
+                                          "file's module itself (rlflow.registry.load_object)"),
     "reward.reward_model.model_path": _NO_RM,
     **{f"reward.reward_model.{k}": "the reward model runs in the training processes, placed like the policy"
        for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes")},

@@ -149,6 +149,10 @@ def reward_node(reward: RewardPlan, overlong: dict | None, deferred: list[str]) 
     timing = {"timeout_s": reward.timeout_s, "processes": reward.processes}
     parts = [(name, {"_target_": "rlflow.FunctionReward", "fn": node(fn, "reward.fn", deferred), **timing,
                      "name": name}, weight) for name, fn, weight in reward.functions]
+    if reward.manager is not None:
+        user = reward.manager
+        score = {"compute_score": reward.functions[0][1]} if user.compute_score else {}
+        parts = [(user.cls.__name__, call(user.cls, {**score, **user.kwargs}, "reward", deferred), 1.0)]
     out = None
     if reward.model is not None:
         kwargs = dict(reward.model)
