@@ -16,17 +16,14 @@ from __future__ import annotations
 import ast
 import inspect
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rlflow.config.verl.loading import ConfigError, VerlConfig
-from rlflow.registry import Registry, is_file_location, object_problem, resolve_file
+from rlflow.config.verl.user_classes import load_user_class
 
 SOURCE, PATH = "reward.reward_manager.source", "reward.reward_manager.module.path"
 NAME = "reward.reward_manager.name"
 LEGACY = ("reward_model.reward_loop_source", "reward_model.reward_loop_module_path", "reward_model.reward_loop_class_name")
-REWARD_CLASSES = Registry("reward-manager class", PATH, base="rlflow.rewards.base:Reward", builtins={},
-                          builtin_module="rlflow.rewards")
 HOW = ("subclass rlflow.Reward and implement score(self, batch) -> a tensor of one float per sample, reading the "
        "batch's columns (rlflow.data.keys: RESPONSE_TEXT, GROUND_TRUTH, DATA_SOURCE, EXTRA_INFO; a column's values: "
        "rlflow.rewards.base.column(batch, key)); __init__ may take compute_score and the reward_kwargs keys "
@@ -73,29 +70,11 @@ def selected(cfg: VerlConfig) -> tuple[str, str, str] | None:
     return keys[1], str(path), str(name)
 
 
-def verl_interface_problem(file: Path, name: str, where: str) -> str | None:
-    """Why class ``name`` in ``file`` is written against verl's reward-manager interface; None if it is not."""
-    tree = ast.parse(file.read_text(encoding="utf-8"), filename=str(file))
-    from_verl = set()
-    for stmt in tree.body:
-        if isinstance(stmt, ast.ImportFrom) and (stmt.module or "").split(".")[0] == "verl":
-            from_verl |= {a.asname or a.name for a in stmt.names}
-        elif isinstance(stmt, ast.Import):
-            from_verl |= {a.asname or a.name.split(".")[0] for a in stmt.names if a.name.split(".")[0] == "verl"}
-    cls = next((s for s in tree.body if isinstance(s, ast.ClassDef) and s.name == name), None)
-    if cls is None:
-        return None
-    why = [f"it subclasses verl's {ast.unparse(b)}" for b in cls.bases if ast.unparse(b).split(".")[0] in from_verl]
-    for method in (s for s in cls.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))):
-        if method.name == "run_single":
-            why.append("it implements verl's run_single")
-        arguments = method.args.args + method.args.kwonlyargs
-        if any(a.annotation is not None and "DataProto" in ast.unparse(a.annotation) for a in arguments):
-            why.append(f"its {method.name} takes a DataProto")
-    if not why:
-        return None
-    return (f"{where}: class {name} in {file} is written against verl's reward-manager interface "
-            f"({'; '.join(dict.fromkeys(why))}), which rlflow does not run (it has no DataProto). Change it to {HOW}")
+def _verl_methods(method) -> list[str]:
+    arguments = method.args.args + method.args.kwonlyargs
+    return ((["it implements verl's run_single"] if method.name == "run_single" else []) +
+            ([f"its {method.name} takes a DataProto"] if any(
+                a.annotation is not None and "DataProto" in ast.unparse(a.annotation) for a in arguments) else []))
 
 
 def manager_class(cfg: VerlConfig, reward_kwargs: dict) -> ManagerClass | None:
@@ -104,20 +83,8 @@ def manager_class(cfg: VerlConfig, reward_kwargs: dict) -> ManagerClass | None:
     if chosen is None:
         return None
     key, location, name = chosen
-    where = f"{key}={location!r}"
-    problem = object_problem(location, name, where)
-    if problem:
-        raise ConfigError(problem)
-    if is_file_location(location):
-        problem = verl_interface_problem(resolve_file(location, None).resolve(), name, where)
-        if problem:
-            raise ConfigError(problem)
-    try:  # the check of the base class imports torch only now
-        cls = REWARD_CLASSES.resolve(f"{location}:{name}", key)
-    except ConfigError as e:
-        if "is not a subclass" not in str(e):
-            raise
-        raise ConfigError(f"{str(e).split('; ')[0]}. Change it to {HOW}") from None
+    cls = load_user_class("reward-manager class", "rlflow.rewards.base:Reward", location, name, f"{key}={location!r}",
+                          "reward-manager interface", HOW, _verl_methods)
     parameters = inspect.signature(cls.__init__).parameters
     takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
     unknown = [k for k in reward_kwargs if k not in parameters and not takes_any]

@@ -136,7 +136,8 @@ def rollout_node(plan, deferred: list[str]) -> dict:
     """The rollout and the wrappers build_trainer puts around it (agent loop, asynchronous generation)."""
     rollout = call(plan.rollout_cls, plan.rollout_kwargs, "rollout", deferred)
     agent = agent_kwargs(plan) if plan.agent is not None else None
-    for kwargs, target in ((agent, "rlflow.rollout.agent.AgentLoop"),
+    loop = spec(agent.pop("loop_class")) if agent and "loop_class" in agent else "rlflow.rollout.agent.AgentLoop"
+    for kwargs, target in ((agent, loop),
                            (plan.async_rollout, "rlflow.rollout.AsyncRollout"),
                            (plan.fully_async, "rlflow.rollout.FullyAsyncRollout")):
         if kwargs is not None:
