@@ -73,6 +73,15 @@ def test_verl09_reward_manager_class_from_a_file_scores_the_batch(tiny, tmp_path
     assert not [n for n in unused_notes(plan.cfg) if "reward_manager" in n]  # every key took effect
 
 
+
+def test_dry_run_shows_the_class_in_the_tree(tiny, capsys):
+    assert main(tiny + ["--dry-run", "reward.reward_manager.source=importlib",
+                        f"reward.reward_manager.module.path={EXAMPLE}", "reward.reward_manager.name=LengthBonus"]) == 0
+    out = capsys.readouterr().out
+    assert f"LengthBonus = load_object('{EXAMPLE}', 'LengthBonus'" in out
+    assert "reward=LengthBonus(compute_score=default_compute_score)" in out
+
+
 def test_older_reward_loop_keys_and_a_real_run(tiny, capsys):
     run = tiny + ["reward_model.reward_loop_source=importlib", f"reward_model.reward_loop_module_path={EXAMPLE}",
                   "reward_model.reward_loop_class_name=LengthBonus", "+reward_model.reward_kwargs.per_char=1.0",
