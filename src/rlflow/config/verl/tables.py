@@ -75,7 +75,6 @@ def _not(*ok: Any) -> Callable[[Any], bool]:
 
 
 OTHER_BACKENDS = "training strategies other than fsdp, fsdp2 and megatron"
-MULTI_TURN = "custom agent loops (agent_loop_config_path)"
 
 _REPLAY = ("replaying dumped rollouts (verl's dumps are pickled verl DataProto objects, which need verl to read; "
            "rlflow's trainer.rollout_data_dir writes decoded text without token ids or the sampler's log-probs, so "
@@ -85,7 +84,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.model.use_liger": ("Liger kernels", _truthy),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
-    "actor_rollout_ref.rollout.agent.agent_loop_config_path": (MULTI_TURN, _truthy),
     "actor_rollout_ref.rollout.agent.custom_async_server.path": ("custom async rollout servers", _truthy),
     "actor_rollout_ref.rollout.checkpoint_engine.backend": ("async weight update (checkpoint_engine)", _not("naive")),
     "actor_rollout_ref.rollout.skip_rollout": (_REPLAY, _truthy),
@@ -93,8 +91,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
                                         "sources are scored without a server)", _truthy),
-    "reward.reward_manager.source": ("reward-manager classes loaded from a file (verl's source=importlib; "
-                                     "rlflow's managers: naive, prime, dapo, batch)", _not("register")),
     "trainer.default_hdfs_dir": ("HDFS checkpoints", _truthy),
 }
 
@@ -218,7 +214,9 @@ INERT: dict[str, str] = {
     "reward_model.sandbox_fusion.memory_limit_mb": "code runs in rlflow's local sandbox; its limits are "
                                                    "rlflow.rewards.code.DEFAULT_LIMITS (512 MiB)",
     # verl 0.9's reward section: the keys without an older counterpart (the others: rlflow.config.verl.reward_section)
-    "reward.reward_manager.module.*": "only used with reward.reward_manager.source=importlib, not supported",
+    "reward.reward_manager.module.path": "only used with reward.reward_manager.source=importlib",
+    "reward.reward_manager.module.name": ("the module name verl gives the file in sys.modules; rlflow names a "
+                                          "file's module itself (rlflow.registry.load_object)"),
     "reward.reward_model.model_path": _NO_RM,
     **{f"reward.reward_model.{k}": "the reward model runs in the training processes, placed like the policy"
        for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes")},
