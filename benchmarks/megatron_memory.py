@@ -58,7 +58,7 @@ def saved_bytes(run) -> int:
 
 
 def worker(out: str, strategy: str, args) -> None:
-    import lightning as L
+    import lightning_fabric as L
     import torch
 
     from rlflow.models.logprobs import TokenLogProbs

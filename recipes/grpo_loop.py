@@ -19,7 +19,7 @@ import argparse
 import time
 from itertools import islice
 
-import lightning as L
+import lightning_fabric as L
 import torch
 
 from rlflow import GRPO, FunctionReward, HFRollout, Policy, PPOLoss

@@ -272,6 +272,15 @@ NOT_RUN.update({
     ("docs/multi-turn.md", "python -m rlflow.trainer.main_ppo --config-path examples/config --config-name gsm8k_multiturn_grpo"):
         "needs GSM8K and a Qwen2.5 model (downloads); tests/config/test_multi_turn_keys.py::"
         "test_gsm8k_multiturn_example_trains_with_its_tools runs this config on local tiny files",
+    ("docs/multi-turn.md", "# examples/agent_loop/agent_loops.yaml"):
+        "the file examples/agent_loop/agent_loops.yaml itself; tests/config/test_multi_turn_keys.py::"
+        "test_a_custom_agent_loop_from_the_config_file_runs_each_conversation loads and runs it",
+    ("docs/multi-turn.md", "python -m rlflow.trainer.main_ppo --config-path examples/config --config-name "
+                           "gsm8k_multiturn_grpo actor_rollout_ref.rollout.agent.agent_loop_config_path="
+                           "examples/agent_loop/agent_loops.yaml actor_rollout_ref.rollout.agent.default_agent_loop="
+                           "think_twice"):
+        "needs GSM8K and a Qwen2.5 model (downloads); tests/config/test_multi_turn_keys.py::"
+        "test_a_custom_agent_loop_from_the_config_file_runs_each_conversation runs these overrides on local tiny files",
 })
 
 NOT_RUN.update({
@@ -350,6 +359,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/async.md", "from rlflow.rollout import FullyAsyncRollout, HFRollout"): [],
     ("docs/async.md", "from rlflow.algorithms import GRPO, BypassLoss, RolloutAsOld"): [],
     ("docs/async.md", "from rlflow.rollout.stream import FilterGroups"): [],
+    ("docs/async.md", "from rlflow.rollout import AsyncRollout, HFRollout"): [],
     ("docs/async.md", "from rlflow.rollout.agent import AgentLoop   # fully asynchronous, multi-turn"): [],
     ("docs/async.md", "from rlflow import Batching, FunctionReward, Loop, Optim, Policy, PPOLoss, PromptData, RunDir, Trainer"): [],
     ("docs/algorithms/cispo.md", "from rlflow.algorithms import CISPOLoss"): [],
@@ -434,6 +444,7 @@ RUN_YAML = {("docs/verl-compat.md", "policy: {path: models/qwen-0.5b}    # LoRA:
                                     "target_modules: all-linear}}"): "native",  # a recipe
             ("docs/rewards.md", "reward_model:"): "verl",  # verl keys
             ("docs/rewards.md", "reward:"): "verl",  # verl 0.9's reward section
+            ("docs/rewards.md", "reward:#2"): "verl",  # a reward-manager class from a file
             ("docs/config-tree.md", "policy:                       # the task's tiny model after the supervised "
                                     "warm start (shipped for seeds 0-2)"): "tree"}  # a component tree
 

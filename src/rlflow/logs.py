@@ -15,7 +15,7 @@ import warnings
 __all__ = ["quiet_other_ranks", "is_other_rank"]
 
 # loggers whose INFO lines each process repeats ("Initializing distributed: GLOBAL_RANK: 1, ...")
-CHATTY_LOGGERS = ("lightning", "lightning.fabric", "lightning.pytorch", "torch.distributed")
+CHATTY_LOGGERS = ("lightning_fabric", "torch.distributed")
 
 
 def is_other_rank() -> bool:

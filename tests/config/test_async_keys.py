@@ -5,7 +5,7 @@ import json
 import pytest
 
 import rlflow.config.verl.devices as devices
-from rlflow.config import ConfigError, NotSupportedError, load_config, make_plan
+from rlflow.config import ConfigError, load_config, make_plan
 from rlflow.config.verl.key_notes import unused_notes
 from rlflow.trainer.main_ppo import main
 
@@ -49,8 +49,6 @@ def test_staleness_threshold_sets_the_bound_and_turns_the_mode_on():
     (["async_training.staleness_threshold=0.5"], ConfigError, "whole number of steps"),
     (["trainer.async_weight_update=true", "async_training.max_engine_restarts=-1"], ConfigError,
      r"async_training.max_engine_restarts=-1: must be .*>= 0"),
-    (["trainer.async_weight_update=true", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
-     NotSupportedError, "dynamic sampling"),
 ])
 def test_what_the_mode_cannot_do_is_refused(overrides, error, message):
     with pytest.raises(error, match=message):
@@ -130,48 +128,72 @@ FILTER = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric
           "algorithm.filter_groups.max_num_gen_batches=4"]
 
 
-@pytest.mark.parametrize("mode", [["trainer.v1.trainer_mode=colocate_async"], ["async_training.partial_rollout=true"]])
-def test_dynamic_sampling_is_planned_with_the_fully_async_modes(mode):
-    p = plan(*mode, *FILTER)
-    assert p.fully_async is not None and p.dynamic_sampling == {"metric": "score", "max_gen_batches": 4}
+ONE_STEP_OFF, COLOCATE = ["trainer.async_weight_update=true"], ["trainer.v1.trainer_mode=colocate_async"]
 
 
-def test_the_async_modes_plan_several_processes_but_not_yet_with_dynamic_sampling():
-    """Rank 0's engine generates for every rank (tests/distributed/test_async_ranks.py runs it), one-step-off too;
-    dynamic sampling over the stream is refused on several processes, naming the key."""
-    for mode in (["trainer.v1.trainer_mode=colocate_async"], ["async_training.partial_rollout=true"]):
-        p = plan("trainer.n_gpus_per_node=2", *mode)
-        assert p.devices.processes == 2 and p.fully_async is not None
-        with pytest.raises(NotSupportedError, match=r"dynamic sampling \(algorithm.filter_groups\) on several "
-                                                    "training processes"):
-            plan("trainer.n_gpus_per_node=2", *mode, *FILTER)
-    assert plan("trainer.n_gpus_per_node=2", "trainer.async_weight_update=true").async_rollout == {"max_staleness": 1}
+@pytest.mark.parametrize("mode", [COLOCATE, ["async_training.partial_rollout=true"], ONE_STEP_OFF])
+@pytest.mark.parametrize("processes", [1, 2])
+def test_dynamic_sampling_is_planned_with_every_async_mode_on_one_or_several_processes(mode, processes):
+    """One step off, the engine generates the top-up batches ahead; fully asynchronous, group by group; on several
+    processes rank 0 filters and hands out kept groups (tests/distributed/test_async_ranks.py runs it)."""
+    p = plan(f"trainer.n_gpus_per_node={processes}", *mode, *FILTER)
+    assert p.devices.processes == processes and p.dynamic_sampling == {"metric": "score", "max_gen_batches": 4}
+    assert (p.async_rollout if mode == ONE_STEP_OFF else p.fully_async) is not None
+    said = [n for n in p.notes if n.startswith("algorithm.filter_groups with")]
+    assert len(said) == 1 and ("rank 0 scores and filters" in said[0]) == (processes > 1)
+    assert ("top-up batches" in said[0]) == (mode == ONE_STEP_OFF)
 
 
-def test_the_entry_point_trains_fully_async_with_dynamic_sampling(tiny, capsys, tmp_path):
-    """verl's keys select DAPO's filter over the fully asynchronous stream: even sums score a constant 1 (filtered),
-    odd ones a score of the response's text; every dumped trained group has distinct scores, the dapo/* metrics count
-    the groups scored per step beside verl's off-policy metrics."""
+def metric_rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def parity_reward(tmp_path):
+    """Overrides for a reward that filters: even sums score a constant 1, odd ones a score of the response's text."""
     (tmp_path / "parity.py").write_text("def compute_reward(responses, ground_truths):\n"
                                         "    return [1.0 if int(g) % 2 == 0 else sum(map(ord, r)) / 100.0\n"
                                         "            for r, g in zip(responses, ground_truths)]\n")
-    assert main(tiny + FILTER + ["trainer.v1.trainer_mode=colocate_async", "trainer.logger=[console,file]",
-                                 f"custom_reward_function.path={tmp_path}/parity.py",
-                                 "custom_reward_function.name=compute_reward",
-                                 f"trainer.rollout_data_dir={tmp_path}/rollouts",
-                                 f"trainer.default_local_dir={tmp_path}/run"]) == 0
+    return [f"custom_reward_function.path={tmp_path}/parity.py", "custom_reward_function.name=compute_reward"]
+
+
+@pytest.mark.parametrize("mode", [COLOCATE, ONE_STEP_OFF], ids=["colocate_async", "one_step_off"])
+def test_the_entry_point_trains_async_with_dynamic_sampling(tiny, capsys, tmp_path, mode):
+    """verl's keys select DAPO's filter with either asynchronous mode: even sums score a constant 1 (filtered), odd
+    ones a score of the response's text; every dumped trained group has distinct scores, the dapo/* metrics count
+    what was scored per step (fully async: groups; one step off: whole batches, the top-ups generated ahead)."""
+    assert main(tiny + FILTER + mode + parity_reward(tmp_path) + ["trainer.logger=[console,file]",
+                                                                  f"trainer.rollout_data_dir={tmp_path}/rollouts",
+                                                                  f"trainer.default_local_dir={tmp_path}/run"]) == 0
     assert "FilterGroups(" in capsys.readouterr().out
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "dapo/num_gen_batches" in r]
-    assert len(steps) == 2 and all("training/off_policy/trajectory_spans/max" in r for r in steps)
-    assert any(r["dapo/num_gen_batches"] > 1 for r in steps)  # it did filter (the data: half the sums are even)
-    assert all(r["dapo/kept_group_frac"] == pytest.approx(1 / r["dapo/num_gen_batches"]) for r in steps)
+    steps = [r for r in metric_rows(tmp_path / "run") if "dapo/num_gen_batches" in r]
+    assert len(steps) == 2 and any(r["dapo/num_gen_batches"] > 1 for r in steps)  # it did filter (half are even)
+    if mode == COLOCATE:
+        assert all("training/off_policy/trajectory_spans/max" in r for r in steps)
+        assert all(r["dapo/kept_group_frac"] == pytest.approx(1 / r["dapo/num_gen_batches"]) for r in steps)
+    else:
+        assert [r["async/staleness_max"] for r in steps] == [0, 1]  # the second step's batches generated ahead
+        assert all(r["dapo/num_gen_batches"] == int(r["dapo/num_gen_batches"]) for r in steps)  # whole batches
     for step in (1, 2):
         dumped = [json.loads(line) for line in (tmp_path / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
         by_prompt = {}
         for r in dumped:
             by_prompt.setdefault(r["input"], []).append(r["score"])
         assert len(dumped) == 8 and all(len(set(s)) > 1 for s in by_prompt.values())
+
+
+def test_staleness_zero_with_dynamic_sampling_is_the_synchronous_dynamic_sampling_run(tiny, tmp_path):
+    """``async_training.staleness_threshold=0``: the engine in its own process, nothing ahead; with DAPO's filter the
+    run's metrics are the synchronous filtered run's (without the IS correction the mode turns on: its weights are
+    1 up to rounding here)."""
+    for run, mode in (("sync", []), ("zero", ["async_training.staleness_threshold=0",
+                                              "algorithm.rollout_correction.rollout_is=null"])):
+        assert main(tiny + FILTER + mode + parity_reward(tmp_path) + [
+            "trainer.logger=[console,file]", f"trainer.default_local_dir={tmp_path}/{run}"]) == 0
+    drop = ("timing_s/", "perf/", "async/", "weight_sync/")
+    sync = [{k: v for k, v in r.items() if not k.startswith(drop)} for r in metric_rows(tmp_path / "sync")]
+    steps = [r for r in sync if "dapo/num_gen_batches" in r]
+    assert len(steps) == 2 and any(r["dapo/num_gen_batches"] > 1 for r in steps)  # a step topped up
+    assert sync == [{k: v for k, v in r.items() if not k.startswith(drop)} for r in metric_rows(tmp_path / "zero")]
 
 
 # verl's fully-async recipe (verl/experimental/fully_async_policy): partial_rollout, trigger_parameter_sync_step,

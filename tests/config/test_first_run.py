@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 import rlflow.config.verl.devices as devices
+from rlflow.config.verl import tables
 from rlflow.trainer.main_ppo import main
 
 from .conftest import verl_rows
@@ -67,7 +68,7 @@ def test_verl_default_loggers_without_wandb_still_write_metrics_jsonl(tiny, tmp_
     argv = [a for a in tiny if not a.startswith("trainer.logger=")] + ["trainer.val_before_train=false"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "[rlflow] note: trainer.logger: wandb" in out and "`pip install wandb`" in out
+    assert "[rlflow] note: trainer.logger: wandb" in out and f"`{tables.wandb_install()}`" in out
     metrics = tmp_path / "run" / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and "actor/pg_loss" in rows[-1]

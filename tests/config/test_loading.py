@@ -77,7 +77,6 @@ def test_plus_on_a_key_the_tree_has_sets_it():
 
 
 @pytest.mark.parametrize("override, feature", [
-    ("actor_rollout_ref.rollout.agent.agent_loop_config_path=loops.yaml", "custom agent loops"),
     ("actor_rollout_ref.actor.strategy=deepspeed", "strategies other than fsdp, fsdp2 and megatron"),
     ("actor_rollout_ref.model.backend=deepspeed", "strategies other than fsdp, fsdp2 and megatron"),
     ("reward_model.sandbox_fusion.url=http://x", "SandboxFusion server"),

@@ -103,7 +103,9 @@ def test_dry_run_shows_the_agent_loop(example, capsys):
     (f"{MT}.tool_response_truncate_side=top", "choose from left, right, middle"),
     (f"{MT}.enable=false", f"{MT}.enable=True for multi-turn"),
     (f"{MT}.tool_config_path=/no/such/tools.yaml", f"{MT}.tool_config_path: /no/such/tools.yaml: no such file"),
-    ("actor_rollout_ref.rollout.agent.default_agent_loop=react_agent", "custom agent loops is not supported yet"),
+    ("actor_rollout_ref.rollout.agent.default_agent_loop=react_agent",
+     "default_agent_loop='react_agent': not one of rlflow's (single_turn_agent, tool_agent) and not in "
+     "actor_rollout_ref.rollout.agent.agent_loop_config_path"),
 ])
 def test_bad_multi_turn_keys_are_named(example, capsys, override, message):
     assert main(example + [override]) == 2
@@ -170,3 +172,46 @@ def test_multi_turn_fully_async_over_a_server(example, capsys):
                            "actor_rollout_ref.rollout.name=vllm",
                            "actor_rollout_ref.rollout.server.url=http://127.0.0.1:1"]) == 0
     assert "rollout=FullyAsyncRollout(rollout=AgentLoop(rollout=ServerRollout(" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ custom agent loops (agent_loop_config_path)
+AGENT = "actor_rollout_ref.rollout.agent"
+VERL_LOOP = '''
+from typing import Any
+
+from verl.experimental.agent_loop import AgentLoopBase, AgentLoopOutput
+
+
+class MyAgentLoop(AgentLoopBase):
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+        ...
+'''
+
+
+def test_a_custom_agent_loop_from_the_config_file_runs_each_conversation(example, capsys):
+    """examples/agent_loop/agent_loops.yaml lists ThinkTwice: a draft of at most 4 tokens, a user nudge, an answer."""
+    loops = [f"{AGENT}.agent_loop_config_path=examples/agent_loop/agent_loops.yaml",
+             f"{AGENT}.default_agent_loop=think_twice"]
+    trainer, _ = build_trainer(make_plan(load_config(example[4:] + loops,
+                                                     config_file=Path(example[1]) / "gsm8k_multiturn_grpo.yaml")))
+    assert type(trainer.rollout).__name__ == "ThinkTwice" and trainer.rollout.draft_tokens == 4
+    assert isinstance(trainer.rollout, AgentLoop) and trainer.rollout.max_assistant_turns == 5  # the multi-turn keys'
+    assert main(example + loops) == 0
+    logged = steps(capsys.readouterr().out)[1]
+    assert logged["num_turns/min"] == logged["num_turns/max"] == 4  # prompt, draft, nudge, answer (verl's count)
+
+
+def test_a_verl_agent_loop_is_refused_with_what_to_change(example, tmp_path, capsys):
+    (tmp_path / "my_loop.py").write_text(VERL_LOOP)
+    (tmp_path / "loops.yaml").write_text(f"- name: mine\n  _target_: {tmp_path}/my_loop.py:MyAgentLoop\n")
+    assert main(example + [f"{AGENT}.agent_loop_config_path={tmp_path}/loops.yaml",
+                           f"{AGENT}.default_agent_loop=mine"]) == 2
+    err = capsys.readouterr().err
+    assert (f"mine._target_='{tmp_path}/my_loop.py:MyAgentLoop': class MyAgentLoop in {tmp_path}/my_loop.py is "
+            "written against verl's agent-loop interface (it subclasses verl's AgentLoopBase; it implements verl's "
+            "run(sampling_params, **kwargs) -> AgentLoopOutput)") in err
+    assert "Change it to subclass rlflow.rollout.agent.AgentLoop and override run_one(self, t, sampler)" in err
+    (tmp_path / "loops.yaml").write_text("- name: mine\n")
+    assert main(example + [f"{AGENT}.agent_loop_config_path={tmp_path}/loops.yaml",
+                           f"{AGENT}.default_agent_loop=mine"]) == 2
+    assert "entry 0 ({'name': 'mine'}) needs name and _target_" in capsys.readouterr().err

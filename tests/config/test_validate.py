@@ -182,7 +182,7 @@ def test_seed_example_config_reports_all_its_problems_at_once(capsys):
 def test_a_config_error_comes_back_without_importing_torch(tmp_path):
     """The command line checks the whole config before torch, transformers or Lightning load."""
     code = ("import sys; from rlflow.cli import main; rc = main(['train', 'data.train_files=missing.parquet']); "
-            "print(rc, sorted(m for m in ('torch', 'transformers', 'lightning') if m in sys.modules))")
+            "print(rc, sorted(m for m in ('torch', 'transformers', 'lightning_fabric') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.stdout.split("\n")[0] == "2 []", out.stdout + out.stderr
     assert "data.train_files='missing.parquet': no such file" in out.stderr

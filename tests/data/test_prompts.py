@@ -3,6 +3,7 @@ import pytest
 
 from rlflow.data import keys as K
 from rlflow.data.prompts import DataError, PromptData, collate, load_rows
+from rlflow.data.rows import read_parquet
 
 
 def verl_rows():
@@ -25,6 +26,24 @@ def test_reads_verl_parquet(tmp_path, tokenizer):
     assert list(batch[K.DATA_SOURCE]) == ["openai/gsm8k"] * 2
     assert batch[K.EXTRA_INFO][1]["index"] == 1
     assert len(data.val) == 2
+
+
+def test_a_parquet_file_datasets_wrote_reads_as_datasets_reads_it(tmp_path):
+    """rlflow reads parquet with pyarrow (rows.read_parquet); a file that ``datasets`` wrote, its features in the
+    file's metadata (images, a class label, nested dicts, a pandas index column), gives the rows
+    ``datasets.load_dataset`` gives."""
+    datasets = pytest.importorskip("datasets")
+    rows = [dict(r, images=[{"bytes": b"\x89PNG" + bytes([i]), "path": None}], label=i) for i, r in enumerate(verl_rows())]
+    features = datasets.Dataset.from_list(rows).features.copy()
+    features.update(images=datasets.Sequence(datasets.Image()), label=datasets.ClassLabel(names=["a", "b"]))
+    datasets.Dataset.from_list(rows, features=features).to_parquet(tmp_path / "hf.parquet")
+    pd.DataFrame(verl_rows(), index=[5, 7]).to_parquet(tmp_path / "pandas.parquet")
+    for path in (tmp_path / "hf.parquet", tmp_path / "pandas.parquet"):
+        expected = datasets.load_dataset("parquet", data_files=str(path), split="train").to_list()
+        assert read_parquet(path) == expected
+        assert [{k: r[k] for k in ("extra_info", "data_source")} for r in load_rows(path)[0]] == \
+            [{k: r[k] for k in ("extra_info", "data_source")} for r in expected]
+    assert read_parquet(tmp_path / "hf.parquet")[1]["images"][0]["bytes"] == b"\x89PNG\x01"
 
 
 def test_seed_example_layout_without_data_source(tmp_path):

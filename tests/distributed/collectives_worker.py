@@ -12,7 +12,7 @@ micro-batches' row counts and token counts under a budget.
 
 import sys
 
-import lightning as L
+import lightning_fabric as L
 import torch
 from tensordict import TensorDict
 

@@ -23,7 +23,7 @@ def lora_tp(out: Path) -> dict:
     """A PEFT LoRA policy at tensor parallel 2 against the same PEFT model on one process: log-probs, entropy and
     the adapter's gradients (under PEFT's names, gathered); no gradient on the base weights; the reference (adapter
     off) equal to the base model's log-probs; the merged weights equal PEFT's merge_and_unload."""
-    import lightning as L
+    import lightning_fabric as L
     from peft import get_peft_model
 
     from rlflow.models.lora import merged_copy
@@ -112,7 +112,7 @@ def moe_replay(out: Path) -> dict:
     """MoE routing replay (R2) at expert parallel 2 on a Qwen3-MoE-shaped model: a pass without gradients records the
     routing; after the router weights change, a pass with gradients (its rows in another order) routes as recorded,
     while the same pass without replay routes otherwise."""
-    import lightning as L
+    import lightning_fabric as L
 
     from rlflow.strategies.megatron import MegatronStrategy
 

@@ -37,7 +37,7 @@ def mtp(out: Path) -> dict:
     """The tiny MiMo as the policy at tensor parallel ``world``: without MTP, with MTP carried (enable_train=False),
     trained with and without detach_encoder. Each: log-probs of the batch, the MTP loss (``Policy``'s hand-off) and
     which parts its gradient reaches; then one AdamW step on the MTP loss changes the MTP weights."""
-    import lightning as L
+    import lightning_fabric as L
 
     from rlflow.models.critic import load_causal_lm
     from rlflow.models.logprobs import TokenLogProbs

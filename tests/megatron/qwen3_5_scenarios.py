@@ -59,7 +59,7 @@ def qwen3_5_checkpoint(out: Path) -> dict:
     in_proj_qkv / conv1d saved whole: a rank's q | k | v blocks are not one shard of them), loaded at pipeline
     parallel 2 into a model with other weights: the log-probs are those of the model saved, and the loaded AdamW
     moments are the saved ones (compared in transformers' layout, gathered)."""
-    import lightning as L
+    import lightning_fabric as L
 
     from rlflow.models.logprobs import TokenLogProbs
     from rlflow.strategies.megatron import MegatronStrategy
@@ -111,7 +111,7 @@ def qwen3_5_dist_ckpt(out: Path) -> dict:
     """A Megatron dist checkpoint (verl's use_dist_checkpointing; megatron-core's own GatedDeltaNet sharding) written
     at tensor parallel 2, loaded at pipeline parallel 2 and at tensor parallel 1 into other weights: the log-probs
     are the saved model's."""
-    import lightning as L
+    import lightning_fabric as L
 
     from rlflow.models.logprobs import TokenLogProbs
     from rlflow.strategies.megatron import MegatronStrategy, dist_checkpoint

@@ -33,7 +33,7 @@ def moe_rollout_replay(out: Path) -> dict:
     routers then changed, scores the rows in another order with gradients: with R3 every routed token goes to the
     rollout's experts, without replay not; at pipeline parallel 2 (no gradients) each stage's layer replays its own
     part. Then two GRPO steps in the Trainer with R3."""
-    import lightning as L
+    import lightning_fabric as L
     import torch.distributed as dist
 
     from rlflow.rollout import HFRollout

@@ -66,7 +66,7 @@ def vlm_batch(kind: str, seed: int = 0):
 
 
 def vlm_convert(out: Path, kinds=("qwen2_5_vl", "qwen3_5"), **layout) -> dict:
-    import lightning as L
+    import lightning_fabric as L
 
     from rlflow.strategies.megatron import MegatronStrategy
 

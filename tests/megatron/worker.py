@@ -186,7 +186,7 @@ def convert(out: Path, accelerator: str = "cpu", layer_spec: str = "local", pipe
     the launch's size; ``pipeline``: pipeline parallel instead, without the logits check: the output layer
     lives on the last stage only; or ``layout``), the weights the engines would receive, and padding removal's
     zeros."""
-    import lightning as L
+    import lightning_fabric as L
 
     from rlflow.strategies.megatron import MegatronStrategy
 
@@ -389,7 +389,7 @@ def dist_ckpt(out: Path) -> dict:
     loaded at pipeline parallel 2 and at tensor parallel 1 (x data parallel 2) into another model's shell: the
     log-probs are the first model's. A Trainer whose policy and reference start from it sends those weights to its
     engine before the first rollout; a checkpoint of another architecture is refused."""
-    import lightning as L
+    import lightning_fabric as L
 
     from rlflow.strategies.megatron import MegatronStrategy, dist_checkpoint
 

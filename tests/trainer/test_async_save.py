@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from lightning.fabric.plugins import TorchCheckpointIO
+from lightning_fabric.plugins import TorchCheckpointIO
 
 from rlflow.trainer import training_state as ckpt
 

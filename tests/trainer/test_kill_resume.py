@@ -51,7 +51,7 @@ def kill_on_call(owner, name, occurrence, after=False):
 
 def half_written_state(occurrence):
     """The ``occurrence``-th ``state.ckpt`` gets half its bytes on disk, then the process dies."""
-    import lightning.fabric.plugins.io.torch_io as torch_io
+    import lightning_fabric.plugins.io.torch_io as torch_io
 
     calls = [0]
     real = torch_io._atomic_save

@@ -171,11 +171,17 @@ def with_columns(reward: Reward, columns) -> Reward:
 
 
 def setup_rewards(fabric, *roles: Any) -> None:
-    """Call ``setup(fabric)`` once on every :class:`Reward` reachable from ``roles``: the roles themselves and
-    the objects they hold (a reward inside ``OverlongPenalty``, ``CombinedReward``, ``DynamicSampling`` or a
-    ``Chain`` of estimator modules), found through instance attributes and lists of them."""
+    """Call ``setup(fabric)`` once on every :class:`Reward` reachable from ``roles`` (:func:`rewards_in`)."""
+    for reward in rewards_in(*roles):
+        reward.setup(fabric)
+
+
+def rewards_in(*roles: Any) -> list[Reward]:
+    """Every :class:`Reward` reachable from ``roles``, once: the roles themselves and the objects they hold (a
+    reward inside ``OverlongPenalty``, ``CombinedReward``, ``DynamicSampling`` or a ``Chain`` of estimator
+    modules), found through instance attributes and lists of them."""
     seen: set[int] = set()
-    todo = list(roles)
+    todo, found = list(roles), []
     while todo:
         obj = todo.pop()
         if obj is None or id(obj) in seen or not isinstance(obj, (BatchModule, list, tuple)):
@@ -185,8 +191,9 @@ def setup_rewards(fabric, *roles: Any) -> None:
             todo += list(obj)
             continue
         if isinstance(obj, Reward):
-            obj.setup(fabric)
+            found.append(obj)
         todo += [v for v in vars(obj).values() if isinstance(v, (BatchModule, list, tuple))]
+    return found
 
 
 class _Timeout(Exception):

@@ -114,6 +114,8 @@ class AsyncRollout(RolloutWrapper):
     prompt stream; kept for dashboards that plot it),
     ``async/policy_version``, ``timing_s/gen_wait`` (the trainer waiting for samples) and
     ``timing_s/train_wait`` (the engine waiting for work: its idle time before the batches of this step).
+    They cover every batch collected since the last push: with dynamic sampling (``FilterGroups``) the step's
+    top-up batches too, which the engine generates ahead like any batch of the stream.
 
     Checkpoints hold the policy version; in-flight batches are not saved: after a resume the first batch
     is generated with the restored weights and the pipeline refills from there. Several training processes:
@@ -142,6 +144,7 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
         self.in_flight: deque[_Job] = deque()
         self.reseed, self.restored = False, False
         self.stats: dict[str, float] = {}
+        self._since_push: list[tuple] = []  # per batch collected since the last push: (versions, over, gen_s, waits)
         self.rank, self.world, self.device, self._twin = 0, 1, None, None
 
     @property
@@ -180,7 +183,7 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
                                         **self.process_options)
         self.rollout.sample_with(self.engine, model, tokenizer)  # validation copies (with_options) use it too
         self.engine.loaded_from = model
-        self.version, self.restored = 0, False
+        self.version, self.restored, self._since_push = 0, False, []
         self.in_flight.clear()
 
     def _bind_agent(self, model, tokenizer) -> None:
@@ -190,7 +193,7 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
         self._close_engine()
         self.engine = engine_beside(self.agent, model, tokenizer, self.timeout)
         self.engine.loaded_from = model
-        self.version, self.restored = 0, False
+        self.version, self.restored, self._since_push = 0, False, []
         self.in_flight.clear()
 
     def with_options(self, **overrides):
@@ -235,6 +238,7 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
             self.restored = False
         else:
             self.version += 1
+        self._since_push = []
         start = time.perf_counter()
         metrics = self.engine.load_weights(hf_weight_buckets(trained, self.rollout.bucket_bytes), version=self.version)
         self.engine.loaded_from = trained
@@ -247,6 +251,7 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
         """Restore the version count; batches in flight are dropped (they are generated again after the
         restored weights arrive with the ``sync_weights`` that follows a checkpoint load)."""
         self.version, self.restored, self.reseed = int(state["policy_version"]), True, True
+        self._since_push = []
         self._drop_in_flight()
 
     # ------------------------------------------------------------------ sampling
@@ -257,9 +262,11 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
         self._start()
         return self._collect(self._submit(batch))
 
-    def stream(self, prompts, pairs: bool = False):
+    def stream(self, prompts, pairs: bool = False, split: bool = True):
         """Samples for every batch of the iterator ``prompts``, keeping the next ``max_staleness`` batches in
         flight on the engine (read from ``prompts`` as they are needed); ``pairs``: yield (prompts, samples).
+        ``split=False`` (several processes, rank 0): every whole batch, handed out by the caller (the experience
+        stream, after dynamic sampling).
 
         The engine's random state is set from the trainer's before its first batch, so a stream with
         ``max_staleness=0`` samples what the synchronous run samples. Batches still in flight when the
@@ -268,7 +275,8 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
             yield from follow(self, pairs)
             return
         self._start(reseed=True)
-        steps = lead(self._steps(iter(whole(prompts, "AsyncRollout") if self.world > 1 else prompts)), self.world)
+        world = self.world if split else 1
+        steps = lead(self._steps(iter(whole(prompts, "AsyncRollout") if self.world > 1 else prompts), world), world)
         try:
             for batch, samples in steps:
                 yield (batch, samples) if pairs else samples
@@ -276,8 +284,8 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
             steps.close()
             self._drop_in_flight()
 
-    def _steps(self, prompts):
-        """Every batch's samples, split in one share of whole groups per rank, with their stats."""
+    def _steps(self, prompts, world: int):
+        """Every batch's samples, split in one share of whole groups per rank (``world`` shares), with their stats."""
         ended = False
         while True:
             while not ended and len(self.in_flight) <= self.max_staleness:
@@ -289,7 +297,7 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
                 return
             job = self.in_flight.popleft()
             samples = self._collect(job)
-            yield row_shares(job.prompts, samples, self.world, self.rollout.n), self.stats
+            yield row_shares(job.prompts, samples, world, self.rollout.n), self.stats
 
     def _start(self, reseed: bool = False) -> None:
         if self.engine is None:
@@ -318,16 +326,24 @@ rank 0 runs the engine and hands each rank whole groups of every batch (:mod:`rl
             versions = torch.tensor([c.extras["policy_version"] for per_prompt in last.completions
                                      for c in per_prompt], dtype=torch.long)
         samples[K.POLICY_VERSION] = versions.to(batch[K.PROMPT_IDS].device)
-        staleness = (self.version - versions).float()
-        over = float(stale > self.max_staleness)
-        self.stats = dict(self.engine.stats) | loop_stats | {
-            "async/staleness_mean": float(staleness.mean()), "async/staleness_max": float(staleness.max()),
-            "async/over_bound_frac": over, "async/regenerated_samples": over * len(versions),
-            "async/mispredicted_batches": 0.0, "async/policy_version": float(self.version),
-            "async/engine_gen_s": sum(g.gen_s for g in generated),
-            "timing_s/gen_wait": wait, "timing_s/train_wait": sum(g.idle_s for g in generated),
-        }
+        self._since_push.append((versions, float(stale > self.max_staleness), sum(g.gen_s for g in generated),
+                                 wait, sum(g.idle_s for g in generated)))
+        self.stats = dict(self.engine.stats) | loop_stats | self._step_stats()
         return samples
+
+    def _step_stats(self) -> dict[str, float]:
+        """``async/*`` and the waits over every batch collected since the last push: the step's batches (several
+        with dynamic sampling's top-ups, the filtered ones included)."""
+        batches = self._since_push
+        staleness = (self.version - torch.cat([b[0] for b in batches])).float()
+        return {
+            "async/staleness_mean": float(staleness.mean()), "async/staleness_max": float(staleness.max()),
+            "async/over_bound_frac": sum(b[1] for b in batches) / len(batches),
+            "async/regenerated_samples": sum(b[1] * len(b[0]) for b in batches),
+            "async/mispredicted_batches": 0.0, "async/policy_version": float(self.version),
+            "async/engine_gen_s": sum(b[2] for b in batches),
+            "timing_s/gen_wait": sum(b[3] for b in batches), "timing_s/train_wait": sum(b[4] for b in batches),
+        }
 
     def _submit(self, batch: TensorDict) -> _Job:
         if self.agent is not None:

@@ -289,9 +289,10 @@ class FullyAsyncRollout(RolloutWrapper):
     def max_new_tokens(self) -> int | None:
         return (self.agent or self.rollout).max_new_tokens
 
-    def stream(self, prompts, pairs: bool = False):
+    def stream(self, prompts, pairs: bool = False, split: bool = True):
         """Batches of ``batch_size`` complete groups (the size of the first prompt batch) as they complete, the
-        prompts drawn from ``prompts`` as admission needs them; ``pairs``: yield (prompts, samples)."""
+        prompts drawn from ``prompts`` as admission needs them; ``pairs``: yield (prompts, samples). ``split=False``
+        (several processes, rank 0): every step's groups whole, handed out by the caller (dynamic sampling)."""
         if self.rank > 0:
             yield from follow(self, pairs)
             return
@@ -303,7 +304,8 @@ class FullyAsyncRollout(RolloutWrapper):
 
             self.engine.seed(torch.get_rng_state(), random.getstate(), np.random.get_state())
         self._start_driver()
-        steps = lead(self._steps(prompts), self.world)
+        world = self.world if split else 1
+        steps = lead(self._steps(prompts, world), world)
         try:
             for batch, samples in steps:
                 yield (batch, samples) if pairs else samples
@@ -311,8 +313,8 @@ class FullyAsyncRollout(RolloutWrapper):
             steps.close()
             self._stop_driver()
 
-    def _steps(self, prompts):
-        """Every step's complete groups, in one share of whole groups per rank, with their stats."""
+    def _steps(self, prompts, world: int):
+        """Every step's complete groups, in one share of whole groups per rank (``world`` shares), with their stats."""
         ended = False
         while True:
             ended = self._draw(prompts, ended)
@@ -320,7 +322,7 @@ class FullyAsyncRollout(RolloutWrapper):
             if groups is None:
                 return
             if groups:  # else prompts to draw first
-                yield [self._laid_out(share) for share in shares(groups, self.world)], self.stats
+                yield [self._laid_out(share) for share in shares(groups, world)], self.stats
 
     def want(self, groups: int) -> None:
         """The next batch the stream yields holds ``groups`` complete groups (once), taken for the same step as the
@@ -398,8 +400,9 @@ class FullyAsyncRollout(RolloutWrapper):
     def _room(self) -> int:
         """Groups the driver may admit now (with the lock held): pacing, so that taken in order none is too old."""
         bound = self._limit()
-        if self.threshold is not None:  # while the trainer learns, the next batch is trained one version later
-            bound = min(bound, self.batch_size * (self.threshold - int(self._learning)))
+        if self.threshold is not None:  # while the trainer learns, the next batch is trained one version later;
+            taking = 0 if self._learning else (self._want or self.batch_size)  # a top-up takes its k groups only
+            bound = min(bound, self.batch_size * (self.threshold - 1) + taking)
         return bound - len(self._active) - len(self._ready)
 
     def _record(self, groups: list[_Group], waited: float, dropped: int, in_flight: int, topup: bool) -> None:

@@ -11,6 +11,11 @@ from and every rank validates with.
 
 The hand-out is one ``scatter_object_list`` per step on the default group (gloo on CPU). A failure of the
 generation on rank 0 is handed out too, so every rank stops naming it instead of waiting.
+
+With DAPO's dynamic sampling (``FilterGroups``) rank 0 also scores and filters: the experience stream
+(``rlflow.rollout.stream``) takes each whole batch from the rollout (``stream(..., split=False)``), scores it,
+tops it up until the step's groups are kept, and hands out only kept whole groups (:func:`group_shares`) with
+its metrics (``dapo/*`` among them), so every rank trains on its share and logs the same values.
 """
 
 from __future__ import annotations
@@ -97,14 +102,33 @@ def lead(steps: Iterator[tuple[list, dict]], world: int) -> Iterator[tuple[Tenso
 
 def follow(rollout, pairs: bool) -> Iterator:
     """A rank > 0: the share of every step that rank 0 hands out (``rollout.stats`` set to rank 0's)."""
+    for (prompts, samples), rollout.stats in received(rollout.device, type(rollout).__name__):
+        yield (prompts, samples) if pairs else samples
+
+
+def received(device, who: str) -> Iterator[tuple[tuple, dict]]:
+    """A rank > 0: (its part, rank 0's stats) of every step that rank 0 hands out with :func:`lead`, until the end;
+    a failure on rank 0 raised here, naming ``who``."""
     while True:
-        kind, *rest = receive(rollout.device)
+        kind, *rest = receive(device)
         if kind == "end":
             return
         if kind == "error":
-            raise EngineProcessError(f"{type(rollout).__name__}: the generation on rank 0 failed: {rest[0]}")
-        prompts, samples, rollout.stats = rest
-        yield (prompts, samples) if pairs else samples
+            raise EngineProcessError(f"{who}: the generation on rank 0 failed: {rest[0]}")
+        *part, stats = rest
+        yield tuple(part), stats
+
+
+def group_shares(samples: TensorDict, world: int) -> list[TensorDict]:
+    """A scored batch of groups numbered ``0..P-1`` (rows contiguous per group) split into ``world`` contiguous
+    shares of whole groups, each numbered from 0 as a synchronous shard."""
+    per = len(shares(list(range(int(samples[K.GROUP].max()) + 1)), world)[0])
+    out = []
+    for r in range(world):
+        mine = samples[(samples[K.GROUP] >= r * per) & (samples[K.GROUP] < (r + 1) * per)]
+        mine.set(K.GROUP, mine[K.GROUP] - r * per)
+        out.append(mine)
+    return out
 
 
 def whole(prompts, who: str) -> Iterator[TensorDict]:
@@ -121,8 +145,9 @@ def hand_out(parts: list) -> None:
 
 
 def receive(device) -> tuple:
-    """A rank ``> 0``: the message rank 0 handed out, tensors on ``device``: ``("batch", prompts, samples,
-    stats)``, ``("end",)`` (the prompts ran out) or ``("error", text)`` (rank 0's generation failed)."""
+    """A rank ``> 0``: the message rank 0 handed out, tensors on ``device``: ``("batch", *part, stats)`` (part:
+    prompts and samples, or a scored batch), ``("end",)`` (the prompts ran out) or ``("error", text)`` (rank 0's
+    generation failed)."""
     out = [None]
     torch.distributed.scatter_object_list(out, None, src=0)
     return tuple(to_device(x, device) if isinstance(x, TensorDict) else x for x in out[0])
@@ -132,4 +157,5 @@ def _cpu(message: tuple) -> tuple:
     return tuple(to_device(x, "cpu") if isinstance(x, TensorDict) else x for x in message)
 
 
-__all__ = ["follow", "full_twin", "hand_out", "lead", "ranks", "receive", "refresh", "row_shares", "shares", "whole"]
+__all__ = ["follow", "full_twin", "group_shares", "hand_out", "lead", "ranks", "receive", "received", "refresh",
+           "row_shares", "shares", "whole"]

@@ -38,10 +38,12 @@ from tensordict import TensorDict
 from rlflow.data import keys as K
 from rlflow.data.nontensor import to_device
 from rlflow.phases import phase
+from rlflow.rewards.base import rewards_in
 from rlflow.roles import Reward, Rollout, optional
 from rlflow.rollout.async_rollout import AsyncRollout
 from rlflow.rollout.dynamic_sampling import first_groups, group_metric, informative_rows, merge_stats
-from rlflow.rollout.ranks import ranks
+from rlflow.rollout.fully_async import FullyAsyncRollout
+from rlflow.rollout.ranks import group_shares, lead, ranks, received
 from rlflow.rollout.reference_responses import WithReferenceResponses, add_reference_rows
 from rlflow.rollout.wrapper import RolloutWrapper, cat_batches
 
@@ -120,6 +122,10 @@ class FilterGroups(Stage):
     generated and then cut. ``max_gen_batches`` bounds the groups scored per step to ``max_gen_batches x P``,
     what that many synchronous rounds generate; ``dapo/num_gen_batches`` is then the groups scored / ``P``
     (batches' worth, e.g. 1.25).
+
+    **Several processes with the engine on rank 0** (``AsyncRollout``, ``FullyAsyncRollout``): the stage runs on
+    rank 0 alone, over whole batches scored there, and the experience stream hands each rank its share of the kept
+    groups with rank 0's metrics (:mod:`rlflow.rollout.ranks`). With a rollout on every rank each filters its own.
     """
 
     name = "dynamic_sampling"
@@ -166,10 +172,7 @@ class FilterGroups(Stage):
 
     def _groupwise(self, batches, experience, want):
         """Over a stream of groups: the filtered ones replaced one for one (see the class docstring)."""
-        for samples in batches:
-            if ranks()[1] > 1:  # every rank at its first batch: top-ups rank by rank would need rank 0 to agree
-                raise NotImplementedError("FilterGroups over a fully asynchronous stream runs with one training "
-                                          "process for now")
+        for samples in batches:  # several processes: on rank 0 alone, over whole batches (Experience)
             target = int(torch.unique(samples[K.GROUP]).numel())
             budget = self.max_gen_batches * target  # verl's 0 (no cap) arrives as sys.maxsize
             kept, n_kept, n_groups, offset, scores = [], 0, 0, 0, []
@@ -378,11 +381,19 @@ class Experience:
     # ------------------------------------------------------------------ the stream
     def __call__(self, prompts: Iterable[TensorDict]) -> Iterator[TensorDict]:
         prompts = iter(prompts)
-        self._times, self._stack, self._reward_stats = defaultdict(float), [], []
-        batches = self._timed("reward", self._scored(self._timed("gen", self._generated(prompts))))
-        for stage in self.stages:
-            if stage.where == "scored":
+        self._times, self._stack, self._reward_stats, self._shared = defaultdict(float), [], [], {}
+        scored = [stage for stage in self.stages if stage.where == "scored"]
+        (rank, world), alone = ranks(), self._filtered_on_rank_0(scored)
+        if alone and rank > 0:  # rank 0 generates, scores and filters: this rank gets its share of the kept groups
+            batches = self._timed("gen", self._received())
+        else:
+            batches = self._timed("reward", self._scored(self._timed("gen", self._generated(prompts, not alone))))
+            for stage in scored[:alone]:
                 batches = self._timed(stage.name, stage.stream(batches, self))
+            if alone:
+                batches = self._handed_out(batches, world)
+        for stage in scored[alone:]:
+            batches = self._timed(stage.name, stage.stream(batches, self))
         start = time.perf_counter()
         try:
             for batch in batches:
@@ -401,10 +412,48 @@ class Experience:
         finally:
             stream.close()
 
-    def _generated(self, prompts: Iterator[TensorDict]) -> Iterator[tuple[TensorDict, TensorDict]]:
-        """(prompts, samples) per batch; a streaming rollout (``AsyncRollout``) reads the prompts itself."""
+    def _filtered_on_rank_0(self, scored: list[Stage]) -> int:
+        """Several processes with one engine on rank 0 (``AsyncRollout``, ``FullyAsyncRollout``) and dynamic
+        sampling: the number of scored stages, up to the last ``FilterGroups``, that rank 0 runs alone over whole
+        batches before it hands out the kept groups (:mod:`rlflow.rollout.ranks`); else 0."""
+        filters = [i for i, stage in enumerate(scored) if isinstance(stage, FilterGroups)]
+        if not filters or ranks()[1] == 1 or not isinstance(self.rollout, (AsyncRollout, FullyAsyncRollout)):
+            return 0
+        sharded = [r for r in rewards_in(self.reward) if getattr(r, "_sharded", lambda: False)()]
+        if sharded:  # its forward is collective: rank 0 alone would wait for the others forever
+            raise NotImplementedError(
+                f"dynamic sampling with {type(self.rollout).__name__} on several processes: rank 0 scores every "
+                f"group alone, and {type(sharded[0]).__name__} is sharded over the processes (FSDP2); use a reward "
+                "that scores in one process (shard=False), or one training process")
+        return filters[-1] + 1
+
+    def _handed_out(self, batches: Iterator[TensorDict], world: int) -> Iterator[TensorDict]:
+        """Rank 0: each kept batch split in ``world`` shares of whole groups; every other rank gets its own with
+        rank 0's metrics (:func:`rlflow.rollout.ranks.lead`); rank 0's share goes on."""
+        def steps():
+            try:
+                for batch in batches:
+                    self._shared = {}  # this batch's alone
+                    self._shared = self._stats()
+                    yield [(share,) for share in group_shares(batch, world)], self._shared
+            finally:
+                batches.close()
+
+        for (mine,) in lead(steps(), world):
+            yield mine
+
+    def _received(self) -> Iterator[TensorDict]:
+        """A rank > 0: its share of every batch that rank 0 scored and filtered, with rank 0's metrics."""
+        for (samples,), self._shared in received(self.rollout.device, f"{type(self).__name__} (dynamic sampling)"):
+            yield samples
+
+    def _generated(self, prompts: Iterator[TensorDict], split: bool = True
+                   ) -> Iterator[tuple[TensorDict, TensorDict]]:
+        """(prompts, samples) per batch; a streaming rollout (``AsyncRollout``) reads the prompts itself
+        (``split=False``: whole batches on rank 0, see :meth:`_handed_out`)."""
         if optional(self.rollout, Rollout, "stream") is not None:  # its engine holds its own weights: no autocast
-            yield from self.rollout.stream(prompts, pairs=True)
+            yield from (self.rollout.stream(prompts, pairs=True) if split else
+                        self.rollout.stream(prompts, pairs=True, split=False))
             return
         for batch in prompts:
             with self.precision():  # entered per batch: the autocast must not stay on across the yield
@@ -445,13 +494,17 @@ class Experience:
 
     def _publish(self, prompts) -> None:
         """The metrics of the batch about to be yielded; the prompt stream learns how many batches are ahead."""
-        metrics = dict(optional(self.rollout, Rollout, "stats")) | merge_stats(self._reward_stats)
-        for stage in self.stages:
-            metrics |= stage.stats
-        self.metrics = metrics | {f"timing_s/{k}": v for k, v in self._times.items()}
+        self.metrics = self._stats() | {f"timing_s/{k}": v for k, v in self._times.items()}
         self._times, self._reward_stats = defaultdict(float), []
         if isinstance(prompts, PromptStream):
             prompts.ahead = len(optional(self.rollout, Rollout, "in_flight"))
+
+    def _stats(self) -> dict[str, float]:
+        """The rollout's, the reward's and the stages' stats (over those rank 0 handed out, on a rank > 0)."""
+        metrics = self._shared | dict(optional(self.rollout, Rollout, "stats")) | merge_stats(self._reward_stats)
+        for stage in self.stages:
+            metrics |= stage.stats
+        return metrics
 
     def close(self) -> None:
         close = optional(self.rollout, Rollout, "close")

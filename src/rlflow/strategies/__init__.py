@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, Strategy
+from lightning_fabric.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from rlflow.strategies.fsdp2 import FSDP2, fsdp2_parallelize
 from rlflow.strategies.megatron import MegatronStrategy  # megatron-core itself is imported when it starts

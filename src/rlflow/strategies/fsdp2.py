@@ -6,7 +6,7 @@ from datetime import timedelta
 from functools import partial
 
 import torch
-from lightning.fabric.strategies import ModelParallelStrategy
+from lightning_fabric.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard

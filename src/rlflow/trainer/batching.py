@@ -87,7 +87,7 @@ def micro_batches(batch: TensorDict, micro_batch_size: int | None, max_tokens: i
         batch: the mini-batch (rows of this rank).
         micro_batch_size: at most this many rows per micro-batch (``None``: no limit on rows).
         max_tokens: at most this many tokens (:func:`row_tokens`) per micro-batch; a longer row goes alone.
-        fabric: a ``lightning.Fabric``; with several processes the micro-batch count is made equal on all ranks.
+        fabric: a ``lightning_fabric.Fabric``; with several processes the micro-batch count is made equal on all ranks.
     """
     size = batch.batch_size[0]
     if max_tokens is None:

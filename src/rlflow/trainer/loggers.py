@@ -8,8 +8,8 @@ import numbers
 import pprint
 from pathlib import Path
 
-from lightning.fabric.loggers import CSVLogger, Logger, TensorBoardLogger
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning_fabric.loggers import CSVLogger, Logger, TensorBoardLogger
+from lightning_fabric.utilities.rank_zero import rank_zero_only
 
 LOGGER_NAMES = ("jsonl", "csv", "tensorboard", "wandb", "console")
 
@@ -112,9 +112,9 @@ def make_loggers(names, run_dir: str | Path, project: str = "rlflow", experiment
             out.append(TensorBoardLogger(root_dir=run_dir, name="tensorboard", version=""))
         elif name == "wandb":
             try:
-                from lightning.pytorch.loggers import WandbLogger
+                from pytorch_lightning.loggers import WandbLogger  # Lightning's; rlflow itself needs only Fabric
             except ImportError as e:  # pragma: no cover - depends on the environment
-                raise ImportError("logger 'wandb' needs `pip install wandb` (or rlflow[wandb])") from e
+                raise ImportError("logger 'wandb' needs `pip install wandb pytorch-lightning` (or rlflow[wandb])") from e
             out.append(WandbLogger(project=project, name=experiment, save_dir=str(run_dir)))
         elif name == "console":
             out.append(ConsoleLogger())

@@ -132,7 +132,7 @@ class Hardware:
     """Where the run executes and how it is split over devices.
 
     Args:
-        accelerator, devices, num_nodes, precision: passed to ``lightning.Fabric``.
+        accelerator, devices, num_nodes, precision: passed to ``lightning_fabric.Fabric``.
         strategy: ``"auto"``, ``"ddp"``, ``"fsdp2"`` (``"fsdp"`` too) or a Fabric strategy object
             (``rlflow.strategies``). With several processes each one rolls out its share of the prompts; losses
             use global token/sequence counts.

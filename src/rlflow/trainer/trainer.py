@@ -14,7 +14,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Callable
 
-import lightning as L
+import lightning_fabric as L
 import torch
 from tensordict import TensorDict
 from tqdm.auto import tqdm

@@ -210,7 +210,7 @@ def load_sharded_unsharded(path: Path, state: dict) -> dict:
     """
     import torch
     import torch.distributed.checkpoint as dcp
-    from lightning.fabric.wrappers import _unwrap_objects
+    from lightning_fabric.wrappers import _unwrap_objects
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
 
@@ -276,7 +276,7 @@ def save(trainer) -> Path:
 def _snapshot(fabric, state: dict) -> dict:
     """What ``fabric.save`` would write, copied to CPU memory: training can change the live tensors at once."""
     import torch
-    from lightning.fabric.wrappers import _unwrap_objects
+    from lightning_fabric.wrappers import _unwrap_objects
 
     def copy(value):
         if isinstance(value, torch.Tensor):

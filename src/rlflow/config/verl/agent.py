@@ -1,5 +1,6 @@
 """verl's multi-turn keys (``actor_rollout_ref.rollout.multi_turn.*``, ``rollout.agent.default_agent_loop``)
--> the kwargs of :class:`~rlflow.rollout.agent.AgentLoop`, which then wraps the single-turn rollout.
+-> the kwargs of :class:`~rlflow.rollout.agent.AgentLoop` (or the user's subclass from ``agent_loop_config_path``:
+:mod:`rlflow.config.verl.agent_loops`; ``loop_class``), which then wraps the single-turn rollout.
 
 The tool and interaction files are loaded here, while the config is checked (a bad class name fails before
 any weights load); per-row ``extra_info.tools_kwargs`` / ``interaction_kwargs`` are read by the loop.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlflow.config.verl.agent_loops import custom_loop
 from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
 
 MT = "actor_rollout_ref.rollout.multi_turn"
@@ -31,10 +33,11 @@ def agent_plan(cfg: VerlConfig, notes: list[str]) -> dict | None:
     """AgentLoop's kwargs, or None when the rollout is single-turn."""
     enable, loop = cfg[f"{MT}.enable"], cfg[f"{AGENT}.default_agent_loop"]
     tools_path, interaction_path = cfg[f"{MT}.tool_config_path"], cfg[f"{MT}.interaction_config_path"]
-    if loop not in AGENT_LOOPS:
-        raise NotSupportedError(f"{AGENT}.default_agent_loop", loop, "custom agent loops",
-                                f"rlflow has {', '.join(AGENT_LOOPS)}; write a Rollout (or subclass AgentLoop).")
-    if not enable and loop != "tool_agent":
+    custom = custom_loop(cfg, loop, notes)
+    if loop not in AGENT_LOOPS and custom is None:
+        raise ConfigError(f"{AGENT}.default_agent_loop={loop!r}: not one of rlflow's ({', '.join(AGENT_LOOPS)}) and "
+                          f"not in {AGENT}.agent_loop_config_path (a YAML list of {{name, _target_}}: your loops)")
+    if not enable and loop != "tool_agent" and custom is None:
         if tools_path or interaction_path or cfg[f"{MT}.function_tool_path"]:
             raise ConfigError(f"{MT}.tool_config_path / function_tool_path / interaction_config_path are set but "
                               f"{MT}.enable=False: "
@@ -66,7 +69,15 @@ def agent_plan(cfg: VerlConfig, notes: list[str]) -> dict | None:
     if not kwargs["tools"] and kwargs["interaction"] is None:
         notes.append(f"{MT}.enable=True without tools or interactions: each sample is one model turn")
     names = ", ".join(t.name for t in kwargs["tools"]) or "none"
-    notes.append(f"multi-turn: the Trainer gets rollout=AgentLoop(<rollout>, tools=[{names}], "
+    if custom is not None:
+        kwargs["loop_class"], fields = custom
+        clash = sorted(set(fields) & set(kwargs))
+        if clash:
+            raise ConfigError(f"{AGENT}.agent_loop_config_path: the entry {loop!r} sets {', '.join(clash)}, which the "
+                              f"multi-turn keys set ({MT}.*); set it there")
+        kwargs.update(fields)
+    notes.append(f"multi-turn: the Trainer gets rollout={custom[0].__name__ if custom else 'AgentLoop'}(<rollout>, "
+                 f"tools=[{names}], "
                  f"interaction={sorted(kwargs['interaction']) if kwargs['interaction'] else None}, "
                  f"max_assistant_turns={kwargs['max_assistant_turns']}, max_user_turns={kwargs['max_user_turns']}); "
                  "data.max_response_length bounds each whole conversation")

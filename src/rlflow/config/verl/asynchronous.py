@@ -21,9 +21,11 @@ verl 0.9's V1 asynchronous modes (``trainer.use_v1=True``, ``trainer.v1.trainer_
 
 With ``algorithm.filter_groups`` (DAPO's dynamic sampling) the fully asynchronous modes filter group by group: a
 finished group with a constant metric is replaced by the next one to finish (``FilterGroups`` over a stream of
-groups; ``max_num_gen_batches`` x the batch's prompts bounds the groups scored per step). One-step-off refuses it.
+groups; ``max_num_gen_batches`` x the batch's prompts bounds the groups scored per step). One step off, the top-up
+batches are batches of the stream like any other, generated ahead by the engine within the staleness bound.
 With several training processes the asynchronous modes run the engine on rank 0, which hands every rank whole
-groups of each step (``rlflow.rollout.ranks``); the fully asynchronous ones not with dynamic sampling yet.
+groups of each step (``rlflow.rollout.ranks``); with dynamic sampling rank 0 also scores and filters, and hands
+out only kept groups.
 
 With ``multi_turn.enable`` the fully asynchronous modes wrap the agent loop, ``FullyAsyncRollout(AgentLoop(...))``:
 its conversations run beside training, a weight update lands between two chunks of a turn (``pause_mode`` chunks),
@@ -80,20 +82,13 @@ def bypass_mode(cfg: VerlConfig) -> bool:
     return bool(cfg[BYPASS]) if cfg.is_provided(BYPASS) or not partial_rollouts(cfg) else True
 
 
-def alone(key: str, value, dynamic_sampling: dict | None, what: str) -> None:
-    """What one-step-off generation cannot be combined with yet, refused naming the key that asked for it."""
-    if dynamic_sampling:
-        raise NotSupportedError(key, value, f"{what} with dynamic sampling (algorithm.filter_groups)",
-                                "Turn one of them off.")
-
-
-def fully_async_alone(key: str, value, devices: Devices, dynamic_sampling: dict | None) -> None:
-    """The fully asynchronous modes take several processes (rank 0 generates for all) or dynamic sampling (group
-    by group), not both yet."""
-    if devices.processes > 1 and dynamic_sampling:
-        raise NotSupportedError(key, value, "fully asynchronous generation with dynamic sampling "
-                                "(algorithm.filter_groups) on several training processes",
-                                "Run it on one process, or turn dynamic sampling off.")
+def with_filter(key: str, devices: Devices, dynamic_sampling: dict | None, notes: list[str], how: str) -> None:
+    """Says how an asynchronous mode runs DAPO's dynamic sampling (``algorithm.filter_groups``), if it is on."""
+    if not dynamic_sampling:
+        return
+    ranks = (f"; on the {devices.processes} training processes rank 0 scores and filters every group and hands "
+             "each rank only kept whole groups, with the same dapo/* metrics") if devices.processes > 1 else ""
+    notes.append(f"algorithm.filter_groups with {key}: {how}{ranks} (docs/async.md)")
 
 
 def sync_cadence(cfg: VerlConfig, notes: list[str]) -> None:
@@ -138,7 +133,8 @@ def async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: list,
                           "number of steps (0: synchronous, 1: one-step-off, the default; 2, ...); verl's fractional "
                           "values allow part of a batch: round up for more overlap, down for fresher samples, or "
                           f"set {PARTIAL}=True (fully asynchronous, where fractions are the generation ahead)")
-    alone(key, cfg[key], dynamic_sampling, "asynchronous generation")
+    with_filter(key, devices, dynamic_sampling, notes, "the engine generating ahead generates the top-up batches "
+                "too, each one a batch of the stream within the staleness bound")
     correction(cfg, notes, after, key)
     notes.append(f"{key}: the Trainer gets rollout=AsyncRollout(rollout, max_staleness={int(steps)}) (the engine "
                  "runs beside the trainer; docs/async.md)")
@@ -159,7 +155,7 @@ def v1_async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: li
         other = SWITCH if cfg[SWITCH] else STALENESS
         raise ConfigError(f"{MODE}={mode!r} and {other}={cfg[other]!r} choose two asynchronous modes: fully "
                           f"asynchronous with partial rollouts ({MODE}) or one-step-off ({other}); set one of them")
-    fully_async_alone(MODE, mode, devices, dynamic_sampling)
+    with_filter(MODE, devices, dynamic_sampling, notes, "a filtered group is replaced by the next one to finish")
     threshold, strategy = cfg[THRESHOLD], cfg[STRATEGY]
     if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
         raise ConfigError(f"{THRESHOLD}={threshold!r}: an integer >= 1 (model versions from a prompt's first "
@@ -190,7 +186,7 @@ def partial_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: lis
     if isinstance(ahead, bool) or not isinstance(ahead, (int, float)) or ahead < 0:
         raise ConfigError(f"{STALENESS}={ahead!r}: with {PARTIAL}=True, the sync cycles' worth of samples generated "
                           "ahead of training (verl's fraction, e.g. 0.1; whole numbers too), a number >= 0")
-    fully_async_alone(PARTIAL, True, devices, dynamic_sampling)
+    with_filter(PARTIAL, devices, dynamic_sampling, notes, "a filtered group is replaced by the next one to finish")
     correction(cfg, notes, after, PARTIAL)
     kwargs = {"max_off_policy_threshold": None, "max_off_policy_strategy": "drop",
               "num_warmup_batches": ahead} | pause_mode(cfg)

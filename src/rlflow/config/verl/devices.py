@@ -20,7 +20,7 @@ CRITIC_OFFLOAD_KEYS = ("critic.model.fsdp_config.param_offload", "critic.model.f
 
 @dataclass(frozen=True)
 class Devices:
-    accelerator: str      # "cpu" or "cuda", for lightning.Fabric
+    accelerator: str      # "cpu" or "cuda", for lightning_fabric.Fabric
     precision: str        # Fabric precision, e.g. "32-true"
     strategy: object      # Fabric strategy: a name, or a strategy object (Megatron)
     processes: int        # n_gpus_per_node x nnodes

@@ -177,7 +177,7 @@ _V1_ASYNC = ("only used with that trainer.v1.trainer_mode (colocate_async / sepa
 RUN_INERT: dict[str, str] = {
     "data.audio_key": "audio inputs are not supported yet (images are: data.image_key)",
     **{f"reward_model.{k}": _RM_SERVER for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes", "rollout.*")},
-    **{f"reward_model.reward_loop_{k}": "only used with reward_model.reward_loop_source=importlib, not supported yet"
+    **{f"reward_model.reward_loop_{k}": "only used with reward_model.reward_loop_source=importlib"
        for k in ("module_path", "class_name")},
     "sandbox_fusion.max_concurrent": "code runs in rlflow's local sandbox (rlflow.rewards.code)",
     "sandbox_fusion.memory_limit_mb": ("code runs in rlflow's local sandbox; its limits are "
@@ -213,8 +213,6 @@ RUN_INERT: dict[str, str] = {
     "skip.*": "only used with skip.*.enable=True (replaying dumped rollouts), not supported yet",
 }
 RUN_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "reward_model.reward_loop_source": ("custom reward-manager classes (reward_loop_source=importlib)",
-                                        _not(None, "register")),
     "sandbox_fusion.url": (_SANDBOX, _truthy),
     "trainer.v1.sampler.custom_sampler.path": ("custom replay-buffer samplers (trainer.v1.sampler.custom_sampler)",
                                                _truthy),

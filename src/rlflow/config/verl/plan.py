@@ -9,7 +9,6 @@ prompts, ``*_micro_batch_size_per_gpu`` counts trajectories (samples).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,6 +32,7 @@ from rlflow.config.verl.lora import critic_lora_argument, lora_argument
 from rlflow.config.verl.modeldata import chat_template_kwargs, engine_loading, liger, model_loading, patch_size
 from rlflow.config.verl.optim import optim_kwargs
 from rlflow.config.verl.resolve import class_kwargs
+from rlflow.config.verl.reward_class import manager_class
 from rlflow.config.verl.reward_section import user_names
 from rlflow.config.verl.rewards import RewardPlan, reward_plan
 from rlflow.config.verl.role_keys import SP_ENGINE_KEYS, model_paths, sequence_parallel_keys
@@ -260,6 +260,14 @@ def reward_and_shaping(cfg: VerlConfig, notes: list[str]) -> tuple[RewardPlan, d
     """The reward keys -> the reward plan and DAPO's overlong shaping (OverlongPenalty's kwargs, or None)."""
     crf = cfg["custom_reward_function"]
     manager, manager_kwargs = cfg["reward_model.reward_manager"], dict(cfg["reward_model.reward_kwargs"])
+    user_class = manager_class(cfg, manager_kwargs)
+    if user_class is not None:  # the class takes reward_kwargs; the function (compute_score) gets its own
+        plan = reward_keys(cfg, "naive", dict(crf["reward_kwargs"]), notes)
+        if plan.model is not None:
+            raise ConfigError("reward_model.enable=True with a reward-manager class from a file: not supported yet "
+                              "(score with the reward model inside the class, or drop one)")
+        plan.manager = user_class
+        return plan, None
     overlong = overlong_penalty(manager, manager_kwargs, cfg[f"{R}.response_length"])
     if manager in ("prime", "dapo"):
         notes.append(f"reward_model.reward_manager={manager}: scores like 'naive' (rlflow runs reward calls on "
@@ -432,9 +440,9 @@ def logger_names(cfg: VerlConfig, notes: list[str]) -> list[str]:
     (wandb named by the user and not installed was a validation error)."""
     names = []
     for name in cfg["trainer.logger"]:
-        if name == "wandb" and importlib.util.find_spec("wandb") is None:
+        if name == "wandb" and tables.wandb_install():
             notes.append("trainer.logger: wandb (in verl's default [console, wandb]) is not installed, so nothing "
-                         "is sent to W&B; `pip install wandb` to log there. The metrics are written to "
+                         f"is sent to W&B; `{tables.wandb_install()}` to log there. The metrics are written to "
                          f"{cfg['trainer.default_local_dir']}/metrics.jsonl")
             continue
         if tables.LOGGERS[name] not in names:

@@ -10,8 +10,8 @@ read when its legacy key is. Both set to different values is an error naming bot
 disagree on which would win). Problems found under the legacy name are reported under the user's name too
 (:func:`user_names`).
 
-Keys of the section with no legacy counterpart are in ``rlflow.config.verl.tables``: ``reward_manager.source``
-other than ``register`` is not supported (verl reward-manager classes from a file); the reward model's
+Keys of the section with no legacy counterpart: ``reward_manager.source=importlib`` with ``reward_manager.module.path``
+(a reward class from a file) is read by :mod:`rlflow.config.verl.reward_class`; the reward model's
 resource pool and its inference-server settings (``reward.reward_model.rollout.*``) change nothing here (the
 reward model is a sequence-classification model scored in the training processes, ``ModelReward``).
 

@@ -35,7 +35,8 @@ class RewardPlan:
     """What the tree's reward node makes. ``functions``: ``(name, function, weight)``; ``model``: the
     ``ModelReward.from_pretrained`` arguments (with ``path``) or None; ``mode``: ``"functions"`` (their
     weighted sum), ``"model"`` (the model's score alone), ``"rm_argument"`` (the one function, given
-    ``rm_score``), ``"sum"`` (model and functions, weighted)."""
+    ``rm_score``), ``"sum"`` (model and functions, weighted). ``manager``: the user's reward class, which
+    then scores in place of the functions (the one function is its ``compute_score``)."""
 
     functions: list[tuple[str, Callable, float]]
     mode: str = "functions"
@@ -44,6 +45,7 @@ class RewardPlan:
     timeout_s: float | None = 30.0
     processes: int = 0
     custom: bool = False
+    manager: Any = None  # a reward-manager class from a file (rlflow.config.verl.reward_class.ManagerClass)
 
 
 def reward_plan(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[str]) -> RewardPlan:

@@ -10,6 +10,7 @@ rules every key is checked against (ranges, choices, paths) are in :mod:`rlflow.
 
 from __future__ import annotations
 
+import importlib.util
 from fnmatch import fnmatchcase
 from typing import Any, Callable
 
@@ -58,6 +59,15 @@ MEGATRON_OPTIMIZERS = {"adam": "AdamW", "sgd": "SGD"}
 LOGGERS = {"console": "console", "tensorboard": "tensorboard", "wandb": "wandb", "file": "jsonl", "jsonl": "jsonl",
            "csv": "csv"}
 VERL_ONLY_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
+# the wandb logger is Lightning's (pytorch_lightning.loggers.WandbLogger; rlflow itself needs only lightning_fabric):
+# its modules -> the pip packages that install them (rlflow[wandb])
+WANDB_PACKAGES = {"wandb": "wandb", "pytorch_lightning": "pytorch-lightning"}
+
+
+def wandb_install() -> str | None:
+    """The pip command that installs what the wandb logger lacks here, or None when nothing is missing."""
+    missing = [package for module, package in WANDB_PACKAGES.items() if importlib.util.find_spec(module) is None]
+    return f"pip install {' '.join(missing)}" if missing else None
 
 # ---------------------------------------------------------------------------------------------
 # Keys recognised but not supported yet: key -> (feature, predicate on the value that triggers it)
@@ -75,7 +85,6 @@ def _not(*ok: Any) -> Callable[[Any], bool]:
 
 
 OTHER_BACKENDS = "training strategies other than fsdp, fsdp2 and megatron"
-MULTI_TURN = "custom agent loops (agent_loop_config_path)"
 
 _REPLAY = ("replaying dumped rollouts (verl's dumps are pickled verl DataProto objects, which need verl to read; "
            "rlflow's trainer.rollout_data_dir writes decoded text without token ids or the sampler's log-probs, so "
@@ -84,7 +93,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "data.datagen.path": ("dynamic data generation", _truthy),
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
-    "actor_rollout_ref.rollout.agent.agent_loop_config_path": (MULTI_TURN, _truthy),
     "actor_rollout_ref.rollout.agent.custom_async_server.path": ("custom async rollout servers", _truthy),
     "actor_rollout_ref.rollout.skip_rollout": (_REPLAY, _truthy),
     "actor_rollout_ref.rollout.trace.backend": ("rollout tracing (verl records each rollout's spans with the weave "
@@ -93,8 +101,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
                                         "sources are scored without a server)", _truthy),
-    "reward.reward_manager.source": ("reward-manager classes loaded from a file (verl's source=importlib; "
-                                     "rlflow's managers: naive, prime, dapo, batch)", _not("register")),
     "trainer.default_hdfs_dir": ("checkpoints copied to HDFS (a Hadoop file system, reached by verl through the hdfs "
                                  "command-line client; rlflow writes trainer.default_local_dir)", _truthy),
 }
@@ -219,7 +225,9 @@ INERT: dict[str, str] = {
     "reward_model.sandbox_fusion.memory_limit_mb": "code runs in rlflow's local sandbox; its limits are "
                                                    "rlflow.rewards.code.DEFAULT_LIMITS (512 MiB)",
     # verl 0.9's reward section: the keys without an older counterpart (the others: rlflow.config.verl.reward_section)
-    "reward.reward_manager.module.*": "only used with reward.reward_manager.source=importlib, not supported",
+    "reward.reward_manager.module.path": "only used with reward.reward_manager.source=importlib",
+    "reward.reward_manager.module.name": ("the module name verl gives the file in sys.modules; rlflow names a "
+                                          "file's module itself (rlflow.registry.load_object)"),
     "reward.reward_model.model_path": _NO_RM,
     **{f"reward.reward_model.{k}": "the reward model runs in the training processes, placed like the policy"
        for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes")},

@@ -136,7 +136,8 @@ def rollout_node(plan, deferred: list[str]) -> dict:
     """The rollout and the wrappers build_trainer puts around it (agent loop, asynchronous generation)."""
     rollout = call(plan.rollout_cls, plan.rollout_kwargs, "rollout", deferred)
     agent = agent_kwargs(plan) if plan.agent is not None else None
-    for kwargs, target in ((agent, "rlflow.rollout.agent.AgentLoop"),
+    loop = spec(agent.pop("loop_class")) if agent and "loop_class" in agent else "rlflow.rollout.agent.AgentLoop"
+    for kwargs, target in ((agent, loop),
                            (plan.async_rollout, "rlflow.rollout.AsyncRollout"),
                            (plan.fully_async, "rlflow.rollout.FullyAsyncRollout")):
         if kwargs is not None:
@@ -149,6 +150,10 @@ def reward_node(reward: RewardPlan, overlong: dict | None, deferred: list[str]) 
     timing = {"timeout_s": reward.timeout_s, "processes": reward.processes}
     parts = [(name, {"_target_": "rlflow.FunctionReward", "fn": node(fn, "reward.fn", deferred), **timing,
                      "name": name}, weight) for name, fn, weight in reward.functions]
+    if reward.manager is not None:
+        user = reward.manager
+        score = {"compute_score": reward.functions[0][1]} if user.compute_score else {}
+        parts = [(user.cls.__name__, call(user.cls, {**score, **user.kwargs}, "reward", deferred), 1.0)]
     out = None
     if reward.model is not None:
         kwargs = dict(reward.model)

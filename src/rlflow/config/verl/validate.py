@@ -30,6 +30,7 @@ from rlflow.config.verl import checks, tables
 from rlflow.config.verl import devices as verl_devices
 from rlflow.config.verl.devices import resolve_devices
 from rlflow.config.verl.distillation import loss_problems as distillation_loss_problems
+from rlflow.config.verl.reward_class import class_from_file
 from rlflow.config.verl.reward_fn import reward_file_problem, split_reward_spec
 from rlflow.config.verl.reward_section import user_names
 from rlflow.config.verl.configs import FOREIGN_STRATEGIES
@@ -113,6 +114,8 @@ def check_choices(ctx: Context) -> None:
         value = ctx.get(key)
         if key not in ctx.cfg.flat or not ctx.ok(key) or value in choices or not ctx.set_by_user_or_own(key):
             continue
+        if key == "reward_model.reward_manager" and class_from_file(ctx.cfg.flat):
+            continue  # the name of the user's class (rlflow.config.verl.reward_class)
         names = [c for c in choices if c is not None]
         close = difflib.get_close_matches(str(value), names, n=1)
         ctx.add(f"{key}={value!r}: choose from {', '.join(names)}" + (f" (did you mean {close[0]}?)" if close else ""))
@@ -291,8 +294,8 @@ def loggers(ctx: Context) -> None:
                                       f"Available: {', '.join(tables.LOGGERS)}."))
         elif name not in tables.LOGGERS:
             ctx.add(f"trainer.logger: unknown logger {name!r}; choose from {', '.join(tables.LOGGERS)}")
-        elif name == "wandb" and "trainer.logger" in ctx.cfg.provided and importlib.util.find_spec("wandb") is None:
-            ctx.add("trainer.logger contains wandb, which is not installed: pip install wandb")
+        elif name == "wandb" and "trainer.logger" in ctx.cfg.provided and tables.wandb_install():
+            ctx.add(f"trainer.logger contains wandb, which is not installed: {tables.wandb_install()}")
 
 
 @cross_check

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from lightning.fabric.strategies import ModelParallelStrategy
+from lightning_fabric.strategies import ModelParallelStrategy
 from torch import nn
 from torch.optim import Optimizer
 
@@ -254,7 +254,7 @@ class MegatronStrategy(ModelParallelStrategy):
         overrides = dict(self.transformer_overrides)
         if activation_checkpointing(hf_model) and not any(k.startswith("recompute") for k in overrides):
             if on_cpu:
-                from lightning.fabric.utilities import rank_zero_warn
+                from lightning_fabric.utilities import rank_zero_warn
 
                 rank_zero_warn("gradient checkpointing is off under the Megatron strategy on CPU: Megatron's "
                                "recomputation saves CUDA RNG states")
