@@ -10,6 +10,7 @@ from rlflow.data import keys as K
 from rlflow.models.checks import enable_activation_checkpointing, offloaded_activations
 from rlflow.models.hf_config import load_config, model_kwargs
 from rlflow.models.hub import locate_model
+from rlflow.models.liger import apply_liger
 from rlflow.models.logprobs import enable_sequence_parallel, response_hidden_states
 from rlflow.models.packing import pack, packed_hidden_states, unpack
 from rlflow.models.ulysses import sequence_parallel_outputs
@@ -83,12 +84,15 @@ class Critic(BatchModule):
 
     @classmethod
     def from_pretrained(cls, path, *, trust_remote_code: bool = False, override_config: dict | None = None,
-                        config_path=None, gradient_checkpointing: bool = False, **kwargs) -> "Critic":
+                        config_path=None, gradient_checkpointing: bool = False, use_liger: bool = False,
+                        **kwargs) -> "Critic":
         """A critic from a model folder or hub id (resolved as ``Policy.from_pretrained`` does;
         ``trust_remote_code``, ``override_config``, ``config_path`` (the model config, when not the folder's) and
-        ``gradient_checkpointing`` as there)."""
+        ``gradient_checkpointing``, ``use_liger`` as there)."""
         config = locate_model(config_path).path if config_path else None
         model = load_causal_lm(locate_model(path).path, trust_remote_code, override_config, config_path=config)
+        if use_liger:
+            apply_liger(model)
         if gradient_checkpointing:
             enable_activation_checkpointing(model, {"use_reentrant": False})
         return cls(model, **kwargs)

@@ -17,6 +17,7 @@ from rlflow.models.checks import (check_model_folder, check_tokenizer, enable_ac
                                   offloaded_activations)
 from rlflow.models.hf_config import load_config, model_kwargs
 from rlflow.models.hub import locate_model
+from rlflow.models.liger import apply_liger
 from rlflow.models.logprobs import TokenLogProbs
 from rlflow.models.vision import freeze_vision_tower as freeze, load_processor
 from rlflow.module import BatchModule
@@ -120,7 +121,7 @@ class Policy(BatchModule):
                         trust_remote_code: bool = False, override_config: dict | None = None,
                         tokenizer_trust_remote_code: bool | None = None,
                         tokenizer_path: str | Path | None = None, config_path: str | Path | None = None,
-                        chat_template: str | None = None, **kwargs) -> "Policy":
+                        chat_template: str | None = None, use_liger: bool = False, **kwargs) -> "Policy":
         """Load a model (weights, config, tokenizer): a local folder, or a Hugging Face hub id.
 
         A hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``) loads as in transformers: downloaded or revalidated
@@ -140,7 +141,8 @@ class Policy(BatchModule):
         hub id) is where the tokenizer and the processor are read from, and ``config_path`` the model config
         (``config.json``), when they are not the model's own (verl's ``model.tokenizer_path`` /
         ``model.hf_config_path``). ``chat_template`` replaces the tokenizer's (and the processor's) chat template
-        (verl's ``model.custom_chat_template``).
+        (verl's ``model.custom_chat_template``). ``use_liger``: patch liger-kernel's Triton kernels into the
+        model (``rlflow.models.liger``; verl's ``model.use_liger``): they run on CUDA GPUs only.
         """
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -163,6 +165,8 @@ class Policy(BatchModule):
             tokenizer = AutoTokenizer.from_pretrained(tokens, padding_side="left", trust_remote_code=trust_tokenizer)
             model = AutoModelForCausalLM.from_pretrained(weights, **load)
         check_tokenizer(tokenizer, source=str(tokens))
+        if use_liger:
+            apply_liger(model)
         if chat_template is not None:
             tokenizer.chat_template = chat_template
             if processor is not None:  # a VLM's prompts are rendered by its processor

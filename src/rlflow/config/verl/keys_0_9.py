@@ -43,6 +43,11 @@ _MEGATRON_SCHEDULE = ("only used with Megatron's schedule: optim.lr_decay_style 
                       "above 0 or weight_decay_incr_style other than constant (rlflow.trainer.schedule.ParamSchedule)")
 _PRECISION_AWARE = ("only used with optim.use_precision_aware_optimizer=True (Megatron's), which rlflow refuses; "
                     "rlflow keeps float32 gradients and AdamW states")
+_PRECISION_AWARE_OPTIMIZER = (
+    "Megatron's precision-aware optimizer (low-precision gradients and Adam states: megatron-core builds it inside its "
+    "distributed optimizer from Transformer Engine's FusedAdam, which needs CUDA GPUs and the transformer-engine "
+    "package; rlflow's verl entry point trains with the Trainer's AdamW per shard, not that optimizer)")
+TRACE_ONLY = "only used with rollout.trace.backend (weave or mlflow tracing), which rlflow refuses"
 _QAT_ONLY = "only used with qat.enable=True (quantization-aware training), which rlflow refuses"
 _MTP_ROLLOUT = ("the rollout's copy of actor_rollout_ref.model.mtp (verl's engines read enable_rollout and the "
                 "speculative keys from it); rlflow reads actor_rollout_ref.model.mtp")
@@ -116,10 +121,11 @@ ROLE_INERT: dict[str, str] = {
                                   "results do not depend on it"),
     f"{ROLL}.router_config_path": ("verl's router across rollout server replicas; rlflow's server rollout balances "
                                    "the servers listed in rollout.server.url itself"),
-    f"{ROLL}.checkpoint_engine.engine_kwargs": "only used with checkpoint_engine.backend other than naive, not supported yet",
-    f"{ROLL}.checkpoint_engine.custom_backend_module": ("only used with checkpoint_engine.backend other than naive, "
-                                                        "not supported yet"),
-    f"{ROLL}.trace.*": "rollout tracing is not supported yet",
+    f"{ROLL}.checkpoint_engine.engine_kwargs": ("arguments of verl's own checkpoint engines; rlflow's weight transfer "
+                                                "(checkpoint_engine.backend=naive or nccl) takes none"),
+    f"{ROLL}.checkpoint_engine.custom_backend_module": ("a module registering verl checkpoint engines; "
+                                                        "checkpoint_engine.backend names rlflow's (naive or nccl)"),
+    f"{ROLL}.trace.*": TRACE_ONLY,
     f"{ROLL}.engine_kwargs.trtllm": "TensorRT-LLM's engine arguments; rlflow has no TensorRT-LLM rollout (name=trtllm)",
     f"{ROLL}.multi_turn.num_repeat_rollouts": "verl 0.9.1 itself never reads it; samples per prompt are rollout.n",
     **{f"{r}.profiler.*": "profiling is not supported yet" for r in (ACT, f"{AR}.ref", ROLL, "critic")},
@@ -147,14 +153,17 @@ ROLE_INERT: dict[str, str] = {
 }
 
 ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    **{f"{r}.optim.use_precision_aware_optimizer": ("Megatron's precision-aware optimizer (low-precision gradients "
-                                                    "and Adam states)", _truthy) for r in _ROLES},
-    "*.qat.enable": ("quantization-aware training (qat.enable)", _truthy),
+    **{f"{r}.optim.use_precision_aware_optimizer": (_PRECISION_AWARE_OPTIMIZER, _truthy) for r in _ROLES},
+    "*.qat.enable": ("quantization-aware training (qat.enable: verl fake-quantizes linears to NVFP4 with Triton "
+                     "kernels and rolls out NVFP4 weights in vLLM, which needs NVIDIA GPUs)", _truthy),
     "critic.model.mtp.enable": ("multi-token prediction layers on the critic (verl trains them on the actor only)",
                                 _truthy),
-    f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation)", _truthy),
-    f"{ROLL}.quantization": ("quantized rollouts (rollout.quantization)", _truthy),
-    "critic.model.use_liger": ("Liger kernels", _truthy),
+    f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation: separate prefill "
+                                       "and decode replicas of SGLang/vLLM servers on GPUs, their KV caches moved "
+                                       "by a transfer backend such as NIXL over RDMA)", _truthy),
+    f"{ROLL}.quantization": ("quantized rollouts (rollout.quantization: vLLM's quantization= engine argument, e.g. "
+                             "fp8, whose kernels need CUDA GPUs; vLLM 0.32's CPU build has no scaled_fp8_quant)",
+                             _truthy),
 }
 
 # ------------------------------------------ data, reward_model, algorithm, trainer and the other sections

@@ -1,14 +1,16 @@
 """verl's model-loading and prompt-rendering keys -> the arguments of ``Policy.from_pretrained``,
 ``Critic.from_pretrained``, ``PromptData`` and a vLLM engine: ``*.model.trust_remote_code``,
 ``*.model.override_config``, ``data.trust_remote_code``, ``data.apply_chat_template_kwargs``,
-``data.image_patch_size``. Only values are checked here; the overrides meet the model's config when it
-loads (``rlflow.models.hf_config``), in the dry run too.
+``data.image_patch_size``, ``*.model.use_liger`` (Liger kernels, on CUDA GPUs). Only values are checked
+here; the overrides meet the model's config when it loads (``rlflow.models.hf_config``), in the dry run too.
 """
 
 from __future__ import annotations
 
-from rlflow.config.verl.loading import ConfigError, VerlConfig
+from rlflow.config.verl.devices import Devices
+from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.models.hf_config import ATTN, effective_overrides
+from rlflow.models.liger import liger_missing
 
 RESERVED_TEMPLATE_ARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
                           "return_tensors", "tools")
@@ -62,3 +64,22 @@ def engine_loading(rollout_kwargs: dict, loading: dict) -> None:
         extra["hf_overrides"] = overrides
     if extra:
         rollout_kwargs["engine_kwargs"] = extra
+
+
+def liger(cfg: VerlConfig, devices: Devices, role: str) -> dict:
+    """``<role>.model.use_liger`` -> ``from_pretrained(use_liger=True)`` (``rlflow.models.liger``) where Liger's
+    kernels can run: a transformers model (fsdp/fsdp2) on CUDA GPUs, with liger-kernel installed."""
+    key = f"{role}.model.use_liger"
+    if not cfg[key]:
+        return {}
+    strategy = cfg["actor_rollout_ref.actor.strategy" if role == "actor_rollout_ref" else f"{role}.strategy"]
+    if strategy == "megatron":
+        raise NotSupportedError(key, True, "Liger kernels under the Megatron strategy",
+                                "liger-kernel patches transformers models; megatron-core builds its own layers.")
+    if devices.accelerator != "cuda":
+        raise NotSupportedError(key, True, "Liger kernels without a CUDA GPU (liger-kernel's Triton kernels run on "
+                                "CUDA GPUs; this run is on CPU)")
+    missing = liger_missing(need_cuda=False)
+    if missing is not None:
+        raise ConfigError(f"{key}=True: {missing}")
+    return {"use_liger": True}

