@@ -15,6 +15,7 @@ from fnmatch import fnmatchcase
 from typing import Any, Callable
 
 from rlflow.config.verl import keys_0_9 as verl_0_9_keys
+from rlflow.config.verl.configs import FOREIGN_STRATEGIES, VERL_VERSION
 
 # Estimator and policy-loss names live in rlflow.registry (ESTIMATORS, POLICY_LOSSES), with users' own.
 
@@ -84,7 +85,18 @@ def _not(*ok: Any) -> Callable[[Any], bool]:
     return lambda v: v not in ok
 
 
-OTHER_BACKENDS = "training strategies other than fsdp, fsdp2 and megatron"
+OTHER_BACKENDS = "training strategies other than fsdp, fsdp2 and megatron"  # worded per value: other_backend
+
+
+def other_backend(value: Any) -> str:
+    """The training backend a strategy other than fsdp, fsdp2 and megatron selects, by name (verl's engines), or
+    the backends there are when ``value`` names none."""
+    if value in FOREIGN_STRATEGIES:
+        return (f"verl's {FOREIGN_STRATEGIES[value]} engine, a training backend rlflow does not have (rlflow trains "
+                "with fsdp, fsdp2 or megatron)")
+    known = ", ".join(f"{k} ({name})" for k, name in FOREIGN_STRATEGIES.items())
+    return (f"the training strategy {value!r}, which names no backend of rlflow (fsdp, fsdp2, megatron) nor of "
+            f"verl {VERL_VERSION} ({known}),")
 
 _REPLAY = ("replaying dumped rollouts (verl's dumps are pickled verl DataProto objects, which need verl to read; "
            "rlflow's trainer.rollout_data_dir writes decoded text without token ids or the sampler's log-probs, so "
