@@ -100,6 +100,14 @@ def test_a_foreign_training_strategy_is_refused_naming_its_backend(key, value, b
     assert f"{key}={value!r}: verl's {backend} engine, a training backend rlflow does not have" in str(e.value)
 
 
+def test_a_custom_async_server_is_accepted_with_a_note_as_verl_since_0_6_never_reads_it():
+    server = "actor_rollout_ref.rollout.agent.custom_async_server"
+    p = plan(f"{server}.path=my_server.py", f"{server}.name=MyServer")
+    notes = [n for n in unused_notes(p.cfg) if "custom_async_server" in n]
+    assert len(notes) == 2 and all("no code of verl reads it since 0.6" in n for n in notes), notes
+    assert p.rollout_kwargs == plan().rollout_kwargs
+
+
 def test_an_unknown_training_strategy_lists_the_backends_there_are():
     with pytest.raises(NotSupportedError) as e:
         plan("actor_rollout_ref.actor.strategy=deepspeed")

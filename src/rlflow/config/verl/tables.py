@@ -105,7 +105,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "data.datagen.path": ("dynamic data generation", _truthy),
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
-    "actor_rollout_ref.rollout.agent.custom_async_server.path": ("custom async rollout servers", _truthy),
     "actor_rollout_ref.rollout.skip_rollout": (_REPLAY, _truthy),
     "actor_rollout_ref.rollout.trace.backend": ("rollout tracing (verl records each rollout's spans with the weave "
                                                 "or mlflow package, into a Weights & Biases Weave project or an MLflow "
@@ -137,6 +136,9 @@ _DYN_ONLY = "only used with this role's use_dynamic_bsz / log_prob_use_dynamic_b
 _PF_RC_ONLY = "only used with PF-PPO or with rollout-correction options that are not supported yet"
 _FILTER_ONLY = "only used with algorithm.filter_groups.enable=True (DynamicSampling)"
 _MEGATRON_ONLY = "only used with actor_rollout_ref.actor.strategy=megatron"
+_NO_CUSTOM_SERVER = ("verl 0.9 defines it but no code of verl reads it since 0.6 (verl 0.5 started its class, a "
+                     "subclass of verl's AsyncServerBase: a Ray actor serving rollout.name's vLLM/SGLang engine, in "
+                     "place of its own): the engine is rollout.name's, there as here")
 
 INERT: dict[str, str] = {
     "actor_rollout_ref.actor.model_engine": ("verl's scripts after 0.9.1 set it beside actor.strategy; the engine comes "
@@ -268,7 +270,8 @@ INERT: dict[str, str] = {
     "global_profiler": "profiling is not supported yet: the run goes on unprofiled", "global_profiler.*": "profiling is not supported yet: the run goes on unprofiled",
     "ray_kwargs": _RAY, "ray_kwargs.*": _RAY,
     "data.datagen.name": "only used with data.datagen.path, not supported yet",
-    "actor_rollout_ref.rollout.agent.custom_async_server.name": "custom async rollout servers are not supported yet",
+    "actor_rollout_ref.rollout.agent.custom_async_server.path": _NO_CUSTOM_SERVER,
+    "actor_rollout_ref.rollout.agent.custom_async_server.name": _NO_CUSTOM_SERVER,
     "actor_rollout_ref.actor.megatron.*": _MEGATRON_ONLY,
     "actor_rollout_ref.ref.megatron.*": "the reference is converted with the actor's Megatron layout (one strategy)",
     "critic.megatron.*": "the critic trains with the actor's Megatron layout (one strategy)",
