@@ -98,14 +98,10 @@ def other_backend(value: Any) -> str:
     return (f"the training strategy {value!r}, which names no backend of rlflow (fsdp, fsdp2, megatron) nor of "
             f"verl {VERL_VERSION} ({known}),")
 
-_REPLAY = ("replaying dumped rollouts (verl's dumps are pickled verl DataProto objects, which need verl to read; "
-           "rlflow's trainer.rollout_data_dir writes decoded text without token ids or the sampler's log-probs, so "
-           "neither can stand in for generation)")
 NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "data.datagen.path": ("dynamic data generation", _truthy),
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
-    "actor_rollout_ref.rollout.skip_rollout": (_REPLAY, _truthy),
     "actor_rollout_ref.rollout.trace.backend": ("rollout tracing (verl records each rollout's spans with the weave "
                                                 "or mlflow package, into a Weights & Biases Weave project or an MLflow "
                                                 "experiment)", _truthy),
@@ -197,8 +193,8 @@ INERT: dict[str, str] = {
                                                    "them finished) but no code of verl reads it: every sample is "
                                                    "generated to the end there, as here"),
     "actor_rollout_ref.rollout.trace.token2text": verl_0_9_keys.TRACE_ONLY,
-    "actor_rollout_ref.rollout.skip_dump_dir": "only used with rollout.skip_rollout (replaying dumped rollouts), not "
-                                               "supported yet",
+    "actor_rollout_ref.rollout.skip_dump_dir": ("only used with rollout.skip_rollout=True (replaying dumped "
+                                                "rollouts: rlflow.rollout.ReplayRollout)"),
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": _ENGINE,
     "actor_rollout_ref.rollout.enable_prefix_caching": (
         "vLLM's cache of prompt blocks across requests; the HF rollout keeps none between generate calls (within "
