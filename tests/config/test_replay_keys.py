@@ -23,7 +23,7 @@ def test_skip_rollout_dumps_then_replays_every_step(tiny, tmp_path):
     keys = tiny + [f"{R}.skip_rollout=True", f"{R}.skip_dump_dir={tmp_path}/dump", "trainer.val_before_train=false",
                    "trainer.test_freq=-1", "trainer.experiment_name=e", "trainer.project_name=p"]
     first = fit(keys)
-    assert [h["replay/replayed"] for h in first] == [0.0, 0.0] and (tmp_path / "dump" / "e_p" / "2").is_dir()
+    assert [h["replay/replayed"] for h in first] == [0.0, 0.0] and (tmp_path / "dump" / "e_p" / "2" / "rank0" / "samples").is_dir()
     second = fit(keys)
     assert [h["replay/replayed"] for h in second] == [1.0, 1.0]
     assert second[0]["actor/pg_loss"] == first[0]["actor/pg_loss"]

@@ -92,6 +92,11 @@ def test_other_prompts_or_settings_are_refused_naming_what_differs(model, tokeni
         replay(model, tokenizer, tmp_path, temperature=0.5)
     with pytest.raises(ValueError, match=r"model: dumped 'tiny', now 'other'"):
         ReplayRollout(HFRollout(n=2, max_new_tokens=3), tmp_path, {"model": "other"})
+    meta = tmp_path / "1" / "rank0" / "meta.json"
+    meta.write_text(meta.read_text().replace('"processes": 1', '"processes": 2'))
+    with pytest.raises(ValueError, match=r"round 1 .* was dumped by 2 training process\(es\), this run has 1"):
+        replay(model, tokenizer, tmp_path)(prompts_of(tokenizer, ["1+2=", "3+4="]))
+    meta.write_text(meta.read_text().replace('"processes": 2', '"processes": 1'))
     # repeat: the nearest dumped round, whatever its prompts
     rollout = ReplayRollout(HFRollout(n=2, max_new_tokens=3), tmp_path, {"model": "tiny"}, action="repeat")
     rollout.bind(model, tokenizer)

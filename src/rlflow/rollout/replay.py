@@ -5,8 +5,8 @@ generation round's samples there; a later run with the same folder and settings 
 generating. The folder holds rlflow's own format::
 
     dump_dir/manifest.json          {"format": "rlflow-rollout-dump", "version": 1, "settings": {...}}
-    dump_dir/<round>/meta.json      {"round": k, "prompts_sha256": "..."}
-    dump_dir/<round>/samples/       the round's samples, a TensorDict saved by tensordict's memmap
+    dump_dir/<round>/rank<r>/meta.json   {"round": k, "processes": N, "prompts_sha256": "..."}
+    dump_dir/<round>/rank<r>/samples/    process r's samples of the round, a TensorDict saved by tensordict's memmap
 
 ``settings`` is the fingerprint of what generated the samples (model, sampling settings, batch size: the caller's,
 plus the rollout's ``n``, ``temperature`` and ``max_new_tokens``); a run with other settings is refused naming
@@ -27,6 +27,7 @@ import torch
 from tensordict import TensorDict
 
 from rlflow.data import keys as K
+from rlflow.rollout.ranks import ranks
 from rlflow.rollout.wrapper import RolloutWrapper
 
 FORMAT, VERSION = "rlflow-rollout-dump", 1
@@ -84,11 +85,13 @@ class ReplayRollout(RolloutWrapper):
                              f"({what}); replaying them would train on samples this run would not draw. Use another "
                              "dump folder, or the dumped run's settings")
 
-    def _round_dir(self, k: int) -> Path:
-        return self.dump_dir / str(k)
+    def _round_dir(self, k: int, rank: int | None = None) -> Path:
+        """This process's folder of round ``k`` (or process ``rank``'s)."""
+        return self.dump_dir / str(k) / f"rank{ranks()[0] if rank is None else rank}"
 
     def _dumped(self) -> list[int]:
-        found = [int(p.name) for p in self.dump_dir.glob("*") if p.name.isdigit() and (p / "meta.json").is_file()]
+        found = [int(p.name) for p in self.dump_dir.glob("*") if p.name.isdigit()
+                 and (p / "rank0" / "meta.json").is_file()]
         return sorted(found)
 
     # ------------------------------------------------------------------ generating or replaying
@@ -108,7 +111,7 @@ class ReplayRollout(RolloutWrapper):
         return self._load(source, prompts, check_prompts=self.action == "cache")
 
     def _source(self, k: int) -> int | None:
-        if (self._round_dir(k) / "meta.json").is_file():
+        if (self._round_dir(k, 0) / "meta.json").is_file():
             return k
         dumped = self._dumped() if self.action == "repeat" else []
         before = [r for r in dumped if r < k]
@@ -117,15 +120,21 @@ class ReplayRollout(RolloutWrapper):
     def _dump(self, k: int, prompts: TensorDict, samples: TensorDict) -> None:
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         manifest = self.dump_dir / "manifest.json"
-        if not manifest.is_file():
+        rank, world = ranks()
+        if rank == 0 and not manifest.is_file():
             manifest.write_text(json.dumps({"format": FORMAT, "version": VERSION,
                                             "settings": {k_: _plain(v) for k_, v in self.settings.items()}}, indent=1))
         folder = self._round_dir(k)
         samples.detach().to("cpu").memmap(folder / "samples")
-        (folder / "meta.json").write_text(json.dumps({"round": k, "prompts_sha256": prompts_digest(prompts)}))
+        (folder / "meta.json").write_text(json.dumps({"round": k, "processes": world,
+                                                      "prompts_sha256": prompts_digest(prompts)}))
 
     def _load(self, k: int, prompts: TensorDict, check_prompts: bool) -> TensorDict:
-        folder = self._round_dir(k)
+        folder, world = self._round_dir(k), ranks()[1]
+        dumped = json.loads((self._round_dir(k, 0) / "meta.json").read_text())["processes"]
+        if dumped != world or not (folder / "meta.json").is_file():
+            raise ValueError(f"ReplayRollout: round {k} in {self.dump_dir} was dumped by {dumped} training "
+                             f"process(es), this run has {world}: each process replays its own share")
         meta = json.loads((folder / "meta.json").read_text())
         if check_prompts and meta["prompts_sha256"] != prompts_digest(prompts):
             raise ValueError(f"ReplayRollout: round {k} (step {k} without dynamic sampling) has other prompts than "
