@@ -77,8 +77,8 @@ def test_plus_on_a_key_the_tree_has_sets_it():
 
 
 @pytest.mark.parametrize("override, feature", [
-    ("actor_rollout_ref.actor.strategy=deepspeed", "strategies other than fsdp, fsdp2 and megatron"),
-    ("actor_rollout_ref.model.backend=deepspeed", "strategies other than fsdp, fsdp2 and megatron"),
+    ("actor_rollout_ref.actor.strategy=deepspeed", "names no backend of rlflow (fsdp, fsdp2, megatron) nor of verl"),
+    ("actor_rollout_ref.model.backend=deepspeed", "names no backend of rlflow (fsdp, fsdp2, megatron) nor of verl"),
     ("reward_model.sandbox_fusion.url=http://x", "SandboxFusion server"),
     ("trainer.logger=[mlflow]", "mlflow logger"),
 ])
@@ -86,6 +86,33 @@ def test_recognised_features_fail_as_not_supported_yet(override, feature):
     with pytest.raises(NotSupportedError, match="not supported yet") as e:
         plan(override)
     assert feature in str(e.value) and override.split("=")[0] in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.model.backend", "actor_rollout_ref.actor.strategy",
+                                 "critic.strategy"])
+@pytest.mark.parametrize("value, backend", [("veomni", "VeOmni"), ("torchtitan", "TorchTitan"),
+                                            ("automodel", "NeMo AutoModel"), ("fsdp_turbo", "FSDP Turbo"),
+                                            ("mlite", "Megatron Lite (verl_mlite)")])
+def test_a_foreign_training_strategy_is_refused_naming_its_backend(key, value, backend):
+    extra = ["critic.enable=True"] if key.startswith("critic") else []
+    with pytest.raises(NotSupportedError) as e:
+        plan(f"{key}={value}", *extra)
+    assert f"{key}={value!r}: verl's {backend} engine, a training backend rlflow does not have" in str(e.value)
+
+
+def test_a_custom_async_server_is_accepted_with_a_note_as_verl_since_0_6_never_reads_it():
+    server = "actor_rollout_ref.rollout.agent.custom_async_server"
+    p = plan(f"{server}.path=my_server.py", f"{server}.name=MyServer")
+    notes = [n for n in unused_notes(p.cfg) if "custom_async_server" in n]
+    assert len(notes) == 2 and all("no code of verl reads it since 0.6" in n for n in notes), notes
+    assert p.rollout_kwargs == plan().rollout_kwargs
+
+
+def test_an_unknown_training_strategy_lists_the_backends_there_are():
+    with pytest.raises(NotSupportedError) as e:
+        plan("actor_rollout_ref.actor.strategy=deepspeed")
+    assert "'deepspeed', which names no backend of rlflow" in str(e.value)
+    assert all(f"{k} ({name})" in str(e.value) for k, name in tables.FOREIGN_STRATEGIES.items())
 
 
 def test_missing_algorithm_class_is_not_supported_yet(monkeypatch):

@@ -119,8 +119,6 @@ def test_checkpoint_callback_class_runs_after_each_save(tiny, tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("override, feature", [
-    ("skip.rollout.enable=true", "replaying dumped rollouts"),
-    ("skip.async_rollout.enable=true", "replaying dumped rollouts"),
     ("sandbox_fusion.url=http://localhost:8080", "a SandboxFusion server"),
     ("trainer.v1.sampler.custom_sampler.path=s.py", "custom replay-buffer samplers"),
 ])

@@ -14,6 +14,7 @@ from rlflow.rollout.fully_async import FullyAsyncRollout
 from rlflow.rollout.stream import DynamicSampling
 from rlflow.rollout.reference_responses import WithReferenceResponses
 from rlflow.rollout.agent import AgentLoop
+from rlflow.rollout.replay import ReplayRollout
 
 __all__ = ["AgentLoop", "AsyncRollout", "FullyAsyncRollout", "HFRollout", "SingleTurnRollout", "VLLMRollout", "ServerRollout", "SGLangRollout",
-           "DynamicSampling", "WithReferenceResponses"]
+           "DynamicSampling", "WithReferenceResponses", "ReplayRollout"]

@@ -31,7 +31,7 @@ BUNDLED = {"ppo_trainer": "_generated_ppo_trainer.yaml", "ppo_megatron_trainer":
 GROUP_KEYS = ("model_engine",)
 # verl's training engines rlflow does not have: strategy -> name
 FOREIGN_STRATEGIES = {"veomni": "VeOmni", "torchtitan": "TorchTitan", "automodel": "NeMo AutoModel",
-                      "fsdp_turbo": "FSDP Turbo"}
+                      "fsdp_turbo": "FSDP Turbo", "mlite": "Megatron Lite (verl_mlite)"}
 # backends behind verl's search paths or groups that rlflow does not have: module -> what it is
 FOREIGN_PACKAGES = {"verl_mlite": "Megatron-lite (verl_mlite)", "veomni": "VeOmni", "torchtitan": "TorchTitan",
                     "mindspeed": "MindSpeed (Ascend NPU)"}

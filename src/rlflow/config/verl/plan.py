@@ -33,6 +33,7 @@ from rlflow.config.verl.modeldata import chat_template_kwargs, engine_loading, l
 from rlflow.config.verl.optim import optim_kwargs
 from rlflow.config.verl.resolve import class_kwargs
 from rlflow.config.verl.reward_class import manager_class
+from rlflow.config.verl.replay_keys import replay_plan
 from rlflow.config.verl.reward_section import user_names
 from rlflow.config.verl.rewards import RewardPlan, reward_plan
 from rlflow.config.verl.role_keys import SP_ENGINE_KEYS, model_paths, sequence_parallel_keys
@@ -88,6 +89,7 @@ class Plan:
     async_rollout: dict | None = None      # AsyncRollout's kwargs around the rollout (trainer.async_weight_update)
     distillation: dict | None = None       # the teacher stage and the distillation loss (rlflow.config.verl.distillation)
     fully_async: dict | None = None        # FullyAsyncRollout's kwargs (trainer.v1.trainer_mode=*_async)
+    replay: dict | None = None             # ReplayRollout's kwargs: dumped rollouts replayed (skip.*, skip_rollout)
     determinism: dict | None = None        # full_determinism's kwargs (the *.full_determinism keys)
     critic_lora: dict | str | None = None  # the critic's LoRA, as lora (critic.model.lora_*)
     dataset_cls: type | None = None        # data.custom_cls: the user's dataset class the rows come from
@@ -380,6 +382,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         val_before_train=cfg["trainer.val_before_train"], val_only=cfg["trainer.val_only"],
         overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), agent=agent,
         async_rollout=asynchronous, fully_async=fully_async, distillation=distill,
+        replay=replay_plan(cfg, notes, asynchronous is not None or fully_async is not None),
         determinism=determinism(cfg, notes, devices.accelerator),
         critic_lora=critic_lora_argument(cfg, notes) if with_critic else None,
         dataset_cls=dataset_class(cfg, notes), ref_model_path=ref_model(cfg, notes), notes=notes,

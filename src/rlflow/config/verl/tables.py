@@ -15,6 +15,7 @@ from fnmatch import fnmatchcase
 from typing import Any, Callable
 
 from rlflow.config.verl import keys_0_9 as verl_0_9_keys
+from rlflow.config.verl.configs import FOREIGN_STRATEGIES, VERL_VERSION
 
 # Estimator and policy-loss names live in rlflow.registry (ESTIMATORS, POLICY_LOSSES), with users' own.
 
@@ -84,17 +85,23 @@ def _not(*ok: Any) -> Callable[[Any], bool]:
     return lambda v: v not in ok
 
 
-OTHER_BACKENDS = "training strategies other than fsdp, fsdp2 and megatron"
+OTHER_BACKENDS = "training strategies other than fsdp, fsdp2 and megatron"  # worded per value: other_backend
 
-_REPLAY = ("replaying dumped rollouts (verl's dumps are pickled verl DataProto objects, which need verl to read; "
-           "rlflow's trainer.rollout_data_dir writes decoded text without token ids or the sampler's log-probs, so "
-           "neither can stand in for generation)")
+
+def other_backend(value: Any) -> str:
+    """The training backend a strategy other than fsdp, fsdp2 and megatron selects, by name (verl's engines), or
+    the backends there are when ``value`` names none."""
+    if value in FOREIGN_STRATEGIES:
+        return (f"verl's {FOREIGN_STRATEGIES[value]} engine, a training backend rlflow does not have (rlflow trains "
+                "with fsdp, fsdp2 or megatron)")
+    known = ", ".join(f"{k} ({name})" for k, name in FOREIGN_STRATEGIES.items())
+    return (f"the training strategy {value!r}, which names no backend of rlflow (fsdp, fsdp2, megatron) nor of "
+            f"verl {VERL_VERSION} ({known}),")
+
 NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "data.datagen.path": ("dynamic data generation", _truthy),
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
-    "actor_rollout_ref.rollout.agent.custom_async_server.path": ("custom async rollout servers", _truthy),
-    "actor_rollout_ref.rollout.skip_rollout": (_REPLAY, _truthy),
     "actor_rollout_ref.rollout.trace.backend": ("rollout tracing (verl records each rollout's spans with the weave "
                                                 "or mlflow package, into a Weights & Biases Weave project or an MLflow "
                                                 "experiment)", _truthy),
@@ -125,6 +132,9 @@ _DYN_ONLY = "only used with this role's use_dynamic_bsz / log_prob_use_dynamic_b
 _PF_RC_ONLY = "only used with PF-PPO or with rollout-correction options that are not supported yet"
 _FILTER_ONLY = "only used with algorithm.filter_groups.enable=True (DynamicSampling)"
 _MEGATRON_ONLY = "only used with actor_rollout_ref.actor.strategy=megatron"
+_NO_CUSTOM_SERVER = ("verl 0.9 defines it but no code of verl reads it since 0.6 (verl 0.5 started its class, a "
+                     "subclass of verl's AsyncServerBase: a Ray actor serving rollout.name's vLLM/SGLang engine, in "
+                     "place of its own): the engine is rollout.name's, there as here")
 
 INERT: dict[str, str] = {
     "actor_rollout_ref.actor.model_engine": ("verl's scripts after 0.9.1 set it beside actor.strategy; the engine comes "
@@ -183,8 +193,8 @@ INERT: dict[str, str] = {
                                                    "them finished) but no code of verl reads it: every sample is "
                                                    "generated to the end there, as here"),
     "actor_rollout_ref.rollout.trace.token2text": verl_0_9_keys.TRACE_ONLY,
-    "actor_rollout_ref.rollout.skip_dump_dir": "only used with rollout.skip_rollout (replaying dumped rollouts), not "
-                                               "supported yet",
+    "actor_rollout_ref.rollout.skip_dump_dir": ("only used with rollout.skip_rollout=True (replaying dumped "
+                                                "rollouts: rlflow.rollout.ReplayRollout)"),
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": _ENGINE,
     "actor_rollout_ref.rollout.enable_prefix_caching": (
         "vLLM's cache of prompt blocks across requests; the HF rollout keeps none between generate calls (within "
@@ -256,7 +266,8 @@ INERT: dict[str, str] = {
     "global_profiler": "profiling is not supported yet: the run goes on unprofiled", "global_profiler.*": "profiling is not supported yet: the run goes on unprofiled",
     "ray_kwargs": _RAY, "ray_kwargs.*": _RAY,
     "data.datagen.name": "only used with data.datagen.path, not supported yet",
-    "actor_rollout_ref.rollout.agent.custom_async_server.name": "custom async rollout servers are not supported yet",
+    "actor_rollout_ref.rollout.agent.custom_async_server.path": _NO_CUSTOM_SERVER,
+    "actor_rollout_ref.rollout.agent.custom_async_server.name": _NO_CUSTOM_SERVER,
     "actor_rollout_ref.actor.megatron.*": _MEGATRON_ONLY,
     "actor_rollout_ref.ref.megatron.*": "the reference is converted with the actor's Megatron layout (one strategy)",
     "critic.megatron.*": "the critic trains with the actor's Megatron layout (one strategy)",

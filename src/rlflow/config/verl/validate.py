@@ -33,7 +33,6 @@ from rlflow.config.verl.distillation import loss_problems as distillation_loss_p
 from rlflow.config.verl.reward_class import class_from_file
 from rlflow.config.verl.reward_fn import reward_file_problem, split_reward_spec
 from rlflow.config.verl.reward_section import user_names
-from rlflow.config.verl.configs import FOREIGN_STRATEGIES
 from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig, raise_problems
 from rlflow.config.verl.role_keys import sequence_parallel_keys
 from rlflow.models.checks import ModelFolderError, check_model_folder
@@ -88,8 +87,8 @@ def check_not_supported(ctx: Context) -> None:
         except TypeError:
             continue
         if hit:
-            if feature == tables.OTHER_BACKENDS and value in FOREIGN_STRATEGIES:  # name verl's engine
-                feature = f"verl's {FOREIGN_STRATEGIES[value]} engine, a backend rlflow does not have (fsdp, fsdp2, megatron)"
+            if feature == tables.OTHER_BACKENDS:  # name the backend the value selects
+                feature = tables.other_backend(value)
             hits.setdefault(feature, []).append((key, value))
     for feature, keys in hits.items():
         if len(keys) == 1:
