@@ -208,14 +208,10 @@ RUN_INERT: dict[str, str] = {
                                             "in sync mode every sample comes from the current weights"),
     "trainer.v1.sampler.sync_refill_failed_groups": ("replaces groups whose generation failed; rlflow's rollout "
                                                      "returns every group (a failing generation stops the step)"),
-    "trainer.v1.sampler.custom_sampler.name": "only used with trainer.v1.sampler.custom_sampler.path, not supported yet",
-    "trainer.v1.sampler.sampler_kwargs": "only used with trainer.v1.sampler.custom_sampler.path, not supported yet",
     "skip.*": "only used with skip.*.enable=True (replaying dumped rollouts), not supported yet",
 }
 RUN_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "sandbox_fusion.url": (_SANDBOX, _truthy),
-    "trainer.v1.sampler.custom_sampler.path": ("custom replay-buffer samplers (trainer.v1.sampler.custom_sampler)",
-                                               _truthy),
     "skip.*.enable": ("replaying dumped rollouts (verl's skip.*: its dumps are pickled verl DataProto objects, "
                       "which need verl to read; rlflow's trainer.rollout_data_dir writes decoded text without token "
                       "ids or the sampler's log-probs, so neither can stand in for generation)", _truthy),
