@@ -365,6 +365,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/async.md", "from rlflow import Batching, FunctionReward, Loop, Optim, Policy, PPOLoss, PromptData, RunDir, Trainer"): [],
     ("docs/algorithms/cispo.md", "from rlflow.algorithms import CISPOLoss"): [],
     ("docs/data.md", "import torch"): [],
+    ("docs/data.md", "from rlflow import PromptData"): [],
     ("docs/algorithms/pf_ppo.md", "import torch"): [],
     ("docs/multi-turn.md", "import asyncio"): [],
     ("docs/algorithms/clip_cov.md", "from rlflow import GRPO, Batching, Trainer"): [],

@@ -18,6 +18,9 @@ verl 0.9's V1 asynchronous modes (``trainer.use_v1=True``, ``trainer.v1.trainer_
 ``separate_async``) are fully asynchronous with partial rollouts: the rollout is wrapped as
 ``FullyAsyncRollout(rollout, max_off_policy_threshold, max_off_policy_strategy, num_warmup_batches)`` from
 ``trainer.v1.sampler.*`` and ``trainer.v1.<mode>.num_warmup_batches`` (docs/async.md), with the same IS default.
+``trainer.v1.sampler.custom_sampler.path`` / ``.name`` with ``sampler_kwargs``: verl's custom replay-buffer sampler,
+``FullyAsyncRollout(sampler=cls(**sampler_kwargs))``, a ``GroupSampler`` choosing which finished groups form each
+batch (refused in sync mode, where there is no choice, and for a class written against verl's ReplayBuffer).
 
 With ``algorithm.filter_groups`` (DAPO's dynamic sampling) the fully asynchronous modes filter group by group: a
 finished group with a constant metric is replaced by the next one to finish (``FilterGroups`` over a stream of

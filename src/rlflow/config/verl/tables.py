@@ -90,7 +90,6 @@ _REPLAY = ("replaying dumped rollouts (verl's dumps are pickled verl DataProto o
            "rlflow's trainer.rollout_data_dir writes decoded text without token ids or the sampler's log-probs, so "
            "neither can stand in for generation)")
 NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "data.datagen.path": ("dynamic data generation", _truthy),
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.rollout.agent.custom_async_server.path": ("custom async rollout servers", _truthy),
@@ -255,7 +254,6 @@ INERT: dict[str, str] = {
     "*.profiler": "profiling is not supported yet: the run goes on unprofiled", "*.profiler.*": "profiling is not supported yet: the run goes on unprofiled",
     "global_profiler": "profiling is not supported yet: the run goes on unprofiled", "global_profiler.*": "profiling is not supported yet: the run goes on unprofiled",
     "ray_kwargs": _RAY, "ray_kwargs.*": _RAY,
-    "data.datagen.name": "only used with data.datagen.path, not supported yet",
     "actor_rollout_ref.rollout.agent.custom_async_server.name": "custom async rollout servers are not supported yet",
     "actor_rollout_ref.actor.megatron.*": _MEGATRON_ONLY,
     "actor_rollout_ref.ref.megatron.*": "the reference is converted with the actor's Megatron layout (one strategy)",
