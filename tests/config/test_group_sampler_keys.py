@@ -5,11 +5,15 @@ import pytest
 
 import rlflow.config.verl.devices as devices
 from rlflow.config import ConfigError, load_config, make_plan
+from rlflow.registry import load_object
+from rlflow.trainer.main_ppo import main
 
 BASE = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.model.path=m", "data.train_files=t.parquet",
         "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.logger=[console]",
         "trainer.v1.trainer_mode=colocate_async"]
 LONGEST = '''from rlflow.rollout.group_sampler import GroupSampler
+
+CALLS = []
 
 
 class Longest(GroupSampler):
@@ -17,6 +21,7 @@ class Longest(GroupSampler):
         self.top = top
 
     def choose(self, groups, k, step):
+        CALLS.append((len(groups), k, step))
         return sorted(range(len(groups)), key=lambda i: -sum(map(len, groups[i].responses)))[:k]
 '''
 VERL_STYLE = '''from verl.experimental.replay_buffer import ReplayBuffer
@@ -58,3 +63,12 @@ def test_the_sampler_class_is_built_with_its_kwargs_and_given_to_fully_async_rol
 def test_what_the_sampler_keys_cannot_take_is_refused_naming_the_key(tmp_path, source, name, overrides, message):
     with pytest.raises(ConfigError, match=message):
         plan(tmp_path, source, name, *overrides)
+
+
+def test_the_entry_point_trains_with_the_sampler_choosing_each_batch(tiny, tmp_path, capsys):
+    (tmp_path / "sampler.py").write_text(LONGEST)
+    calls = load_object(str(tmp_path / "sampler.py"), "CALLS", "test")
+    assert main(tiny + ["trainer.v1.trainer_mode=colocate_async", f"trainer.v1.sampler.custom_sampler.path="
+                        f"{tmp_path / 'sampler.py'}", "trainer.v1.sampler.custom_sampler.name=Longest"]) == 0
+    assert "sampler=Longest()" in capsys.readouterr().out
+    assert [k for _, k, _ in calls] == [4, 4] and all(offered >= k for offered, k, _ in calls)  # two steps of 4

@@ -10,6 +10,7 @@ from tensordict import TensorDict
 from rlflow import PromptData
 from rlflow.data import keys as K
 from rlflow.rollout import FullyAsyncRollout, HFRollout
+from rlflow.rollout.agent.trajectory import Trajectory
 from rlflow.rollout.chunks import Sample
 from rlflow.rollout.fully_async import _Group
 from rlflow.rollout.group_sampler import GroupSampler, choose_groups
@@ -71,6 +72,14 @@ def test_groups_at_the_staleness_bound_are_taken_before_the_sampler_chooses_the_
     assert offered == [1, 2, 3] and [g.age for g in chosen] == [1] and step == 5
     assert choose_groups(GroupSampler(), ready, 2, 5, threshold=None) == [0, 1]  # the default: first admitted
     assert choose_groups(sampler, ready, 2, 5, threshold=None) == [2, 3]
+
+
+def test_an_agent_loops_group_shows_the_sampler_each_conversations_response_tokens():
+    ready = ready_groups([5, 5])
+    ready[1].samples = [Trajectory(prompt_ids=[1], budget=8, response_ids=[7, 8, 9], finish="stop")]
+    sampler = Newest()
+    assert choose_groups(sampler, ready, 1, 5, threshold=None) == [1]
+    assert sampler.calls[0][1][0].responses == [[7, 8, 9]]
 
 
 class Repeats(GroupSampler):
