@@ -357,6 +357,7 @@ for _block in BLOCKS:  # the two agents on one machine: a template ('...') the m
 ELIDED_TRAINER = [("Trainer(...,", "Trainer(**roles,")]
 RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/async.md", "from rlflow.rollout import FullyAsyncRollout, HFRollout"): [],
+    ("docs/async.md", "from rlflow.rollout import FullyAsyncRollout, HFRollout#2"): [],
     ("docs/async.md", "from rlflow.algorithms import GRPO, BypassLoss, RolloutAsOld"): [],
     ("docs/async.md", "from rlflow.rollout.stream import FilterGroups"): [],
     ("docs/async.md", "from rlflow.rollout import AsyncRollout, HFRollout"): [],
@@ -364,6 +365,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/async.md", "from rlflow import Batching, FunctionReward, Loop, Optim, Policy, PPOLoss, PromptData, RunDir, Trainer"): [],
     ("docs/algorithms/cispo.md", "from rlflow.algorithms import CISPOLoss"): [],
     ("docs/data.md", "import torch"): [],
+    ("docs/data.md", "from rlflow import PromptData"): [],
     ("docs/algorithms/pf_ppo.md", "import torch"): [],
     ("docs/multi-turn.md", "import asyncio"): [],
     ("docs/algorithms/clip_cov.md", "from rlflow import GRPO, Batching, Trainer"): [],

@@ -120,7 +120,6 @@ def test_checkpoint_callback_class_runs_after_each_save(tiny, tmp_path, monkeypa
 
 @pytest.mark.parametrize("override, feature", [
     ("sandbox_fusion.url=http://localhost:8080", "a SandboxFusion server"),
-    ("trainer.v1.sampler.custom_sampler.path=s.py", "custom replay-buffer samplers"),
 ])
 def test_features_rlflow_lacks_are_refused_naming_the_key(tiny, override, feature):
     problems = validate(load_config(tiny + [override]))

@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from rlflow.data import keys as K
+from rlflow.data.datagen import DataGenerator, accepted_rows
 from rlflow.data.multimodal import check_images, collate_multimodal, prompt_length
 from rlflow.data.nontensor import stack
 from rlflow.data.rows import DataError, datasets_bars_off, load_rows, normalise_row  # noqa: F401  (here before)
@@ -102,7 +103,8 @@ class PromptLoader:
     Each epoch is a permutation drawn from ``seed + epoch``; the position
     (epoch, index) is the whole state, so a resumed run sees exactly the
     batches an uninterrupted run would. A last partial batch is skipped
-    (every RL step sees the same number of prompts).
+    (every RL step sees the same number of prompts). Rows a ``datagen``
+    generated join at an epoch's start; the state holds them too.
     """
 
     def __init__(self, data: "PromptData", batch_size: int, tokenizer):
@@ -135,6 +137,7 @@ class PromptLoader:
             return self._next_sampled()
         if self.index + self.batch_size > len(self.data.train):
             self.epoch, self.index = self.epoch + 1, 0
+            self.data.join_generated()
         order = self._order()[self.index : self.index + self.batch_size]
         self.index += self.batch_size
         return self.data.collate([self.data.train[i] for i in order], self.tokenizer)
@@ -163,12 +166,17 @@ class PromptLoader:
 
     def state_dict(self) -> dict:
         state = {"epoch": self.epoch, "index": self.index}
+        if self.data.datagen is not None:  # the live list: a state kept while batches are ahead saves every row
+            state |= {"generated": self.data.generated, "joined": self.data.joined,
+                      "generator": self.data.generator_state}
         if hasattr(self.sampler, "state_dict"):
             state["sampler"] = self.sampler.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        if "generated" in state:
+            self.data.restore_generated(state["generated"], int(state["joined"]), state.get("generator") or {})
         if self.sampler is not None:  # resume: this epoch's draws again, less those already trained on
             if "sampler" in state and hasattr(self.sampler, "load_state_dict"):
                 self.sampler.load_state_dict(state["sampler"])
@@ -228,6 +236,10 @@ class PromptData:
             ``shuffle``. One with an ``update(batch)`` method (verl's curriculum samplers) is called by the
             Trainer after each step with the step's batch; with ``state_dict`` / ``load_state_dict`` its state is
             saved in checkpoints.
+        datagen: a :class:`~rlflow.data.datagen.DataGenerator` (verl's ``data.datagen``): after each training
+            step ``datagen.generate(rows)`` returns new rows, checked as loaded rows are (dropped ones counted in
+            ``generated_dropped``), which join the training rows at the next epoch's start (``generated``);
+            checkpoints hold them, and the generator's ``state_dict()`` when it has one.
     """
 
     def __init__(self, train, val=None, *, prompt_key: str = "prompt", max_prompt_length: int | None = None,
@@ -237,14 +249,23 @@ class PromptData:
                  image_patch_size: int | None = None,
                  train_max_samples: int | None = None, val_max_samples: int | None = None,
                  tool_schemas: list[dict] | None = None, mm_processor_kwargs: dict | None = None,
-                 data_source_key: str = "data_source", sampler: Callable[[list[dict]], Iterable[int]] | None = None):
+                 data_source_key: str = "data_source", sampler: Callable[[list[dict]], Iterable[int]] | None = None,
+                 datagen: DataGenerator | None = None):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got '{truncation}'")
         if missing_ground_truth not in MISSING_GROUND_TRUTH:
             raise ValueError(f"missing_ground_truth must be one of {MISSING_GROUND_TRUTH}, got '{missing_ground_truth}'")
         self.train, self.train_name = load_rows(train, prompt_key, image_key, data_source_key)
         self.val, self.val_name = load_rows(val, prompt_key, image_key, data_source_key) if val is not None else ([], "")
+        if datagen is not None and (sampler is not None or not hasattr(datagen, "generate")):
+            raise ValueError(f"datagen={datagen!r}: " + ("a DataGenerator with generate(rows) -> list[dict]" if sampler
+                             is None else "with a sampler, which is built once over the loaded rows; use one"))
         self.sampler, self.live_sampler = sampler, None
+        self.datagen, self.generated, self.joined, self._tokenizer = datagen, [], 0, None
+        self.generator_state: dict = {}  # the datagen's state_dict() after its last call, when it has one
+        self.generated_dropped = {"missing_ground_truth": 0, "bad_images": 0, "overlong": 0}
+        self.row_keys = (prompt_key, image_key, data_source_key)
+        self.missing_ground_truth, self.skip_bad_images = missing_ground_truth, skip_bad_images
         self.train = select_rows(self.train, train_max_samples, shuffle, seed)
         self.val = select_rows(self.val, val_max_samples, shuffle, seed)
         self.tool_schemas, self.mm_processor_kwargs = tool_schemas, dict(mm_processor_kwargs or {})
@@ -306,6 +327,7 @@ class PromptData:
 
     def loader(self, batch_size: int, tokenizer) -> PromptLoader:
         self.filter_overlong(tokenizer)
+        self._tokenizer = tokenizer  # a datagen's rows are measured with it
         loader = PromptLoader(self, batch_size, tokenizer)
         self.live_sampler = loader.sampler
         return loader
@@ -317,6 +339,30 @@ class PromptData:
         update = getattr(self.live_sampler, "update", None)
         if update is not None:
             update(batch=batch)
+        if self.datagen is not None:
+            first = len(self.train) - self.joined + len(self.generated)  # the rows' numbers go on from the files'
+            rows, dropped = accepted_rows(self, self.datagen.generate([dict(r) for r in self.train]), first,
+                                          self._tokenizer)
+            self.generated += rows
+            if hasattr(self.datagen, "state_dict"):  # updated in place: the loader's states refer to this dict
+                self.generator_state.clear()
+                self.generator_state.update(self.datagen.state_dict())
+            self.generated_dropped = {k: n + dropped[k] for k, n in self.generated_dropped.items()}
+
+    def join_generated(self) -> None:
+        """The generated rows not yet trained on join the training rows (an epoch's start: its order is new)."""
+        self.train, self.joined = self.train + self.generated[self.joined:], len(self.generated)
+
+    def restore_generated(self, rows: list[dict], joined: int, generator_state: dict) -> None:
+        """A checkpoint's generated rows, the first ``joined`` of them among the training rows, and the
+        datagen's state (``load_state_dict``, when it has one)."""
+        if generator_state and hasattr(self.datagen, "load_state_dict"):
+            self.datagen.load_state_dict(generator_state)
+            self.generator_state.clear()
+            self.generator_state.update(generator_state)
+        base = self.train[:len(self.train) - self.joined]
+        self.generated[:] = rows  # the same list object: the loader's states refer to it
+        self.train, self.joined = base + self.generated[:joined], joined
 
     def val_batches(self, tokenizer, batch_size: int = 512) -> Iterator[TensorDict]:
         self.filter_overlong(tokenizer)

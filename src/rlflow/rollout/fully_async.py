@@ -7,7 +7,8 @@ from a thread, as :class:`~rlflow.rollout.async_rollout.AsyncRollout` does) and 
 - **One group at a time.** The prompt batches of the experience stream are split into prompts (groups of ``n``
   samples); a *driver* thread admits them to the engine one by one and generates every admitted sample in
   chunks of ``chunk_tokens`` tokens. The trainer takes a batch as soon as ``batch_size`` groups are complete,
-  oldest admitted first, whatever batch they were drawn in.
+  oldest admitted first (or as a ``sampler`` chooses, :mod:`rlflow.rollout.group_sampler`), whatever batch they
+  were drawn in.
 - **Partial rollouts.** Weights pushed by the trainer (``sync_weights``) are loaded by the driver between two
   chunks, and the requests in flight continue under them: each chunk is a new request of prompt + tokens so far,
   so its tokens are sampled, and their log-probs recorded, with the weights loaded then. A response that spans
@@ -71,6 +72,7 @@ from rlflow.rollout.async_rollout import PLACEMENTS, EngineFactory, single_turn
 from rlflow.rollout.chunks import Sample, generate_chunk
 from rlflow.rollout.engines.base import Completion, hf_weight_buckets
 from rlflow.rollout.engines.process import EngineProcessError, ProcessEngine
+from rlflow.rollout.group_sampler import GroupSampler, choose_groups
 from rlflow.rollout.kept import drive_kept, keeps_requests
 from rlflow.rollout.ranks import follow, full_twin, lead, ranks, refresh, shares, whole
 from rlflow.rollout.single_turn import unpadded
@@ -114,6 +116,8 @@ class FullyAsyncRollout(RolloutWrapper):
         pause_mode: ``"keep"`` (requests kept across a weight update, vLLM's ``pause_generation(mode="keep")``;
             refused at ``bind`` where the engine lacks it), ``"chunks"`` (partial rollouts by chunks, every
             engine) or ``"auto"`` (``"keep"`` where the engine has it, else chunks). ``partial_path`` says which.
+        sampler: which finished groups form each batch (:mod:`rlflow.rollout.group_sampler`; verl's
+            ``trainer.v1.sampler.custom_sampler``); default: first admitted, first trained.
         placement, start_method, threads, timeout: as :class:`~rlflow.rollout.async_rollout.AsyncRollout`'s
             (``timeout``: seconds the trainer waits without any group completing before the run fails). A dead
             generation process stops the run, naming it (``AsyncRollout`` starts one again; here the driver
@@ -128,7 +132,7 @@ class FullyAsyncRollout(RolloutWrapper):
     def __init__(self, rollout, max_off_policy_threshold: int | None = 8, max_off_policy_strategy: str = "drop", *,
                  num_warmup_batches: float = 1, chunk_tokens: int = 32, placement: str = "auto",
                  start_method: str | None = None, threads: int | None = None, timeout: float = 3600.0,
-                 pause_mode: str = "auto"):
+                 pause_mode: str = "auto", sampler: GroupSampler | None = None):
         threshold = max_off_policy_threshold
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
             raise ValueError(f"max_off_policy_threshold must be an integer >= 1 (versions from admission to training; "
@@ -152,6 +156,9 @@ class FullyAsyncRollout(RolloutWrapper):
         self.out_keys = tuple(rollout.out_keys) + (K.POLICY_VERSION, K.POLICY_VERSION_MAX, K.TOKEN_POLICY_VERSION)
         self.threshold, self.strategy = threshold, max_off_policy_strategy
         self.num_warmup_batches, self.chunk_tokens, self.timeout = num_warmup_batches, chunk_tokens, timeout
+        if sampler is not None and not isinstance(sampler, GroupSampler):
+            raise ValueError(f"sampler must be a GroupSampler (rlflow.rollout.group_sampler), got {sampler!r}")
+        self.sampler = sampler or GroupSampler()
         self.pause_mode, self.partial_path = pause_mode, None  # "keep" or "chunks" once bound
         self.placement = placement if placement != "auto" else (
             "thread" if self.rollout.engine.remote or self.agent else "process")
@@ -381,7 +388,9 @@ class FullyAsyncRollout(RolloutWrapper):
                     raise EngineProcessError(f"FullyAsyncRollout: no group completed within {self.timeout:.0f} s "
                                              "(timeout)")
             self._ready.sort(key=lambda g: g.seq)
-            groups, self._ready = self._ready[:B], self._ready[B:]
+            chosen = set(choose_groups(self.sampler, self._ready, B, self.version, self.threshold))
+            groups = [g for i, g in enumerate(self._ready) if i in chosen]
+            self._ready = [g for i, g in enumerate(self._ready) if i not in chosen]
             self._learning = True  # until the next sync_weights: admission leaves room for the version it brings
             in_flight, dropped, self._dropped, self._want = len(self._active), self._dropped, 0, None
         self._record(groups, time.perf_counter() - start, dropped, in_flight, topup)
@@ -555,7 +564,7 @@ class FullyAsyncRollout(RolloutWrapper):
     def __repr__(self) -> str:
         return (f"FullyAsyncRollout({self.agent or self.rollout!r}, max_off_policy_threshold={self.threshold}, "
                 f"max_off_policy_strategy={self.strategy!r}, num_warmup_batches={self.num_warmup_batches}, "
-                f"chunk_tokens={self.chunk_tokens}, placement={self.placement!r}, pause_mode={self.pause_mode!r})")
+                f"chunk_tokens={self.chunk_tokens}, placement={self.placement!r}, pause_mode={self.pause_mode!r}, sampler={self.sampler!r})")
 
 
 def _plain(row: TensorDict) -> dict:

@@ -18,6 +18,9 @@ verl 0.9's V1 asynchronous modes (``trainer.use_v1=True``, ``trainer.v1.trainer_
 ``separate_async``) are fully asynchronous with partial rollouts: the rollout is wrapped as
 ``FullyAsyncRollout(rollout, max_off_policy_threshold, max_off_policy_strategy, num_warmup_batches)`` from
 ``trainer.v1.sampler.*`` and ``trainer.v1.<mode>.num_warmup_batches`` (docs/async.md), with the same IS default.
+``trainer.v1.sampler.custom_sampler.path`` / ``.name`` with ``sampler_kwargs``: verl's custom replay-buffer sampler,
+``FullyAsyncRollout(sampler=cls(**sampler_kwargs))``, a ``GroupSampler`` choosing which finished groups form each
+batch (refused in sync mode, where there is no choice, and for a class written against verl's ReplayBuffer).
 
 With ``algorithm.filter_groups`` (DAPO's dynamic sampling) the fully asynchronous modes filter group by group: a
 finished group with a constant metric is replaced by the next one to finish (``FilterGroups`` over a stream of
@@ -54,6 +57,7 @@ from __future__ import annotations
 from rlflow.config.verl import tables
 from rlflow.config.verl.devices import Devices
 from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.config.verl.user_classes import load_user_class
 
 STALENESS = "async_training.staleness_threshold"
 SWITCH = "trainer.async_weight_update"
@@ -66,6 +70,10 @@ PARTIAL = "async_training.partial_rollout"
 PAUSE, PAUSE_MODES = "async_training.pause_mode", ("auto", "keep", "chunks")  # rlflow's: FullyAsyncRollout's pause_mode
 SYNC_STEP, REQUIRE = "async_training.trigger_parameter_sync_step", "async_training.require_batches"
 RECIPE_STALENESS = 0.1  # verl's fully_async_ppo_trainer.yaml: the bound partial rollouts get when it is not set
+SAMPLER_PATH, SAMPLER_NAME = "trainer.v1.sampler.custom_sampler.path", "trainer.v1.sampler.custom_sampler.name"
+SAMPLER_KWARGS = "trainer.v1.sampler.sampler_kwargs"
+SAMPLER_HOW = ("subclass rlflow.rollout.group_sampler.GroupSampler and override choose(groups, k, step) -> k indices "
+               "into groups (each group's prompt row, response token ids and age; docs/async.md#choosing-the-groups)")
 MINI, EPOCHS = "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_epochs"
 
 
@@ -146,6 +154,11 @@ def v1_async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: li
                   ) -> dict | None:
     """FullyAsyncRollout's kwargs for verl V1's asynchronous modes, or None (``sync``, or the legacy trainer)."""
     mode = cfg[MODE]
+    sampler = group_sampler(cfg, notes)
+    if sampler is not None and (not cfg[USE_V1] or mode == "sync"):
+        raise ConfigError(f"{SAMPLER_PATH}={cfg[SAMPLER_PATH]!r} chooses which finished groups form a batch, which "
+                          f"only the asynchronous modes have ({MODE}=colocate_async or separate_async; in sync mode "
+                          "every step trains the batch it generated): set one, or drop the sampler")
     if not cfg[USE_V1] or mode == "sync":
         return partial_plan(cfg, notes, devices, after, dynamic_sampling) if partial_rollouts(cfg) else None
     if cfg[PARTIAL]:
@@ -168,7 +181,7 @@ def v1_async_plan(cfg: VerlConfig, notes: list[str], devices: Devices, after: li
         raise ConfigError(f"{warmup_key}={warmup!r}: a number of batches >= 0")
     correction(cfg, notes, after, MODE)
     kwargs = {"max_off_policy_threshold": threshold, "max_off_policy_strategy": strategy,
-              "num_warmup_batches": warmup} | pause_mode(cfg)
+              "num_warmup_batches": warmup} | pause_mode(cfg) | ({"sampler": sampler} if sampler else {})
     notes.append(f"{MODE}={mode}: the Trainer gets rollout=FullyAsyncRollout(rollout, "
                  + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ") (generation runs beside training with "
                  "partial rollouts; the engine in its own process or a server driven from a thread, in either mode; "
@@ -252,3 +265,27 @@ def multi_turn_async(cfg: VerlConfig, notes: list[str], asynchronous: dict | Non
         notes.append("multi_turn.enable with asynchronous generation: the rollout is AsyncRollout(AgentLoop(...)); "
                      "each batch's whole loop (turns and tools) runs on a thread beside the trainer, sampling with a "
                      "copy of the model (hf) or the engine's own weights (docs/async.md#multi-turn-agent-rollouts)")
+
+
+def _verl_sampler_methods(method) -> list[str]:
+    return ["it implements verl's ReplayBuffer sample(global_steps, partition_id, batch_size)"] \
+        if method.name == "sample" else []
+
+
+def group_sampler(cfg: VerlConfig, notes: list[str]):
+    """The user's ``GroupSampler`` built with ``sampler_kwargs`` (verl's custom replay-buffer sampler); None when
+    none is set."""
+    path, name, kwargs = cfg[SAMPLER_PATH], cfg[SAMPLER_NAME], dict(cfg[SAMPLER_KWARGS] or {})
+    if not path:
+        return None
+    if not name or not str(name).isidentifier():
+        raise ConfigError(f"{SAMPLER_NAME}={name!r}: the class name in {SAMPLER_PATH}={path!r}")
+    cls = load_user_class("group sampler", "rlflow.rollout.group_sampler:GroupSampler", str(path), str(name),
+                          f"{SAMPLER_PATH}={path!r}", "replay-buffer sampler", SAMPLER_HOW, _verl_sampler_methods)
+    try:
+        sampler = cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{SAMPLER_KWARGS}={kwargs!r}: {name}({', '.join(kwargs)}) failed: {e}") from None
+    notes.append(f"{SAMPLER_PATH}: FullyAsyncRollout(sampler={sampler!r}) chooses which finished groups form each "
+                 "batch (groups at the staleness bound are taken first; docs/async.md#choosing-the-groups)")
+    return sampler

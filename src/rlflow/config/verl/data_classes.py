@@ -10,17 +10,26 @@
 - ``data.sampler.class_path`` / ``.class_name``: verl's custom sampler, ``cls(data_source=<the training rows>,
   data_config=<the data node>)``, yielding row indices; one with ``update(batch)`` (verl's
   ``AbstractCurriculumSampler``) is called after every step (``PromptData(sampler=...)``).
+- ``data.datagen.path`` / ``.name``: verl's dynamic data generation, a ``DataGenerator`` class
+  (``rlflow.data.datagen``) made as verl makes its generator, ``cls(<the data.datagen node>)``; its
+  ``generate(rows)`` adds training rows after every step (``PromptData(datagen=...)``). A class written against
+  verl's ``AbstractDataGenerator`` (a verl base, a ``generate(dataset)`` returning a ``datasets.Dataset``) is
+  refused naming the file, the class and the change.
 """
 
 from __future__ import annotations
 
+import ast
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from rlflow.config.verl.loading import ConfigError, VerlConfig
+from rlflow.config.verl.user_classes import load_user_class
 from rlflow.registry import load_object
 
+DATAGEN_HOW = ("subclass rlflow.data.datagen.DataGenerator and override generate(self, rows) -> list[dict] (rows: the "
+               "current training rows as dicts; return new rows in the data files' layout, docs/data.md#generated-rows)")
 TENSOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "raw_prompt_ids")
 
 
@@ -139,3 +148,30 @@ def data_source_key(cfg: VerlConfig, notes: list[str]) -> dict:
                  "before 0.9 passed it to the reward manager; verl 0.9's reward loop reads 'data_source' whatever it "
                  "is) and for the per-source validation metrics (verl groups those by the 'data_source' column)")
     return {"data_source_key": key}
+
+
+def _verl_generator_methods(method) -> list[str]:
+    returns = ast.unparse(method.returns) if method.returns is not None else ""
+    return [f"its generate returns a {returns}"] if method.name == "generate" and "Dataset" in returns else []
+
+
+def data_generator(cfg: VerlConfig, processes: int):
+    """``data.datagen``'s class, built as verl builds it (``cls(<the data.datagen node>)``); None when unset."""
+    path, name = cfg["data.datagen.path"], cfg["data.datagen.name"]
+    if not path:
+        return None
+    if not name or not str(name).isidentifier():
+        raise ConfigError(f"data.datagen.name={name!r}: the class name in data.datagen.path={path!r}")
+    if processes > 1:
+        raise ConfigError(f"data.datagen.path={path!r} with {processes} processes: each process would add its own rows "
+                          "to its own copy of the data; run it on one process")
+    if cfg["data.sampler.class_path"]:
+        raise ConfigError("data.datagen.path and data.sampler.class_path: the sampler is built once over the loaded "
+                          "rows and would never draw the generated ones; use one of them")
+    cls = load_user_class("data generator", "rlflow.data.datagen:DataGenerator", verl_location(str(path)), str(name),
+                          f"data.datagen.path={path!r}", "AbstractDataGenerator interface", DATAGEN_HOW,
+                          _verl_generator_methods)
+    try:
+        return cls(OmegaConf.to_container(OmegaConf.create(cfg.tree["data"]["datagen"])))
+    except Exception as e:  # noqa: BLE001 - the user's class
+        raise ConfigError(f"data.datagen.name={name!r}: {name}(config) failed: {type(e).__name__}: {e}") from e

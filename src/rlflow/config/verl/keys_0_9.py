@@ -208,14 +208,10 @@ RUN_INERT: dict[str, str] = {
                                             "in sync mode every sample comes from the current weights"),
     "trainer.v1.sampler.sync_refill_failed_groups": ("replaces groups whose generation failed; rlflow's rollout "
                                                      "returns every group (a failing generation stops the step)"),
-    "trainer.v1.sampler.custom_sampler.name": "only used with trainer.v1.sampler.custom_sampler.path, not supported yet",
-    "trainer.v1.sampler.sampler_kwargs": "only used with trainer.v1.sampler.custom_sampler.path, not supported yet",
     "skip.*": "only used with skip.*.enable=True (replaying dumped rollouts: rlflow.rollout.ReplayRollout)",
 }
 RUN_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "sandbox_fusion.url": (_SANDBOX, _truthy),
-    "trainer.v1.sampler.custom_sampler.path": ("custom replay-buffer samplers (trainer.v1.sampler.custom_sampler)",
-                                               _truthy),
 }
 
 # ------------------------------------------------------------------ verl's other engines and open blocks

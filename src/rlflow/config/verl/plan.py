@@ -22,7 +22,7 @@ from rlflow.config.verl import tables
 from rlflow.config.verl.agent import agent_plan
 from rlflow.config.verl.algos import bypass_loss, gdpo_keys, ESTIMATOR_POOL, companions, loss_pool, pf_ppo
 from rlflow.config.verl.asynchronous import async_plan, multi_turn_async, sync_cadence, v1_async_plan
-from rlflow.config.verl.data_classes import data_source_key, dataset_class, sampler_factory
+from rlflow.config.verl.data_classes import data_generator, data_source_key, dataset_class, sampler_factory
 from rlflow.config.verl.data_keys import data_extras
 from rlflow.config.verl.devices import Devices, resolve_devices
 from rlflow.config.verl.distillation import distillation_plan
@@ -255,7 +255,8 @@ def data_keys(cfg: VerlConfig, notes: list[str], template_kwargs: dict, agent: d
             "image_patch_size": patch_size(cfg),
             **({"chat_template_kwargs": template_kwargs} if template_kwargs else {}),
             **data_extras(cfg, agent), **data_source_key(cfg, notes),
-            **({"sampler": s} if (s := sampler_factory(cfg, procs)) else {})}
+            **({"sampler": s} if (s := sampler_factory(cfg, procs)) else {}),
+            **({"datagen": g} if (g := data_generator(cfg, procs)) else {})}
 
 
 def reward_and_shaping(cfg: VerlConfig, notes: list[str]) -> tuple[RewardPlan, dict | None]:

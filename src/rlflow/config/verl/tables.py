@@ -99,7 +99,6 @@ def other_backend(value: Any) -> str:
             f"verl {VERL_VERSION} ({known}),")
 
 NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "data.datagen.path": ("dynamic data generation", _truthy),
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.rollout.trace.backend": ("rollout tracing (verl records each rollout's spans with the weave "
@@ -265,7 +264,6 @@ INERT: dict[str, str] = {
     "*.profiler": "profiling is not supported yet: the run goes on unprofiled", "*.profiler.*": "profiling is not supported yet: the run goes on unprofiled",
     "global_profiler": "profiling is not supported yet: the run goes on unprofiled", "global_profiler.*": "profiling is not supported yet: the run goes on unprofiled",
     "ray_kwargs": _RAY, "ray_kwargs.*": _RAY,
-    "data.datagen.name": "only used with data.datagen.path, not supported yet",
     "actor_rollout_ref.rollout.agent.custom_async_server.path": _NO_CUSTOM_SERVER,
     "actor_rollout_ref.rollout.agent.custom_async_server.name": _NO_CUSTOM_SERVER,
     "actor_rollout_ref.actor.megatron.*": _MEGATRON_ONLY,

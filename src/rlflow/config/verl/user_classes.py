@@ -1,4 +1,5 @@
-"""The users' classes a verl key loads from a file (a reward-manager class, an agent loop), checked before they run.
+"""The users' classes a verl key loads from a file (a reward-manager class, an agent loop, a data generator, a
+group sampler), checked before they run.
 
 verl's plug-in classes are written against verl's own types (``DataProto``, its server manager); rlflow runs
 classes of its own roles instead. :func:`load_user_class` finds a class written against verl by reading its file
