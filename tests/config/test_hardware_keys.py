@@ -70,7 +70,7 @@ def test_an_unknown_engine_is_a_config_error_listing_the_known(tiny):
 
 
 @pytest.mark.parametrize("override, needs", [
-    (f"{R}.trace.backend=weave", "weave or mlflow package"),
+    (f"{R}.trace.backend=weave", "Weave project .weave: a W&B account and server"),
     (f"{R}.quantization=fp8", "quantization= engine argument, e.g. fp8, whose kernels need CUDA GPUs"),
     ("actor_rollout_ref.actor.optim.use_precision_aware_optimizer=true", "Transformer Engine's FusedAdam, which needs "
                                                                          "CUDA GPUs and the transformer-engine package"),

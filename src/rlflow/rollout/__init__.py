@@ -15,6 +15,7 @@ from rlflow.rollout.stream import DynamicSampling
 from rlflow.rollout.reference_responses import WithReferenceResponses
 from rlflow.rollout.agent import AgentLoop
 from rlflow.rollout.replay import ReplayRollout
+from rlflow.rollout.tracing import TracedRollout
 
 __all__ = ["AgentLoop", "AsyncRollout", "FullyAsyncRollout", "HFRollout", "SingleTurnRollout", "VLLMRollout", "ServerRollout", "SGLangRollout",
-           "DynamicSampling", "WithReferenceResponses", "ReplayRollout"]
+           "DynamicSampling", "WithReferenceResponses", "ReplayRollout", "TracedRollout"]

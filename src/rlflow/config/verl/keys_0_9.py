@@ -47,7 +47,6 @@ _PRECISION_AWARE_OPTIMIZER = (
     "Megatron's precision-aware optimizer (low-precision gradients and Adam states: megatron-core builds it inside its "
     "distributed optimizer from Transformer Engine's FusedAdam, which needs CUDA GPUs and the transformer-engine "
     "package; rlflow's verl entry point trains with the Trainer's AdamW per shard, not that optimizer)")
-TRACE_ONLY = "only used with rollout.trace.backend (weave or mlflow tracing), which rlflow refuses"
 _QAT_ONLY = "only used with qat.enable=True (quantization-aware training), which rlflow refuses"
 _MTP_ROLLOUT = ("the rollout's copy of actor_rollout_ref.model.mtp (verl's engines read enable_rollout and the "
                 "speculative keys from it); rlflow reads actor_rollout_ref.model.mtp")
@@ -125,7 +124,6 @@ ROLE_INERT: dict[str, str] = {
                                                 "(checkpoint_engine.backend=naive or nccl) takes none"),
     f"{ROLL}.checkpoint_engine.custom_backend_module": ("a module registering verl checkpoint engines; "
                                                         "checkpoint_engine.backend names rlflow's (naive or nccl)"),
-    f"{ROLL}.trace.*": TRACE_ONLY,
     f"{ROLL}.engine_kwargs.trtllm": "TensorRT-LLM's engine arguments; rlflow has no TensorRT-LLM rollout (name=trtllm)",
     f"{ROLL}.multi_turn.num_repeat_rollouts": "verl 0.9.1 itself never reads it; samples per prompt are rollout.n",
     **{f"{r}.profiler.*": "profiling is not supported yet" for r in (ACT, f"{AR}.ref", ROLL, "critic")},

@@ -38,6 +38,7 @@ from rlflow.config.verl.reward_section import user_names
 from rlflow.config.verl.rewards import RewardPlan, reward_plan
 from rlflow.config.verl.role_keys import SP_ENGINE_KEYS, model_paths, sequence_parallel_keys
 from rlflow.config.verl.rollout import rollout_class, rollout_plan
+from rlflow.config.verl.trace_keys import trace_plan
 from rlflow.config.verl.trainer_extras import critic_warmup_steps, generation_callbacks, keep_checkpoints
 from rlflow.config.verl.trainer_keys import checkpoint_callbacks, v1_mode
 from rlflow.config.verl.validate import check
@@ -90,6 +91,7 @@ class Plan:
     distillation: dict | None = None       # the teacher stage and the distillation loss (rlflow.config.verl.distillation)
     fully_async: dict | None = None        # FullyAsyncRollout's kwargs (trainer.v1.trainer_mode=*_async)
     replay: dict | None = None             # ReplayRollout's kwargs: dumped rollouts replayed (skip.*, skip_rollout)
+    trace: dict | None = None              # TracedRollout's kwargs: rollout.trace.backend=mlflow
     determinism: dict | None = None        # full_determinism's kwargs (the *.full_determinism keys)
     critic_lora: dict | str | None = None  # the critic's LoRA, as lora (critic.model.lora_*)
     dataset_cls: type | None = None        # data.custom_cls: the user's dataset class the rows come from
@@ -384,6 +386,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         overlong=overlong, dynamic_sampling=sampling, lora=lora_argument(cfg, notes), agent=agent,
         async_rollout=asynchronous, fully_async=fully_async, distillation=distill,
         replay=replay_plan(cfg, notes, asynchronous is not None or fully_async is not None),
+        trace=trace_plan(cfg, notes),
         determinism=determinism(cfg, notes, devices.accelerator),
         critic_lora=critic_lora_argument(cfg, notes) if with_critic else None,
         dataset_cls=dataset_class(cfg, notes), ref_model_path=ref_model(cfg, notes), notes=notes,

@@ -101,9 +101,10 @@ def other_backend(value: Any) -> str:
 NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
-    "actor_rollout_ref.rollout.trace.backend": ("rollout tracing (verl records each rollout's spans with the weave "
-                                                "or mlflow package, into a Weights & Biases Weave project or an MLflow "
-                                                "experiment)", _truthy),
+    "actor_rollout_ref.rollout.trace.backend": ("rollout tracing into a Weights & Biases Weave project (weave: a "
+                                                "W&B account and server) or a Trackio space (trackio), backends "
+                                                "rlflow lacks; trace.backend=mlflow traces here (rlflow.rollout."
+                                                "TracedRollout)", _not(None, "mlflow")),
     "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
                                         "sources are scored without a server)", _truthy),
@@ -191,7 +192,6 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.rollout.over_sample_rate": ("verl 0.9 defines it (abort the last requests once (1 - rate) of "
                                                    "them finished) but no code of verl reads it: every sample is "
                                                    "generated to the end there, as here"),
-    "actor_rollout_ref.rollout.trace.token2text": verl_0_9_keys.TRACE_ONLY,
     "actor_rollout_ref.rollout.skip_dump_dir": ("only used with rollout.skip_rollout=True (replaying dumped "
                                                 "rollouts: rlflow.rollout.ReplayRollout)"),
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": _ENGINE,

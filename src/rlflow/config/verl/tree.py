@@ -133,12 +133,13 @@ def agent_kwargs(plan) -> dict:
 
 
 def rollout_node(plan, deferred: list[str]) -> dict:
-    """The rollout and the wrappers build_trainer puts around it (agent loop, replay of dumped rollouts,
-    asynchronous generation)."""
+    """The rollout and the wrappers build_trainer puts around it (agent loop, rollout tracing, replay of dumped
+    rollouts, asynchronous generation)."""
     rollout = call(plan.rollout_cls, plan.rollout_kwargs, "rollout", deferred)
     agent = agent_kwargs(plan) if plan.agent is not None else None
     loop = spec(agent.pop("loop_class")) if agent and "loop_class" in agent else "rlflow.rollout.agent.AgentLoop"
-    for kwargs, target in ((agent, loop), (plan.replay, "rlflow.rollout.ReplayRollout"),
+    for kwargs, target in ((agent, loop), (plan.trace, "rlflow.rollout.TracedRollout"),
+                           (plan.replay, "rlflow.rollout.ReplayRollout"),
                            (plan.async_rollout, "rlflow.rollout.AsyncRollout"),
                            (plan.fully_async, "rlflow.rollout.FullyAsyncRollout")):
         if kwargs is not None:
