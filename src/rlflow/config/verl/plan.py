@@ -348,12 +348,11 @@ def make_plan(cfg: VerlConfig) -> Plan:
     agent, distill, fully_async, asynchronous = around_the_rollout(cfg, notes, devices, after, sampling,
                                                                    template_kwargs)
     sp_size = sequence_parallel(cfg, notes, with_critic, procs)
-    loggers, resume, val = logger_names(cfg, notes), resume_arg(cfg), cfg[f"{R}.val_kwargs"]
+    loggers, resume = logger_names(cfg, notes), resume_arg(cfg)
     rollout_cls, rollout_kwargs = rollout_plan(cfg, devices, notes, n, temperature, do_sample)
     if rollout_cls.__name__ == "VLLMRollout":
         engine_loading(rollout_kwargs, policy_loading)
-    if cfg["actor_rollout_ref.model.external_lib"]:  # verl imports it to register custom model classes
-        importlib.import_module(cfg["actor_rollout_ref.model.external_lib"])
+    import_external_lib(cfg)
     ref_micro, ref_tokens = scoring_split(cfg, *(f"actor_rollout_ref.ref.{k}" for k in REF_SPLIT), procs)
     return Plan(
         cfg=cfg, devices=devices, model_path=cfg["actor_rollout_ref.model.path"],
@@ -362,8 +361,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         policy_kwargs=policy_keys(cfg, temperature, procs, policy_loading),
         ref_micro_batch_size=ref_micro, ref_max_tokens=ref_tokens,
         rollout_cls=rollout_cls, rollout_kwargs=rollout_kwargs,
-        val_sampling={"n": val["n"], "do_sample": val["do_sample"], "top_p": val["top_p"], "top_k": val["top_k"],
-                      "temperature": val["temperature"] if val["do_sample"] else 1.0},
+        val_sampling=val_sampling(cfg),
         reward=reward,
         estimator_cls=estimator_cls, estimator_kwargs=estimator_kwargs,
         loss_cls=loss_cls, loss_kwargs=class_kwargs(loss_cls, loss_pool(cfg), cfg, fixed=bypass or (
@@ -391,6 +389,19 @@ def make_plan(cfg: VerlConfig) -> Plan:
         critic_lora=critic_lora_argument(cfg, notes) if with_critic else None,
         dataset_cls=dataset_class(cfg, notes), ref_model_path=ref_model(cfg, notes), notes=notes,
     )
+
+
+def import_external_lib(cfg: VerlConfig) -> None:
+    """``model.external_lib``: verl imports it to register custom model classes; so does rlflow."""
+    if cfg["actor_rollout_ref.model.external_lib"]:
+        importlib.import_module(cfg["actor_rollout_ref.model.external_lib"])
+
+
+def val_sampling(cfg: VerlConfig) -> dict:
+    """Validation's sampling settings (``rollout.val_kwargs``); greedy validation samples the unscaled distribution."""
+    val = cfg[f"{R}.val_kwargs"]
+    return {"n": val["n"], "do_sample": val["do_sample"], "top_p": val["top_p"], "top_k": val["top_k"],
+            "temperature": val["temperature"] if val["do_sample"] else 1.0}
 
 
 def ref_model(cfg: VerlConfig, notes: list[str]) -> str | None:
