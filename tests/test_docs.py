@@ -1,7 +1,7 @@
 """Every command and code block the README and the docs show runs here, or is listed with the reason it cannot.
 
-A doc block is one fenced ``python`` or ``yaml`` block, or one command of a ``bash`` block. Each must be
-in exactly one of ``RUN_PYTHON``, ``RUN_COMMANDS``, ``RUN_YAML`` or ``NOT_RUN`` (keyed by the file and
+A doc block (``tests/doc_blocks.py`` finds them) is one fenced ``python`` or ``yaml`` block, or one command
+of a ``bash`` block. Each must be in exactly one of ``RUN_PYTHON``, ``RUN_COMMANDS``, ``RUN_YAML`` or ``NOT_RUN`` (keyed by the file and
 the block's first line, or the command): a new block without an entry fails
 :func:`test_every_doc_block_is_run_or_has_a_reason`, so the docs cannot grow untested.
 
@@ -14,59 +14,15 @@ from __future__ import annotations
 
 import re
 import shutil
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-DOC_FILES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")),
-             "recipes/yaml/README.md", "benchmarks/README.md"]
+from tests.doc_blocks import BLOCKS, ROOT, Block
+
 TRAINS_DEFAULT_JOB = "the default job (minutes); tests/test_cli.py::test_default_job_prints_accuracy_line_and_saves_curve " \
                      "runs it with --steps 3"
 NEEDS_QWEN_AND_GSM8K = "needs a Qwen2.5-0.5B-Instruct model (a download) and GSM8K parquet files"
 BENCHMARK = "a benchmark (minutes on 2 cores); its figures are in the JSON file next to it"
-
-
-@dataclass(frozen=True)
-class Block:
-    file: str
-    kind: str   # "python", "yaml" or "command"
-    text: str
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return self.file, self.text if self.kind == "command" else self.text.strip().splitlines()[0]
-
-
-def commands(body: str) -> list[str]:
-    """A bash block's commands: continuation lines joined, comments and blank lines dropped."""
-    joined = re.sub(r"\\\n\s*", " ", body)
-    out = []
-    for line in joined.splitlines():
-        line = re.sub(r"\s+#.*$", "", line).strip()
-        if line and not line.startswith("#"):
-            out.append(re.sub(r"\s+", " ", line))
-    return out
-
-
-def doc_blocks() -> list[Block]:
-    found = []
-    for name in DOC_FILES:
-        text = (ROOT / name).read_text()
-        for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.M | re.S):
-            if lang == "python":
-                found.append(Block(name, "python", body))
-            elif lang == "yaml":
-                found.append(Block(name, "yaml", body))
-            elif lang in ("bash", "sh", "shell"):
-                found += [Block(name, "command", c) for c in commands(body)]
-            elif lang == "" and re.match(r"\s*(python|rlflow|torchrun|pip)\b", body):
-                found += [Block(name, "command", c) for c in commands(body)]  # an untagged block of commands
-    return found
-
-
-BLOCKS = doc_blocks()
 
 # (file, first line of the block / the command) -> why it does not run here
 NOT_RUN = {

@@ -31,7 +31,7 @@ SESSION_CACHE = os.environ.get("RLFLOW_CACHE")  # the environment's cache, befor
 
 def page_commands() -> list[str]:
     """The page's bash commands, continuation lines joined (as tests/test_docs.py reads them)."""
-    from tests.test_docs import commands
+    from tests.doc_blocks import commands
 
     return [c for body in re.findall(r"^```bash\n(.*?)^```", PAGE.read_text(), re.M | re.S) for c in commands(body)]
 
