@@ -1,9 +1,9 @@
 """Every command and code block the README and the docs show runs here, or is listed with the reason it cannot.
 
 A doc block (``tests/doc_blocks.py`` finds them) is one fenced ``python`` or ``yaml`` block, or one command
-of a ``bash`` block. Each must be in exactly one of ``RUN_PYTHON``, ``RUN_COMMANDS``, ``RUN_YAML`` or ``NOT_RUN`` (keyed by the file and
-the block's first line, or the command): a new block without an entry fails
-:func:`test_every_doc_block_is_run_or_has_a_reason`, so the docs cannot grow untested.
+of a ``bash`` block. Each must be in exactly one of ``RUN_PYTHON``, ``RUN_COMMANDS``, ``RUN_YAML`` or
+``NOT_RUN`` (keyed by the file and the block's first line, or the command): a new block without an entry
+fails :func:`test_every_doc_block_is_run_or_has_a_reason`, so the docs cannot grow untested.
 
 Python blocks run in a fresh namespace holding what the page says comes from elsewhere ("as on the
 Getting started page"): a tiny ``policy``, ``rollout``, ``reward``, ``compute_score``, ``Trainer``...;
