@@ -119,6 +119,20 @@ class Pauser:
         self.engine.request("/pause?mode=keep&clear_cache=false", {})
 
 
+class ServerPauser:
+    """:class:`Pauser` for a fleet in front of one server: it pauses that server itself."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def post(self, path: str) -> None:
+        urllib.request.urlopen(urllib.request.Request(self.url + path, data=b"{}", method="POST"), timeout=60).read()
+
+    def on_rollout_end(self, trainer, batch):
+        if trainer.rollout.partial_path == "keep":  # by chunks nothing would resume it
+            self.post("/pause?mode=keep&clear_cache=false")
+
+
 @requires_vllm
 def test_a_fully_async_run_through_a_server_keeps_its_requests_and_trains_every_prompt_once(
         vllm_server, vllm_model_dir, tmp_path, caplog):
@@ -138,7 +152,13 @@ def test_a_fully_async_run_through_a_server_keeps_its_requests_and_trains_every_
             pauser.engine.request("/resume", {})  # the session's server samples for the next tests
     assert rollout.partial_path == "keep" and "keep the requests in flight" in caplog.text
     assert len(history) == 3 and all("training/off_policy/trajectory_spans/max" in m for m in history)
-    models = {}
+    check_kept_batches(policy, recorder)
+
+
+def check_kept_batches(policy, recorder) -> list:
+    """Every token's recorded log-prob is that of its version's weights over the KV its request kept, versions
+    are never newer than the step's, and no prompt is trained twice; the rows' versions."""
+    models, rows = {}, []
     for v, state in enumerate(recorder.weights):
         models[v] = perturbed(policy.model, scale=0.0)
         models[v].load_state_dict(state)
@@ -152,8 +172,55 @@ def test_a_fully_async_run_through_a_server_keeps_its_requests_and_trains_every_
             tokens = batch[K.RESPONSE_IDS][row, :n].tolist()
             expected = kept_log_probs(models, list(prompt), tokens, versions[row, :n].tolist())
             assert (expected - batch[K.ROLLOUT_LOG_PROBS][row, :n].float()).abs().max() < 1e-4
+            rows.append(versions[row, :n].tolist())
         seen += [tuple(p) for p in prompts[::2]]  # rows are a prompt's 2 samples side by side
     assert len(seen) == len(set(seen)) == 12
+    return rows
+
+
+@requires_vllm
+def test_a_fully_async_run_over_a_fleet_pauses_every_member_and_continues_their_requests(
+        vllm_server, vllm_model_dir, tmp_path):
+    """Two fleet members (fault proxies in front of the session's server): the run takes the kept path; each
+    update lands with kept requests held by both members, pauses both (/pause?mode=keep) before any reload,
+    labels and resumes both after; responses continue across an update (one request, two versions), and every
+    token's log-prob is its version's."""
+    policy = Policy.from_pretrained(vllm_model_dir)
+    log = []
+    kinds = {"/pause?mode=keep&clear_cache=false": "pause", "/collective_rpc": "reload",
+             "/update_weight_version": "label", "/resume": "resume", "/v1/completions": "chunk"}
+
+    def recorder_of(member):
+        def record(path, body, seen):
+            if path in kinds:
+                engine = getattr(rollout, "engine", None)
+                held = sorted(set(engine.kept_by.values())) if engine is not None else []
+                log.append((kinds[path], member, held))
+            return None
+        return record
+
+    proxies = [FaultProxy(vllm_server, recorder_of(m)) for m in range(2)]
+    recorder, pauser = Recorder(), ServerPauser(vllm_server)
+    rollout = FullyAsyncRollout(ServerRollout([p.url for p in proxies], n=2, max_new_tokens=48),
+                                max_off_policy_threshold=3, max_off_policy_strategy="wait")
+    trainer = make_trainer(policy.model, policy.tokenizer, tmp_path, rollout, steps=3, callbacks=[recorder, pauser])
+    try:
+        trainer.fit(PromptData(AdditionTask().splits()[0][:24], seed=0))
+    finally:
+        rollout.close()
+        pauser.post("/resume")  # the session's server samples for the next tests
+        for proxy in proxies:
+            proxy.close()
+    assert rollout.partial_path == "keep" and not [entry for entry in log if entry[0] == "chunk"]
+    starts = [k for k, entry in enumerate(log) if entry[0] == "pause" and (k == 0 or log[k - 1][0] != "pause")]
+    assert len(starts) >= 2  # the updates after steps 1 and 2 (and one after step 3, which the run may not read)
+    for k in starts:
+        update = log[k:k + 8]
+        assert [kind for kind, _, _ in update] == ["pause"] * 2 + ["reload"] * 2 + ["label"] * 2 + ["resume"] * 2
+        assert all({m for _, m, _ in update[j:j + 2]} == {0, 1} for j in range(0, 8, 2))
+    assert any(held == [0, 1] for kind, _, held in log if kind == "pause")  # both held requests at an update
+    rows = check_kept_batches(policy, recorder)
+    assert any(len(set(versions)) > 1 for versions in rows)  # a request continued under the new weights
 
 
 def test_an_engine_without_kept_requests_falls_back_to_chunks_and_says_so(model, tokenizer, caplog):

@@ -9,7 +9,8 @@ a token's version and its log-prob are those of the weights that sampled it. Wha
 of the tokens before the pause is not recomputed (the old weights'), and no prefix is prefilled again.
 
 The engine must offer ``submit_kept``, ``kept_completions``, ``update_kept``, ``label_version`` and
-``abort_kept`` (:class:`~rlflow.rollout.engines.server.ServerEngine` does); ``keep_unavailable`` says why not.
+``abort_kept`` (:class:`~rlflow.rollout.engines.server.ServerEngine` does, and
+:class:`~rlflow.rollout.engines.fleet.FleetEngine` over such servers); ``keep_unavailable`` says why not.
 """
 
 from __future__ import annotations

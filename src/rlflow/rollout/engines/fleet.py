@@ -30,6 +30,16 @@ server is reloaded only at an update there (all processes must agree on it). A s
 not answer is probed again at the start of every call (all such probes at once): a hung one costs up to
 ``health_timeout`` per call, a dead one (refused connection) nothing.
 
+**Requests kept across a weight update** (for :class:`~rlflow.rollout.FullyAsyncRollout`, where every member can
+keep them: vLLM servers with ``/pause`` and ``/inference/v1/generate``): ``submit_kept`` sends a prompt's
+request to the usable member with the fewest kept requests in flight and remembers which member holds it;
+``update_kept`` pauses every member with ``/pause?mode=keep`` (requests frozen, KV cache kept), loads the
+weights as ``load_weights`` does (a member that misses the update, or could not be paused, is taken out), labels
+the usable members with the new version and resumes every member it paused; each answer is read with its own
+member. A member taken out keeps sampling its kept requests with the weights it holds, and vLLM labels their
+tokens with that version, so a token's version stays the one that sampled it; new requests go to the others. A
+kept request is not failed over: a member that dies fails the run with its requests.
+
 Metrics of each call (``stats``): ``rollout/servers_healthy`` (servers usable at the end of the call),
 ``rollout/failovers`` (requests sent again to another server), ``rollout/server{i}/requests`` (requests
 sent to server ``i``, the index in the URL list), ``server/retries`` (all servers' own retries); each
@@ -52,6 +62,8 @@ from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, Weig
 from rlflow.rollout.engines.weights_on_disk import distributed, shared_temp_dir, write_checkpoint, writes_checkpoints
 from rlflow.rollout.engines.server import RETRY_STATUS, ServerEngine, ServerError
 from rlflow.rollout.engines.weight_transfer_gloo import GLOO, FleetBroadcast
+
+PAUSE = "/pause?mode=keep&clear_cache=false"  # clear_cache=false: vLLM would otherwise recompute the frozen requests
 
 
 class FleetEngine(Engine):
@@ -88,6 +100,7 @@ class FleetEngine(Engine):
         self.probes = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="rlflow-fleet-health")
         self.stats: dict[str, float] = {}
         self.gloo, self.broadcast = weight_transfer == GLOO, None  # rlflow_gloo: global rank 0's FleetBroadcast
+        self.kept_by: dict[str, int] = {}  # kept request id -> the member that holds it, until it answers
 
     @property
     def model(self) -> str:
@@ -269,6 +282,88 @@ class FleetEngine(Engine):
         except ServerError as e:
             return str(e) or "its reload failed"
         return ""
+
+    # ------------------------------------------------------------------ requests kept across a weight update
+    def keep_unavailable(self) -> str | None:
+        """``None`` when every member can keep requests across a weight update, else the first one's reason."""
+        return next((why for why in (s.keep_unavailable() for s in self.servers) if why), None)
+
+    def submit_kept(self, prompt: list[int], params: SamplingParams, version: int):
+        """One prompt's request, on the usable member with the fewest kept requests in flight (then the fewest
+        sent): ``(request_id, future of (member, answer))``."""
+        with self.lock:
+            usable = self.usable()
+            if not usable:
+                raise self.nobody_left()
+            depth = [0] * len(self.servers)
+            for i in self.kept_by.values():
+                depth[i] += 1
+            i = min(usable, key=lambda k: depth[k])
+            rid, answer = self.servers[i].submit_kept(prompt, params, version)
+            self.kept_by[rid] = i
+        held: Future = Future()
+
+        def answered(future: Future) -> None:
+            with self.lock:
+                self.kept_by.pop(rid, None)
+            if future.exception() is not None:
+                held.set_exception(future.exception())
+            else:
+                held.set_result((i, future.result()))
+
+        answer.add_done_callback(answered)
+        return rid, held
+
+    def kept_completions(self, answer: tuple[int, dict]) -> list[Completion]:
+        member, body = answer
+        return self.servers[member].kept_completions(body)
+
+    def label_version(self, version: int) -> None:
+        for i in self.usable():
+            self.servers[i].label_version(version)
+
+    def update_kept(self, buckets: WeightBuckets, version: int) -> dict[str, float]:
+        """Pause every member with its requests kept, load the weights into every member (one that misses them
+        or could not be paused is taken out), label the usable ones ``version`` and resume every paused member."""
+        start, members = time.perf_counter(), range(len(self.servers))
+        # every member: one taken out earlier may still sample its kept requests, and its reload would change
+        # the weights under them
+        pause_errors = list(self.probes.map(self.ask, members, [PAUSE] * len(self.servers)))
+        try:
+            metrics = self.load_weights(buckets)
+            for i in self.usable():
+                if pause_errors[i]:  # its requests ran on while its weights changed: their labels are unsure
+                    self.take_out(i, f"could not pause for weight update {self.version}: {pause_errors[i]}")
+                    continue
+                try:
+                    self.servers[i].label_version(version)
+                except ServerError as e:
+                    self.take_out(i, f"could not label weight update {self.version}: {e}")
+        finally:
+            held = [i for i in members if not pause_errors[i]]
+            for i, error in zip(held, self.probes.map(self.ask, held, ["/resume"] * len(held))):
+                if error:
+                    self.take_out(i, f"could not resume after weight update {self.version}: {error}")
+        if not self.usable():
+            raise self.nobody_left()
+        return metrics | {"weight_sync/paused_s": time.perf_counter() - start}
+
+    def ask(self, i: int, path: str) -> str:
+        """``POST path`` to server ``i`` (once and within ``health_timeout`` if it is out: a dead or hung one
+        costs little); why it failed (``""``: done)."""
+        out = bool(self.out_reason[i])
+        try:
+            self.servers[i].request(path, {}, retries=0 if out else None, timeout=self.health_timeout if out else None)
+        except ServerError as e:
+            return str(e) or f"POST {path} failed"
+        return ""
+
+    def abort_kept(self, request_ids: list[str]) -> None:
+        """Stop requests nobody will read, each on its member."""
+        with self.lock:
+            by_member = [[rid for rid in request_ids if self.kept_by.get(rid) == i] for i in range(len(self.servers))]
+        for server, rids in zip(self.servers, by_member):
+            server.abort_kept(rids)
 
     def close(self) -> None:
         for server in self.servers:
