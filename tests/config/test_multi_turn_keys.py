@@ -15,6 +15,7 @@ from rlflow.rollout.tools import Calculator, Gsm8kTool
 from rlflow.tasks.calculator import chat_tokenizer
 from rlflow.trainer.main_ppo import main
 from tests.config.test_main_ppo import steps
+from tests.real_model.helpers import requires_vllm  # without vLLM the dry run stops at its install hint
 
 ROOT = Path(__file__).parents[2]
 MT = "actor_rollout_ref.rollout.multi_turn"
@@ -158,8 +159,8 @@ def test_multi_turn_runs_fully_asynchronously(example, capsys):
 
 @pytest.mark.parametrize("override, message", [
     ("async_training.pause_mode=keep", "async_training.pause_mode=keep with multi_turn.enable: an agent loop's turns"),
-    ("actor_rollout_ref.rollout.name=vllm", "(trainer.v1.trainer_mode='colocate_async') on VLLMRollout: the "
-                                            "conversations are generated from a thread beside the trainer"),
+    pytest.param("actor_rollout_ref.rollout.name=vllm", "(trainer.v1.trainer_mode='colocate_async') on VLLMRollout: "
+                 "the conversations are generated from a thread beside the trainer", marks=requires_vllm),
 ])
 def test_multi_turn_fully_async_refusals_name_why(example, capsys, override, message):
     assert main(example + ["trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async", override]) == 2
