@@ -13,7 +13,8 @@ T = "actor_rollout_ref.rollout.trace"
 
 def test_mlflow_tracing_of_a_tiny_run_writes_capped_traces_under_the_run_folder(tiny, tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow", reason="rollout tracing needs mlflow-skinny (pip install 'rlflow[tracing]')")
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # recorded, so what mlflow.set_tracking_uri writes is undone
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
     plan = make_plan(load_config(tiny + [f"{T}.backend=mlflow", f"{T}.token2text=true", "trainer.project_name=p",
                                          "trainer.experiment_name=e", f"{T}.max_samples_per_step_per_worker=1",
                                          "trainer.val_before_train=false", "trainer.test_freq=-1"]))

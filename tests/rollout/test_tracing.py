@@ -2,6 +2,7 @@
 per traced sample, read back with MLflow's own API: spans, inputs, outputs, the step, and the per-step cap."""
 
 import copy
+import os
 
 import pytest
 
@@ -13,7 +14,10 @@ from tests.trainer.helpers import starts_with_digit
 mlflow = pytest.importorskip("mlflow", reason="rollout tracing needs mlflow-skinny (pip install 'rlflow[tracing]')")
 
 
-def test_a_run_writes_one_trace_per_traced_sample_capped_per_step(model, tokenizer, addition_rows, tmp_path):
+def test_a_run_writes_one_trace_per_traced_sample_capped_per_step(model, tokenizer, addition_rows, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # recorded, so what mlflow.set_tracking_uri writes is undone
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
     train, val = addition_rows
     rollout = TracedRollout(HFRollout(n=2, max_new_tokens=4), experiment="tiny", folder=str(tmp_path / "run"),
                             token2text=True, max_samples_per_step=3, run_name="trace-test")
@@ -22,6 +26,9 @@ def test_a_run_writes_one_trace_per_traced_sample_capped_per_step(model, tokeniz
                       **groups(batch_size=4, lr=1e-3, max_steps=2, run_dir=tmp_path / "run", progress=False))
     trainer.fit(PromptData(train, val=val, seed=0))
     assert rollout.tracking_uri == (tmp_path / "run" / "mlruns").as_uri()
+    # MLflow writes $MLFLOW_TRACKING_URI when pointed at a store; a second run in this process must not find this
+    # run's store there and take it for the user's (the suite's next tracing test did)
+    assert "MLFLOW_TRACKING_URI" not in os.environ
     mlflow.set_tracking_uri(rollout.tracking_uri)
     experiment = mlflow.get_experiment_by_name("tiny")
     traces = mlflow.search_traces(locations=[experiment.experiment_id], return_type="list")

@@ -48,7 +48,12 @@ def open_store(tracking_uri: str | None, folder: str | None, experiment: str):
     if uri.startswith("file:"):
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     mlflow = _mlflow()
-    mlflow.set_tracking_uri(uri)
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)  # it also writes $MLFLOW_TRACKING_URI for subprocesses: put the user's back, so
+    if before is None:            # the next run in this process does not take this run's store for the user's
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
     mlflow.set_experiment(experiment)
     return mlflow, uri
 
