@@ -177,3 +177,5 @@ if __name__ == "__main__":
             job = []
         else:
             job.append(arg)
+    if torch.distributed.is_initialized():  # an orderly gloo teardown: left to interpreter exit, a rank can abort
+        torch.distributed.destroy_process_group()  # ("terminate called without an active exception", seen in CI)
