@@ -171,3 +171,8 @@ def test_the_grpo_twins_train_a_step_alike(model_dir, data_dir, tmp_path):
     keep = (lambda m: {k: v for k, v in m.items() if not k.startswith(TIMING)})
     assert [keep(m) for m in tree_history] == [keep(m) for m in short_history]
     assert len(tree_history) == 1 and "actor/pg_loss" in tree_history[0]
+
+
+def test_the_recipes_page_shows_the_grpo_recipe_as_it_is():
+    body = "\n".join(line for line in (TREES / "grpo.yaml").read_text().splitlines() if not line.startswith("#"))
+    assert f"```yaml\n{body}\n```" in (ROOT / "docs" / "recipes.md").read_text()
