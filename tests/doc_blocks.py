@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")),
-             "recipes/yaml/README.md", "benchmarks/README.md"]
+             "recipes/tree/README.md", "recipes/yaml/README.md", "benchmarks/README.md"]
 
 
 @dataclass(frozen=True)

@@ -397,6 +397,12 @@ RUN_COMMANDS.update({  # the training commands run as dry runs (every override c
     ("docs/config-tree.md", "rlflow train recipes/tree/default_job.yaml loop.max_steps=50 rollout.n=4 "
                             "loss._target_=rlflow.algorithms.GSPOLoss"): "tree",
     ("docs/config-tree.md", "rlflow train recipes/tree/default_job.yaml --dry-run"): "tree",
+    ("docs/recipes.md", "rlflow train recipes/tree/grpo.yaml --dry-run"): "tree",
+    ("docs/recipes.md", "rlflow train recipes/tree/grpo.yaml"): "tree",
+    ("docs/recipes.md", "rlflow train recipes/tree/grpo.yaml loop.max_steps=60 rollout.n=4"): "tree",
+    ("recipes/tree/README.md", "rlflow prepare-task addition runs/task"): "recipe",
+    ("recipes/tree/README.md", "rlflow train recipes/tree/grpo.yaml --dry-run"): "tree",
+    ("recipes/tree/README.md", "rlflow train recipes/tree/grpo.yaml"): "tree",
 })
 RUN_YAML = {("docs/verl-compat.md", "policy: {path: models/qwen-0.5b}    # LoRA: {path: ..., lora: {r: 32, alpha: 64, "
                                     "target_modules: all-linear}}"): "native",  # a recipe
@@ -404,7 +410,9 @@ RUN_YAML = {("docs/verl-compat.md", "policy: {path: models/qwen-0.5b}    # LoRA:
             ("docs/rewards.md", "reward:"): "verl",  # verl 0.9's reward section
             ("docs/rewards.md", "reward:#2"): "verl",  # a reward-manager class from a file
             ("docs/config-tree.md", "policy:                       # the task's tiny model after the supervised "
-                                    "warm start (shipped for seeds 0-2)"): "tree"}  # a component tree
+                                    "warm start (shipped for seeds 0-2)"): "tree",  # a component tree
+            ("docs/recipes.md", "policy: {_target_: rlflow.Policy.from_pretrained, path: runs/task/model, "
+                                "remove_padding: true}"): "tree"}
 
 
 def keyed() -> dict[tuple[str, str], Block]:
@@ -553,7 +561,7 @@ def test_tree_commands_check_and_dry_run(monkeypatch, capsys):
     for key in sorted(k for k, v in RUN_COMMANDS.items() if v == "tree"):
         argv = argv_of(key[1])
         assert main(argv if "--dry-run" in argv else [*argv, "--dry-run"]) == 0, key
-    assert capsys.readouterr().out.count("is valid. The Python it builds") == 3
+    assert capsys.readouterr().out.count("is valid. The Python it builds") == sum(v == "tree" for v in RUN_COMMANDS.values())
 
 
 def test_the_slurm_command_writes_a_valid_script(monkeypatch, tmp_path, capsys):

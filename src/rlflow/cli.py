@@ -2,9 +2,10 @@
 
 ``rlflow train`` with no arguments runs the default job. With verl-style overrides
 (``rlflow train algorithm.adv_estimator=grpo data.train_files=... ``), a verl YAML
-(``--config-path DIR --config-name NAME``) or a native recipe (``--config recipe.yaml``) it runs
-the same path as ``python -m rlflow.trainer.main_ppo``; a component-tree recipe (``rlflow train TREE.yaml``, YAML with
-``_target_`` nodes: docs/config-tree.md) is built by :mod:`rlflow.config.components_run`. ``--dry-run`` validates and
+(``--config-path DIR --config-name NAME``) or a short recipe (``--config recipe.yaml``, a shorthand for verl keys:
+``recipes/yaml``) it runs the same path as ``python -m rlflow.trainer.main_ppo``; a component-tree recipe (rlflow's
+recipe format: ``rlflow train TREE.yaml``, YAML with ``_target_`` nodes, ``recipes/tree``, docs/config-tree.md) is
+built by :mod:`rlflow.config.components_run`. ``--dry-run`` validates and
 explains a config without training.
 """
 
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                             "(1: one-step-off; docs/async.md)")
     train.add_argument("--config-path", "-cp", default=None, help="folder of a verl YAML config")
     train.add_argument("--config-name", "-cn", default=None, help="name of the verl YAML config in --config-path")
-    train.add_argument("--config", "-c", default=None, help="an rlflow native recipe (YAML)")
+    train.add_argument("--config", "-c", default=None,
+                       help="a recipe: a component tree (recipes/tree) or a short verl-key recipe (recipes/yaml)")
     train.add_argument("--dry-run", action="store_true",
                        help="validate config and data, print what would be built, batch arithmetic and cost; stop")
     train.add_argument("--show-config", action="store_true", help="with --dry-run: also print the full resolved config")
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="LoRA checkpoints: the base model folder (default: the one the adapter config names)")
     prepare = sub.add_parser("prepare-task", help="write a built-in task as a model folder and parquet files",
                              description="Write OUT_DIR/model, OUT_DIR/train.parquet and OUT_DIR/test.parquet, "
-                                         "which the YAML recipes in recipes/yaml read.")
+                                         "which the recipes in recipes/tree and recipes/yaml read.")
     prepare.add_argument("task", choices=["addition"], help="the task (addition: the default job's)")
     prepare.add_argument("out_dir", help="where model/, train.parquet and test.parquet go")
     get_model = sub.add_parser("get-model", help="make a real pretrained model's Hugging Face folder and print its path",

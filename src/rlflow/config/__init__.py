@@ -1,8 +1,9 @@
-"""Configuration: verl's key tree (with Hydra overrides) and rlflow's short native recipe format.
+"""Configuration: component trees (rlflow's recipe format, :mod:`rlflow.config.components`), verl's key tree (with
+Hydra overrides) and the short recipe format, a shorthand for verl keys (:mod:`rlflow.config.verl.native`).
 
-Both end in one :class:`~rlflow.config.verl.plan.Plan` that :mod:`rlflow.config.verl.build` turns into the
-same objects the Python API builds (``Policy``, ``HFRollout``, ``FunctionReward``, ``GRPO``,
-``PPOLoss``, ``PromptData``, ``Trainer``). Loading and checking a config (:mod:`~rlflow.config.verl.loading`,
+verl's keys and the short format end in one :class:`~rlflow.config.verl.plan.Plan`, whose component tree
+:mod:`rlflow.config.verl.build` builds into the objects the Python API builds (``Policy``, ``HFRollout``,
+``FunctionReward``, ``GRPO``, ``PPOLoss``, ``PromptData``, ``Trainer``). Loading and checking a config (:mod:`~rlflow.config.verl.loading`,
 :mod:`~rlflow.config.verl.validate`) import nothing heavy; the plan and the builders load torch.
 """
 

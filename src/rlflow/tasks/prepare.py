@@ -8,7 +8,7 @@ tokenizer, with a chat template that renders the user's message as is, so the pr
 encodes exactly as in the default job. ``OUT/train.parquet`` and ``OUT/test.parquet``: the task's
 training and held-out splits in verl's layout (``prompt`` as chat messages,
 ``reward_model.ground_truth``, ``data_source: rlflow/addition``), which verl's default reward
-dispatch scores with the task's exact match. The recipes in ``recipes/yaml`` point at these files.
+dispatch scores with the task's exact match. The recipes in ``recipes/tree`` and ``recipes/yaml`` point at these files.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""rlflow's short native recipe format: the Python API's argument names, translated to verl keys.
+"""The short recipe format (``recipes/yaml/``): a shorthand for verl keys, kept for the recipes users have.
 
-A recipe names each object and its constructor arguments::
+rlflow's recipe format is the component tree (``recipes/tree/``, :mod:`rlflow.config.components`): the classes and
+their arguments. This format names sections like the objects, but each key stands for one verl key::
 
     policy: {path: models/qwen-0.5b, gradient_checkpointing: true}  # lora: {r: 16, alpha: 32, target_modules: all-linear}
     rollout: {n: 8, temperature: 1.0, max_new_tokens: 256}
