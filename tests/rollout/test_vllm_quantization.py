@@ -119,6 +119,7 @@ def test_the_servers_command_line_parses_to_the_same_scheme():
     assert "--quantization" not in vllm_server_command("/models/m", 8000)
 
 
+@requires_vllm  # VLLMRollout refuses at once without vLLM
 def test_vllms_own_names_pass_through_and_fp8_is_checked_before_anything_starts():
     """Another name is vLLM's own quantization= argument, as engine_kwargs gave it before; fp8 refuses float32
     compute and a second quantization_config; a rollout given the scheme twice refuses."""
