@@ -2,6 +2,7 @@
 needs hardware or a package rlflow does not use is refused naming it."""
 
 import dataclasses
+import re
 import sys
 
 import pytest
@@ -9,7 +10,8 @@ import pytest
 import rlflow.config.verl.devices as devices
 from rlflow.config import ConfigError, NotSupportedError, load_config, make_plan
 from rlflow.config.verl.modeldata import liger
-from rlflow.config.verl.rollout import checkpoint_engine
+from rlflow.cli import main as cli_main
+from rlflow.config.verl.rollout import checkpoint_engine, quantization
 
 R = "actor_rollout_ref.rollout"
 ENGINE = f"{R}.checkpoint_engine.backend"
@@ -71,7 +73,7 @@ def test_an_unknown_engine_is_a_config_error_listing_the_known(tiny):
 
 @pytest.mark.parametrize("override, needs", [
     (f"{R}.trace.backend=weave", "Weave project .weave: a W&B account and server"),
-    (f"{R}.quantization=fp8", "quantization= engine argument, e.g. fp8, whose kernels need CUDA GPUs"),
+    (f"{R}.quantization=torchao", "torchao's quantized layers"),
     ("actor_rollout_ref.actor.optim.use_precision_aware_optimizer=true", "Transformer Engine's FusedAdam, which needs "
                                                                          "CUDA GPUs and the transformer-engine package"),
     ("actor_rollout_ref.actor.qat.enable=true", "NVFP4 .* NVIDIA GPUs"),
@@ -115,3 +117,42 @@ def test_use_liger_under_megatron_is_refused_naming_the_transformers_models_it_p
     cfg = load_config(tiny + LIGER[:1] + ["actor_rollout_ref.actor.strategy=megatron"] + one_gpu)
     with pytest.raises(NotSupportedError, match="Liger kernels under the Megatron strategy .* patches transformers"):
         make_plan(cfg)
+
+
+# ------------------------------------------------ quantized rollouts (tests/rollout/test_vllm_quantization.py: the engine)
+FP8 = [f"{R}.name=vllm", f"{R}.quantization=fp8"]
+
+
+def test_fp8_rollouts_go_to_the_vllm_engine_on_cuda_and_the_dry_run_accepts_them(tiny, one_gpu, capsys):
+    pytest.importorskip("vllm", reason="without vLLM the dry run stops at its install hint first")
+    plan = make_plan(load_config(tiny + one_gpu + FP8))
+    assert plan.rollout_cls.__name__ == "VLLMRollout" and plan.rollout_kwargs["quantization"] == "fp8"
+    assert any(n.startswith(f"{R}.quantization='fp8': vLLM samples from fp8 weights") for n in plan.notes)
+    assert cli_main(["train"] + tiny + one_gpu + FP8 + ["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"VLLMRollout\(.*quantization='fp8'", out) and "Dry run: config and data are valid" in out
+
+
+def test_fp8_rollouts_on_cpu_are_refused_naming_cuda_and_the_dry_run_says_so(tiny, capsys):
+    pytest.importorskip("vllm", reason="without vLLM the dry run stops at its install hint first")
+    with pytest.raises(NotSupportedError, match=f"{R}.quantization='fp8': quantized rollouts without a CUDA GPU "
+                                                r"\(trainer.device=cuda\) .* run on CUDA GPUs .* this run is on cpu"):
+        make_plan(load_config(tiny + FP8))
+    assert cli_main(["train"] + tiny + FP8 + ["--dry-run"]) != 0
+    assert "quantized rollouts without a CUDA GPU" in capsys.readouterr().err
+
+
+def test_fp8_with_other_rollouts_a_server_note_and_unknown_values(tiny):
+    """The HF rollout generates with the policy's weights: refused; a server quantizes as its command line says: a
+    note giving vLLM's flags; a value verl does not have either: an error listing rlflow's."""
+    cpu = make_plan(load_config(tiny)).devices
+    with pytest.raises(NotSupportedError, match=r"quantized rollouts with HFRollout \(it generates with .*rollout.name=vllm rolls out fp8"):
+        quantization(load_config(tiny + [f"{R}.quantization=fp8"]), on_cuda(make_plan(load_config(tiny))), [],
+                     "HFRollout")
+    notes = []
+    assert quantization(load_config(tiny + [f"{R}.quantization=fp8"]), cpu, notes, "ServerRollout") is None
+    assert notes == [f"{R}.quantization='fp8': a setting of the server: give it to the server's own command line "
+                     "(rollout.server.launch); a vLLM server takes --quantization fp8_per_block --quantization-config "
+                     '{"ignore": ["*.mlp.gate"]} (vllm_server_command(..., quantization=\'fp8\'))']
+    with pytest.raises(ConfigError, match="quantization='int4': unknown quantization; rlflow rolls out fp8 .*torchao"):
+        quantization(load_config(tiny + [f"{R}.quantization=int4"]), cpu, [], "VLLMRollout")

@@ -152,7 +152,7 @@ def test_freeze_vision_tower_on_a_text_model_is_a_note(tiny):
     (f"{A}.fsdp_config.qat.enable=true", "quantization-aware training"),
     (f"{M}.mtp.enable=true", "multi-token prediction"),
     (f"{R}.disaggregation.enabled=true", "prefill/decode disaggregation"),
-    (f"{R}.quantization=fp8", "quantized rollouts"),
+    (f"{R}.quantization=torchao", "quantized rollouts"),
 ])
 def test_keys_that_would_change_the_run_are_refused_naming_the_feature(tiny, override, feature):
     with pytest.raises(ConfigError) as e:  # a NotSupportedError (more than one when others interpolate the key)

@@ -35,6 +35,8 @@ class VLLMRollout(SingleTurnRollout):
         return_routed_experts: also write the MoE experts each token was routed to (``prompt_routed_experts``,
             ``routed_experts``, as ``HFRollout(return_routed_experts=True)``; verl's R3): CUDA GPUs only (vLLM's Model
             Runner V2), refused at once elsewhere.
+        quantization: ``"fp8"``: sample from fp8 weights, as verl's ``rollout.quantization=fp8`` (vLLM quantizes
+            every update; CUDA GPUs only, refused at once elsewhere; see ``VLLMEngine``).
 
     Raises:
         ImportError: at once when vLLM is not installed, with the install commands for CPU and GPU machines.
@@ -49,16 +51,23 @@ class VLLMRollout(SingleTurnRollout):
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, enable_chunked_prefill: bool | None = None,
                  free_cache_engine: bool = True, engine_seed: int = 0, engine_kwargs: dict | None = None,
-                 weight_transfer: str | None = "auto", return_routed_experts: bool = False):
+                 weight_transfer: str | None = "auto", return_routed_experts: bool = False,
+                 quantization: str | None = None):
         if engine is None and importlib.util.find_spec("vllm") is None:
             raise ImportError(f"VLLMRollout needs vLLM, which is not installed: {INSTALL_HINT}")
+        engine_kwargs = dict(engine_kwargs or {})
+        if "quantization" in engine_kwargs:  # vLLM's own argument: one name either way
+            if quantization is not None:
+                raise ValueError(f"VLLMRollout: quantization={quantization!r} and engine_kwargs' quantization="
+                                 f"{engine_kwargs['quantization']!r}: pass one of them")
+            quantization = engine_kwargs.pop("quantization")
         engine = engine or VLLMEngine(
             dtype=dtype, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
             free_cache_engine=free_cache_engine, seed=engine_seed, weight_transfer=weight_transfer, shared=True,
-            return_routed_experts=return_routed_experts, **(engine_kwargs or {}))
+            return_routed_experts=return_routed_experts, quantization=quantization, **engine_kwargs)
         super().__init__(engine, n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                          do_sample=do_sample, seed=seed, stop_token_ids=stop_token_ids,
                          return_routed_experts=return_routed_experts, bucket_bytes=bucket_bytes)

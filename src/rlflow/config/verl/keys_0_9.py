@@ -132,7 +132,8 @@ ROLE_INERT: dict[str, str] = {
                                                   "logs none"),
     f"{ROLL}.prometheus.*": ("rlflow exports no Prometheus metrics of its rollout engine; its metrics go to "
                              "trainer.logger"),
-    f"{ROLL}.quantization_config_file": "only used with rollout.quantization, which rlflow refuses",
+    f"{ROLL}.quantization_config_file": ("only used with rollout.quantization=torchao (a torchao config), which rlflow "
+                                         "does not roll out; fp8 takes no file"),
     f"{ROLL}.mtp.*": _MTP_ROLLOUT,
     f"{ROLL}.disaggregation.*": "only used with disaggregation.enabled=True, which rlflow refuses",
     # the models
@@ -159,9 +160,6 @@ ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation: separate prefill "
                                        "and decode replicas of SGLang/vLLM servers on GPUs, their KV caches moved "
                                        "by a transfer backend such as NIXL over RDMA)", _truthy),
-    f"{ROLL}.quantization": ("quantized rollouts (rollout.quantization: vLLM's quantization= engine argument, e.g. "
-                             "fp8, whose kernels need CUDA GPUs; vLLM 0.32's CPU build has no scaled_fp8_quant)",
-                             _truthy),
 }
 
 # ------------------------------------------ data, reward_model, algorithm, trainer and the other sections

@@ -16,6 +16,7 @@ import rlflow.rollout
 from rlflow.config.verl import tables
 from rlflow.config.verl.devices import Devices
 from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
+from rlflow.rollout.engines.quantization import NEEDS_CUDA, QUANTIZATIONS, server_flags
 
 R = "actor_rollout_ref.rollout"
 INSTALL = tables.ENGINE_INSTALL
@@ -165,6 +166,41 @@ def checkpoint_engine(cfg: VerlConfig, devices: Devices, notes: list[str], rollo
     return transfer
 
 
+QUANTIZED_ELSEWHERE = {"torchao": "torchao's quantized layers (verl's rollout.quantization=torchao, configured by "
+                                  "rollout.quantization_config_file)",
+                       "ascend": "Ascend NPUs (verl's rollout.quantization=ascend)"}
+
+
+def quantization(cfg: VerlConfig, devices: Devices, notes: list[str], rollout: str) -> str | None:
+    """verl's ``rollout.quantization`` -> ``VLLMRollout(quantization=...)`` (``fp8``, on CUDA GPUs); for a server, a
+    note with the flags its command line takes; refused naming what it needs elsewhere."""
+    key = f"{R}.quantization"
+    value = cfg[key]
+    if not value:
+        return None
+    if value in QUANTIZED_ELSEWHERE:
+        raise NotSupportedError(key, value, f"quantized rollouts with {QUANTIZED_ELSEWHERE[value]}",
+                                f"rlflow rolls out {', '.join(QUANTIZATIONS)} (on CUDA GPUs).")
+    if value not in QUANTIZATIONS:
+        raise ConfigError(f"{key}={value!r}: unknown quantization; rlflow rolls out {', '.join(QUANTIZATIONS)} "
+                          f"(verl also names {', '.join(QUANTIZED_ELSEWHERE)})")
+    if rollout in ("ServerRollout", "SGLangRollout"):
+        notes.append(f"{key}={value!r}: a setting of the server: give it to the server's own command line "
+                     f"(rollout.server.launch); a vLLM server takes {' '.join(server_flags(value))} "
+                     f"(vllm_server_command(..., quantization={value!r}))")
+        return None
+    if rollout != "VLLMRollout":
+        raise NotSupportedError(key, value, f"quantized rollouts with {rollout} (it generates with the policy's own "
+                                "weights)", f"{R}.name=vllm rolls out fp8 weights (on CUDA GPUs).")
+    if devices.accelerator != "cuda":
+        raise NotSupportedError(key, value, "quantized rollouts without a CUDA GPU (trainer.device=cuda)",
+                                NEEDS_CUDA.format(missing=f"this run is on {devices.accelerator}") +
+                                f". Set {key}=null to roll out in the model's dtype.")
+    notes.append(f"{key}={value!r}: vLLM samples from fp8 weights (128x128 blocks, MoE routers kept, as verl) and "
+                 "quantizes every weight update itself; the trainer keeps its precision")
+    return value
+
+
 # the engine arguments of each rollout class, by class name
 ENGINE_KWARGS: dict[str, Callable[[VerlConfig, Devices, list[str]], dict]] = {
     "VLLMRollout": vllm_kwargs, "ServerRollout": server_kwargs, "SGLangRollout": server_kwargs}
@@ -178,6 +214,9 @@ def rollout_plan(cfg: VerlConfig, devices: Devices, notes: list[str], n: int, te
               "max_new_tokens": cfg[f"{R}.response_length"], "do_sample": do_sample}
     if cls.__name__ in ENGINE_KWARGS:
         kwargs |= ENGINE_KWARGS[cls.__name__](cfg, devices, notes) | {"bucket_bytes": bucket_bytes(cfg)}
+    quantized = quantization(cfg, devices, notes, cls.__name__)
+    if quantized is not None:
+        kwargs["quantization"] = quantized
     transfer = checkpoint_engine(cfg, devices, notes, cls.__name__)
     if transfer is not None:
         kwargs["weight_transfer"] = transfer

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from rlflow.rollout.engines.errors import ServerError
+from rlflow.rollout.engines.quantization import server_flags
 from rlflow.rollout.engines.weight_transfer import server_arguments
 
 
@@ -76,7 +77,7 @@ def vllm_server_command(model_dir: str | Path, port: int, *, host: str = "127.0.
                         max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
                         enforce_eager: bool = False, logprobs_mode: str = "raw_logprobs", seed: int = 0,
                         enable_prefix_caching: bool = True, extra: tuple[str, ...] = (),
-                        weight_transfer: str | None = "auto") -> list[str]:
+                        weight_transfer: str | None = "auto", quantization: str | None = None) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server`` for ``model_dir`` (it needs the tokenizer files too).
 
     ``enable_prefix_caching``: ``--enable-prefix-caching`` or ``--no-enable-prefix-caching`` (verl's
@@ -84,6 +85,8 @@ def vllm_server_command(model_dir: str | Path, port: int, *, host: str = "127.0.
     ``weight_transfer``: the server takes weights through vLLM's weight-transfer protocol (``"auto"``:
     rlflow's shared-memory backend on CPU, registered in the server's worker by a worker extension; NCCL on
     CUDA); ``"reload"``: from disk only.
+    ``quantization``: ``"fp8"`` serves fp8 weights as ``VLLMEngine(quantization="fp8")`` does (vLLM's
+    ``--quantization fp8_per_block``, MoE routers kept; CUDA GPUs), requantized at every weight update.
 
     Run it with ``VLLM_SERVER_DEV_MODE=1`` in the environment so rlflow can send weights
     (:data:`VLLM_SERVER_ENV` holds that and the in-process engine core setting). ``--enable-scale-out`` (where
@@ -96,6 +99,7 @@ def vllm_server_command(model_dir: str | Path, port: int, *, host: str = "127.0.
     cmd += ["--max-model-len", str(max_model_len)] if max_model_len else []
     cmd += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)] if kv_cache_memory_bytes else []
     cmd += ["--enable-scale-out"] if has_scale_out() else []
+    cmd += server_flags(quantization)
     return cmd + (["--enforce-eager"] if enforce_eager else []) + server_arguments(weight_transfer) + list(extra)
 
 

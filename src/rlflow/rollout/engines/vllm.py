@@ -21,6 +21,11 @@ to, for every decoder layer (``enable_return_routed_experts``), and returns them
 engine's layout. vLLM 0.32 does this only in its Model Runner V2 (CUDA GPUs with Triton); on CPU the engine
 refuses the option at once.
 
+**Quantized rollouts** (verl's ``rollout.quantization``, ``quantization="fp8"``): vLLM starts with its online
+``fp8_per_block`` quantization (verl's scheme: 128x128 weight blocks, e4m3, MoE routers kept) and quantizes the
+16-bit weights each update sends, in its layerwise reload (:mod:`rlflow.rollout.engines.quantization`). CUDA GPUs
+only: on CPU the engine refuses the option at once.
+
 **Host process.** vLLM's in-process start seeds the global RNGs, replaces ``torch.set_num_threads`` with a
 no-op that only warns, freezes the garbage collector, and sets environment variables (``LOCAL_WORLD_SIZE``
 among them), and its CPU sampler draws from the global torch RNG at every step. Every call into vLLM runs
@@ -48,6 +53,7 @@ from torch import nn
 
 from rlflow.models.hf_config import apply_overrides
 from rlflow.rollout.engines.base import Completion, Engine, SamplingParams, WeightBuckets, counted
+from rlflow.rollout.engines.quantization import QUANTIZATIONS, quantization_unavailable, vllm_arguments
 from rlflow.rollout.engines.routing import config_moe_layers, from_vllm
 from rlflow.rollout.engines.weights_on_disk import model_folder, shared_temp_dir, write_checkpoint, writes_checkpoints
 from rlflow.rollout.engines.weight_transfer import LLMClient, Sender, choose_backend
@@ -139,6 +145,23 @@ def routed_experts_unavailable() -> str | None:
     return None
 
 
+def check_quantization(quantization: str, dtype, engine_kwargs: dict) -> None:
+    """``VLLMEngine(quantization=...)``'s refusals for rlflow's schemes (``"fp8"``), before anything starts: float32
+    compute (vLLM's fp8 kernels take 16-bit activations), vLLM's ``quantization_config`` beside it, a machine without
+    CUDA. vLLM's own names are left to vLLM."""
+    if quantization not in QUANTIZATIONS:
+        return
+    if str(dtype).removeprefix("torch.") in ("float32", "float"):
+        raise ValueError(f"VLLMEngine(quantization={quantization!r}) needs dtype='bfloat16' or 'float16' (vLLM's fp8 "
+                         f"kernels take 16-bit activations), got dtype={dtype!r}")
+    if "quantization_config" in engine_kwargs:
+        raise ValueError(f"VLLMEngine(quantization={quantization!r}) sets vLLM's quantization_config itself; "
+                         "engine_kwargs gives one too: pass one of them")
+    why = quantization_unavailable()
+    if why is not None:
+        raise NotImplementedError(f"VLLMEngine(quantization={quantization!r}): {why}")
+
+
 def check_head_size(config) -> None:
     """vLLM's CPU attention supports a fixed set of head sizes; fail before the first generate, not at it."""
     if torch.cuda.is_available():
@@ -180,6 +203,10 @@ class VLLMEngine(Engine):
             same config with the same options instead of starting another (one per model shape: an in-process
             vLLM cannot be torn down and restarted cheaply); the two objects are then one engine
             (``VLLMRollout`` binds shared engines).
+        return_routed_experts: record the MoE experts each token is routed to (CUDA GPUs only, see above).
+        quantization: ``"fp8"``: roll out fp8 weights as verl's ``rollout.quantization=fp8`` (vLLM's online
+            ``fp8_per_block``, requantized at every update; CUDA GPUs only, refused at once elsewhere; ``dtype``
+            must be a 16-bit one). ``None``: the model's dtype. Another name goes to ``vllm.LLM`` as it is.
         **engine_kwargs: passed to ``vllm.LLM`` as they are (verl's ``rollout.engine_kwargs.vllm``).
     """
 
@@ -191,7 +218,10 @@ class VLLMEngine(Engine):
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, enable_chunked_prefill: bool | None = None,
                  free_cache_engine: bool = False, seed: int = 0, weight_transfer: str | None = "auto",
-                 shared: bool = False, return_routed_experts: bool = False, **engine_kwargs):
+                 shared: bool = False, return_routed_experts: bool = False, quantization: str | None = None,
+                 **engine_kwargs):
+        if quantization is not None:
+            check_quantization(quantization, dtype, engine_kwargs)
         if return_routed_experts:
             why = routed_experts_unavailable()
             if why is not None:
@@ -205,7 +235,7 @@ class VLLMEngine(Engine):
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                              enable_chunked_prefill=enable_chunked_prefill, free_cache_engine=free_cache_engine,
                              seed=seed, weight_transfer=weight_transfer,
-                             return_routed_experts=return_routed_experts) | engine_kwargs
+                             return_routed_experts=return_routed_experts, quantization=quantization) | engine_kwargs
         self.shared, self.llm, self.loaded_from, self.pool_key = shared, None, None, None
         if model is not None:
             self.bind(model, tokenizer)
@@ -241,7 +271,7 @@ class VLLMEngine(Engine):
               kv_cache_memory_bytes: int | None, gpu_memory_utilization: float | None, enforce_eager: bool,
               enable_prefix_caching: bool, max_num_batched_tokens: int | None, max_num_seqs: int | None,
               enable_chunked_prefill: bool | None, free_cache_engine: bool, seed: int, weight_transfer: str | None,
-              return_routed_experts: bool, **engine_kwargs) -> None:
+              return_routed_experts: bool, quantization: str | None, **engine_kwargs) -> None:
         from transformers import AutoConfig
 
         self.isolation = HostIsolation(seed)
@@ -269,6 +299,7 @@ class VLLMEngine(Engine):
                 raise ValueError(f"{self.config.architectures}: no MoE layers; recording the routed experts "
                                  "(return_routed_experts, verl's enable_rollout_routing_replay) needs a MoE model")
             engine_kwargs["enable_return_routed_experts"] = True
+        engine_kwargs |= vllm_arguments(quantization)
         eos = tokenizer.eos_token_id if tokenizer is not None else self.config.eos_token_id
         self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.on_gpu = torch.cuda.is_available()
