@@ -47,7 +47,16 @@ _PRECISION_AWARE_OPTIMIZER = (
     "Megatron's precision-aware optimizer (low-precision gradients and Adam states: megatron-core builds it inside its "
     "distributed optimizer from Transformer Engine's FusedAdam, which needs CUDA GPUs and the transformer-engine "
     "package; rlflow's verl entry point trains with the Trainer's AdamW per shard, not that optimizer)")
-_QAT_ONLY = "only used with qat.enable=True (quantization-aware training), which rlflow refuses"
+_QAT_ONLY = "only used with this block's qat.enable=True (quantization-aware training: rlflow.config.verl.qat)"
+_QAT_ROLLOUT = ("the rollout's copy of the actor's QAT block (verl's vLLM server reads it for NVFP4 kernels); with "
+                "actor QAT on, rlflow sends the engine the quantized-dequantized weights, which it runs in 16 bits")
+_QAT_OBSERVER = "only used with qat.mode=w4a4 (4-bit activations), which rlflow refuses"
+_QAT_VLLM_CONFIG = ("vLLM's NVFP4 quantization config (real FP4 kernels on Blackwell GPUs); rlflow sends the engine "
+                    "the quantized-dequantized weights, which it runs in 16 bits")
+_QAT_REF = ("verl's reference engine is forward-only, where QAT is not applied: the reference scores with the "
+            "initial weights unquantized, here as in verl")
+_QAT_CRITIC = ("quantization-aware training of the critic (verl's critic engine fake-quantizes the critic's linear "
+               "layers; rlflow's QAT, rlflow.models.qat, is applied to the policy only so far)")
 _MTP_ROLLOUT = ("the rollout's copy of actor_rollout_ref.model.mtp (verl's engines read enable_rollout and the "
                 "speculative keys from it); rlflow reads actor_rollout_ref.model.mtp")
 _MTP_DRAFT = ("only used with mtp.enable_rollout=True (speculative decoding drafted by the MTP layers), which rlflow "
@@ -109,7 +118,10 @@ ROLE_INERT: dict[str, str] = {
     "critic.fsdp.model_dtype": "parameters stay float32; trainer.precision sets compute",
     f"{_REF_ENGINE}.model_dtype": "the reference is a frozen copy of the policy, in the policy's dtype",
     f"{_REF_ENGINE}.optimizer_offload": "the frozen reference has no optimizer",
-    f"{ACT}.qat.*": _QAT_ONLY, f"{ROLL}.qat.*": _QAT_ONLY,
+    f"{ACT}.qat.*": _QAT_ONLY, f"{ROLL}.qat.*": _QAT_ROLLOUT,
+    **{f"{b}.qat.{k}": v for b in (ACT, f"{ACT}.fsdp_config", f"{ACT}.megatron")
+       for k, v in (("activation_observer", _QAT_OBSERVER), ("quantization_config_path", _QAT_VLLM_CONFIG))},
+    **{f"{AR}.ref.{e}.qat.*": _QAT_REF for e in ("fsdp_config", "megatron")},
     # the rollout
     f"{ROLL}.seed": ("with name=vllm, the engine's seed; the HF rollout samples from the trainer's random stream, "
                      "seeded by data.seed (rlflow's one seed)"),
@@ -153,8 +165,7 @@ ROLE_INERT: dict[str, str] = {
 
 ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     **{f"{r}.optim.use_precision_aware_optimizer": (_PRECISION_AWARE_OPTIMIZER, _truthy) for r in _ROLES},
-    "*.qat.enable": ("quantization-aware training (qat.enable: verl fake-quantizes linears to NVFP4 with Triton "
-                     "kernels and rolls out NVFP4 weights in vLLM, which needs NVIDIA GPUs)", _truthy),
+    "critic.*.qat.enable": (_QAT_CRITIC, _truthy),
     "critic.model.mtp.enable": ("multi-token prediction layers on the critic (verl trains them on the actor only)",
                                 _truthy),
     f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation: separate prefill "
