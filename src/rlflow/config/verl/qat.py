@@ -35,7 +35,7 @@ def qat_argument(cfg: VerlConfig, notes: list[str], rollout_name: str) -> dict:
     chosen = settings[first]
     for block, values in settings.items():
         for k in SETTINGS:
-            if list_of(values[k]) != list_of(chosen[k]):
+            if comparable(values[k]) != comparable(chosen[k]):
                 raise ConfigError(f"{block}.{k}={values[k]!r} differs from {first}.{k}={chosen[k]!r}: both QAT "
                                   "blocks are enabled, so they must agree (or enable one)")
     mode, group_size, patterns = chosen["mode"], chosen["group_size"], chosen["ignore_patterns"]
@@ -60,6 +60,11 @@ def qat_argument(cfg: VerlConfig, notes: list[str], rollout_name: str) -> dict:
                  f"pass straight through to the full-precision weights; the rollout engine is sent the "
                  f"quantized-dequantized weights and {where}; the reference is the unquantized model")
     return {"qat": {"mode": mode, "group_size": group_size, "ignore_patterns": list_of(patterns)}}
+
+
+def comparable(value):
+    """A setting as compared across blocks: a list of patterns (None: none), or the value."""
+    return list_of(value) if value is None or isinstance(value, (list, tuple)) else value
 
 
 def list_of(value) -> list:
