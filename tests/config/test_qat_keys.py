@@ -1,13 +1,13 @@
 """verl's quantization-aware training keys (actor.qat, actor.fsdp_config.qat, actor.megatron.qat): the policy built
 from them is fake-quantized, the dry run and a 2-step run go through the entry point, and what rlflow cannot do
-(Megatron, w4a4, LoRA, the critic) is refused by name."""
+(Megatron, w4a4, LoRA) is refused by name. The critic's blocks quantize the critic."""
 
 import pytest
 
 import rlflow.config.verl.devices as devices
 from rlflow.cli import main as cli_main
 from rlflow.config import ConfigError, NotSupportedError, load_config, make_plan
-from rlflow.config.verl.build import build_policy
+from rlflow.config.verl.build import build_critic, build_policy
 from rlflow.config.verl.run import unused_notes
 from rlflow.models.qat import NVFP4Linear
 from rlflow.trainer.main_ppo import main
@@ -54,11 +54,26 @@ def test_enabled_blocks_must_agree(tiny):
     ([f"{A}.qat.group_size=0"], "must be a positive integer"),
     (["actor_rollout_ref.model.lora_rank=4"], "quantization-aware training with LoRA is not supported"),
     ([f"{A}.megatron.qat.enable=true"], "reads the megatron block under strategy=megatron only"),
+    (["critic.megatron.qat.enable=true"], "set critic.fsdp.qat.enable=True"),
 ])
-def test_refusals_name_the_key(tiny, override, match):
+def test_refusals_name_the_key(tiny, model_dir, override, match):
     enable = [] if "megatron" in override[0] else [f"{A}.qat.enable=true"]
+    critic = ["algorithm.adv_estimator=gae", f"critic.model.path={model_dir}"] if "critic" in override[0] else []
     with pytest.raises(ConfigError, match=match):
-        make_plan(load_config(tiny + enable + override))
+        make_plan(load_config(tiny + critic + enable + override))
+
+
+def test_the_critic_block_quantizes_the_critic(tiny, model_dir, capsys):
+    gae = tiny + ["algorithm.adv_estimator=gae", f"critic.model.path={model_dir}", "trainer.val_before_train=false",
+                  "critic.ppo_micro_batch_size_per_gpu=2", "critic.fsdp.qat.enable=true"]
+    p = make_plan(load_config(gae))
+    assert p.critic_kwargs["qat"]["group_size"] == 16 and "qat" not in p.policy_kwargs
+    critic = build_critic(p)
+    quantized = {n for n, m in critic.module.named_modules() if isinstance(m, NVFP4Linear)}
+    assert {"value_head", "lm.model.layers.0.mlp.up_proj"} <= quantized and "lm.lm_head" not in quantized
+    assert not any(isinstance(m, NVFP4Linear) for m in build_policy(p).model.modules())
+    assert main(gae + [f"{A}.fsdp_config.qat.enable=true"]) == 0
+    assert sorted(steps(capsys.readouterr().out)) == [1, 2]
 
 
 def test_megatron_strategy_is_refused_by_name(tiny):

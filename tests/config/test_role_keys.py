@@ -148,7 +148,6 @@ def test_freeze_vision_tower_on_a_text_model_is_a_note(tiny):
 
 # ------------------------------------------------------------------------ refused, and inert
 @pytest.mark.parametrize("override, feature", [
-    ("critic.fsdp.qat.enable=true", "quantization-aware training of the critic"),
     (f"{M}.mtp.enable=true", "multi-token prediction"),
     (f"{R}.disaggregation.enabled=true", "prefill/decode disaggregation"),
     (f"{R}.quantization=torchao", "quantized rollouts"),

@@ -10,6 +10,7 @@ from torch import nn
 
 from rlflow.data import keys as K
 from rlflow.data.prompts import collate, load_rows
+from rlflow.models.critic import Critic
 from rlflow.models.policy import Policy
 from rlflow.models.qat import E2M1_GRID, NVFP4Linear, apply_qat, nvfp4_fake_quantize, plain_copy
 from rlflow.rollout.hf import HFRollout
@@ -175,3 +176,17 @@ def test_qat_with_lora_is_refused(model, tokenizer):
 
     with pytest.raises(ValueError, match="qat with LoRA is not supported"):
         Policy(model, tokenizer, qat={}, lora=LoraConfig(r=2, target_modules=["q_proj"]))
+
+
+def test_the_critic_computes_with_quantized_weights(model, tokenizer):
+    critic = Critic(model, qat={})
+    with torch.no_grad():
+        nn.init.normal_(critic.module.value_head.weight, std=0.1, generator=torch.Generator().manual_seed(4))
+    batch = prompts(tokenizer)
+    batch[K.RESPONSE_IDS] = torch.randint(3, len(tokenizer), (3, 5), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        values = critic.values(batch)
+        served = plain_copy(critic.module, served=True)(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS])
+        plain = plain_copy(critic.module)(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK], batch[K.RESPONSE_IDS])
+    assert isinstance(critic.module.value_head, NVFP4Linear)
+    assert torch.allclose(values, served, atol=1e-6) and not torch.allclose(values, plain, atol=1e-4)

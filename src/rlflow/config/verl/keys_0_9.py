@@ -53,10 +53,9 @@ _QAT_ROLLOUT = ("the rollout's copy of the actor's QAT block (verl's vLLM server
 _QAT_OBSERVER = "only used with qat.mode=w4a4 (4-bit activations), which rlflow refuses"
 _QAT_VLLM_CONFIG = ("vLLM's NVFP4 quantization config (real FP4 kernels on Blackwell GPUs); rlflow sends the engine "
                     "the quantized-dequantized weights, which it runs in 16 bits")
+_QAT_CRITIC_EXPORT = "a vLLM quantization config for exported weights; the critic is never sent to an engine"
 _QAT_REF = ("verl's reference engine is forward-only, where QAT is not applied: the reference scores with the "
             "initial weights unquantized, here as in verl")
-_QAT_CRITIC = ("quantization-aware training of the critic (verl's critic engine fake-quantizes the critic's linear "
-               "layers; rlflow's QAT, rlflow.models.qat, is applied to the policy only so far)")
 _MTP_ROLLOUT = ("the rollout's copy of actor_rollout_ref.model.mtp (verl's engines read enable_rollout and the "
                 "speculative keys from it); rlflow reads actor_rollout_ref.model.mtp")
 _MTP_DRAFT = ("only used with mtp.enable_rollout=True (speculative decoding drafted by the MTP layers), which rlflow "
@@ -119,8 +118,10 @@ ROLE_INERT: dict[str, str] = {
     f"{_REF_ENGINE}.model_dtype": "the reference is a frozen copy of the policy, in the policy's dtype",
     f"{_REF_ENGINE}.optimizer_offload": "the frozen reference has no optimizer",
     f"{ACT}.qat.*": _QAT_ONLY, f"{ROLL}.qat.*": _QAT_ROLLOUT,
-    **{f"{b}.qat.{k}": v for b in (ACT, f"{ACT}.fsdp_config", f"{ACT}.megatron")
-       for k, v in (("activation_observer", _QAT_OBSERVER), ("quantization_config_path", _QAT_VLLM_CONFIG))},
+    **{f"{b}.qat.*": _QAT_ONLY for b in (f"{ACT}.megatron", "critic.megatron")},
+    **{f"{b}.qat.{k}": v for b in (ACT, f"{ACT}.fsdp_config", f"{ACT}.megatron", "critic.fsdp", "critic.megatron")
+       for k, v in (("activation_observer", _QAT_OBSERVER), ("quantization_config_path", _QAT_VLLM_CONFIG
+                                                               if b.startswith(ACT) else _QAT_CRITIC_EXPORT))},
     **{f"{AR}.ref.{e}.qat.*": _QAT_REF for e in ("fsdp_config", "megatron")},
     # the rollout
     f"{ROLL}.seed": ("with name=vllm, the engine's seed; the HF rollout samples from the trainer's random stream, "
@@ -165,7 +166,6 @@ ROLE_INERT: dict[str, str] = {
 
 ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     **{f"{r}.optim.use_precision_aware_optimizer": (_PRECISION_AWARE_OPTIMIZER, _truthy) for r in _ROLES},
-    "critic.*.qat.enable": (_QAT_CRITIC, _truthy),
     "critic.model.mtp.enable": ("multi-token prediction layers on the critic (verl trains them on the actor only)",
                                 _truthy),
     f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation: separate prefill "

@@ -351,7 +351,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
     sp_size = sequence_parallel(cfg, notes, with_critic, procs)
     loggers, resume = logger_names(cfg, notes), resume_arg(cfg)
     rollout_cls, rollout_kwargs = rollout_plan(cfg, devices, notes, n, temperature, do_sample)
-    policy_loading |= qat_argument(cfg, notes, rollout_cls.__name__)  # quantization-aware training
+    policy_loading |= qat_argument(cfg, notes, A, rollout_cls.__name__)  # quantization-aware training
+    critic_kwargs |= qat_argument(cfg, notes, C) if with_critic else {}
     if rollout_cls.__name__ == "VLLMRollout":
         engine_loading(rollout_kwargs, policy_loading)
     import_external_lib(cfg)

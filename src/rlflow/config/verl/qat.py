@@ -1,10 +1,11 @@
-"""verl's quantization-aware training keys -> ``Policy.from_pretrained(qat=...)`` (``rlflow.models.qat``).
+"""verl's quantization-aware training keys -> ``Policy`` / ``Critic.from_pretrained(qat=...)`` (``rlflow.models.qat``).
 
 verl declares the actor's QAT block three times: ``actor.qat`` (its actor config), ``actor.fsdp_config.qat``
 (read by its FSDP engine) and ``actor.megatron.qat`` (its Megatron engine). Here any of them with ``enable=True``
 turns QAT on; the enabled blocks must agree on ``mode``, ``group_size`` and ``ignore_patterns``. Training
 fake-quantizes the policy's linear layers to NVFP4 (weights only, ``mode=w4a16``), and every rollout engine is
-sent the quantized-dequantized weights, so generation samples from the policy being trained.
+sent the quantized-dequantized weights, so generation samples from the policy being trained. The critic's blocks
+(``critic.fsdp.qat``, ``critic.megatron.qat``) quantize the critic the same way, as verl's critic engine does.
 """
 
 from __future__ import annotations
@@ -12,25 +13,27 @@ from __future__ import annotations
 from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig
 from rlflow.models.qat import MODES
 
-A = "actor_rollout_ref.actor"
-BLOCKS = (f"{A}.qat", f"{A}.fsdp_config.qat", f"{A}.megatron.qat")
+A, C = "actor_rollout_ref.actor", "critic"
+BLOCKS = {A: (f"{A}.qat", f"{A}.fsdp_config.qat", f"{A}.megatron.qat"), C: (f"{C}.fsdp.qat", f"{C}.megatron.qat")}
+MODELS = {A: "actor_rollout_ref.model", C: "critic.model"}
 SETTINGS = ("mode", "group_size", "ignore_patterns")
 
 
-def qat_argument(cfg: VerlConfig, notes: list[str], rollout_name: str) -> dict:
-    """``{"qat": {...}}`` for ``Policy.from_pretrained`` when an actor QAT block is enabled, else ``{}``."""
-    on = [b for b in BLOCKS if cfg[f"{b}.enable"]]
+def qat_argument(cfg: VerlConfig, notes: list[str], role: str = A, rollout_name: str = "") -> dict:
+    """``{"qat": {...}}`` for ``Policy.from_pretrained`` (``role`` the actor) or ``Critic.from_pretrained``
+    (``role="critic"``) when one of the role's QAT blocks is enabled, else ``{}``."""
+    blocks = BLOCKS[role]
+    on = [b for b in blocks if cfg[f"{b}.enable"]]
     if not on:
         return {}
-    first = on[0]
-    if cfg[f"{A}.strategy"] == "megatron":
+    first, megatron_block, strategy = on[0], blocks[-1], cfg[f"{role}.strategy"]
+    if strategy == "megatron":
         raise NotSupportedError(f"{first}.enable", True, "quantization-aware training under the Megatron strategy",
                                 "verl fake-quantizes megatron-core's layers with NVIDIA ModelOpt; rlflow's QAT "
                                 "(rlflow.models.qat) replaces transformers' nn.Linear layers: use strategy=fsdp.")
-    if f"{A}.megatron.qat" in on:
-        raise ConfigError(f"{A}.megatron.qat.enable=True: verl reads the megatron block under strategy=megatron "
-                          f"only; with strategy={cfg[f'{A}.strategy']} set {A}.fsdp_config.qat.enable=True "
-                          f"(or {A}.qat.enable=True)")
+    if megatron_block in on:
+        raise ConfigError(f"{megatron_block}.enable=True: verl reads the megatron block under strategy=megatron "
+                          f"only; with strategy={strategy} set " + " or ".join(f"{b}.enable=True" for b in blocks[:-1]))
     settings = {b: {k: cfg[f"{b}.{k}"] for k in SETTINGS} for b in on}
     chosen = settings[first]
     for block, values in settings.items():
@@ -49,16 +52,17 @@ def qat_argument(cfg: VerlConfig, notes: list[str], rollout_name: str) -> dict:
     if patterns is not None and not all(isinstance(p, str) for p in list_of(patterns)):
         raise ConfigError(f"{first}.ignore_patterns={patterns!r}: must be a list of module-name patterns "
                           "('re:<regex>' or a substring)")
-    M = "actor_rollout_ref.model"
-    if cfg[f"{M}.lora_rank"] or cfg[f"{M}.lora_adapter_path"]:
+    if cfg[f"{MODELS[role]}.lora_rank"] or cfg[f"{MODELS[role]}.lora_adapter_path"]:
         raise NotSupportedError(f"{first}.enable", True, "quantization-aware training with LoRA",
                                 "the adapter's merged weights are not quantized; verl's QAT trains full weights.")
-    where = ("vLLM runs them in 16 bits (no NVFP4 kernels: no speed-up)" if rollout_name == "VLLMRollout"
-             else "it generates with them")
-    notes.append(f"{first}.enable=True: quantization-aware training: the policy's linear layers compute with NVFP4 "
-                 f"fake-quantized weights ({mode}, groups of {group_size}; ignored: {list_of(patterns)}), gradients "
-                 f"pass straight through to the full-precision weights; the rollout engine is sent the "
-                 f"quantized-dequantized weights and {where}; the reference is the unquantized model")
+    what = ("the critic's linear layers (its value head too, under the name value_head)" if role == C
+            else "the policy's linear layers")
+    where = ("" if role == C else "; the rollout engine is sent the quantized-dequantized weights and "
+             + ("vLLM runs them in 16 bits (no NVFP4 kernels: no speed-up)" if rollout_name == "VLLMRollout"
+                else "generates with them") + "; the reference is the unquantized model")
+    notes.append(f"{first}.enable=True: quantization-aware training: {what} compute with NVFP4 fake-quantized weights "
+                 f"({mode}, groups of {group_size}; ignored: {list_of(patterns)}), gradients pass straight through "
+                 f"to the full-precision weights{where}")
     return {"qat": {"mode": mode, "group_size": group_size, "ignore_patterns": list_of(patterns)}}
 
 
