@@ -38,7 +38,7 @@ def test_off_by_default_and_the_other_blocks_keys_are_noted(tiny):
     assert any(n.startswith(f"{A}.qat.group_size=32 has no effect") and "qat.enable=True" in n
                for n in unused_notes(p.cfg))
     p = make_plan(load_config(tiny + [f"{A}.qat.enable=true", f"{A}.qat.quantization_config_path=q.json"]))
-    assert any("quantization_config_path" in n and "16 bits" in n for n in unused_notes(p.cfg))
+    assert any("quantization_config_path" in n and "FP4 kernels" in n for n in unused_notes(p.cfg))
 
 
 def test_enabled_blocks_must_agree(tiny):

@@ -49,10 +49,10 @@ _PRECISION_AWARE_OPTIMIZER = (
     "package; rlflow's verl entry point trains with the Trainer's AdamW per shard, not that optimizer)")
 _QAT_ONLY = "only used with this block's qat.enable=True (quantization-aware training: rlflow.config.verl.qat)"
 _QAT_ROLLOUT = ("the rollout's copy of the actor's QAT block (verl's vLLM server reads it for NVFP4 kernels); with "
-                "actor QAT on, rlflow sends the engine the quantized-dequantized weights, which it runs in 16 bits")
+                "actor QAT on, rlflow sends the engine the quantized-dequantized weights, which it runs in its own dtype")
 _QAT_OBSERVER = "only used with qat.mode=w4a4 (4-bit activations), which rlflow refuses"
 _QAT_VLLM_CONFIG = ("vLLM's NVFP4 quantization config (real FP4 kernels on Blackwell GPUs); rlflow sends the engine "
-                    "the quantized-dequantized weights, which it runs in 16 bits")
+                    "the quantized-dequantized weights, which it runs in its own dtype (no FP4 kernels)")
 _QAT_CRITIC_EXPORT = "a vLLM quantization config for exported weights; the critic is never sent to an engine"
 _QAT_REF = ("verl's reference engine is forward-only, where QAT is not applied: the reference scores with the "
             "initial weights unquantized, here as in verl")
