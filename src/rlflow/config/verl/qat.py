@@ -1,8 +1,9 @@
 """verl's quantization-aware training keys -> ``Policy`` / ``Critic.from_pretrained(qat=...)`` (``rlflow.models.qat``).
 
-verl declares the actor's QAT block three times: ``actor.qat`` (its actor config), ``actor.fsdp_config.qat``
-(read by its FSDP engine) and ``actor.megatron.qat`` (its Megatron engine). Here any of them with ``enable=True``
-turns QAT on; the enabled blocks must agree on ``mode``, ``group_size`` and ``ignore_patterns``. Training
+verl declares the actor's QAT block three times: ``actor.qat`` (its ``ActorConfig``; no engine of verl 1dda039
+reads it), ``actor.fsdp_config.qat`` (what its FSDP engine reads) and ``actor.megatron.qat`` (its Megatron engine's).
+Here ``actor.qat`` and ``actor.fsdp_config.qat`` both turn QAT on under FSDP (the enabled blocks must agree on
+``mode``, ``group_size`` and ``ignore_patterns``); the Megatron block is refused, with the reason. Training
 fake-quantizes the policy's linear layers to NVFP4 (weights only, ``mode=w4a16``), and every rollout engine is
 sent the quantized-dequantized weights, so generation samples from the policy being trained. The critic's blocks
 (``critic.fsdp.qat``, ``critic.megatron.qat``) quantize the critic the same way, as verl's critic engine does.
