@@ -2,9 +2,9 @@
 
     python -m torch.distributed.run --nproc_per_node 2 qat_worker.py OUT
 
-A tiny model with NVFP4 fake-quantized linears (rlflow.models.qat) is sharded over 2 processes with FSDP2, its
-parameters float32 and its compute bfloat16 (MixedPrecisionPolicy), and scores a batch; then its weights are gathered
-in buckets for an engine. Rank 0 writes OUT/result.pt: the bf16 weights each quantized layer computed with (from an
+A tiny model with NVFP4 fake-quantized linears (rlflow.models.qat) is sharded over 2 processes with rlflow's FSDP2
+(fsdp2_parallelize), its parameters float32 and its compute bfloat16, and scores a batch; then its weights are gathered
+in buckets for an engine, before and after that pass. Rank 0 writes OUT/result.pt: the bf16 weights each quantized layer computed with (from an
 unsharded bf16 copy: the same values), the weights the buckets carried, and both logits.
 """
 
@@ -14,10 +14,10 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from rlflow.models.qat import NVFP4Linear, apply_qat, nvfp4_fake_quantize
 from rlflow.models.tiny import tiny_qwen2
+from rlflow.strategies.fsdp2 import fsdp2_parallelize
 from rlflow.weights import hf_weight_buckets
 
 
@@ -26,11 +26,8 @@ def main(out):
     model = tiny_qwen2(21, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=48, seed=3)
     apply_qat(model)
     unsharded = copy.deepcopy(model).bfloat16()
-    mesh = init_device_mesh("cpu", (2,))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    fsdp2_parallelize(model, init_device_mesh("cpu", (2,)), param_dtype=torch.bfloat16)
+    first_sync = {n: t for bucket in hf_weight_buckets(model) for n, t in bucket}  # before any forward pass
     ids = torch.arange(12).reshape(2, 6) % 21
     with torch.no_grad():
         logits = model(input_ids=ids).logits
@@ -41,7 +38,7 @@ def main(out):
         if isinstance(layer, NVFP4Linear):
             computed[f"{name}.weight"] = nvfp4_fake_quantize(layer.weight, layer.global_amax(), layer.group_size)
     if dist.get_rank() == 0:
-        torch.save({"sent": sent, "computed": computed, "logits": logits, "plain_logits": plain_logits,
+        torch.save({"sent": sent, "first_sync": first_sync, "computed": computed, "logits": logits, "plain_logits": plain_logits,
                     "compute_dtypes": {str(m.compute_dtype) for m in model.modules() if isinstance(m, NVFP4Linear)}},
                    f"{out}/result.pt")
     dist.barrier()

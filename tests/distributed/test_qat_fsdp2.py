@@ -17,6 +17,7 @@ def test_sharded_bf16_training_sends_the_weights_it_computes_with(tmp_path):
     sent, computed = result["sent"], result["computed"]
     assert len(computed) == 14  # 7 linear layers in each of 2 decoder layers
     for name, weight in computed.items():
-        assert sent[name].dtype == torch.bfloat16 and torch.equal(sent[name], weight), name
+        for sync in ("first_sync", "sent"):  # before the first forward pass too (the engine's first load)
+            assert result[sync][name].dtype == torch.bfloat16 and torch.equal(result[sync][name], weight), (sync, name)
     # the unsharded bf16 copy computes with the same weights; FSDP2 casts at its module boundaries: bf16 rounding apart
     torch.testing.assert_close(result["logits"], result["plain_logits"], atol=4e-3, rtol=0.02)

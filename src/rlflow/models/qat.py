@@ -99,7 +99,8 @@ class NVFP4Linear(nn.Linear):
 
     group_size: int = 16
     fused: tuple[nn.Module, ...] = ()
-    compute_dtype: torch.dtype | None = None  # the weight's dtype in the last forward (FSDP2's param_dtype)
+    compute_dtype: torch.dtype | None = None  # the weight's dtype in forward (FSDP2's param_dtype): set by rlflow's
+    # FSDP2 strategy, and by each forward pass
 
     def global_amax(self) -> Tensor:
         """The magnitude the tensor scale comes from: the largest over the fused layers (itself alone if none)."""
