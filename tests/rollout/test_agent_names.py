@@ -6,9 +6,10 @@ import pytest
 
 from rlflow.data import keys as K
 from rlflow.data.prompts import DataError, collate, load_rows
+from rlflow.rollout import HFRollout
 from rlflow.rollout.agent import AgentLoop
 from rlflow.rollout.tools import Calculator
-from rlflow.tasks.calculator import chat_tokenizer
+from rlflow.tasks.calculator import CalculatorTask, chat_tokenizer
 from tests.rollout.agent_helpers import call, replay_rollout
 
 
@@ -100,3 +101,23 @@ def test_validation_copies_make_their_own_loops_over_their_rollout(tok):
 def test_a_bad_agent_name_in_the_data_names_the_row():
     with pytest.raises(DataError, match=r"row 1: 'agent_name' must name an agent loop \(a string\), got 3"):
         load_rows([{"prompt": "a"}, {"prompt": "b", "agent_name": 3}])
+
+
+# ------------------------------------------------------------------ the asynchronous modes' tests use these
+def tagging_loop():
+    """The calculator task's tool loop (``tool_agent``), with ``Tagged(tag="alpha")`` for rows naming ``alpha``."""
+    return AgentLoop(HFRollout(n=2, temperature=1.0, max_new_tokens=64), CalculatorTask().tools(), max_assistant_turns=3,
+                     name="tool_agent", agents={"alpha": functools.partial(Tagged, tag="alpha")})
+
+
+def alpha_every_other_row(rows):
+    return [dict(r, agent_name="alpha") if i % 2 else dict(r) for i, r in enumerate(rows)]
+
+
+def each_row_ran_its_loop(*batches):
+    """Each sample of ``batches`` ran with its row's loop; both loops ran."""
+    names = [name for batch in batches for name in batch[K.AGENT_NAME]]
+    texts = [text for batch in batches for text in batch[K.RESPONSE_TEXT]]
+    assert "alpha" in names and None in names
+    for name, text in zip(names, texts, strict=True):
+        assert ("[alpha]" in text) == (name == "alpha"), (name, text)

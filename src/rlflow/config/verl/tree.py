@@ -134,8 +134,8 @@ def agent_kwargs(plan) -> dict:
     if "agents" in kwargs:  # the loops the data's rows name (agent_name): made over the same rollout
         shared = {k: v for k, v in kwargs.items() if k in multi_turn or k == "template_kwargs"}
         plain = {k: v for k, v in shared.items() if k == "template_kwargs"}
-        kwargs["agents"] = {name: {"_target_": spec(cls) if cls else "rlflow.rollout.agent.AgentLoop", "_partial_": True,
-                                   **(shared if with_keys else plain), **fields}
+        kwargs["agents"] = {name: {"_target_": spec(cls) if cls else "rlflow.rollout.agent.AgentLoop",
+                                   "_partial_": True, **(shared if with_keys else plain), **fields}
                             for name, (cls, fields, with_keys) in kwargs["agents"].items()}
     return kwargs
 

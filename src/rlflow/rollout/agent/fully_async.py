@@ -7,7 +7,8 @@ which extends every pending turn by one chunk per engine call (the turns of all 
 and loads the weights pushed meanwhile between two chunks, as for single-turn samples; tools run between turns
 on the same event loop while the engine generates other conversations' chunks. A conversation can therefore span
 several versions, across turns and within one: each model token keeps the log-prob and the version of the weights
-that sampled it, the tool tokens between turns are masked with version -1. A group is complete when its ``n`` conversations ended.
+that sampled it, the tool tokens between turns are masked with version -1. A group is complete when its ``n``
+conversations ended.
 
 The driver's loop never samples with the module being trained: a transformers engine gets a copy of the model
 (loaded with every push); a server holds weights of its own. The agent loop itself stays bound to the trained
