@@ -117,7 +117,8 @@ def name_loops_of_rows(agent: dict | None, rows: list[tuple[str, dict]]) -> None
                               f"{AGENT}.agent_loop_config_path's){single}")
         used |= {name} - {None, own}
     if agent is not None:
-        agent.pop("name", None), agent.pop("agents", None)
+        agent.pop("name", None)
+        agent.pop("agents", None)
         if used:
             agent["name"], agent["agents"] = own, {name: others[name] for name in sorted(used)}
 

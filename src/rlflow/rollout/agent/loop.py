@@ -120,9 +120,9 @@ class AgentLoop(RolloutWrapper):
             raise TypeError(f"interaction must be an Interaction, a {{name: Interaction}} dict or a YAML path, "
                             f"got {type(interaction).__name__}")
         for arg, value, low in (("max_assistant_turns", max_assistant_turns, 1), ("max_user_turns", max_user_turns, 0),
-                                 ("max_parallel_calls", max_parallel_calls, 1),
-                                 ("max_tool_response_length", max_tool_response_length, 1),
-                                 ("max_response_tokens", max_response_tokens, 1)):
+                                ("max_parallel_calls", max_parallel_calls, 1),
+                                ("max_tool_response_length", max_tool_response_length, 1),
+                                ("max_response_tokens", max_response_tokens, 1)):
             if value is not None and value < low:
                 raise ValueError(f"{arg} must be >= {low} (or None), got {value}")
         if tool_response_truncate_side not in TRUNCATE_SIDES:
