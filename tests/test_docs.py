@@ -324,6 +324,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/data.md", "from rlflow import PromptData"): [],
     ("docs/algorithms/pf_ppo.md", "import torch"): [],
     ("docs/multi-turn.md", "import asyncio"): [],
+    ("docs/multi-turn.md", "import functools"): [],
     ("docs/algorithms/clip_cov.md", "from rlflow import GRPO, Batching, Trainer"): [],
     ("docs/algorithms/distillation.md", "from rlflow import GRPO, Batching, Loop, RunDir, Trainer"): [],
     ("docs/algorithms/distillation.md", "import torch"): [],
