@@ -250,7 +250,7 @@ def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, acceler
         raise NotSupportedError(f"{M}.context_parallel_size", layout.context, "context parallelism without "
                                 "Transformer Engine", "It needs a GPU with transformer_engine installed.")
     overrides = _notes(cfg, notes, on_cpu, layout, spec)
-    optimizer = optimizer_overrides(cfg, notes, on_cpu)
+    optimizer = optimizer_overrides(cfg, notes, on_cpu, with_critic)
     folders, prefix = dist_checkpoints(cfg, notes, with_critic, check_dist_checkpoint)
     replay = router_replay(cfg, notes)
     mtp = mtp_options(cfg, notes)
@@ -264,23 +264,52 @@ def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, acceler
         raise ConfigError(f"{A}.optim.override_optimizer_config: {e}") from None
 
 
-def optimizer_overrides(cfg: VerlConfig, notes: list[str], on_cpu: bool) -> dict:
-    """``optim.override_optimizer_config`` -> megatron-core ``OptimizerConfig`` fields of the distributed optimizer
-    (checked by the strategy: an unknown field is an error naming it). The verl entry point trains with the
-    Trainer's AdamW per shard (see ``use_distributed_optimizer``'s note), which these fields do not change: on CPU
-    its state is already in CPU memory; on a GPU the CPU offload they ask for is refused."""
+PRECISION_KEYS = ("use_precision_aware_optimizer", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+# OptimizerConfig's precision-aware fields (rlflow.strategies.megatron.precision_aware.FIELDS, not imported: torch)
+PRECISION_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+
+
+def precision_aware_keys(cfg: VerlConfig, with_critic: bool) -> dict:
+    """verl's ``optim.use_precision_aware_optimizer`` and, with it on, ``optim.{main_grads_dtype, exp_avg_dtype,
+    exp_avg_sq_dtype}`` (McoreOptimizerConfig) as ``OptimizerConfig`` fields, as verl's ``init_megatron_optim_config``
+    passes them; the critic's must agree (one strategy)."""
+    roles = (A, "critic") if with_critic else (A,)
+    values = {}
+    for role in roles:  # the dtypes are read only with the switch on (else their keys get verl's "no effect" note)
+        on = bool(cfg[f"{role}.optim.use_precision_aware_optimizer"])
+        values[role] = [True] + [cfg[f"{role}.optim.{k}"] for k in PRECISION_KEYS[1:]] if on else [False]
+    if with_critic and cfg.is_provided("critic.optim.use_precision_aware_optimizer") and values["critic"] != values[A]:
+        raise ConfigError(f"critic.optim.{{{', '.join(PRECISION_KEYS)}}}={values['critic']} differ from {A}.optim's "
+                          f"{values[A]}: rlflow trains every role with one Megatron strategy; set them equal")
+    return dict(zip(PRECISION_KEYS, values[A])) if values[A][0] else {}
+
+
+def optimizer_overrides(cfg: VerlConfig, notes: list[str], on_cpu: bool, with_critic: bool = False) -> dict:
+    """``optim.override_optimizer_config`` (over ``optim.use_precision_aware_optimizer`` and its dtypes, which it
+    overrides, as in verl) -> megatron-core ``OptimizerConfig`` fields (checked by the strategy: an unknown field is an
+    error naming it). The verl entry point trains with the Trainer's AdamW per shard (see
+    ``use_distributed_optimizer``'s note): the precision-aware optimizer's fields make it rlflow's
+    ``PrecisionAwareAdamW``; the others are for Megatron's distributed optimizer: on CPU the state is already in CPU
+    memory; on a GPU the CPU offload they ask for is refused."""
     key = f"{A}.optim.override_optimizer_config"
-    overrides = dict(cfg[key] or {})
+    overrides = precision_aware_keys(cfg, with_critic) | dict(cfg[key] or {})
     if not overrides:
         return {}
     if overrides.get("optimizer_cpu_offload") and not on_cpu:
         raise NotSupportedError(f"{key}.optimizer_cpu_offload", True, "offloading the optimizer to the CPU from the "
                                 "verl entry point", "It needs Megatron's distributed optimizer: from Python, "
                                 "MegatronStrategy(distributed_optimizer=True, optimizer_overrides={...}).")
-    notes.append(f"{key}: {overrides} go to megatron-core's OptimizerConfig, used by Megatron's distributed optimizer "
-                 "(MegatronStrategy(distributed_optimizer=True), GPUs); the Trainer's AdamW "
-                 + ("on trainer.device=cpu keeps its state in CPU memory, in float32" if on_cpu else
-                    "per shard does not read them"))
+    precision = {k: v for k, v in overrides.items() if k in ("use_precision_aware_optimizer", *PRECISION_FIELDS)}
+    others = {k: v for k, v in overrides.items() if k not in precision}
+    if precision.get("use_precision_aware_optimizer"):
+        notes.append(f"{A}.optim.use_precision_aware_optimizer: {precision} make the Trainer's AdamW rlflow's "
+                     "PrecisionAwareAdamW (megatron-core's precision-aware optimizer on any device: gradients, master "
+                     "weights and moments stored in those dtypes; rlflow.strategies.megatron.precision_aware)")
+    if others:
+        notes.append(f"{key}: {others} go to megatron-core's OptimizerConfig, used by Megatron's distributed optimizer "
+                     "(MegatronStrategy(distributed_optimizer=True), GPUs); the Trainer's AdamW "
+                     + ("on trainer.device=cpu keeps its state in CPU memory" if on_cpu else
+                        "per shard does not read them"))
     return overrides
 
 

@@ -41,6 +41,8 @@ from rlflow.strategies.megatron import lora as megatron_lora, mtp as megatron_mt
 from rlflow.strategies.megatron.layout import ParallelLayout
 from rlflow.strategies.megatron.model import MegatronLM, architecture
 from rlflow.strategies.megatron.mtp import MTPOptions
+from rlflow.strategies.megatron.precision_aware import (PrecisionAwareAdamW, check_own, main_grad,
+                                                          precision_dtypes)
 from rlflow.strategies.megatron.router_replay import RoutingReplay
 from rlflow.strategies.megatron.sharded_checkpoint import ShardedCheckpoint
 from rlflow.strategies.megatron.slots import check_coverage, lm_slots, load_from_hf, mark_split_parameters, module_slots
@@ -68,7 +70,10 @@ class MegatronStrategy(ModelParallelStrategy):
         transformer_overrides: extra ``TransformerConfig`` fields (verl's ``override_transformer_config``).
         optimizer_overrides: extra megatron-core ``OptimizerConfig`` fields for the distributed optimizer (verl's
             ``optim.override_optimizer_config``: ``optimizer_cpu_offload``, ``optimizer_offload_fraction``, ...);
-            an unknown field is a ``ValueError`` naming it.
+            an unknown field is a ``ValueError`` naming it. ``use_precision_aware_optimizer=True`` with
+            ``main_grads_dtype`` / ``main_params_dtype`` / ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` also applies
+            without the distributed optimizer: the Trainer's Adam/AdamW becomes a
+            :class:`~.precision_aware.PrecisionAwareAdamW` storing those dtypes (any device).
         dist_checkpoints: ``{role: folder}`` of Megatron dist checkpoints (:mod:`.dist_checkpoint`; verl's
             ``use_dist_checkpointing`` / ``dist_checkpointing_path``) that roles start from instead of their Hugging
             Face weights: ``"policy"`` (the trained ``TokenLogProbs``), ``"reference"`` (a frozen one), ``"critic"``.
@@ -110,6 +115,8 @@ class MegatronStrategy(ModelParallelStrategy):
         self.optimizer_overrides = {}
         if optimizer_overrides:
             self.optimizer_overrides = check_overrides(optimizer_overrides)
+            if not distributed_optimizer:  # the Trainer's AdamW becomes rlflow's PrecisionAwareAdamW
+                check_own(precision_dtypes(self.optimizer_overrides))
         self.dist_checkpoints = {role: str(path) for role, path in (dist_checkpoints or {}).items()}
         self.dist_checkpoint_prefix = dist_checkpoint_prefix
         if router_replay not in (False, True, "R2", "R3"):
@@ -269,7 +276,8 @@ class MegatronStrategy(ModelParallelStrategy):
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if not self.distributed_optimizer:
-            return optimizer
+            dtypes = precision_dtypes(self.optimizer_overrides)
+            return optimizer if dtypes is None else PrecisionAwareAdamW.replacing(optimizer, dtypes)
 
         return DistributedOptimizer(optimizer, self._converted, self.layout.model_parallel, self.optimizer_overrides)
 
@@ -294,9 +302,9 @@ class MegatronStrategy(ModelParallelStrategy):
 
     def clip_gradients_value(self, module, optimizer: Optimizer, clip_val) -> None:
         self.precision.unscale_gradients(optimizer)
-        for p in self._finalize(optimizer):
-            if p.grad is not None:
-                p.grad.clamp_(-clip_val, clip_val)
+        for grad in map(main_grad, self._finalize(optimizer)):
+            if grad is not None:
+                grad.clamp_(-clip_val, clip_val)
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         if not isinstance(optimizer, DistributedOptimizer):  # that one reduces its own gradients
