@@ -1,4 +1,5 @@
-"""The Megatron strategy's GPU-only paths: the Transformer-Engine layer spec and Megatron's distributed optimizer.
+"""The Megatron strategy's GPU-only paths: the Transformer-Engine layer spec, Megatron's distributed optimizer and its
+precision-aware optimizer.
 
 Both need CUDA (``gpu`` marker: skipped without it). Written with the rest of the plugin in a session
 without a GPU: they have not run yet. One process per GPU, up to 2 (tensor parallel = that number).
@@ -41,3 +42,17 @@ def test_distributed_optimizer_equals_the_default_optimizer(tmp_path):
     # verl's Megatron scripts' override_optimizer_config (states on the CPU, MegatronStrategy(optimizer_overrides=)):
     # the same run, the optimizer step done by megatron-core's HybridDeviceOptimizer on the host
     assert_same_run(result["offloaded"], result["default"], steps=(1, 2), atol=1e-4)
+
+
+def test_precision_aware_optimizer_through_megatron_and_rlflow(tmp_path):
+    """verl's bf16 gradients and moments reach megatron-core's OptimizerConfig (Transformer Engine's FusedAdam inside
+    the distributed optimizer) and, without it, rlflow's PrecisionAwareAdamW on CUDA; both train close to float32
+    (the CPU bound of test_precision_aware_megatron.py: 1e-2 on losses and gradient norms)."""
+    pytest.importorskip("transformer_engine", reason="megatron-core's precision-aware optimizer needs transformer_engine")
+    result = launch(processes(), tmp_path, ["gpu_precision"])["gpu_precision"]
+    assert {d for d in result["te_dtypes"]} == {(torch.bfloat16, torch.bfloat16, torch.bfloat16)}
+    for run in ("te", "own"):
+        for step in (1, 2):
+            for key in ("actor/pg_loss", "actor/grad_norm"):
+                expected = pytest.approx(result["default"][step]["metrics"][key], rel=1e-2, abs=1e-4)
+                assert result[run][step]["metrics"][key] == expected, (run, step, key)

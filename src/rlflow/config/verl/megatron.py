@@ -313,9 +313,14 @@ def optimizer_overrides(cfg: VerlConfig, notes: list[str], on_cpu: bool, with_cr
     return overrides
 
 
+def _short(dtype) -> str:
+    """verl's name of a torch dtype (``bf16``)."""
+    return {"float32": "float32", "bfloat16": "bf16", "float16": "fp16"}.get(str(dtype).removeprefix("torch."), "fp8")
+
+
 def dry_run_section(plan, config, seq_len: int) -> list[str]:
     """The dry run's Megatron lines: the layout, the batch per data-parallel rank and memory per rank."""
-    from rlflow.strategies.megatron.memory import rank_memory  # torch, as above
+    from rlflow.strategies.megatron.memory import optimizer_dtypes, rank_memory  # torch, as above
     from rlflow.strategies.megatron.lora import check_targets
     from rlflow.strategies.megatron.model import architecture
     from rlflow.strategies.megatron.vision import language_config
@@ -337,10 +342,17 @@ def dry_run_section(plan, config, seq_len: int) -> list[str]:
     mini = t["mini_batch_size"] * n
     micro = t["micro_batch_size"] or max(1, mini // dp)
     lora = (plan.lora["r"], plan.lora["target_modules"]) if isinstance(plan.lora, dict) else None
-    mem = rank_memory(config, layout, world, micro, seq_len, lora=lora)
+    dtypes, per_param = optimizer_dtypes(plan.devices.strategy.optimizer_overrides)
+    mem = rank_memory(config, layout, world, micro, seq_len, lora=lora, trained_bytes=per_param)
     reference = (plan.loss_kwargs.get("kl_coef", 0) > 0 or plan.kl_controller is not None) and lora is None
-    states = ("4 B/param frozen + 16 B/adapter param (LoRA: only the adapters train)" if lora else
-              "16 B/param (float32; the Trainer's AdamW per shard)")
+    kind = "float32; the Trainer's AdamW per shard" if dtypes is None else ", ".join(
+        ["float32 weights", f"{_short(dtypes['main_grads_dtype'])} gradients"]
+        + ([f"{_short(dtypes['main_params_dtype'])} master weights"] if dtypes["main_params_dtype"].itemsize != 4 else [])
+        + [f"{_short(dtypes[k])} {k.removesuffix('_dtype')}" for k in ("exp_avg_dtype", "exp_avg_sq_dtype")]) \
+        + ": precision-aware AdamW"
+    states = (f"4 B/param frozen + {per_param} B/adapter param (LoRA: only the adapters train"
+              + ("" if dtypes is None else f"; {kind}") + ")" if lora else
+              f"{per_param} B/param ({kind})")
     L = config.num_hidden_layers
     engine = mem.total_parameters * 4
     return [

@@ -27,7 +27,7 @@ import importlib.util
 import torch
 from torch import nn
 
-from rlflow.strategies.megatron.precision_aware import SWITCH, as_megatron, precision_dtypes
+from rlflow.strategies.megatron.precision_aware import SWITCH, as_megatron, precision_dtypes  # noqa: F401 (as_megatron: re-exported)
 
 # OptimizerConfig fields rlflow fills from the Trainer's optimizer and its own clipping: not overridable
 OWN_FIELDS = ("optimizer", "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "decoupled_weight_decay",
