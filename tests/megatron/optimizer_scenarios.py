@@ -6,6 +6,9 @@ to ``worker.SCENARIOS``):
   (close to it; the optimizer's state really in bf16, the gradients reduced in bf16), and the default.
 - ``precision_verl``: verl's ``optim.use_precision_aware_optimizer`` keys through ``main_ppo`` at tensor parallel 2: a
   step, checkpointed, and a second resumed from it.
+- ``offload_tp``: PPO (policy, reference, critic) at tensor parallel 2 with every role offloading (verl's
+  ``megatron.*_offload``; on CPU the moves are no-ops): which roles' tensors are on the host during each role's
+  forward and after each step, and the run without offload.
 """
 
 from __future__ import annotations
@@ -61,4 +64,28 @@ def precision_verl(out: Path) -> dict:
     return {"codes": codes, "steps": sorted(p.name for p in (out / "verl/precision").glob("global_step_*"))}
 
 
-SCENARIOS.update({f.__name__: f for f in (precision_tp, precision_verl)})
+OFFLOAD = {"policy": ["params", "grads", "optimizer"], "reference": ["params"], "critic": ["params", "optimizer"]}
+
+
+def offload_tp(out: Path) -> dict:
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    runs = {}
+    for name, offload in (("offload", OFFLOAD), ("plain", None)):
+        strategy = MegatronStrategy(tensor_parallel=world_size(), offload=offload)
+        trainer, data, record = build(str(out / name), strategy, steps=2, devices=world_size(), critic=True)
+        offloader, seen = strategy._offloader, []
+        for role, module in offloader.modules.items():  # after the offloader's own hook: what the forward runs with
+            module.register_forward_pre_hook(lambda *_, role=role: seen.append((role, tuple(sorted(offloader.on_host)))))
+        after = []
+        trainer.fabric._callbacks.append(type("AfterStep", (), {"on_step_end": lambda self, **kw: after.append(
+            sorted(offloader.on_host))})())
+        trainer.fit(data)
+        optimizer_roles = sorted(r for r in strategy._optimizer_roles.values() if r)
+        runs[name] = {"steps": record.steps, "seen": sorted(set(seen)), "after_step": after,
+                      "optimizer_roles": optimizer_roles}
+        trainer.fabric.strategy.teardown()
+    return runs
+
+
+SCENARIOS.update({f.__name__: f for f in (precision_tp, precision_verl, offload_tp)})

@@ -1,5 +1,5 @@
 """The Megatron strategy's GPU-only paths: the Transformer-Engine layer spec, Megatron's distributed optimizer and its
-precision-aware optimizer.
+precision-aware optimizer, and the CPU offload's real moves.
 
 Both need CUDA (``gpu`` marker: skipped without it). Written with the rest of the plugin in a session
 without a GPU: they have not run yet. One process per GPU, up to 2 (tensor parallel = that number).
@@ -56,3 +56,16 @@ def test_precision_aware_optimizer_through_megatron_and_rlflow(tmp_path):
             for key in ("actor/pg_loss", "actor/grad_norm"):
                 expected = pytest.approx(result["default"][step]["metrics"][key], rel=1e-2, abs=1e-4)
                 assert result[run][step]["metrics"][key] == expected, (run, step, key)
+
+
+def test_cpu_offload_of_every_role_equals_the_plain_run_and_frees_cuda_memory(tmp_path):
+    """verl's megatron.{param,grad,optimizer}_offload on one GPU: PPO with the policy's parameters, gradients and Adam
+    states, the reference's parameters and the critic's parameters and states offloaded gives the run without
+    offload (the moves are exact copies), and after training they are in host memory: CUDA memory holds less than the
+    plain run by at least the policy's weights and both moments (12 B a parameter)."""
+    result = launch(1, tmp_path, ["gpu_offload"])["gpu_offload"]
+    offloaded, plain = result["offload"], result["plain"]
+    assert_same_run(offloaded["steps"], plain["steps"], steps=(1, 2), atol=1e-6)
+    assert offloaded["param_devices"] == ["cpu"] and offloaded["state_devices"] == ["cpu"]
+    assert plain["param_devices"] == ["cuda"] and plain["state_devices"] == ["cuda"]
+    assert plain["allocated"] - offloaded["allocated"] >= 3 * offloaded["policy_bytes"]

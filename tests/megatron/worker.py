@@ -403,6 +403,31 @@ def gpu_precision(out: Path) -> dict:
             "default": run_training(out / "default", MegatronStrategy(tensor_parallel=ws), steps=2, accelerator="cuda")}
 
 
+def gpu_offload(out: Path) -> dict:
+    """verl's Megatron CPU offload on CUDA: PPO (policy, reference, critic) with every role offloading, and without;
+    after training (the last weight export offloads), the CUDA memory allocated and where the tensors are."""
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    offload = {"policy": ["params", "grads", "optimizer"], "reference": ["params"], "critic": ["params", "optimizer"]}
+    result = {}
+    for name, roles in (("offload", offload), ("plain", None)):
+        strategy = MegatronStrategy(tensor_parallel=world_size(), offload=roles)
+        trainer, data, record = build(str(out / name), strategy, steps=2, devices=world_size(), critic=True,
+                                      accelerator="cuda")
+        trainer.fit(data)
+        optimizer = trainer.optimizer.optimizer
+        result[name] = {"steps": record.steps, "allocated": torch.cuda.memory_allocated(),
+                        "param_devices": sorted({p.device.type for p in trainer.policy.module.parameters()}),
+                        "state_devices": sorted({t.device.type for s in optimizer.state.values() for t in s.values()
+                                                 if t.dim() > 0}),
+                        "policy_bytes": sum(p.numel() * p.element_size() for p in trainer.policy.module.parameters())}
+        trainer.fabric.strategy.teardown()
+        del trainer, optimizer
+        torch.cuda.empty_cache()
+    return result
+
+
 def dist_ckpt(out: Path) -> dict:
     """A Megatron dist checkpoint (megatron-core's dist_checkpointing) written at tensor parallel 2 from one model,
     loaded at pipeline parallel 2 and at tensor parallel 1 (x data parallel 2) into another model's shell: the
@@ -454,6 +479,7 @@ def dist_ckpt(out: Path) -> dict:
 
 SCENARIOS = {f.__name__: f for f in (convert, convert_pp, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp,
                                      reward_model_tp, train_tp_dp, verl_entry, gpu_te, gpu_distopt, gpu_precision,
+                                     gpu_offload,
                                      dist_ckpt)}
 
 def run(out: Path, names) -> None:

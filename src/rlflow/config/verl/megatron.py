@@ -80,11 +80,6 @@ def _same_layout(cfg: VerlConfig, with_critic: bool) -> None:
 
 def _notes(cfg: VerlConfig, notes: list[str], on_cpu: bool, layout: ParallelLayout, spec: str) -> dict:
     """Read the remaining keys; return the TransformerConfig overrides to pass on."""
-    for key in ("param_offload", "grad_offload", "optimizer_offload"):
-        if cfg[f"{M}.{key}"]:
-            if not on_cpu:
-                raise NotSupportedError(f"{M}.{key}", True, "offloading Megatron states to the CPU")
-            notes.append(f"{M}.{key}=True: on trainer.device=cpu the states already live in CPU memory")
     if cfg[f"{M}.sequence_parallel"] and layout.tensor > 1 and spec == "local":
         notes.append(f"{M}.sequence_parallel=True (verl's default) is off: megatron-core's local layer spec (used "
                      "without Transformer Engine) has no sequence-parallel norm")
@@ -116,6 +111,29 @@ def _notes(cfg: VerlConfig, notes: list[str], on_cpu: bool, layout: ParallelLayo
                          "needs CUDA RNG states; the all-to-all dispatcher a CUDA stream; attention is "
                          "megatron-core's)")
     return overrides
+
+
+OFFLOAD_KEYS = {"params": "param_offload", "grads": "grad_offload", "optimizer": "optimizer_offload"}
+OFFLOAD_ROLES = {A: ("policy", ("params", "grads", "optimizer")), "actor_rollout_ref.ref": ("reference", ("params",)),
+                 "critic": ("critic", ("params", "optimizer"))}  # the keys verl's tree has for each role
+
+
+def offload(cfg: VerlConfig, notes: list[str], on_cpu: bool, with_critic: bool) -> dict[str, list[str]]:
+    """``*.megatron.{param,grad,optimizer}_offload`` -> ``MegatronStrategy(offload={role: kinds})``
+    (:mod:`rlflow.strategies.megatron.offload`): as verl, each role's tensors wait in host memory while other roles
+    run. On CPU they are there already: the same bookkeeping runs, moving nothing."""
+    roles = {}
+    for verl_role, (role, kinds) in OFFLOAD_ROLES.items():
+        if role == "critic" and not with_critic:
+            continue
+        on = [kind for kind in kinds if cfg[f"{verl_role}.megatron.{OFFLOAD_KEYS[kind]}"]]
+        if on:
+            roles[role] = on
+            keys = ", ".join(f"{verl_role}.megatron.{OFFLOAD_KEYS[k]}" for k in on)
+            notes.append(f"{keys}=True: " + ("on trainer.device=cpu the states already live in CPU memory (nothing "
+                                             "to move)" if on_cpu else f"the {role}'s {', '.join(on)} wait in pinned "
+                                             "host memory while other roles run (rlflow.strategies.megatron.offload)"))
+    return roles
 
 
 def router_replay(cfg: VerlConfig, notes: list[str]) -> str | bool:
@@ -254,10 +272,12 @@ def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, acceler
     folders, prefix = dist_checkpoints(cfg, notes, with_critic, check_dist_checkpoint)
     replay = router_replay(cfg, notes)
     mtp = mtp_options(cfg, notes)
+    offloaded = offload(cfg, notes, on_cpu, with_critic)
     kwargs = dict(tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline, context_parallel=layout.context,
                   expert_parallel=layout.expert, sequence_parallel=layout.sequence_parallel, layer_spec=spec,
                   transformer_overrides=overrides, optimizer_overrides=optimizer, dist_checkpoints=folders,
-                  dist_checkpoint_prefix=prefix, router_replay=replay, **({"mtp": mtp} if mtp else {}))
+                  dist_checkpoint_prefix=prefix, router_replay=replay, **({"mtp": mtp} if mtp else {}),
+                  **({"offload": offloaded} if offloaded else {}))
     try:  # the object (checked; the dry run reads its layout) and its arguments (the tree's hardware.strategy node)
         return MegatronStrategy(**kwargs), kwargs
     except ValueError as e:
@@ -374,7 +394,10 @@ def dry_run_section(plan, config, seq_len: int) -> list[str]:
           if reference else []),
         line("activations / micro-batch", f"{micro} x {seq_len} tokens, no recompute, 16-bit (Korthikanti eq. 2)",
              gib(mem.activations)),
-        line("peak per rank (training)", "model states + reference + activations", gib(mem.peak(reference))),
+        line("peak per rank (training)", "model states + activations (the reference waits on the host: "
+             "ref.megatron.param_offload)" if reference and "reference" in plan.devices.strategy.offload else
+             "model states + reference + activations",
+             gib(mem.peak(reference and "reference" not in plan.devices.strategy.offload))),
         f"  generation: the {plan.rollout_cls.__name__} engine holds {gib(engine)} of float32 weights per process"
         + (" (HF generation keeps a full copy on every rank: for a model this size use an engine with its own "
            "tensor parallelism)" if plan.rollout_cls.__name__ == "HFRollout" else ""),
