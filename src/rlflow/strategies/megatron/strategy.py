@@ -313,6 +313,10 @@ class MegatronStrategy(ModelParallelStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if not self.distributed_optimizer:
             dtypes = precision_dtypes(self.optimizer_overrides)
+            if dtypes is not None and getattr(self.precision, "scaler", None) is not None:
+                raise ValueError("use_precision_aware_optimizer with float16 mixed precision: its gradient scaler "
+                                 "unscales param.grad, not the precision-aware optimizer's main_grad; use bf16-mixed "
+                                 "or 32-true")
             optimizer = optimizer if dtypes is None else PrecisionAwareAdamW.replacing(optimizer, dtypes)
             if self._offloader is not None:
                 self._optimizer_roles[id(optimizer)] = self._offloader.add_optimizer(optimizer)
