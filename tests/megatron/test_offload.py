@@ -84,14 +84,9 @@ def test_verl_offload_keys_reach_the_strategy(monkeypatch, device, gpus):
 def test_dry_run_peak_leaves_out_an_offloaded_reference(tmp_path, capsys):
     from rlflow.config.verl.run import main
 
-    from .test_megatron import verl_inputs
+    from .test_precision_aware_megatron import dry_run_argv
 
-    verl_inputs(tmp_path)
-    argv = ["--dry-run", f"actor_rollout_ref.model.path={tmp_path}/model", f"data.train_files={tmp_path}/train.parquet",
-            "trainer.device=cpu", "trainer.n_gpus_per_node=2", f"{A}.strategy=megatron",
-            f"{A}.megatron.tensor_model_parallel_size=2", "algorithm.adv_estimator=grpo", "trainer.logger=[console]",
-            "data.train_batch_size=4", f"{A}.ppo_mini_batch_size=2", "data.max_prompt_length=8",
-            "data.max_response_length=4", f"{A}.use_kl_loss=true"]
+    argv = dry_run_argv(tmp_path) + [f"{A}.use_kl_loss=true"]
     assert main(argv) == 0
     assert "model states + reference + activations" in capsys.readouterr().out
     assert main(argv + ["actor_rollout_ref.ref.megatron.param_offload=true"]) == 0

@@ -62,13 +62,18 @@ def test_verl_keys_train_and_resume_through_the_entry_point(two):
     assert result["steps"] == ["global_step_1", "global_step_2"]
 
 
-def test_dry_run_counts_the_smaller_optimizer_state(tmp_path, capsys):
-    verl_inputs(tmp_path)
-    argv = ["--dry-run", f"actor_rollout_ref.model.path={tmp_path}/model", f"data.train_files={tmp_path}/train.parquet",
+def dry_run_argv(folder) -> list[str]:
+    """A Megatron dry run at TP 2 on CPU of ``verl_inputs(folder)``'s tiny model."""
+    verl_inputs(folder)
+    return ["--dry-run", f"actor_rollout_ref.model.path={folder}/model", f"data.train_files={folder}/train.parquet",
             "trainer.device=cpu", "trainer.n_gpus_per_node=2", f"{A}.strategy=megatron",
             f"{A}.megatron.tensor_model_parallel_size=2", "algorithm.adv_estimator=grpo", "trainer.logger=[console]",
             "data.train_batch_size=4", f"{A}.ppo_mini_batch_size=2", "data.max_prompt_length=8",
             "data.max_response_length=4"]
+
+
+def test_dry_run_counts_the_smaller_optimizer_state(tmp_path, capsys):
+    argv = dry_run_argv(tmp_path)
     assert main(argv) == 0
     plain = capsys.readouterr().out
     assert main(argv + KEYS) == 0
