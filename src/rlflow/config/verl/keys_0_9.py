@@ -41,12 +41,10 @@ _PACKED_OWN = "rlflow computes log-probs and entropy on response tokens only, in
 _SHAPES = "a kernel-shape setting (speed only): rlflow packs each micro-batch to its exact length"
 _MEGATRON_SCHEDULE = ("only used with Megatron's schedule: optim.lr_decay_style other than constant, lr_warmup_init "
                       "above 0 or weight_decay_incr_style other than constant (rlflow.trainer.schedule.ParamSchedule)")
-_PRECISION_AWARE = ("only used with optim.use_precision_aware_optimizer=True (Megatron's), which rlflow refuses; "
-                    "rlflow keeps float32 gradients and AdamW states")
-_PRECISION_AWARE_OPTIMIZER = (
-    "Megatron's precision-aware optimizer (low-precision gradients and Adam states: megatron-core builds it inside its "
-    "distributed optimizer from Transformer Engine's FusedAdam, which needs CUDA GPUs and the transformer-engine "
-    "package; rlflow's verl entry point trains with the Trainer's AdamW per shard, not that optimizer)")
+_PRECISION_AWARE = ("only used with optim.use_precision_aware_optimizer=True (Megatron's precision-aware optimizer, "
+                    "under actor.strategy=megatron); rlflow keeps float32 gradients and AdamW states")
+_PRECISION_AWARE_OPTIMIZER = ("only used with actor.strategy=megatron (Megatron's precision-aware optimizer: "
+                              "rlflow.strategies.megatron.precision_aware)")
 _QAT_ONLY = "only used with qat.enable=True (quantization-aware training), which rlflow refuses"
 _MTP_ROLLOUT = ("the rollout's copy of actor_rollout_ref.model.mtp (verl's engines read enable_rollout and the "
                 "speculative keys from it); rlflow reads actor_rollout_ref.model.mtp")
@@ -69,6 +67,7 @@ ROLE_INERT: dict[str, str] = {
        for r in _ROLES},
     **{f"{r}.optim.{k}": _PRECISION_AWARE for r in _ROLES for k in ("main_grads_dtype", "exp_avg_dtype",
                                                                      "exp_avg_sq_dtype")},
+    **{f"{r}.optim.use_precision_aware_optimizer": _PRECISION_AWARE_OPTIMIZER for r in _ROLES},
     **{f"{r}.optim.use_layer_wise_distributed_optimizer": (
         "a memory setting of Megatron's distributed optimizer; rlflow's Trainer keeps each rank's AdamW state "
         "(see megatron.use_distributed_optimizer)") for r in _ROLES},
@@ -152,7 +151,6 @@ ROLE_INERT: dict[str, str] = {
 }
 
 ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    **{f"{r}.optim.use_precision_aware_optimizer": (_PRECISION_AWARE_OPTIMIZER, _truthy) for r in _ROLES},
     "*.qat.enable": ("quantization-aware training (qat.enable: verl fake-quantizes linears to NVFP4 with Triton "
                      "kernels and rolls out NVFP4 weights in vLLM, which needs NVIDIA GPUs)", _truthy),
     "critic.model.mtp.enable": ("multi-token prediction layers on the critic (verl trains them on the actor only)",
