@@ -90,6 +90,12 @@ class SandboxFusion:
                 raise ValueError(f"sandbox_fusion.{name}={value!r}: must be a number > 0")
         self._slots = threading.BoundedSemaphore(int(self.max_concurrent))
 
+    @property
+    def limits(self) -> Limits:
+        """What a run may use, as the local sandbox's :class:`~rlflow.sandbox.Limits` (wall time, memory; the rest
+        is the server's)."""
+        return Limits(wall_s=self.run_timeout, memory_mb=int(self.memory_limit_mb))
+
     def __getstate__(self):  # a reward process (reward_model.num_workers) gets its own semaphore
         return {k: v for k, v in self.__dict__.items() if k != "_slots"}
 
