@@ -117,17 +117,7 @@ def test_verl_sandbox_fusion_tool_runs_on_its_server(tmp_path, layers):
 
 def test_verl_sandbox_fusion_tool_without_a_url_runs_in_the_local_sandbox(tmp_path, layers):
     config = tmp_path / "tools.yaml"
-    config.write_text("""
-tools:
-  - class_name: verl.tools.sandbox_fusion_tools.SandboxFusionTool
-    config: {type: native, default_timeout: 4, memory_limit_mb: 128, num_workers: 10}
-    tool_schema:
-      type: function
-      function:
-        name: code_interpreter
-        description: A tool for executing code.
-        parameters: {type: object, properties: {code: {type: string}}, required: [code]}
-""")
+    config.write_text(SANDBOX_FUSION_TOOL.replace("sandbox_fusion_url: URL, ", "").replace(", rate_limit: 3", ""))
     (tool,) = load_tool_config(config)
     assert isinstance(tool, PythonTool) and tool.name == "code_interpreter"
     assert (tool.sandbox.limits.wall_s, tool.sandbox.limits.memory_mb) == (4, 128)
