@@ -277,7 +277,10 @@ def test_sandbox_fusion_keys_make_the_built_in_scorer_use_the_server(tiny, prefi
     assert fn.keywords["sandbox"] == SandboxFusion("http://127.0.0.1:8080/run_code", max_concurrent=8,
                                                    memory_limit_mb=256)
     assert not [n for n in unused_notes(plan.cfg) if "sandbox_fusion" in n]
-    assert plan_of(tiny, f"{prefix}sandbox_fusion.max_concurrent=8").reward.functions[0][1] is default_compute_score
+    alone = plan_of(tiny, f"{prefix}sandbox_fusion.max_concurrent=8")  # no url: the local sandbox, and a note
+    assert alone.reward.functions[0][1] is default_compute_score
+    assert any(n.startswith(f"{prefix}sandbox_fusion.max_concurrent=8 has no effect in rlflow: only used with ")
+               and "sandbox_fusion.url" in n for n in unused_notes(alone.cfg))
     with pytest.raises(ConfigError, match=r"sandbox_fusion.url='ftp://x': not an http\(s\) url"):
         plan_of(tiny, f"{prefix}sandbox_fusion.url=ftp://x")
     with pytest.raises(ConfigError, match=r"sandbox_fusion.max_concurrent=0: must be an integer >= 1"):

@@ -176,6 +176,8 @@ RUN_INERT: dict[str, str] = {
     **{f"reward_model.{k}": _RM_SERVER for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes", "rollout.*")},
     **{f"reward_model.reward_loop_{k}": "only used with reward_model.reward_loop_source=importlib"
        for k in ("module_path", "class_name")},
+    **{f"sandbox_fusion.{k}": "only used with a SandboxFusion url (sandbox_fusion.url, reward.sandbox_fusion.url)"
+       for k in ("max_concurrent", "memory_limit_mb")},
     "algorithm.filter_groups.max_inflight_gen_batches": (
         "bounds how many prompt batches verl's V1 trainer generates at once for DAPO (surplus groups are "
         "discarded); rlflow's DynamicSampling generates one data.train_batch_size batch at a time, as verl's default 1"),

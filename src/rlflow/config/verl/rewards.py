@@ -90,11 +90,15 @@ def reward_plan(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[
 
 def sandbox_fusion(cfg: VerlConfig, processes: int, custom: bool, notes: list[str]) -> dict | None:
     """``reward_model.sandbox_fusion.*`` (verl 0.9: ``reward.sandbox_fusion.*``; verl's top-level ``sandbox_fusion.*``,
-    whose set values its reward loop moves there) -> ``SandboxFusion`` arguments, or None without a url."""
-    block = dict(cfg[f"{RM}.sandbox_fusion"])
-    if "sandbox_fusion" in cfg.tree:
-        block.update({k: v for k, v in (cfg["sandbox_fusion"] or {}).items() if v is not None})
-    url = block["url"]
+    whose set values its reward loop moves there) -> ``SandboxFusion`` arguments, or None without a url. The
+    other two keys are read only with a url (without one, a note says they change nothing)."""
+
+    def value(name: str) -> Any:
+        if cfg.flat.get(f"sandbox_fusion.{name}") is not None:  # verl's top-level key, set: it wins
+            return cfg[f"sandbox_fusion.{name}"]
+        return cfg[f"{RM}.sandbox_fusion.{name}"]
+
+    url = value("url")
     if not url:
         return None
     if not isinstance(url, str):
@@ -103,15 +107,14 @@ def sandbox_fusion(cfg: VerlConfig, processes: int, custom: bool, notes: list[st
         notes.append(f"{RM}.sandbox_fusion.url={url!r}: as in verl, only the built-in scorers (code data sources) "
                      f"send code to the server; {CRF} is called as it is")
         return None
-    settings = {"url": url, "max_concurrent": block["max_concurrent"], "memory_limit_mb": block["memory_limit_mb"]}
+    settings = {"url": url, "max_concurrent": value("max_concurrent"), "memory_limit_mb": value("memory_limit_mb")}
     for key in ("max_concurrent", "memory_limit_mb"):
-        value = settings[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{RM}.sandbox_fusion.{key}={value!r}: must be an integer >= 1")
+        if isinstance(settings[key], bool) or not isinstance(settings[key], int) or settings[key] < 1:
+            raise ConfigError(f"{RM}.sandbox_fusion.{key}={settings[key]!r}: must be an integer >= 1")
     if processes > 1:  # each reward process holds its own bound: together they keep the user's
-        settings["max_concurrent"] = max(1, settings["max_concurrent"] // processes)
-        notes.append(f"{RM}.sandbox_fusion.max_concurrent={block['max_concurrent']} with {RM}.num_workers={processes} "
-                     f"reward processes: each sends at most {settings['max_concurrent']} requests at once")
+        total, settings["max_concurrent"] = settings["max_concurrent"], max(1, settings["max_concurrent"] // processes)
+        notes.append(f"{RM}.sandbox_fusion.max_concurrent={total} with {RM}.num_workers={processes} reward "
+                     f"processes: each sends at most {settings['max_concurrent']} requests at once")
     return settings
 
 

@@ -228,6 +228,9 @@ INERT: dict[str, str] = {
                                     "(reward_model.enable=True); rlflow scores each batch right after generation",
     "reward_model.launch_reward_fn_async": "rlflow runs reward calls on worker threads (or reward_model.num_workers "
                                            "processes) with a timeout",
+    **{f"{section}.sandbox_fusion.{k}": f"only used with {section}.sandbox_fusion.url (a SandboxFusion server for the "
+                                        "built-in code scorer)" for section in ("reward_model", "reward")
+       for k in ("max_concurrent", "memory_limit_mb")},
     # verl 0.9's reward section: the keys without an older counterpart (the others: rlflow.config.verl.reward_section)
     "reward.reward_manager.module.path": "only used with reward.reward_manager.source=importlib",
     "reward.reward_manager.module.name": ("the module name verl gives the file in sys.modules; rlflow names a "
