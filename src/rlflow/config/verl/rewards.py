@@ -94,9 +94,8 @@ def sandbox_fusion(cfg: VerlConfig, processes: int, custom: bool, notes: list[st
     other two keys are read only with a url (without one, a note says they change nothing)."""
 
     def value(name: str) -> Any:
-        if cfg.flat.get(f"sandbox_fusion.{name}") is not None:  # verl's top-level key, set: it wins
-            return cfg[f"sandbox_fusion.{name}"]
-        return cfg[f"{RM}.sandbox_fusion.{name}"]
+        top = cfg[f"sandbox_fusion.{name}"] if f"sandbox_fusion.{name}" in cfg.flat else None
+        return top if top is not None else cfg[f"{RM}.sandbox_fusion.{name}"]  # verl's top-level key, set, wins
 
     url = value("url")
     if not url:
