@@ -163,7 +163,6 @@ ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
 # ------------------------------------------ data, reward_model, algorithm, trainer and the other sections
 _RM_SERVER = ("a setting of verl's reward-model servers (the legacy name of reward.reward_model.*); rlflow's "
               "reward model (reward_model.model.path) scores in the training processes with transformers")
-_SANDBOX = "a SandboxFusion server (rlflow runs code in its local sandbox: code data sources are scored without a server)"
 _TEACHER_PLACE = ("placement of verl's teacher pool; rlflow's teacher runs in the training processes "
                   "(trainer.n_gpus_per_node x trainer.nnodes), as the reference does")
 _V1_ASYNC = ("only used with that trainer.v1.trainer_mode (colocate_async / separate_async: FullyAsyncRollout's "
@@ -173,9 +172,8 @@ RUN_INERT: dict[str, str] = {
     **{f"reward_model.{k}": _RM_SERVER for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes", "rollout.*")},
     **{f"reward_model.reward_loop_{k}": "only used with reward_model.reward_loop_source=importlib"
        for k in ("module_path", "class_name")},
-    "sandbox_fusion.max_concurrent": "code runs in rlflow's local sandbox (rlflow.rewards.code)",
-    "sandbox_fusion.memory_limit_mb": ("code runs in rlflow's local sandbox; its limits are "
-                                       "rlflow.rewards.code.DEFAULT_LIMITS (512 MiB)"),
+    **{f"sandbox_fusion.{k}": "only used with a SandboxFusion url (sandbox_fusion.url, reward.sandbox_fusion.url)"
+       for k in ("max_concurrent", "memory_limit_mb")},
     "algorithm.filter_groups.max_inflight_gen_batches": (
         "bounds how many prompt batches verl's V1 trainer generates at once for DAPO (surplus groups are "
         "discarded); rlflow's DynamicSampling generates one data.train_batch_size batch at a time, as verl's default 1"),
@@ -204,9 +202,7 @@ RUN_INERT: dict[str, str] = {
                                                      "returns every group (a failing generation stops the step)"),
     "skip.*": "only used with skip.*.enable=True (replaying dumped rollouts: rlflow.rollout.ReplayRollout)",
 }
-RUN_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "sandbox_fusion.url": (_SANDBOX, _truthy),
-}
+RUN_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {}  # sandbox_fusion.* is read (config.verl.rewards)
 
 # ------------------------------------------------------------------ verl's other engines and open blocks
 _PRECISION = "parameters stay float32; trainer.precision sets the compute precision (FSDP2's mixed precision follows it)"
