@@ -133,6 +133,12 @@ NOT_RUN[("docs/testing.md", "python scripts/learning_spread.py --jitters 0 1 2 3
     "test_the_jitter_moves_weights_by_about_1e_4 tests the perturbation it applies")
 NOT_RUN[("docs/write-the-loop.md", "python recipes/grpo_loop.py --steps 40")] = (
     "trains 40 steps (minutes); tests/trainer/test_parity.py runs its loop against Trainer.fit")
+NOT_RUN[("docs/rewards.md", "rlflow sandbox serve --port 8080 &")] = (
+    "a server that runs until stopped; tests/rewards/test_sandbox_fusion.py::test_rlflow_sandbox_serve_command "
+    "starts it on a free port and scores on it")
+NOT_RUN[("docs/rewards.md", "python -m rlflow.trainer.main_ppo reward_model.sandbox_fusion.url=http://127.0.0.1:8080/run_code ...")] = (
+    "a template ('...'); tests/config/test_sandbox_fusion_run.py::test_code_is_scored_on_the_server_as_in_the_local_sandbox "
+    "runs the entry point with the key against rlflow's server")
 NOT_RUN[("docs/rewards.md", "python recipes/reward_model.py")] = (
     "trains a reward model, then GRPO on it (minutes); tests/rewards/test_reward_model_recipe.py::"
     "test_recipe_trains_the_reward_model_then_runs_grpo_on_it runs it, shortened")
@@ -324,6 +330,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/data.md", "from rlflow import PromptData"): [],
     ("docs/algorithms/pf_ppo.md", "import torch"): [],
     ("docs/multi-turn.md", "import asyncio"): [],
+    ("docs/multi-turn.md", "import functools"): [],
     ("docs/algorithms/clip_cov.md", "from rlflow import GRPO, Batching, Trainer"): [],
     ("docs/algorithms/distillation.md", "from rlflow import GRPO, Batching, Loop, RunDir, Trainer"): [],
     ("docs/algorithms/distillation.md", "import torch"): [],
@@ -363,6 +370,7 @@ RUN_PYTHON: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("docs/rewards.md", "from rlflow.rewards import JudgeReward"): [],
     ("docs/rewards.md", "from rlflow.rewards import CodeReward"): [],
     ("docs/rewards.md", "from rlflow.sandbox import Limits, Sandbox"): [],
+    ("docs/rewards.md", "from rlflow.rewards import SandboxFusion, default_compute_score"): [],
     ("docs/rewards.md", "import torch"): [],
 }
 RUN_COMMANDS = {

@@ -35,6 +35,7 @@ ALLOWED = {
     ("cli", "config.verl.run"): "defers omegaconf, yaml",  # rlflow --help and the default job start 0.6 s sooner
     ("cli", "config.components"): "defers hydra, omegaconf, yaml",  # as config.run: only a config needs them
     ("cli", "tasks.prepare"): "defers tensordict, tokenizers, torch, transformers",
+    ("cli", "rewards.sandbox_server"): "defers tensordict, torch",  # rlflow sandbox serve
     ("config.verl.agent", "rollout.tools.config"): "defers tensordict, torch, transformers",
     ("config.verl.agent", "rollout.tools.functions"): "defers tensordict, torch, transformers",
     ("config.verl.asynchronous", "algorithms"): "defers tensordict, torch",

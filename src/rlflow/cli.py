@@ -96,12 +96,23 @@ def main(argv: list[str] | None = None) -> int:
                                         "rendezvous on the first) plus --rollout-nodes vLLM server nodes; "
                                         "--dry-run writes and prints it without submitting (docs/multi-node.md).")
     slurm_arguments(launch)
+    sandbox = sub.add_parser("sandbox", help="rlflow's local sandbox as a SandboxFusion server: sandbox serve",
+                             description="serve: answer SandboxFusion's POST /run_code with rlflow's local sandbox "
+                                         "(python, bash), for reward_model.sandbox_fusion.url (docs/rewards.md).")
+    sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", required=True)
+    serve = sandbox_sub.add_parser("serve", help="serve POST /run_code until stopped (Ctrl-C)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)")
+    serve.add_argument("--port", type=int, default=8080, help="port (default 8080, SandboxFusion's; 0: a free one)")
     args, extra = parser.parse_known_args(argv)  # overrides may come before and after the flags
     if (extra and args.command not in ("train", "launch")) or any(x.startswith("-") for x in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "launch":
         args.overrides += extra
         return launch_slurm(args)
+    if args.command == "sandbox":
+        from rlflow.rewards.sandbox_server import serve as serve_sandbox
+
+        return serve_sandbox(args.host, args.port)
     if args.command == "export":
         try:
             print(f"exported to {export_hf(args.checkpoint, args.out_dir, args.base_model)}")

@@ -74,8 +74,6 @@ def test_an_unknown_engine_is_a_config_error_listing_the_known(tiny):
 @pytest.mark.parametrize("override, needs", [
     (f"{R}.trace.backend=weave", "Weave project .weave: a W&B account and server"),
     (f"{R}.quantization=torchao", "torchao's quantized layers"),
-    ("actor_rollout_ref.actor.optim.use_precision_aware_optimizer=true", "Transformer Engine's FusedAdam, which needs "
-                                                                         "CUDA GPUs and the transformer-engine package"),
     (f"{R}.disaggregation.enabled=true", "prefill and decode replicas of SGLang/vLLM servers on GPUs"),
     ("trainer.default_hdfs_dir=hdfs://ckpt", "HDFS .* hdfs command-line client"),
 ])

@@ -79,7 +79,6 @@ def test_plus_on_a_key_the_tree_has_sets_it():
 @pytest.mark.parametrize("override, feature", [
     ("actor_rollout_ref.actor.strategy=deepspeed", "names no backend of rlflow (fsdp, fsdp2, megatron) nor of verl"),
     ("actor_rollout_ref.model.backend=deepspeed", "names no backend of rlflow (fsdp, fsdp2, megatron) nor of verl"),
-    ("reward_model.sandbox_fusion.url=http://x", "SandboxFusion server"),
     ("trainer.logger=[mlflow]", "mlflow logger"),
 ])
 def test_recognised_features_fail_as_not_supported_yet(override, feature):

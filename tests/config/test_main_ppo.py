@@ -139,9 +139,9 @@ def test_troubleshooting_keys_land_on_objects(tiny, capsys):
     from rlflow.config.verl.run import unused_notes
 
     assert "algorithm.kl_ctrl.target_kl=0.1 is not used by this configuration" in "\n".join(unused_notes(plan.cfg))
-    assert main(tiny + ["reward_model.sandbox_fusion.url=http://x"]) == 2
+    assert main(tiny + ["actor_rollout_ref.actor.strategy=deepspeed"]) == 2
     err = capsys.readouterr().err
-    assert "reward_model.sandbox_fusion.url='http://x': a SandboxFusion server" in err and "not supported yet" in err
+    assert "actor_rollout_ref.actor.strategy='deepspeed': " in err and "not supported yet" in err
 
 
 def test_scoring_token_budgets_land_on_objects(tiny, model_dir, capsys):

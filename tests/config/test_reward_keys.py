@@ -1,5 +1,7 @@
 """The reward keys of the verl entry point: reward models, several weighted functions, time-outs, workers."""
 
+import functools
+
 import pytest
 
 import rlflow.config.verl.devices as devices
@@ -11,7 +13,8 @@ from rlflow.config.verl.native import load_native
 from rlflow.config.verl.run import unused_notes
 from rlflow.config.verl.tree import reward_node
 from rlflow.models.tiny import char_tokenizer, tiny_qwen2_reward_model
-from rlflow.rewards import CombinedReward, FunctionReward, ModelReward, RewardError, WithRMScore
+from rlflow.rewards import (CombinedReward, FunctionReward, ModelReward, RewardError, SandboxFusion, WithRMScore,
+                            default_compute_score)
 from rlflow.trainer.main_ppo import main
 
 from .conftest import CHAT_TEMPLATE
@@ -265,13 +268,34 @@ def test_verl09_reward_model_keys(tiny, rm_dir):
     assert "model_path" not in notes and "reward.reward_model.enable" not in notes.replace("enable_resource", "")
 
 
-def test_verl09_sandbox_fusion_keys(tiny):
-    with pytest.raises(NotSupportedError, match=r"reward.sandbox_fusion.url \(read as reward_model.sandbox_fusion.url"
-                                                r"\): .*SandboxFusion server"):
-        plan_of(tiny, "reward.sandbox_fusion.url=http://127.0.0.1:8080/run_code")
-    plan = plan_of(tiny, "reward.sandbox_fusion.max_concurrent=8")
-    assert "reward.sandbox_fusion.max_concurrent=8 has no effect in rlflow: code runs in rlflow's local sandbox" \
-        in "\n".join(unused_notes(plan.cfg))
+@pytest.mark.parametrize("prefix", ["reward_model.", "reward.", ""])  # verl's older, 0.9 and top-level spellings
+def test_sandbox_fusion_keys_make_the_built_in_scorer_use_the_server(tiny, prefix):
+    plan = plan_of(tiny, f"{prefix}sandbox_fusion.url=http://127.0.0.1:8080", f"{prefix}sandbox_fusion.max_concurrent=8",
+                   f"{prefix}sandbox_fusion.memory_limit_mb=256")
+    (_, fn, _), = plan.reward.functions
+    assert fn.func is default_compute_score
+    assert fn.keywords["sandbox"] == SandboxFusion("http://127.0.0.1:8080/run_code", max_concurrent=8,
+                                                   memory_limit_mb=256)
+    assert not [n for n in unused_notes(plan.cfg) if "sandbox_fusion" in n]
+    alone = plan_of(tiny, f"{prefix}sandbox_fusion.max_concurrent=8")  # no url: the local sandbox, and a note
+    assert alone.reward.functions[0][1] is default_compute_score
+    assert any(n.startswith(f"{prefix}sandbox_fusion.max_concurrent=8 has no effect in rlflow: only used with ")
+               and "sandbox_fusion.url" in n for n in unused_notes(alone.cfg))
+    with pytest.raises(ConfigError, match=r"sandbox_fusion.url='ftp://x': not an http\(s\) url"):
+        plan_of(tiny, f"{prefix}sandbox_fusion.url=ftp://x")
+    with pytest.raises(ConfigError, match=r"sandbox_fusion.max_concurrent=0: must be an integer >= 1"):
+        plan_of(tiny, f"{prefix}sandbox_fusion.url=http://x", f"{prefix}sandbox_fusion.max_concurrent=0")
+
+
+def test_sandbox_fusion_bound_is_shared_by_reward_processes_and_skips_custom_functions(tiny, rewards_py):
+    plan = plan_of(tiny, "reward.sandbox_fusion.url=http://x/run_code", "reward.sandbox_fusion.max_concurrent=8",
+                   "reward.num_workers=3")
+    assert plan.reward.functions[0][1].keywords["sandbox"].max_concurrent == 2  # 3 processes: at most 6 in flight
+    assert any("each sends at most 2 requests at once" in n for n in plan.notes)
+    custom = plan_of(tiny, "reward.sandbox_fusion.url=http://x/run_code", f"custom_reward_function.path={rewards_py}",
+                     "custom_reward_function.name=correct")
+    assert not isinstance(custom.reward.functions[0][1], functools.partial)
+    assert any("only the built-in scorers (code data sources) send code to the server" in n for n in custom.notes)
 
 
 def test_verl09_and_older_reward_keys_together(tiny, rewards_py):

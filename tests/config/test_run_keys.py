@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 
 import rlflow.config.verl.devices as devices
-from rlflow.config import ConfigError, NotSupportedError, load_config, make_plan
+from rlflow.config import ConfigError, load_config, make_plan
 from rlflow.config.verl.build import build_trainer
 from rlflow.config.verl.run import unused_notes
-from rlflow.config.verl.validate import validate
 from rlflow.trainer.main_ppo import main
 from tests.config.conftest import CHAT_TEMPLATE, verl_rows
 from tests.config.test_vision_config import overrides as vlm_overrides
@@ -118,15 +117,6 @@ def test_checkpoint_callback_class_runs_after_each_save(tiny, tmp_path, monkeypa
             make_plan(load_config(tiny + [f"trainer.checkpoint_callback_class={name}"]))
 
 
-@pytest.mark.parametrize("override, feature", [
-    ("sandbox_fusion.url=http://localhost:8080", "a SandboxFusion server"),
-])
-def test_features_rlflow_lacks_are_refused_naming_the_key(tiny, override, feature):
-    problems = validate(load_config(tiny + [override]))
-    key = override.split("=")[0]
-    assert any(isinstance(p, NotSupportedError) and p.key == key and feature in str(p) for p in problems), problems
-
-
 @pytest.mark.parametrize("override, reason", [
     ("transfer_queue.enable=true", "verl's TransferQueue"),
     ("distillation.teacher_models.teacher_model.model_path=t", "only used with distillation.enabled=True"),
@@ -134,7 +124,6 @@ def test_features_rlflow_lacks_are_refused_naming_the_key(tiny, override, featur
     ("trainer.v1.colocate_async.num_warmup_batches=2", "only used with that trainer.v1.trainer_mode"),
     ("algorithm.filter_groups.max_inflight_gen_batches=4", "one data.train_batch_size batch at a time"),
     ("reward_model.rollout.tensor_model_parallel_size=4", "verl's reward-model servers"),
-    ("sandbox_fusion.memory_limit_mb=2048", "local sandbox"),
     ("skip.rollout.steps=[1]", "only used with skip.*.enable=True"),
     ("data.audio_key=sound", "audio inputs are not supported yet"),
 ])

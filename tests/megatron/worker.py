@@ -384,6 +384,50 @@ def gpu_distopt(out: Path) -> dict:
             "default": run_training(out / "default", MegatronStrategy(tensor_parallel=ws), steps=2, accelerator="cuda")}
 
 
+def gpu_precision(out: Path) -> dict:
+    """verl's precision-aware keys on CUDA: bf16 gradients and moments through megatron-core's distributed optimizer
+    (Transformer Engine's FusedAdam) and through rlflow's PrecisionAwareAdamW, and the default optimizer."""
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    ws, bf16 = world_size(), {"use_precision_aware_optimizer": True, "main_grads_dtype": "bf16",
+                              "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}
+    distributed = MegatronStrategy(tensor_parallel=ws, distributed_optimizer=True, optimizer_overrides=bf16)
+    trainer, data, record = build(str(out / "te"), distributed, steps=2, devices=ws, accelerator="cuda")
+    trainer.fit(data)
+    inner = trainer.optimizer.optimizer.inner  # megatron-core's optimizer
+    configs = [o.config for o in getattr(inner, "chained_optimizers", [inner])]
+    return {"te": record.steps, "te_dtypes": [(c.exp_avg_dtype, c.exp_avg_sq_dtype, c.main_grads_dtype) for c in configs],
+            "own": run_training(out / "own", MegatronStrategy(tensor_parallel=ws, optimizer_overrides=bf16), steps=2,
+                                accelerator="cuda"),
+            "default": run_training(out / "default", MegatronStrategy(tensor_parallel=ws), steps=2, accelerator="cuda")}
+
+
+def gpu_offload(out: Path) -> dict:
+    """verl's Megatron CPU offload on CUDA: PPO (policy, reference, critic) with every role offloading, and without;
+    after training (the last weight export offloads), the CUDA memory allocated and where the tensors are."""
+    from rlflow.strategies.megatron import MegatronStrategy
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    offload = {"policy": ["params", "grads", "optimizer"], "reference": ["params"], "critic": ["params", "optimizer"]}
+    result = {}
+    for name, roles in (("offload", offload), ("plain", None)):
+        strategy = MegatronStrategy(tensor_parallel=world_size(), offload=roles)
+        trainer, data, record = build(str(out / name), strategy, steps=2, devices=world_size(), critic=True,
+                                      accelerator="cuda")
+        trainer.fit(data)
+        optimizer = trainer.optimizer.optimizer
+        result[name] = {"steps": record.steps, "allocated": torch.cuda.memory_allocated(),
+                        "param_devices": sorted({p.device.type for p in trainer.policy.module.parameters()}),
+                        "state_devices": sorted({t.device.type for s in optimizer.state.values() for t in s.values()
+                                                 if t.dim() > 0}),
+                        "policy_bytes": sum(p.numel() * p.element_size() for p in trainer.policy.module.parameters())}
+        trainer.fabric.strategy.teardown()
+        del trainer, optimizer
+        torch.cuda.empty_cache()
+    return result
+
+
 def dist_ckpt(out: Path) -> dict:
     """A Megatron dist checkpoint (megatron-core's dist_checkpointing) written at tensor parallel 2 from one model,
     loaded at pipeline parallel 2 and at tensor parallel 1 (x data parallel 2) into another model's shell: the
@@ -434,7 +478,9 @@ def dist_ckpt(out: Path) -> dict:
 
 
 SCENARIOS = {f.__name__: f for f in (convert, convert_pp, train_tp, train_pp, resume_pp, refuse, moe_ep, critic_pp,
-                                     reward_model_tp, train_tp_dp, verl_entry, gpu_te, gpu_distopt, dist_ckpt)}
+                                     reward_model_tp, train_tp_dp, verl_entry, gpu_te, gpu_distopt, gpu_precision,
+                                     gpu_offload,
+                                     dist_ckpt)}
 
 def run(out: Path, names) -> None:
     """The scenarios in order; rank 0 saves each one's result as ``OUT/<name>.pt``."""

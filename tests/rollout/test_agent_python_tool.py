@@ -10,7 +10,10 @@ import pytest
 
 from rlflow.data import keys as K
 from rlflow.rollout.agent import AgentLoop
+from rlflow.rewards import SandboxFusion
+from rlflow.rewards.sandbox_server import SandboxFusionServer
 from rlflow.rollout.tools import PythonTool, load_tool_config
+from rlflow.rollout.tools.base import ToolError
 from rlflow.sandbox import Sandbox
 from rlflow.tasks.calculator import chat_tokenizer
 from tests.rollout.agent_helpers import call, prompts, replay_rollout
@@ -75,20 +78,46 @@ def test_misbehaving_programs_become_clear_tool_errors(layers, tmp_path):
     listener.close()
 
 
-def test_verl_sandbox_fusion_tool_runs_in_the_local_sandbox(tmp_path, layers):
-    config = tmp_path / "tools.yaml"
-    config.write_text("""
+SANDBOX_FUSION_TOOL = """
 tools:
   - class_name: verl.tools.sandbox_fusion_tools.SandboxFusionTool
-    config: {type: native, sandbox_fusion_url: "http://unused", default_timeout: 4, memory_limit_mb: 128,
-             num_workers: 10, rate_limit: 10}
+    config: {type: native, sandbox_fusion_url: URL, default_timeout: 4, memory_limit_mb: 128,
+             num_workers: 10, rate_limit: 3}
     tool_schema:
       type: function
       function:
         name: code_interpreter
         description: A tool for executing code.
         parameters: {type: object, properties: {code: {type: string}}, required: [code]}
-""")
+"""
+
+
+def test_verl_sandbox_fusion_tool_runs_on_its_server(tmp_path, layers):
+    server = SandboxFusionServer(("127.0.0.1", 0))
+    server.start()
+    try:
+        config = tmp_path / "tools.yaml"
+        config.write_text(SANDBOX_FUSION_TOOL.replace("URL", server.url))
+        (tool,) = load_tool_config(config)
+        assert isinstance(tool, PythonTool) and tool.name == "code_interpreter"
+        assert tool.sandbox == SandboxFusion(server.url, max_concurrent=3, memory_limit_mb=128, run_timeout=4)
+        assert tool.execute({"code": "print(6 * 7)"}) == "42\n" and server.requests == 1
+        with pytest.raises(ToolError, match="ran out of its 128 MiB of memory"):
+            tool.execute({"code": "x = bytearray(300 << 20)"})
+    finally:
+        server.shutdown()
+        server.server_close()
+    config.write_text(SANDBOX_FUSION_TOOL.replace("URL", "http://127.0.0.1:9/run_code"))
+    (dead,) = load_tool_config(config)
+    with pytest.raises(ToolError, match=r"python: SandboxFusion server http://127.0.0.1:9/run_code is unreachable"):
+        dead.execute({"code": "print(1)"})
+    with pytest.raises(ValueError, match=r"\['cpu_s'\] limit the local sandbox; with sandbox_fusion_url"):
+        PythonTool({"sandbox_fusion_url": server.url, "cpu_s": 2})
+
+
+def test_verl_sandbox_fusion_tool_without_a_url_runs_in_the_local_sandbox(tmp_path, layers):
+    config = tmp_path / "tools.yaml"
+    config.write_text(SANDBOX_FUSION_TOOL.replace("sandbox_fusion_url: URL, ", "").replace(", rate_limit: 3", ""))
     (tool,) = load_tool_config(config)
     assert isinstance(tool, PythonTool) and tool.name == "code_interpreter"
     assert (tool.sandbox.limits.wall_s, tool.sandbox.limits.memory_mb) == (4, 128)

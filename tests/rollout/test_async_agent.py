@@ -176,3 +176,20 @@ def test_closing_a_threaded_engine_waits_for_the_running_job():
 def test_an_agent_loop_is_not_placed_in_a_process():
     with pytest.raises(ValueError, match="placement must be 'thread' or 'auto', not 'process'"):
         AsyncRollout(agent_loop(), placement="process")
+
+
+def test_one_step_off_runs_each_row_with_the_agent_loop_it_names(tok, caller, rows):
+    """verl's per-row agent_name one step off: the batch's whole loop, a job on the engine's thread, runs each row
+    with its loop; so does validation (a copy over the validation rollout, on the same thread)."""
+    from tests.rollout.test_agent_names import alpha_every_other_row, each_row_ran_its_loop, tagging_loop
+
+    rollout = AsyncRollout(tagging_loop(), max_staleness=1)
+    rollout.bind(copy.deepcopy(caller), tok)
+    stream = rollout.stream(PromptData(alpha_every_other_row(rows[0]), seed=0).loader(4, tok))
+    try:
+        each_row_ran_its_loop(next(stream))
+        greedy = rollout.with_options(n=1, do_sample=False)
+        each_row_ran_its_loop(greedy(next(iter(PromptData(alpha_every_other_row(rows[1]), seed=0).loader(4, tok)))))
+    finally:
+        stream.close()
+        rollout.close()

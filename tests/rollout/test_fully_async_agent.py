@@ -14,6 +14,7 @@ from rlflow.rollout import FullyAsyncRollout
 from rlflow.rollout.engines.base import Engine
 from rlflow.tasks.calculator import CalculatorTask
 from tests.rollout.test_agent_training import interior_spans
+from tests.rollout.test_agent_names import alpha_every_other_row, each_row_ran_its_loop, tagging_loop
 from tests.rollout.test_async_agent import agent_loop, caller, make_trainer, rows, tok  # noqa: F401 - fixtures
 from tests.rollout.test_async_rollout import Recorder, recomputed
 from tests.rollout.test_fully_async import perturbed, trains_every_drawn_prompt_once
@@ -146,3 +147,18 @@ def test_a_multi_turn_run_killed_mid_step_and_resumed_trains_every_drawn_prompt_
                                             chunk_tokens=8),
         lambda: Policy(copy.deepcopy(caller), tok), PromptData(CalculatorTask().splits()[0][:64], seed=0),
         K.RAW_PROMPT, steps=4)
+
+
+
+def test_fully_async_runs_each_row_with_the_agent_loop_it_names(tok, caller, rows):
+    """verl's per-row agent_name in the fully asynchronous mode: the driver runs each conversation with its row's
+    loop (rlflow.rollout.agent.named), and each sample keeps its row's name. The short alpha conversations end
+    first, so the first batches may hold only them: every training row's sample is checked."""
+    rollout = FullyAsyncRollout(tagging_loop(), max_off_policy_threshold=None)
+    rollout.bind(copy.deepcopy(caller), tok)
+    stream = rollout.stream(PromptData(alpha_every_other_row(rows[0]), seed=0).loader(4, tok))
+    try:
+        each_row_ran_its_loop(*[next(stream) for _ in range(len(rows[0]) // 4)])
+    finally:
+        stream.close()
+        rollout.close()

@@ -14,6 +14,8 @@ EXTRA_INFO = "extra_info"  # non-tensor, B dicts
 PROMPT_TEXT = "prompt_text"  # non-tensor, B strings
 ROW_INDEX = "row_index"  # B, int64: the prompt's position in the training rows (with a user's sampler)
 RAW_PROMPT = "raw_prompt"  # non-tensor, B: the prompt as the data gave it (chat messages or a string)
+AGENT_NAME = "agent_name"  # non-tensor, B: the agent loop the row names (verl's column; None: the default loop);
+# only in batches with such rows
 # vision-language prompts (rlflow.data.multimodal; verl's names)
 MULTI_MODAL_INPUTS = "multi_modal_inputs"  # non-tensor, B dicts of the processor's tensors ({} without images)
 MULTI_MODAL_DATA = "multi_modal_data"  # non-tensor, B dicts {"image": [PIL images]}: for engines with a processor

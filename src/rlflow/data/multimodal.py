@@ -33,7 +33,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from rlflow.data import keys as K
 from rlflow.data.nontensor import per_row  # noqa: F401  (it lived here: importable from here, as before)
-from rlflow.data.rows import DataError
+from rlflow.data.rows import DataError, agent_name_column
 
 PLACEHOLDER = "<image>"
 
@@ -225,6 +225,7 @@ def collate_multimodal(rows: Sequence[dict], processor, max_prompt_length: int |
             K.EXTRA_INFO: NonTensorStack(*[r["extra_info"] for r in rows]),
             K.MULTI_MODAL_INPUTS: NonTensorStack(*inputs),
             K.MULTI_MODAL_DATA: NonTensorStack(*data),
+            **agent_name_column(rows),
         },
         batch_size=[len(rows)],
     )

@@ -17,7 +17,8 @@ from rlflow.data import keys as K
 from rlflow.data.datagen import DataGenerator, accepted_rows
 from rlflow.data.multimodal import check_images, collate_multimodal, prompt_length
 from rlflow.data.nontensor import stack
-from rlflow.data.rows import DataError, datasets_bars_off, load_rows, normalise_row  # noqa: F401  (here before)
+from rlflow.data.rows import (DataError, agent_name_column, datasets_bars_off, load_rows,  # noqa: F401  (here before)
+                              normalise_row)
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 MISSING_GROUND_TRUTH = ("error", "skip", "allow")  # PromptData(missing_ground_truth=...)
@@ -92,6 +93,7 @@ def collate(rows: Sequence[dict], tokenizer, max_prompt_length: int | None = Non
             K.GROUND_TRUTH: stack([r["ground_truth"] for r in rows]),
             K.DATA_SOURCE: stack([r["data_source"] for r in rows]),
             K.EXTRA_INFO: stack([r["extra_info"] for r in rows]),
+            **agent_name_column(rows),
         },
         batch_size=[len(rows)],
     )

@@ -1,7 +1,7 @@
 """Rows of a prompt dataset: read from parquet / json / jsonl files or in-memory dicts, and normalised.
 
 A row is normalised to ``prompt`` (a string or chat messages), ``ground_truth``, ``data_source``,
-``extra_info`` and ``index`` (plus ``images`` / ``videos`` when it has them); verl's layout
+``extra_info`` and ``index`` (plus ``images`` / ``videos`` / ``agent_name`` when it has them); verl's layout
 (``reward_model.ground_truth``) is read as is. A malformed file or row is a :class:`DataError` naming the
 file and the row. A leaf of :mod:`rlflow.data`: :mod:`~rlflow.data.multimodal` and
 :mod:`~rlflow.data.prompts` (which tokenizes the rows into batches) both build on it.
@@ -12,6 +12,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from rlflow.data import keys as K
+from rlflow.data.nontensor import stack
 
 
 class DataError(ValueError):
@@ -110,5 +113,18 @@ def normalise_row(row: dict, index: int, name: str, prompt_key: str = "prompt", 
         "extra_info": row.get("extra_info"),
         "index": index,
     }
+    agent = row.get(K.AGENT_NAME)
+    if isinstance(agent, float) and agent != agent:  # NaN: pandas' missing value
+        agent = None
+    if agent is not None and (not isinstance(agent, str) or not agent):
+        raise DataError(f"{name}, row {index}: '{K.AGENT_NAME}' must name an agent loop (a string), got {agent!r}")
     media = {"images": row.get(image_key), "videos": row.get("videos")}  # read by rlflow.data.multimodal
-    return out | {k: v for k, v in media.items() if v is not None}
+    return out | {k: v for k, v in media.items() if v is not None} | ({K.AGENT_NAME: agent} if agent else {})
+
+
+def agent_name_column(rows: Sequence[dict]) -> dict:
+    """``{agent_name: the rows' names}`` for a batch when a row names its agent loop (``None`` for the others,
+    which run with the default loop); ``{}`` when none does."""
+    if not any(K.AGENT_NAME in r for r in rows):
+        return {}
+    return {K.AGENT_NAME: stack([r.get(K.AGENT_NAME) for r in rows])}

@@ -10,6 +10,7 @@ from rlflow.rewards.function import FunctionReward
 from rlflow.rewards.judge import JudgeReward
 from rlflow.rewards.model import ModelReward
 from rlflow.rewards.overlong import OverlongPenalty
+from rlflow.rewards.sandbox_fusion import SandboxFusion, SandboxFusionError
 
 __all__ = [
     "CodeReward",
@@ -22,6 +23,8 @@ __all__ = [
     "Reward",
     "RewardError",
     "RewardWarning",
+    "SandboxFusion",
+    "SandboxFusionError",
     "default_compute_score",
     "geo3k",
     "gsm8k",

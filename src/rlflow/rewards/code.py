@@ -33,6 +33,7 @@ from tensordict import TensorDict
 
 from rlflow.data import keys as K
 from rlflow.rewards.base import Reward, RewardWarning, column
+from rlflow.rewards.sandbox_fusion import SandboxFusion, SandboxFusionError
 from rlflow.sandbox import Limits, Sandbox, SandboxResult
 
 FENCE = re.compile(r"```([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -81,7 +82,7 @@ def _normalise(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip("\n").splitlines()).rstrip()
 
 
-def run_case(sandbox: Sandbox, code: str, case: dict) -> tuple[bool, str]:
+def run_case(sandbox: Sandbox | SandboxFusion, code: str, case: dict) -> tuple[bool, str]:
     """Run one case -> ``(passed, outcome)``; outcome is the sandbox status, or ``"wrong"`` for a wrong answer."""
     if case["kind"] == "stdio":
         result = sandbox.run_python(code, stdin=case["stdin"])
@@ -103,6 +104,14 @@ def run_case(sandbox: Sandbox, code: str, case: dict) -> tuple[bool, str]:
     return _judged(result, same)
 
 
+def _run_case_counted(sandbox: Sandbox | SandboxFusion, code: str, case: dict) -> tuple[bool, str]:
+    """:func:`run_case`; a SandboxFusion request that failed is that case's ``sandbox_error`` (its sample is counted)."""
+    try:
+        return run_case(sandbox, code, case)
+    except SandboxFusionError as e:
+        return False, f"sandbox_error: {e}"
+
+
 def _judged(result: SandboxResult, check) -> tuple[bool, str]:
     if result.status == "sandbox_error":
         return False, f"sandbox_error: {result.stderr.strip()[-300:]}"
@@ -111,8 +120,11 @@ def _judged(result: SandboxResult, check) -> tuple[bool, str]:
     return (True, "ok") if check(result.stdout) else (False, "wrong")
 
 
-def compute_score(solution_str: str, ground_truth: Any, sandbox: Sandbox | None = None) -> dict:
-    """One sample, verl's ``compute_score`` shape: ``{"score": pass fraction, "passed", "total"}``."""
+def compute_score(solution_str: str, ground_truth: Any, sandbox: Sandbox | SandboxFusion | None = None) -> dict:
+    """One sample, verl's ``compute_score`` shape: ``{"score": pass fraction, "passed", "total"}``.
+
+    ``sandbox``: where the cases run (default: a local ``Sandbox(DEFAULT_LIMITS)``; a :class:`SandboxFusion`
+    client sends them to a SandboxFusion server, whose failures raise :class:`SandboxFusionError`)."""
     sandbox = sandbox or _default_sandbox()
     code, cases = extract_code(solution_str), parse_tests(ground_truth)
     passed = sum(run_case(sandbox, code, case)[0] for case in cases)
@@ -134,7 +146,8 @@ class CodeReward(Reward):
 
     Args:
         sandbox: where programs run (default: ``Sandbox(DEFAULT_LIMITS)``: 10 s wall, 5 s CPU, 512 MiB,
-            8 processes per case; no network, no writes outside its folder).
+            8 processes per case; no network, no writes outside its folder), or a :class:`SandboxFusion` client
+            (a SandboxFusion server runs them; a request that fails counts its sample in ``reward/errors``).
         workers: sandbox runs at once (default: the number of CPUs).
         all_or_nothing: 1.0 when every case passes, else 0.0 (a sample stops at its first failed case).
         max_cases: run at most this many cases per sample (``None``: all).
@@ -148,7 +161,7 @@ class CodeReward(Reward):
 
     thread_safe = True
 
-    def __init__(self, sandbox: Sandbox | None = None, *, workers: int | None = None, all_or_nothing: bool = False,
+    def __init__(self, sandbox: Sandbox | SandboxFusion | None = None, *, workers: int | None = None, all_or_nothing: bool = False,
                  max_cases: int | None = None, name: str = "code"):
         super().__init__()
         if workers is not None and workers < 1:
@@ -208,12 +221,12 @@ class CodeReward(Reward):
                 def serial(key):
                     code, cases = jobs[key]
                     for case in cases:
-                        results[key].append(run_case(self.sandbox, code, case))
+                        results[key].append(_run_case_counted(self.sandbox, code, case))
                         if not results[key][-1][0]:
                             break
                 list(pool.map(serial, jobs))
             else:
-                futures = {(key, i): pool.submit(run_case, self.sandbox, code, case)
+                futures = {(key, i): pool.submit(_run_case_counted, self.sandbox, code, case)
                            for key, (code, cases) in jobs.items() for i, case in enumerate(cases)}
                 for (key, _), future in futures.items():
                     results[key].append(future.result())

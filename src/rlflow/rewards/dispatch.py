@@ -12,8 +12,9 @@ data_source                                                                 scor
 ``rlflow/addition``, ``rlflow/shapes`` (the built-in tasks)                exact match
 ==========================================================================  ================
 
-Code is run against the sample's test cases in rlflow's local sandbox (verl runs ``prime_code`` or a
-SandboxFusion server); the score is the pass fraction, verl's ``continuous=True``. Geometry3K is graded with
+Code is run against the sample's test cases in rlflow's local sandbox (verl: ``prime_code``), or, given
+``sandbox=SandboxFusion(url, ...)`` (verl's ``sandbox_fusion.url``), on that SandboxFusion server
+(:mod:`rlflow.rewards.sandbox_fusion`); the score is the pass fraction, verl's ``continuous=True``. Geometry3K is graded with
 ``mathruler``, as in verl (an optional dependency: ``pip install "rlflow[math]"``). verl's search and PRIME
 scorers are not built in: pass your own function to :class:`~rlflow.rewards.FunctionReward` for those.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlflow.rewards import code, geo3k, gsm8k, math, math_dapo  # geo3k imports its grader (mathruler) when called
+from rlflow.rewards.sandbox_fusion import SandboxFusion
 
 GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
@@ -47,12 +49,16 @@ def supports(data_source: str) -> bool:
 
 
 def default_compute_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+    sandbox: SandboxFusion | None = None,
 ) -> float | dict:
     """Score one sample with the rule scorer for its ``data_source``.
 
     Returns a float (GSM8K, MATH, Geometry3K, the built-in addition task) or a dict with ``"score"``
     (DAPO: ``score``, ``acc``, ``pred``; code: ``score``, ``passed``, ``total``).
+
+    ``sandbox``: where code data sources run (default: the local sandbox; a :class:`SandboxFusion` client: its
+    server, and a request that fails raises :class:`~rlflow.rewards.sandbox_fusion.SandboxFusionError`).
 
     Raises:
         NotImplementedError: for any other data_source, naming it and the supported ones.
@@ -64,7 +70,7 @@ def default_compute_score(
     if data_source in DAPO_SOURCES or str(data_source).startswith(DAPO_PREFIX):
         return math_dapo.compute_score(solution_str, ground_truth)
     if data_source in CODE_SOURCES:
-        return code.compute_score(solution_str, ground_truth)
+        return code.compute_score(solution_str, ground_truth, sandbox=sandbox)
     if data_source in GEO3K_SOURCES:
         return float(geo3k.compute_score(solution_str, ground_truth))
     if data_source in ADDITION_SOURCES:

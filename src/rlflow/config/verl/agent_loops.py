@@ -8,7 +8,8 @@ the entry's other fields are the class's keyword arguments, next to the multi-tu
 verl's interface (a subclass of a ``verl`` class, a ``run(sampling_params, ...)``) is refused, naming the file,
 the class and what to change; that is read from the source (:mod:`ast`), so verl need not be installed.
 
-The data's ``agent_name`` column (verl's choice per row) is not read: the run uses ``default_agent_loop``.
+Every entry is imported while the config is checked: the data's ``agent_name`` column (verl's choice per row)
+may name any of them, or verl's ``tool_agent`` / ``single_turn_agent`` (:mod:`rlflow.config.verl.agent`).
 """
 
 from __future__ import annotations
@@ -61,23 +62,18 @@ def _verl_methods(method) -> list[str]:
     return []
 
 
-def custom_loop(cfg: VerlConfig, loop: str, notes: list[str]) -> tuple[type, dict] | None:
-    """The class of ``default_agent_loop`` from ``agent_loop_config_path`` and its keyword arguments, checked and
-    imported; None when the file is unset or does not list ``loop`` (then it is one of rlflow's)."""
+def user_loops(cfg: VerlConfig) -> dict[str, tuple[type, dict]]:
+    """Every loop of ``agent_loop_config_path`` by name: its class, checked and imported, and its keyword arguments
+    (``{}`` when the file is unset): the default loop and the loops the data's rows name (``agent_name``)."""
     path = cfg[KEY]
-    if not path:
-        return None
-    loops = entries(path)
-    if loop not in loops:
-        notes.append(f"{KEY}: its loops ({', '.join(loops)}) are not used: the run uses default_agent_loop={loop} "
-                     "(rlflow does not read the data's agent_name column)")
-        return None
-    kwargs = dict(loops[loop])
-    target = str(kwargs.pop("_target_"))
-    location, name = split_target(target)
-    where = f"{KEY}={path!r}: {loop}._target_={target!r}"
-    if not location or not name.isidentifier():
-        raise ConfigError(f"{where}: give file.py:Class, package.module:Class or package.module.Class")
-    cls = load_user_class("agent loop", "rlflow.rollout.agent.loop:AgentLoop", location, name, where,
-                          "agent-loop interface", HOW, _verl_methods)
-    return cls, kwargs
+    out = {}
+    for loop, fields in (entries(path) if path else {}).items():
+        kwargs = dict(fields)
+        target = str(kwargs.pop("_target_"))
+        location, name = split_target(target)
+        where = f"{KEY}={path!r}: {loop}._target_={target!r}"
+        if not location or not name.isidentifier():
+            raise ConfigError(f"{where}: give file.py:Class, package.module:Class or package.module.Class")
+        out[loop] = load_user_class("agent loop", "rlflow.rollout.agent.loop:AgentLoop", location, name, where,
+                                    "agent-loop interface", HOW, _verl_methods), kwargs
+    return out

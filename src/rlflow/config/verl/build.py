@@ -4,7 +4,8 @@
 would write) is what runs. A node that fails is reported under the verl keys that set it (:func:`verl_errors`).
 
 The prompts are loaded here too (:func:`build_data`: the tree's ``data`` node, with the policy's tokenizer and
-processor, a ``data.custom_cls`` reading the files, and the verl keys' filters, notes and checks).
+processor, a ``data.custom_cls`` reading the files, and the verl keys' filters, notes and checks; the loops its
+rows name, verl's ``agent_name``, join the agent loop).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
 from rlflow.config import components
+from rlflow.config.verl.agent import name_loops_of_rows
 from rlflow.config.verl.distillation import check_routes
 from rlflow.config.verl.data_classes import data_node, dataset_rows
 from rlflow.config.verl.folders import (TRUST, TRUST_TOKENIZER, load_vision_processor, local_model, model_files,
@@ -93,6 +95,7 @@ def build_data(plan: Plan, tokenizer, processor=None) -> PromptData:
     if not plan.custom_reward and plan.reward.functions:  # the built-in scorers must know every data_source
         check_data_sources({r["data_source"] for r in data.train + data.val}, f"{data.train_name}")
     check_routes(plan.distillation, {r["data_source"] for r in data.train + data.val}, data.train_name)
+    name_loops_of_rows(plan.agent, [(data.train_name, r) for r in data.train] + [(data.val_name, r) for r in data.val])
     return data
 
 

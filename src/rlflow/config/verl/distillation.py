@@ -80,6 +80,10 @@ def teachers(cfg: VerlConfig, notes: list[str]) -> tuple[dict, str | None]:
         entries.pop(DEFAULT)
     if not entries:
         raise ConfigError(f"{D}.enabled=True needs a teacher: set {D}.teacher_models.{DEFAULT}.model_path")
+    route_key = cfg[f"{D}.teacher_key"]  # refused with one teacher too: what it asks for is not what rlflow does
+    if route_key != K.DATA_SOURCE:
+        raise NotSupportedError(f"{D}.teacher_key", route_key, "routing teachers by a field other than data_source",
+                                "rlflow's batches carry data_source for each row; route by it.")
     paths = {}
     for name, entry in entries.items():
         key = f"{D}.teacher_models.{name}"
@@ -100,10 +104,6 @@ def teachers(cfg: VerlConfig, notes: list[str]) -> tuple[dict, str | None]:
         if str(route) in paths:
             raise ConfigError(f"{key}.key={route!r}: another teacher has this key already")
         paths[str(route)] = {"path": path, "key": f"{key}.model_path"}
-    route_key = cfg[f"{D}.teacher_key"]
-    if route_key != K.DATA_SOURCE:
-        raise NotSupportedError(f"{D}.teacher_key", route_key, "routing teachers by a field other than data_source",
-                                "rlflow's batches carry data_source for each row; route by it.")
     return paths, route_key
 
 

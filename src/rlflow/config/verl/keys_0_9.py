@@ -41,12 +41,10 @@ _PACKED_OWN = "rlflow computes log-probs and entropy on response tokens only, in
 _SHAPES = "a kernel-shape setting (speed only): rlflow packs each micro-batch to its exact length"
 _MEGATRON_SCHEDULE = ("only used with Megatron's schedule: optim.lr_decay_style other than constant, lr_warmup_init "
                       "above 0 or weight_decay_incr_style other than constant (rlflow.trainer.schedule.ParamSchedule)")
-_PRECISION_AWARE = ("only used with optim.use_precision_aware_optimizer=True (Megatron's), which rlflow refuses; "
-                    "rlflow keeps float32 gradients and AdamW states")
-_PRECISION_AWARE_OPTIMIZER = (
-    "Megatron's precision-aware optimizer (low-precision gradients and Adam states: megatron-core builds it inside its "
-    "distributed optimizer from Transformer Engine's FusedAdam, which needs CUDA GPUs and the transformer-engine "
-    "package; rlflow's verl entry point trains with the Trainer's AdamW per shard, not that optimizer)")
+_PRECISION_AWARE = ("only used with optim.use_precision_aware_optimizer=True (Megatron's precision-aware optimizer, "
+                    "under actor.strategy=megatron); rlflow keeps float32 gradients and AdamW states")
+_PRECISION_AWARE_OPTIMIZER = ("only used with actor.strategy=megatron (Megatron's precision-aware optimizer: "
+                              "rlflow.strategies.megatron.precision_aware)")
 _QAT_ONLY = "only used with this block's qat.enable=True (quantization-aware training: rlflow.config.verl.qat)"
 _QAT_ROLLOUT = ("the rollout's copy of the actor's QAT block (verl's vLLM server reads it for NVFP4 kernels); with "
                 "actor QAT on, rlflow sends the engine the quantized-dequantized weights, which it runs in its own dtype")
@@ -77,6 +75,7 @@ ROLE_INERT: dict[str, str] = {
        for r in _ROLES},
     **{f"{r}.optim.{k}": _PRECISION_AWARE for r in _ROLES for k in ("main_grads_dtype", "exp_avg_dtype",
                                                                      "exp_avg_sq_dtype")},
+    **{f"{r}.optim.use_precision_aware_optimizer": _PRECISION_AWARE_OPTIMIZER for r in _ROLES},
     **{f"{r}.optim.use_layer_wise_distributed_optimizer": (
         "a memory setting of Megatron's distributed optimizer; rlflow's Trainer keeps each rank's AdamW state "
         "(see megatron.use_distributed_optimizer)") for r in _ROLES},
@@ -165,7 +164,6 @@ ROLE_INERT: dict[str, str] = {
 }
 
 ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    **{f"{r}.optim.use_precision_aware_optimizer": (_PRECISION_AWARE_OPTIMIZER, _truthy) for r in _ROLES},
     "critic.model.mtp.enable": ("multi-token prediction layers on the critic (verl trains them on the actor only)",
                                 _truthy),
     f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation: separate prefill "
@@ -176,7 +174,6 @@ ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
 # ------------------------------------------ data, reward_model, algorithm, trainer and the other sections
 _RM_SERVER = ("a setting of verl's reward-model servers (the legacy name of reward.reward_model.*); rlflow's "
               "reward model (reward_model.model.path) scores in the training processes with transformers")
-_SANDBOX = "a SandboxFusion server (rlflow runs code in its local sandbox: code data sources are scored without a server)"
 _TEACHER_PLACE = ("placement of verl's teacher pool; rlflow's teacher runs in the training processes "
                   "(trainer.n_gpus_per_node x trainer.nnodes), as the reference does")
 _V1_ASYNC = ("only used with that trainer.v1.trainer_mode (colocate_async / separate_async: FullyAsyncRollout's "
@@ -186,9 +183,8 @@ RUN_INERT: dict[str, str] = {
     **{f"reward_model.{k}": _RM_SERVER for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes", "rollout.*")},
     **{f"reward_model.reward_loop_{k}": "only used with reward_model.reward_loop_source=importlib"
        for k in ("module_path", "class_name")},
-    "sandbox_fusion.max_concurrent": "code runs in rlflow's local sandbox (rlflow.rewards.code)",
-    "sandbox_fusion.memory_limit_mb": ("code runs in rlflow's local sandbox; its limits are "
-                                       "rlflow.rewards.code.DEFAULT_LIMITS (512 MiB)"),
+    **{f"sandbox_fusion.{k}": "only used with a SandboxFusion url (sandbox_fusion.url, reward.sandbox_fusion.url)"
+       for k in ("max_concurrent", "memory_limit_mb")},
     "algorithm.filter_groups.max_inflight_gen_batches": (
         "bounds how many prompt batches verl's V1 trainer generates at once for DAPO (surplus groups are "
         "discarded); rlflow's DynamicSampling generates one data.train_batch_size batch at a time, as verl's default 1"),
@@ -217,9 +213,7 @@ RUN_INERT: dict[str, str] = {
                                                      "returns every group (a failing generation stops the step)"),
     "skip.*": "only used with skip.*.enable=True (replaying dumped rollouts: rlflow.rollout.ReplayRollout)",
 }
-RUN_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "sandbox_fusion.url": (_SANDBOX, _truthy),
-}
+RUN_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {}  # sandbox_fusion.* is read (config.verl.rewards)
 
 # ------------------------------------------------------------------ verl's other engines and open blocks
 _PRECISION = "parameters stay float32; trainer.precision sets the compute precision (FSDP2's mixed precision follows it)"

@@ -80,11 +80,6 @@ def _same_layout(cfg: VerlConfig, with_critic: bool) -> None:
 
 def _notes(cfg: VerlConfig, notes: list[str], on_cpu: bool, layout: ParallelLayout, spec: str) -> dict:
     """Read the remaining keys; return the TransformerConfig overrides to pass on."""
-    for key in ("param_offload", "grad_offload", "optimizer_offload"):
-        if cfg[f"{M}.{key}"]:
-            if not on_cpu:
-                raise NotSupportedError(f"{M}.{key}", True, "offloading Megatron states to the CPU")
-            notes.append(f"{M}.{key}=True: on trainer.device=cpu the states already live in CPU memory")
     if cfg[f"{M}.sequence_parallel"] and layout.tensor > 1 and spec == "local":
         notes.append(f"{M}.sequence_parallel=True (verl's default) is off: megatron-core's local layer spec (used "
                      "without Transformer Engine) has no sequence-parallel norm")
@@ -116,6 +111,29 @@ def _notes(cfg: VerlConfig, notes: list[str], on_cpu: bool, layout: ParallelLayo
                          "needs CUDA RNG states; the all-to-all dispatcher a CUDA stream; attention is "
                          "megatron-core's)")
     return overrides
+
+
+OFFLOAD_KEYS = {"params": "param_offload", "grads": "grad_offload", "optimizer": "optimizer_offload"}
+OFFLOAD_ROLES = {A: ("policy", ("params", "grads", "optimizer")), "actor_rollout_ref.ref": ("reference", ("params",)),
+                 "critic": ("critic", ("params", "optimizer"))}  # the keys verl's tree has for each role
+
+
+def offload(cfg: VerlConfig, notes: list[str], on_cpu: bool, with_critic: bool) -> dict[str, list[str]]:
+    """``*.megatron.{param,grad,optimizer}_offload`` -> ``MegatronStrategy(offload={role: kinds})``
+    (:mod:`rlflow.strategies.megatron.offload`): as verl, each role's tensors wait in host memory while other roles
+    run. On CPU they are there already: the same bookkeeping runs, moving nothing."""
+    roles = {}
+    for verl_role, (role, kinds) in OFFLOAD_ROLES.items():
+        if role == "critic" and not with_critic:
+            continue
+        on = [kind for kind in kinds if cfg[f"{verl_role}.megatron.{OFFLOAD_KEYS[kind]}"]]
+        if on:
+            roles[role] = on
+            keys = ", ".join(f"{verl_role}.megatron.{OFFLOAD_KEYS[k]}" for k in on)
+            notes.append(f"{keys}=True: " + ("on trainer.device=cpu the states already live in CPU memory (nothing "
+                                             "to move)" if on_cpu else f"the {role}'s {', '.join(on)} wait in pinned "
+                                             "host memory while other roles run (rlflow.strategies.megatron.offload)"))
+    return roles
 
 
 def router_replay(cfg: VerlConfig, notes: list[str]) -> str | bool:
@@ -250,43 +268,79 @@ def megatron_strategy(cfg: VerlConfig, notes: list[str], processes: int, acceler
         raise NotSupportedError(f"{M}.context_parallel_size", layout.context, "context parallelism without "
                                 "Transformer Engine", "It needs a GPU with transformer_engine installed.")
     overrides = _notes(cfg, notes, on_cpu, layout, spec)
-    optimizer = optimizer_overrides(cfg, notes, on_cpu)
+    optimizer = optimizer_overrides(cfg, notes, on_cpu, with_critic)
     folders, prefix = dist_checkpoints(cfg, notes, with_critic, check_dist_checkpoint)
     replay = router_replay(cfg, notes)
     mtp = mtp_options(cfg, notes)
+    offloaded = offload(cfg, notes, on_cpu, with_critic)
     kwargs = dict(tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline, context_parallel=layout.context,
                   expert_parallel=layout.expert, sequence_parallel=layout.sequence_parallel, layer_spec=spec,
                   transformer_overrides=overrides, optimizer_overrides=optimizer, dist_checkpoints=folders,
-                  dist_checkpoint_prefix=prefix, router_replay=replay, **({"mtp": mtp} if mtp else {}))
+                  dist_checkpoint_prefix=prefix, router_replay=replay, **({"mtp": mtp} if mtp else {}),
+                  **({"offload": offloaded} if offloaded else {}))
     try:  # the object (checked; the dry run reads its layout) and its arguments (the tree's hardware.strategy node)
         return MegatronStrategy(**kwargs), kwargs
     except ValueError as e:
         raise ConfigError(f"{A}.optim.override_optimizer_config: {e}") from None
 
 
-def optimizer_overrides(cfg: VerlConfig, notes: list[str], on_cpu: bool) -> dict:
-    """``optim.override_optimizer_config`` -> megatron-core ``OptimizerConfig`` fields of the distributed optimizer
-    (checked by the strategy: an unknown field is an error naming it). The verl entry point trains with the
-    Trainer's AdamW per shard (see ``use_distributed_optimizer``'s note), which these fields do not change: on CPU
-    its state is already in CPU memory; on a GPU the CPU offload they ask for is refused."""
+PRECISION_KEYS = ("use_precision_aware_optimizer", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+# OptimizerConfig's precision-aware fields (rlflow.strategies.megatron.precision_aware.FIELDS, not imported: torch)
+PRECISION_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+
+
+def precision_aware_keys(cfg: VerlConfig, with_critic: bool) -> dict:
+    """verl's ``optim.use_precision_aware_optimizer`` and, with it on, ``optim.{main_grads_dtype, exp_avg_dtype,
+    exp_avg_sq_dtype}`` (McoreOptimizerConfig) as ``OptimizerConfig`` fields, as verl's ``init_megatron_optim_config``
+    passes them; the critic's must agree (one strategy)."""
+    roles = (A, "critic") if with_critic else (A,)
+    values = {}
+    for role in roles:  # the dtypes are read only with the switch on (else their keys get verl's "no effect" note)
+        on = bool(cfg[f"{role}.optim.use_precision_aware_optimizer"])
+        values[role] = [True] + [cfg[f"{role}.optim.{k}"] for k in PRECISION_KEYS[1:]] if on else [False]
+    if with_critic and cfg.is_provided("critic.optim.use_precision_aware_optimizer") and values["critic"] != values[A]:
+        raise ConfigError(f"critic.optim.{{{', '.join(PRECISION_KEYS)}}}={values['critic']} differ from {A}.optim's "
+                          f"{values[A]}: rlflow trains every role with one Megatron strategy; set them equal")
+    return dict(zip(PRECISION_KEYS, values[A])) if values[A][0] else {}
+
+
+def optimizer_overrides(cfg: VerlConfig, notes: list[str], on_cpu: bool, with_critic: bool = False) -> dict:
+    """``optim.override_optimizer_config`` (over ``optim.use_precision_aware_optimizer`` and its dtypes, which it
+    overrides, as in verl) -> megatron-core ``OptimizerConfig`` fields (checked by the strategy: an unknown field is an
+    error naming it). The verl entry point trains with the Trainer's AdamW per shard (see
+    ``use_distributed_optimizer``'s note): the precision-aware optimizer's fields make it rlflow's
+    ``PrecisionAwareAdamW``; the others are for Megatron's distributed optimizer: on CPU the state is already in CPU
+    memory; on a GPU the CPU offload they ask for is refused."""
     key = f"{A}.optim.override_optimizer_config"
-    overrides = dict(cfg[key] or {})
+    overrides = precision_aware_keys(cfg, with_critic) | dict(cfg[key] or {})
     if not overrides:
         return {}
     if overrides.get("optimizer_cpu_offload") and not on_cpu:
         raise NotSupportedError(f"{key}.optimizer_cpu_offload", True, "offloading the optimizer to the CPU from the "
                                 "verl entry point", "It needs Megatron's distributed optimizer: from Python, "
                                 "MegatronStrategy(distributed_optimizer=True, optimizer_overrides={...}).")
-    notes.append(f"{key}: {overrides} go to megatron-core's OptimizerConfig, used by Megatron's distributed optimizer "
-                 "(MegatronStrategy(distributed_optimizer=True), GPUs); the Trainer's AdamW "
-                 + ("on trainer.device=cpu keeps its state in CPU memory, in float32" if on_cpu else
-                    "per shard does not read them"))
+    precision = {k: v for k, v in overrides.items() if k in ("use_precision_aware_optimizer", *PRECISION_FIELDS)}
+    others = {k: v for k, v in overrides.items() if k not in precision}
+    if precision.get("use_precision_aware_optimizer"):
+        notes.append(f"{A}.optim.use_precision_aware_optimizer: {precision} make the Trainer's AdamW rlflow's "
+                     "PrecisionAwareAdamW (megatron-core's precision-aware optimizer on any device: gradients, master "
+                     "weights and moments stored in those dtypes; rlflow.strategies.megatron.precision_aware)")
+    if others:
+        notes.append(f"{key}: {others} go to megatron-core's OptimizerConfig, used by Megatron's distributed optimizer "
+                     "(MegatronStrategy(distributed_optimizer=True), GPUs); the Trainer's AdamW "
+                     + ("on trainer.device=cpu keeps its state in CPU memory" if on_cpu else
+                        "per shard does not read them"))
     return overrides
+
+
+def _short(dtype) -> str:
+    """verl's name of a torch dtype (``bf16``)."""
+    return {"float32": "float32", "bfloat16": "bf16", "float16": "fp16"}.get(str(dtype).removeprefix("torch."), "fp8")
 
 
 def dry_run_section(plan, config, seq_len: int) -> list[str]:
     """The dry run's Megatron lines: the layout, the batch per data-parallel rank and memory per rank."""
-    from rlflow.strategies.megatron.memory import rank_memory  # torch, as above
+    from rlflow.strategies.megatron.memory import optimizer_dtypes, rank_memory  # torch, as above
     from rlflow.strategies.megatron.lora import check_targets
     from rlflow.strategies.megatron.model import architecture
     from rlflow.strategies.megatron.vision import language_config
@@ -308,10 +362,17 @@ def dry_run_section(plan, config, seq_len: int) -> list[str]:
     mini = t["mini_batch_size"] * n
     micro = t["micro_batch_size"] or max(1, mini // dp)
     lora = (plan.lora["r"], plan.lora["target_modules"]) if isinstance(plan.lora, dict) else None
-    mem = rank_memory(config, layout, world, micro, seq_len, lora=lora)
+    dtypes, per_param = optimizer_dtypes(plan.devices.strategy.optimizer_overrides)
+    mem = rank_memory(config, layout, world, micro, seq_len, lora=lora, trained_bytes=per_param)
     reference = (plan.loss_kwargs.get("kl_coef", 0) > 0 or plan.kl_controller is not None) and lora is None
-    states = ("4 B/param frozen + 16 B/adapter param (LoRA: only the adapters train)" if lora else
-              "16 B/param (float32; the Trainer's AdamW per shard)")
+    kind = "float32; the Trainer's AdamW per shard" if dtypes is None else ", ".join(
+        ["float32 weights", f"{_short(dtypes['main_grads_dtype'])} gradients"]
+        + ([f"{_short(dtypes['main_params_dtype'])} master weights"] if dtypes["main_params_dtype"].itemsize != 4 else [])
+        + [f"{_short(dtypes[k])} {k.removesuffix('_dtype')}" for k in ("exp_avg_dtype", "exp_avg_sq_dtype")]) \
+        + ": precision-aware AdamW"
+    states = (f"4 B/param frozen + {per_param} B/adapter param (LoRA: only the adapters train"
+              + ("" if dtypes is None else f"; {kind}") + ")" if lora else
+              f"{per_param} B/param ({kind})")
     L = config.num_hidden_layers
     engine = mem.total_parameters * 4
     return [
@@ -333,7 +394,10 @@ def dry_run_section(plan, config, seq_len: int) -> list[str]:
           if reference else []),
         line("activations / micro-batch", f"{micro} x {seq_len} tokens, no recompute, 16-bit (Korthikanti eq. 2)",
              gib(mem.activations)),
-        line("peak per rank (training)", "model states + reference + activations", gib(mem.peak(reference))),
+        line("peak per rank (training)", "model states + activations (the reference waits on the host: "
+             "ref.megatron.param_offload)" if reference and "reference" in plan.devices.strategy.offload else
+             "model states + reference + activations",
+             gib(mem.peak(reference and "reference" not in plan.devices.strategy.offload))),
         f"  generation: the {plan.rollout_cls.__name__} engine holds {gib(engine)} of float32 weights per process"
         + (" (HF generation keeps a full copy on every rank: for a model this size use an engine with its own "
            "tensor parallelism)" if plan.rollout_cls.__name__ == "HFRollout" else ""),

@@ -58,9 +58,10 @@ def qat_argument(cfg: VerlConfig, notes: list[str], role: str = A, rollout_name:
                                 "the adapter's merged weights are not quantized; verl's QAT trains full weights.")
     what = ("the critic's linear layers (its value head too, under the name value_head)" if role == C
             else "the policy's linear layers")
-    where = ("" if role == C else "; the rollout engine is sent the quantized-dequantized weights and "
-             + ("vLLM runs them in its own dtype, 16-bit on GPUs (no NVFP4 kernels: no speed-up)" if rollout_name == "VLLMRollout"
-                else "generates with them") + "; the reference is the unquantized model")
+    engine = ("vLLM runs them in its own dtype, 16-bit on GPUs (no NVFP4 kernels: no speed-up)"
+              if rollout_name == "VLLMRollout" else "generates with them")
+    where = ("" if role == C else f"; the rollout engine is sent the quantized-dequantized weights and {engine}; "
+             "the reference is the unquantized model")
     notes.append(f"{first}.enable=True: quantization-aware training: {what} compute with NVFP4 fake-quantized weights "
                  f"({mode}, groups of {group_size}; ignored: {list_of(patterns)}), gradients pass straight through "
                  f"to the full-precision weights{where}")

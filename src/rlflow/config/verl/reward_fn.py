@@ -100,9 +100,10 @@ def gdpo_adapter(fn: Callable[..., Any], experiment_name: str, **kwargs: Any) ->
 
 
 def reward_function(path: str | None, name: str, reward_kwargs: dict, manager: str,
-                    experiment_name: str = "") -> Callable[..., Any]:
-    """The function to wrap in ``FunctionReward`` for these config values (``experiment_name``: gdpo's)."""
-    from rlflow.rewards import default_compute_score
+                    experiment_name: str = "", sandbox_fusion: dict | None = None) -> Callable[..., Any]:
+    """The function to wrap in ``FunctionReward`` for these config values (``experiment_name``: gdpo's;
+    ``sandbox_fusion``: ``SandboxFusion`` arguments, with which the built-in scorers run code on that server)."""
+    from rlflow.rewards import SandboxFusion, default_compute_score
 
     if manager not in REWARD_MANAGERS:  # validation reports this first
         raise ConfigError(f"reward_model.reward_manager={manager!r}: unknown; choose from {REWARD_MANAGERS}")
@@ -111,6 +112,11 @@ def reward_function(path: str | None, name: str, reward_kwargs: dict, manager: s
                                 "DAPO overlong reward shaping")
     path, name = split_reward_spec(path, name)
     fn = load_function(path, name) if path else default_compute_score
+    if not path and sandbox_fusion:  # verl: default_compute_score with sandbox_fusion_url (a custom function: not)
+        try:
+            fn = functools.partial(default_compute_score, sandbox=SandboxFusion(**sandbox_fusion))
+        except ValueError as e:  # a url that is not http(s)
+            raise ConfigError(f"reward_model.{e}") from None
     if manager == "batch":
         if not path:
             raise ConfigError("reward_model.reward_manager=batch needs custom_reward_function.path: "

@@ -52,8 +52,9 @@ def reward_plan(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[
     """Read the reward keys; every problem names its key."""
     timeout, workers = cfg[f"{RM}.timeout_s"], cfg[f"{RM}.num_workers"]  # their ranges: rlflow.config.verl.checks
     crf = cfg[CRF]
-    functions = _functions(crf, reward_kwargs, manager, cfg["trainer.experiment_name"])
     custom = bool(crf["path"] or crf["functions"] or ":" in str(crf["name"]))
+    sandbox = sandbox_fusion(cfg, workers or 0, custom, notes)
+    functions = _functions(crf, reward_kwargs, manager, cfg["trainer.experiment_name"], sandbox)
     plan = RewardPlan(functions=functions, timeout_s=timeout, processes=workers or 0, custom=custom)
     if not cfg[f"{RM}.enable"]:
         if cfg[f"{RM}.weight"] is not None:
@@ -85,6 +86,35 @@ def reward_plan(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[
             f"set {RM}.weight=1.0 to add the model's score to the functions'")
     plan.mode = "rm_argument"
     return plan
+
+
+def sandbox_fusion(cfg: VerlConfig, processes: int, custom: bool, notes: list[str]) -> dict | None:
+    """``reward_model.sandbox_fusion.*`` (verl 0.9: ``reward.sandbox_fusion.*``; verl's top-level ``sandbox_fusion.*``,
+    whose set values its reward loop moves there) -> ``SandboxFusion`` arguments, or None without a url. The
+    other two keys are read only with a url (without one, a note says they change nothing)."""
+
+    def value(name: str) -> Any:
+        top = cfg[f"sandbox_fusion.{name}"] if f"sandbox_fusion.{name}" in cfg.flat else None
+        return top if top is not None else cfg[f"{RM}.sandbox_fusion.{name}"]  # verl's top-level key, set, wins
+
+    url = value("url")
+    if not url:
+        return None
+    if not isinstance(url, str):
+        raise ConfigError(f"{RM}.sandbox_fusion.url={url!r}: must be the server's url (http://HOST:PORT/run_code)")
+    if custom:
+        notes.append(f"{RM}.sandbox_fusion.url={url!r}: as in verl, only the built-in scorers (code data sources) "
+                     f"send code to the server; {CRF} is called as it is")
+        return None
+    settings = {"url": url, "max_concurrent": value("max_concurrent"), "memory_limit_mb": value("memory_limit_mb")}
+    for key in ("max_concurrent", "memory_limit_mb"):
+        if isinstance(settings[key], bool) or not isinstance(settings[key], int) or settings[key] < 1:
+            raise ConfigError(f"{RM}.sandbox_fusion.{key}={settings[key]!r}: must be an integer >= 1")
+    if processes > 1:  # each reward process holds its own bound: together they keep the user's
+        total, settings["max_concurrent"] = settings["max_concurrent"], max(1, settings["max_concurrent"] // processes)
+        notes.append(f"{RM}.sandbox_fusion.max_concurrent={total} with {RM}.num_workers={processes} reward "
+                     f"processes: each sends at most {settings['max_concurrent']} requests at once")
+    return settings
 
 
 def model_arguments(cfg: VerlConfig, notes: list[str]) -> dict:
@@ -119,13 +149,14 @@ def model_arguments(cfg: VerlConfig, notes: list[str]) -> dict:
             **({"trust_remote_code": True} if cfg[f"{RM}.model.trust_remote_code"] else {})}
 
 
-def _functions(crf: dict, reward_kwargs: dict, manager: str, experiment: str = "") -> list[tuple[str, Callable, float]]:
+def _functions(crf: dict, reward_kwargs: dict, manager: str, experiment: str = "",
+               sandbox: dict | None = None) -> list[tuple[str, Callable, float]]:
     """The rule/custom functions with their weights: ``functions`` if given, else ``path``/``name``."""
     weight = crf["weight"]
     items = crf["functions"]
     if not items:
         name = str(crf["name"]).rsplit(":", 1)[-1] if crf["path"] or ":" in str(crf["name"]) else "reward"
-        return [(name, reward_function(crf["path"], crf["name"], reward_kwargs, manager, experiment),
+        return [(name, reward_function(crf["path"], crf["name"], reward_kwargs, manager, experiment, sandbox),
                  _weight(weight, f"{CRF}.weight"))]
     out = []
     for i, item in enumerate(items):

@@ -106,8 +106,6 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
                                                 "rlflow lacks; trace.backend=mlflow traces here (rlflow.rollout."
                                                 "TracedRollout)", _not(None, "mlflow")),
     "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
-    "reward_model.sandbox_fusion.url": ("a SandboxFusion server (rlflow runs code in its local sandbox: code data "
-                                        "sources are scored without a server)", _truthy),
     "trainer.default_hdfs_dir": ("checkpoints copied to HDFS (a Hadoop file system, reached by verl through the hdfs "
                                  "command-line client; rlflow writes trainer.default_local_dir)", _truthy),
 }
@@ -230,9 +228,9 @@ INERT: dict[str, str] = {
                                     "(reward_model.enable=True); rlflow scores each batch right after generation",
     "reward_model.launch_reward_fn_async": "rlflow runs reward calls on worker threads (or reward_model.num_workers "
                                            "processes) with a timeout",
-    "reward_model.sandbox_fusion.max_concurrent": "code runs in rlflow's local sandbox (rlflow.rewards.code)",
-    "reward_model.sandbox_fusion.memory_limit_mb": "code runs in rlflow's local sandbox; its limits are "
-                                                   "rlflow.rewards.code.DEFAULT_LIMITS (512 MiB)",
+    **{f"{section}.sandbox_fusion.{k}": f"only used with {section}.sandbox_fusion.url (a SandboxFusion server for the "
+                                        "built-in code scorer)" for section in ("reward_model", "reward")
+       for k in ("max_concurrent", "memory_limit_mb")},
     # verl 0.9's reward section: the keys without an older counterpart (the others: rlflow.config.verl.reward_section)
     "reward.reward_manager.module.path": "only used with reward.reward_manager.source=importlib",
     "reward.reward_manager.module.name": ("the module name verl gives the file in sys.modules; rlflow names a "
@@ -242,9 +240,6 @@ INERT: dict[str, str] = {
        for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes")},
     "reward.reward_model.rollout.*": ("settings of verl's reward-model inference server; rlflow scores with a "
                                       "sequence-classification model in the training processes (ModelReward)"),
-    "reward.sandbox_fusion.max_concurrent": "code runs in rlflow's local sandbox (rlflow.rewards.code)",
-    "reward.sandbox_fusion.memory_limit_mb": "code runs in rlflow's local sandbox; its limits are "
-                                             "rlflow.rewards.code.DEFAULT_LIMITS (512 MiB)",
     "algorithm.pf_ppo.*": "only used with algorithm.use_pf_ppo=True (and adv_estimator=gae)", "algorithm.filter_groups.metric": _FILTER_ONLY,
     "algorithm.filter_groups.max_num_gen_batches": _FILTER_ONLY,
     "algorithm.rollout_correction.rollout_is_threshold": "only used with algorithm.rollout_correction.rollout_is",

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlflow.algorithms import ValueLoss
+from rlflow.config.verl.agent import CATALOGUE
 from rlflow.config.verl.folders import load_vision_processor, local_model, model_files, policy_config
 from rlflow.config.verl.rewards import RM, RewardPlan
 from rlflow.config.components import locate
@@ -122,6 +123,7 @@ def agent_kwargs(plan) -> dict:
     """AgentLoop's arguments, its tools and interactions as the loaders of their files (tools from one file; from
     a tool YAML and a Python file both, the loaded objects themselves)."""
     kwargs = dict(plan.agent)
+    _, _, multi_turn = kwargs.pop(CATALOGUE)
     files = {key: plan.cfg[key] for key in TOOL_FILES if plan.cfg[key]}
     if len(files) == 1:
         (key, path), = files.items()
@@ -129,6 +131,12 @@ def agent_kwargs(plan) -> dict:
     for arg, (key, loader) in AGENT_FILES.items():
         if plan.cfg[key]:
             kwargs[arg] = {"_target_": loader, "path": str(Path(plan.cfg[key]).expanduser().resolve())}
+    if "agents" in kwargs:  # the loops the data's rows name (agent_name): made over the same rollout
+        shared = {k: v for k, v in kwargs.items() if k in multi_turn or k == "template_kwargs"}
+        plain = {k: v for k, v in shared.items() if k == "template_kwargs"}
+        kwargs["agents"] = {name: {"_target_": spec(cls) if cls else "rlflow.rollout.agent.AgentLoop",
+                                   "_partial_": True, **(shared if with_keys else plain), **fields}
+                            for name, (cls, fields, with_keys) in kwargs["agents"].items()}
     return kwargs
 
 

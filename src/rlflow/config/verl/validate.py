@@ -319,11 +319,11 @@ def rollout_engine_available(ctx: Context) -> None:
     if name in tables.SERVER_ROLLOUTS and package is None:
         ctx.add(f"{R}.name={name}: rlflow talks to a running {name} server; set {R}.server.url=http://HOST:PORT "
                 f"(and {R}.server.launch='command' to have rlflow start it)")
+    elif not module_defines("rlflow.rollout", cls_name):  # before "install it": installing would not help
+        ctx.add(NotSupportedError(f"{R}.name", name, f"the {name} rollout engine", f"Use {R}.name=hf."))
     elif package is not None and importlib.util.find_spec(package) is None:
         ctx.add(f"{R}.name={name}: {package} is not installed here. Install it: {tables.ENGINE_INSTALL}. "
                 f"Or generate with transformers: {R}.name=hf")
-    elif not module_defines("rlflow.rollout", cls_name):
-        ctx.add(NotSupportedError(f"{R}.name", name, f"the {name} rollout engine", f"Use {R}.name=hf."))
 
 
 @cross_check

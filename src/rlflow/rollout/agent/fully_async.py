@@ -1,13 +1,14 @@
 """An agent loop in the fully asynchronous mode: what ``FullyAsyncRollout(AgentLoop(...))`` runs on its driver thread.
 
 Each admitted prompt becomes ``n`` conversations (:class:`~rlflow.rollout.agent.trajectory.Trajectory`), each a
-coroutine of :meth:`AgentLoop.run_one` on the driver thread's event loop. A model turn is a
-:class:`~rlflow.rollout.chunks.Sample` handed to the driver (:class:`ChunkedTurns`), which extends every pending
-turn by one chunk per engine call (the turns of all conversations batched together) and loads the weights pushed
-meanwhile between two chunks, as for single-turn samples; tools run between turns on the same event loop while
-the engine generates other conversations' chunks. A conversation can therefore span several versions, across
-turns and within one: each model token keeps the log-prob and the version of the weights that sampled it, the
-tool tokens between turns are masked with version -1. A group is complete when its ``n`` conversations ended.
+coroutine of :meth:`AgentLoop.run_one` (of the loop its row names, verl's ``agent_name``) on the driver thread's
+event loop. A model turn is a :class:`~rlflow.rollout.chunks.Sample` handed to the driver (:class:`ChunkedTurns`),
+which extends every pending turn by one chunk per engine call (the turns of all conversations batched together)
+and loads the weights pushed meanwhile between two chunks, as for single-turn samples; tools run between turns
+on the same event loop while the engine generates other conversations' chunks. A conversation can therefore span
+several versions, across turns and within one: each model token keeps the log-prob and the version of the weights
+that sampled it, the tool tokens between turns are masked with version -1. A group is complete when its ``n``
+conversations ended.
 
 The driver's loop never samples with the module being trained: a transformers engine gets a copy of the model
 (loaded with every push); a server holds weights of its own. The agent loop itself stays bound to the trained
@@ -95,7 +96,8 @@ async def _drive(fa) -> None:
                 continue
             for group in admitted:
                 group.samples = agent.trajectories(group.row)
-                running[group.seq] = group, [asyncio.create_task(agent.run_one(t, turns)) for t in group.samples]
+                running[group.seq] = group, [asyncio.create_task(agent.loop_for(t.agent_name).run_one(t, turns))
+                                             for t in group.samples]
             await asyncio.sleep(0)  # the new conversations ask for their first turn
             if turns.pending:
                 await asyncio.to_thread(generate_chunk, fa.engine, [s for s, _ in turns.pending],

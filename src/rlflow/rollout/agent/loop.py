@@ -34,6 +34,7 @@ from rlflow.data.nontensor import column
 from rlflow.rollout.agent.batching import DirectRequests, TurnBatcher, run_sync
 from rlflow.rollout.agent.chat import ChatFormat
 from rlflow.rollout.agent.interaction import Interaction
+from rlflow.rollout.agent.named import NamedLoops
 from rlflow.rollout.agent.trajectory import Trajectory, summarize
 from rlflow.rollout.single_turn import SingleTurnRollout, unpadded
 from rlflow.rollout.tools.base import Tool, ToolError, ToolResult
@@ -80,6 +81,12 @@ class AgentLoop(RolloutWrapper):
         tool_timeout_s: overrides every tool's own ``timeout_s``.
         concurrent_requests: send each turn to the engine on its own (servers) instead of batching turns.
         template_kwargs: extra ``apply_chat_template`` arguments.
+        name, agents: verl's per-row choice of loop. A batch row whose ``agent_name`` column (rlflow.data reads
+            it from the data) names one of ``agents`` (``{name: factory}``, ``factory(rollout)`` making an
+            ``AgentLoop``, e.g. ``functools.partial(MyLoop, tools=...)``) runs with that loop, over this loop's
+            rollout; a row naming ``name`` or none runs with this loop; another name is an error naming the
+            row and the names. All conversations of a batch share one engine (their turns batched together)
+            and come back in the batch's order.
 
     Writes the single-turn keys (``response_*``, ``rollout_log_probs``, ``group``, ``response_text``: the
     decoded trajectory, tool results included), the prompts it rendered with the tools (``prompt_ids``,
@@ -97,7 +104,7 @@ class AgentLoop(RolloutWrapper):
                  max_parallel_calls: int = 1, max_tool_response_length: int = 256,
                  tool_response_truncate_side: str = "middle", max_response_tokens: int | None = None,
                  tool_timeout_s: float | None = None, concurrent_requests: bool = False,
-                 template_kwargs: dict | None = None):
+                 template_kwargs: dict | None = None, name: str | None = None, agents: dict | None = None):
         if isinstance(tools, (str, bytes)) or hasattr(tools, "__fspath__"):
             tools = load_tool_config(tools)
         self.tools: dict[str, Tool] = {}
@@ -112,12 +119,12 @@ class AgentLoop(RolloutWrapper):
         if interaction is not None and not isinstance(interaction, (Interaction, dict)):
             raise TypeError(f"interaction must be an Interaction, a {{name: Interaction}} dict or a YAML path, "
                             f"got {type(interaction).__name__}")
-        for name, value, low in (("max_assistant_turns", max_assistant_turns, 1), ("max_user_turns", max_user_turns, 0),
-                                 ("max_parallel_calls", max_parallel_calls, 1),
-                                 ("max_tool_response_length", max_tool_response_length, 1),
-                                 ("max_response_tokens", max_response_tokens, 1)):
+        for arg, value, low in (("max_assistant_turns", max_assistant_turns, 1), ("max_user_turns", max_user_turns, 0),
+                                ("max_parallel_calls", max_parallel_calls, 1),
+                                ("max_tool_response_length", max_tool_response_length, 1),
+                                ("max_response_tokens", max_response_tokens, 1)):
             if value is not None and value < low:
-                raise ValueError(f"{name} must be >= {low} (or None), got {value}")
+                raise ValueError(f"{arg} must be >= {low} (or None), got {value}")
         if tool_response_truncate_side not in TRUNCATE_SIDES:
             raise ValueError(f"tool_response_truncate_side must be one of {TRUNCATE_SIDES}, "
                              f"got {tool_response_truncate_side!r}")
@@ -137,6 +144,7 @@ class AgentLoop(RolloutWrapper):
         self.template_kwargs = dict(template_kwargs or {})
         self.stats: dict[str, float] = {}
         self._chat: ChatFormat | None = None
+        self.named = NamedLoops(name, agents)
 
     # ------------------------------------------------------------------ what the Trainer asks of a rollout
     # (bind, sync_weights, n, temperature, tokenizer, holds_own_weights: RolloutWrapper's, to the wrapped rollout)
@@ -174,14 +182,25 @@ class AgentLoop(RolloutWrapper):
         """The starting states of ``batch``'s samples, ``n`` per prompt in the order of its rows."""
         if self.rollout.tokenizer is None:
             raise RuntimeError("AgentLoop has no engine: call rollout.bind(model, tokenizer) (the Trainer does)")
-        if self.tools or self.interaction is not None or self.environment is not None:
-            self.chat  # fails now, naming the fix, when the tokenizer has no chat template to render turns with
         num_prompts = batch.batch_size[0]
-        prompts, raw = self.prompt_ids(batch), _column(batch, K.RAW_PROMPT, num_prompts)
+        names = _column(batch, K.AGENT_NAME, num_prompts)
+        loops = [self.loop_for(name, f"batch row {i}" + (f" (data row {index})" if index is not None else ""))
+                 for i, (name, index) in enumerate(zip(names, _column(batch, K.ROW_INDEX, num_prompts)))]
+        for loop in {id(loop): loop for loop in loops}.values():
+            if loop.tools or loop.interaction is not None or loop.environment is not None:
+                loop.chat  # fails now, naming the fix, when the tokenizer has no chat template to render turns with
+        given, raw = unpadded(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK]), _column(batch, K.RAW_PROMPT, num_prompts)
         rows = [{"ground_truth": g, "data_source": d, "extra_info": e} for g, d, e in zip(
             _column(batch, K.GROUND_TRUTH, num_prompts), _column(batch, K.DATA_SOURCE, num_prompts),
             _column(batch, K.EXTRA_INFO, num_prompts))]
-        return [self.new_trajectory(prompts[i], raw[i], rows[i]) for i in range(num_prompts) for _ in range(self.n)]
+        out = []
+        for i, loop in enumerate(loops):
+            prompt = loop.prompt_for(given[i], raw[i])
+            for _ in range(self.n):
+                t = loop.new_trajectory(prompt, raw[i], rows[i])
+                t.agent_name = names[i]
+                out.append(t)
+        return out
 
     def laid_out(self, batch: TensorDict, trajs: list[Trajectory]) -> TensorDict:
         """``batch``'s rows, ``n`` each, with the finished ``trajs`` (of :meth:`trajectories`) written in; the
@@ -194,13 +213,11 @@ class AgentLoop(RolloutWrapper):
         self.stats = summarize(trajs)
         return out
 
-    def prompt_ids(self, batch: TensorDict) -> list[list[int]]:
-        """Chat prompts re-rendered with the tool schemas (``raw_prompt``); other prompts as the data gave them."""
-        given = unpadded(batch[K.PROMPT_IDS], batch[K.PROMPT_MASK])
-        if K.RAW_PROMPT not in batch.keys() or not getattr(self.tokenizer, "chat_template", None):
-            return given
-        raw = _column(batch, K.RAW_PROMPT, len(given))
-        return [self.chat.prompt_ids(p) if isinstance(p, list) else ids for p, ids in zip(raw, given)]
+    def prompt_for(self, given: list[int], raw_prompt) -> list[int]:
+        """A chat prompt (``raw_prompt``) re-rendered with this loop's tool schemas; another as the data gave it."""
+        if isinstance(raw_prompt, list) and getattr(self.tokenizer, "chat_template", None):
+            return self.chat.prompt_ids(raw_prompt)
+        return given
 
     def new_trajectory(self, prompt: list[int], raw_prompt, row: dict) -> Trajectory:
         """A sample's starting state: its prompt, the conversation so far, its ``tools_kwargs``/``interaction_kwargs``
@@ -215,7 +232,12 @@ class AgentLoop(RolloutWrapper):
     async def run(self, trajs: list[Trajectory]) -> None:
         engine, params = self.rollout.engine, self.rollout.sampling
         sampler = DirectRequests(engine, params) if self.concurrent_requests else TurnBatcher(engine, params, len(trajs))
-        await asyncio.gather(*(self.run_one(t, sampler) for t in trajs))
+        await asyncio.gather(*(self.loop_for(t.agent_name).run_one(t, sampler) for t in trajs))
+
+    def loop_for(self, agent_name: str | None, where: str = "") -> "AgentLoop":
+        """The loop that runs a row naming ``agent_name`` (verl's per-row choice: this loop for none or its
+        ``name``, else one of ``agents``); an unknown name is an error naming the row (``where``) and the names."""
+        return self.named.loop(self, agent_name, where, AgentLoop)
 
     async def run_one(self, t: Trajectory, sampler) -> None:
         """One conversation: model turn, then tools / user / environment, until a stop condition."""

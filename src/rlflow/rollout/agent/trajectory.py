@@ -24,6 +24,7 @@ class Trajectory:
     interaction_kwargs: dict = field(default_factory=dict)
     messages: list[dict] = field(default_factory=list)   # the conversation, for interactions and rewards
     row: dict = field(default_factory=dict)       # the data row's ground_truth, data_source and extra_info
+    agent_name: str | None = None                 # the loop the row named (verl's agent_name), None: the default
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)

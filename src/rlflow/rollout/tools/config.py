@@ -35,7 +35,7 @@ VERL_CLASSES: dict[str, str | tuple[None, str]] = {
     "verl.tools.gsm8k_tool.Gsm8kTool": "rlflow.rollout.tools.gsm8k:Gsm8kTool",
     "verl.workers.tool.gsm8k_tool.Gsm8kTool": "rlflow.rollout.tools.gsm8k:Gsm8kTool",
     "verl.interactions.gsm8k_interaction.Gsm8kInteraction": "rlflow.rollout.agent.interaction:Gsm8kInteraction",
-    "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "rlflow.rollout.tools.python:PythonTool",  # runs locally
+    "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "rlflow.rollout.tools.python:PythonTool",  # its url, else locally
     "verl.tools.mcp_search_tool.MCPSearchTool": (None, "MCP servers"),
     "verl.tools.mcp_base_tool.MCPBaseTool": (None, "MCP servers"),
     "verl.tools.search_tool.SearchTool": (None, "a retrieval server"),

@@ -8,14 +8,17 @@ model a clear error (``Error: python: the program used more than its 2 s of CPU 
 tool error; the rollout goes on.
 
 verl's ``verl.tools.sandbox_fusion_tools.SandboxFusionTool`` (code sent to a remote SandboxFusion service)
-maps to this tool in verl tool YAML files: the code runs locally in the sandbox instead, with its
-``default_timeout`` and ``memory_limit_mb``.
+maps to this tool in verl tool YAML files: with its ``sandbox_fusion_url`` the code runs on that server
+(:class:`rlflow.rewards.SandboxFusion`: ``default_timeout`` as run time, ``memory_limit_mb``, ``rate_limit`` as the
+requests in flight at most; a request that fails is a tool error naming the url); without one, locally in
+the sandbox.
 """
 
 from __future__ import annotations
 
 import re
 
+from rlflow.rewards.sandbox_fusion import SandboxFusion, SandboxFusionError
 from rlflow.rollout.tools.base import Tool, ToolError
 from rlflow.sandbox import Limits, Sandbox, SandboxResult
 
@@ -28,9 +31,10 @@ WHY = {"timeout": "ran longer than its {wall_s:g} s of wall time and was stopped
        "signal": "was killed by signal {signal}",
        "sandbox_error": "could not be run: the sandbox failed on this machine"}
 LIMIT_KEYS = tuple(Limits.__dataclass_fields__)
-# verl SandboxFusionTool config keys -> rlflow's (None: nothing to set here, the code runs locally)
-VERL_KEYS = {"default_timeout": "wall_s", "memory_limit_mb": "memory_mb", "sandbox_fusion_url": None,
-             "num_workers": None, "rate_limit": None, "enable_global_rate_limit": None, "default_language": None}
+# verl SandboxFusionTool config keys -> rlflow's (None: nothing to set here; sandbox_fusion_url and rate_limit: the
+# SandboxFusion client's)
+VERL_KEYS = {"default_timeout": "wall_s", "memory_limit_mb": "memory_mb", "num_workers": None,
+             "enable_global_rate_limit": None, "default_language": None}
 
 
 def describe(result: SandboxResult, limits: Limits, tail_chars: int = 800) -> str:
@@ -61,8 +65,10 @@ class PythonTool(Tool):
     parameters = {"type": "object", "properties": {
         "code": {"type": "string", "description": "the Python source to run"}}, "required": ["code"]}
 
-    def __init__(self, config: dict | None = None, tool_schema: dict | None = None, *, sandbox: Sandbox | None = None):
+    def __init__(self, config: dict | None = None, tool_schema: dict | None = None, *,
+                 sandbox: Sandbox | SandboxFusion | None = None):
         super().__init__(config, tool_schema)
+        url, rate_limit = self.config.pop("sandbox_fusion_url", None), self.config.pop("rate_limit", None)
         for key, ours in VERL_KEYS.items():
             if key in self.config:
                 value = self.config.pop(key)
@@ -74,6 +80,14 @@ class PythonTool(Tool):
         limits = {k: self.config.pop(k) for k in LIMIT_KEYS if k in self.config}
         if self.config:
             raise ValueError(f"PythonTool: unknown config key(s) {sorted(self.config)}; limits are {LIMIT_KEYS}")
+        if sandbox is None and url:
+            other = sorted(set(limits) - {"wall_s", "memory_mb"}) + (["require"] if require is not None else [])
+            if other:
+                raise ValueError(f"PythonTool: {other} limit the local sandbox; with sandbox_fusion_url the server "
+                                 "sets them (default_timeout and memory_limit_mb go with each request)")
+            sandbox = SandboxFusion(url, max_concurrent=rate_limit or 64,
+                                    memory_limit_mb=limits.get("memory_mb", DEFAULT_LIMITS.memory_mb),
+                                    run_timeout=limits.get("wall_s", DEFAULT_LIMITS.wall_s))
         if sandbox is None:
             base = Limits(**{**DEFAULT_LIMITS.__dict__, **limits})
             sandbox = Sandbox(base) if require is None else Sandbox(base, require=tuple(require))
@@ -85,7 +99,10 @@ class PythonTool(Tool):
 
     def execute(self, args: dict, **sample_kwargs) -> str:
         """Blocking (a subprocess): the agent loop runs it on a worker thread."""
-        result = self.sandbox.run_python(str(args.get(self.argument, "")))
+        try:
+            result = self.sandbox.run_python(str(args.get(self.argument, "")))
+        except SandboxFusionError as e:  # the server did not run it: a tool error, the rollout goes on
+            raise ToolError(f"python: {e}") from None
         if result.status != "ok":
             raise ToolError(f"python: {describe(result, self.sandbox.limits)}")
         out = result.stdout

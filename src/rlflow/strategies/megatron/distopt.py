@@ -2,7 +2,8 @@
 
 ``MegatronStrategy(distributed_optimizer=True)`` replaces the Trainer's AdamW (its ``lr``, ``betas``,
 ``eps`` and ``weight_decay`` carry over, weight decay on every parameter as with AdamW; ``optimizer_overrides``
-set further ``OptimizerConfig`` fields, e.g. CPU offload) by megatron-core's ``DistributedDataParallel`` +
+set further ``OptimizerConfig`` fields, e.g. CPU offload or the precision-aware optimizer's dtypes, which need
+Transformer Engine) by megatron-core's ``DistributedDataParallel`` +
 distributed optimizer: float32 master weights and moments sharded over the
 data-parallel ranks, gradients reduce-scattered into contiguous buffers. Megatron's optimizer refuses
 CPU tensors, so this path only runs on GPUs; ``tests/megatron/test_gpu.py`` checks it against the default
@@ -21,9 +22,12 @@ scaled by ``DP / W`` (one over the model-parallel size).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import torch
 from torch import nn
+
+from rlflow.strategies.megatron.precision_aware import SWITCH, as_megatron, precision_dtypes  # noqa: F401 (as_megatron: re-exported)
 
 # OptimizerConfig fields rlflow fills from the Trainer's optimizer and its own clipping: not overridable
 OWN_FIELDS = ("optimizer", "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "decoupled_weight_decay",
@@ -43,6 +47,7 @@ def check_overrides(overrides: dict | None) -> dict:
         if name in OWN_FIELDS:
             raise ValueError(f"{name!r} comes from the Trainer's optimizer and clipping (lr, weight decay, betas, "
                              "eps, max_grad_norm), not from the overrides")
+    precision_dtypes(overrides or {})  # the precision-aware dtypes: known, and only with the switch on
     return dict(overrides or {})
 
 
@@ -55,7 +60,15 @@ def optimizer_config(group: dict, overrides: dict | None = None):
     return OptimizerConfig(
         optimizer="adam", lr=group["lr"], weight_decay=group["weight_decay"], adam_beta1=group["betas"][0],
         adam_beta2=group["betas"][1], adam_eps=group["eps"], decoupled_weight_decay=True,
-        use_distributed_optimizer=True, clip_grad=0.0, params_dtype=torch.float32, **check_overrides(overrides))
+        use_distributed_optimizer=True, clip_grad=0.0, params_dtype=torch.float32,
+        **as_megatron(check_overrides(overrides)))
+
+
+def reduces_in_fp32(overrides: dict | None) -> bool:
+    """Megatron's DDP ``grad_reduce_in_fp32``: off when the precision-aware optimizer keeps lower-precision main
+    gradients (as verl sets it from ``main_grads_dtype``)."""
+    dtypes = precision_dtypes(overrides or {})
+    return dtypes is None or dtypes["main_grads_dtype"] == torch.float32
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -76,7 +89,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("distributed_optimizer=True: the optimizer holds parameters outside the Megatron models "
                              "(a critic's value head?); use the default optimizer")
         group = optimizer.param_groups[0]
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        if (overrides or {}).get(SWITCH) and not (overrides or {}).get("optimizer_cpu_offload") \
+                and importlib.util.find_spec("transformer_engine") is None:
+            raise ValueError(f"{SWITCH}=True with distributed_optimizer=True: megatron-core builds it from Transformer "
+                             "Engine's FusedAdam; install transformer-engine, or train without the distributed "
+                             "optimizer (rlflow's PrecisionAwareAdamW keeps the same dtypes)")
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=reduces_in_fp32(overrides),
+                                                   overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True)
         self.ddps = [DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt) for gpt in gpts]
         config = optimizer_config(group, overrides)

@@ -20,6 +20,9 @@ gradients it "owns" (data-parallel rank 0 of each replica group; for a parameter
 tensor-parallel ranks, tensor rank 0; the tied embedding on the first stage) and one all-reduce over
 all ranks sums them. Clipping scales every gradient by ``min(1, max_norm / (norm + 1e-6))``, as
 ``torch.nn.utils.clip_grad_norm_`` does.
+
+A parameter's gradient is ``param.main_grad`` where the precision-aware optimizer accumulates it in its own dtype
+(:mod:`.precision_aware`), else ``param.grad``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from rlflow.strategies.megatron.precision_aware import main_grad, zero_main_grad
 
 
 def _is_expert(p: nn.Parameter) -> bool:
@@ -50,11 +55,11 @@ def _fill_missing(params: list[nn.Parameter], group) -> None:
     if dist.get_world_size(group) == 1 or not params:
         return
     device = params[0].device
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    has = torch.tensor([main_grad(p) is not None for p in params], dtype=torch.int32, device=device)
     dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
     for p, anywhere in zip(params, has.tolist()):
-        if anywhere and p.grad is None:
-            p.grad = torch.zeros_like(p)
+        if anywhere and main_grad(p) is None:
+            zero_main_grad(p)
 
 
 @torch.no_grad()
@@ -68,18 +73,19 @@ def reduce_gradients(params: list[nn.Parameter]) -> None:
     expert_group = ps.get_expert_data_parallel_group()
     _fill_missing(dense, dp_group)
     _fill_missing(experts, expert_group)
-    partial = [p.grad for p in params if getattr(p, "partial_over_tensor_parallel", False) and p.grad is not None]
+    partial = [main_grad(p) for p in params if getattr(p, "partial_over_tensor_parallel", False)
+               and main_grad(p) is not None]
     _sum_over(partial, ps.get_tensor_model_parallel_group())
     tied = [p for p in dense if getattr(p, "shared_embedding", False)]  # one on the first and one on the last stage
     if tied and ps.get_pipeline_model_parallel_world_size() > 1:
         _fill_missing(tied, ps.get_embedding_group())  # a critic does not use the last stage's copy
-        _sum_over([p.grad for p in tied if p.grad is not None], ps.get_embedding_group())
-    _sum_over([p.grad for p in dense if p.grad is not None], dp_group)
-    _sum_over([p.grad for p in experts if p.grad is not None], expert_group)
+        _sum_over([main_grad(p) for p in tied if main_grad(p) is not None], ps.get_embedding_group())
+    _sum_over([main_grad(p) for p in dense if main_grad(p) is not None], dp_group)
+    _sum_over([main_grad(p) for p in experts if main_grad(p) is not None], expert_group)
     scale = 1.0 / dist.get_world_size()
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(scale)
+    for grad in map(main_grad, params):
+        if grad is not None:
+            grad.mul_(scale)
 
 
 def _owned(p: nn.Parameter) -> bool:
@@ -99,7 +105,7 @@ def _owned(p: nn.Parameter) -> bool:
 @torch.no_grad()
 def global_grad_norm(params: list[nn.Parameter], norm_type: float = 2.0) -> Tensor:
     """The norm of the whole model's gradient (after :func:`reduce_gradients`), the same on every rank."""
-    grads = [p.grad for p in params if p.grad is not None and _owned(p)]
+    grads = [main_grad(p) for p in params if main_grad(p) is not None and _owned(p)]
     device = params[0].device if params else torch.device("cpu")
     if norm_type == float("inf"):
         local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
@@ -115,6 +121,6 @@ def global_grad_norm(params: list[nn.Parameter], norm_type: float = 2.0) -> Tens
 @torch.no_grad()
 def clip_(params: list[nn.Parameter], max_norm: float, norm: Tensor) -> None:
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
+    for grad in map(main_grad, params):
+        if grad is not None:
+            grad.mul_(coef.to(grad.dtype))

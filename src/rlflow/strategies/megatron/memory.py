@@ -7,7 +7,8 @@ embedding keeps a copy there when there are several stages) are split over the v
 
 Bytes per parameter, as this plugin trains: float32 weights, float32 gradients and AdamW's two
 float32 moments, **16 B** on every rank (the Trainer's optimizer over the rank's shards; mixed
-precision is autocast). Megatron's distributed optimizer (``distributed_optimizer=True``, GPUs) shards the
+precision is autocast); the precision-aware optimizer (``trained_bytes``, :func:`.precision_aware.trained_bytes`)
+stores gradients and moments in fewer bytes. Megatron's distributed optimizer (``distributed_optimizer=True``, GPUs) shards the
 12 B of master weights and moments over the data-parallel ranks: ``4 + 12 / DP`` B. A frozen
 reference (KL term) adds 4 B/param, split like the policy.
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from rlflow.strategies.megatron import qwen3_5
 from rlflow.strategies.megatron.layout import ParallelLayout
 from rlflow.strategies.megatron.model import head_dim, padded_vocab
+from rlflow.strategies.megatron.precision_aware import precision_dtypes, trained_bytes
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,19 @@ def lora_parameters(config, r: int, target_modules, tensor: int = 1) -> int:
     return total
 
 
+def optimizer_dtypes(optimizer_overrides: dict | None) -> tuple[dict | None, int]:
+    """The precision-aware optimizer's dtypes in a strategy's ``optimizer_overrides`` (``None``: float32 AdamW) and
+    the bytes of one trained parameter (weight, gradient, master copy, moments)."""
+    dtypes = precision_dtypes(optimizer_overrides or {})
+    return dtypes, trained_bytes(dtypes)
+
+
 @dataclass(frozen=True)
 class RankMemory:
     """The largest pipeline stage's share, per rank (bytes unless named otherwise)."""
 
     parameters: int               # parameters on one rank of the largest stage
-    model_states: int             # weights + gradients + AdamW (16 B/param)
+    model_states: int             # weights + gradients + AdamW (16 B/param; trained_bytes)
     distributed_optimizer: int    # the same with Megatron's distributed optimizer (4 + 12/DP B/param)
     reference: int                # a frozen float32 copy for the KL term
     activations: int              # one micro-batch, no recomputation, 16-bit
@@ -102,9 +111,11 @@ class RankMemory:
 
 
 def rank_memory(config, layout: ParallelLayout, world_size: int, micro_batch: int, seq_len: int,
-                chunk_tokens: int = 4096, lora: tuple[int, object] | None = None) -> RankMemory:
+                chunk_tokens: int = 4096, lora: tuple[int, object] | None = None,
+                trained_bytes: int = 16) -> RankMemory:
     """Estimate for the rank that holds the most parameters (see the module docstring); ``lora``: ``(r,
-    target_modules)`` when only adapters train."""
+    target_modules)`` when only adapters train; ``trained_bytes``: weight, gradient and optimizer state of a trained
+    parameter."""
     layer = layer_parameters(config)
     t, pp, ep = layout.tensor, layout.pipeline, layout.expert
     V, H, L = config.vocab_size, config.hidden_size, config.num_hidden_layers
@@ -126,10 +137,10 @@ def rank_memory(config, layout: ParallelLayout, world_size: int, micro_batch: in
     acts = (L // pp) * s * b * H * (10 + 24 / t + 5 * a * s / (H * t))
     head = 3 * min(chunk_tokens, s * b) * (padded_vocab(V, t) // t) * 4
     if lora is None:
-        return RankMemory(parameters=largest, model_states=16 * largest,
+        return RankMemory(parameters=largest, model_states=trained_bytes * largest,
                           distributed_optimizer=int((4 + 12 / dp) * largest), reference=4 * largest,
                           activations=int(acts + head), total_parameters=total)
     adapters = (L // pp) * lora_parameters(config, lora[0], lora[1], t)
-    return RankMemory(parameters=largest, model_states=4 * largest + 16 * adapters,
+    return RankMemory(parameters=largest, model_states=4 * largest + trained_bytes * adapters,
                       distributed_optimizer=int(4 * largest + (4 + 12 / dp) * adapters), reference=0,
                       activations=int(acts + head), total_parameters=total, adapter_parameters=adapters)

@@ -106,7 +106,9 @@ class ShardedCheckpoint:
         state = {}
         updated = self._optimizer_slots(optimizer, slots, primary_only=True)
         for key, slot in updated:
-            per_param = [optimizer.state.get(p, {}) for p in slot.params]
+            # float32 values of a precision-aware optimizer's scaled states (.precision_aware), else the state itself
+            per_param = [optimizer.unscaled_state(p) if hasattr(optimizer, "unscaled_state")
+                         else optimizer.state.get(p, {}) for p in slot.params]
             if not per_param[0]:
                 continue
             entry = {}

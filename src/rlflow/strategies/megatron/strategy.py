@@ -41,6 +41,9 @@ from rlflow.strategies.megatron import lora as megatron_lora, mtp as megatron_mt
 from rlflow.strategies.megatron.layout import ParallelLayout
 from rlflow.strategies.megatron.model import MegatronLM, architecture
 from rlflow.strategies.megatron.mtp import MTPOptions
+from rlflow.strategies.megatron.offload import KINDS as OFFLOAD_KINDS, Offloader
+from rlflow.strategies.megatron.precision_aware import (PrecisionAwareAdamW, check_own, main_grad,
+                                                          precision_dtypes)
 from rlflow.strategies.megatron.router_replay import RoutingReplay
 from rlflow.strategies.megatron.sharded_checkpoint import ShardedCheckpoint
 from rlflow.strategies.megatron.slots import check_coverage, lm_slots, load_from_hf, mark_split_parameters, module_slots
@@ -68,7 +71,10 @@ class MegatronStrategy(ModelParallelStrategy):
         transformer_overrides: extra ``TransformerConfig`` fields (verl's ``override_transformer_config``).
         optimizer_overrides: extra megatron-core ``OptimizerConfig`` fields for the distributed optimizer (verl's
             ``optim.override_optimizer_config``: ``optimizer_cpu_offload``, ``optimizer_offload_fraction``, ...);
-            an unknown field is a ``ValueError`` naming it.
+            an unknown field is a ``ValueError`` naming it. ``use_precision_aware_optimizer=True`` with
+            ``main_grads_dtype`` / ``main_params_dtype`` / ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` also applies
+            without the distributed optimizer: the Trainer's Adam/AdamW becomes a
+            :class:`~.precision_aware.PrecisionAwareAdamW` storing those dtypes (any device).
         dist_checkpoints: ``{role: folder}`` of Megatron dist checkpoints (:mod:`.dist_checkpoint`; verl's
             ``use_dist_checkpointing`` / ``dist_checkpointing_path``) that roles start from instead of their Hugging
             Face weights: ``"policy"`` (the trained ``TokenLogProbs``), ``"reference"`` (a frozen one), ``"critic"``.
@@ -81,6 +87,9 @@ class MegatronStrategy(ModelParallelStrategy):
             to (the batch's ``routed_experts``: ``HFRollout(return_routed_experts=True)``).
         mtp: multi-token prediction of the trained policy (verl's ``model.mtp``, :mod:`.mtp`): its checkpoint's MTP
             layers in megatron-core's MTP block, trained with ``MTPOptions(train=True)``; ``None``: not built.
+        offload: what each role keeps in host memory while other roles run (verl's ``megatron.param_offload`` /
+            ``grad_offload`` / ``optimizer_offload``; :mod:`.offload`): ``{"policy": ["params", "grads",
+            "optimizer"], "reference": ["params"], "critic": [...]}``. A no-op on CPU devices.
         timeout: how long a rank waits in a collective before giving up.
     """
 
@@ -89,7 +98,7 @@ class MegatronStrategy(ModelParallelStrategy):
                  distributed_optimizer: bool = False, transformer_overrides: dict | None = None,
                  optimizer_overrides: dict | None = None, dist_checkpoints: dict[str, str] | None = None,
                  dist_checkpoint_prefix: str = "", router_replay: bool | str = False,
-                 mtp: MTPOptions | dict | None = None,
+                 mtp: MTPOptions | dict | None = None, offload: dict[str, list[str]] | None = None,
                  timeout: timedelta = timedelta(minutes=10)):
         unknown = sorted(set(dist_checkpoints or {}) - set(DIST_ROLES))
         if unknown:
@@ -110,12 +119,24 @@ class MegatronStrategy(ModelParallelStrategy):
         self.optimizer_overrides = {}
         if optimizer_overrides:
             self.optimizer_overrides = check_overrides(optimizer_overrides)
+            if not distributed_optimizer:  # the Trainer's AdamW becomes rlflow's PrecisionAwareAdamW
+                check_own(precision_dtypes(self.optimizer_overrides))
         self.dist_checkpoints = {role: str(path) for role, path in (dist_checkpoints or {}).items()}
         self.dist_checkpoint_prefix = dist_checkpoint_prefix
         if router_replay not in (False, True, "R2", "R3"):
             raise ValueError(f"router_replay={router_replay!r}: choose False, True (R2), 'R2' or 'R3'")
         self.router_replay = "R2" if router_replay is True else router_replay
         self.mtp = MTPOptions(**mtp) if isinstance(mtp, dict) else mtp  # a dict: from a config tree
+        self.offload = {role: list(kinds) for role, kinds in (offload or {}).items() if kinds}
+        for role, kinds in self.offload.items():
+            if role not in DIST_ROLES or not set(kinds) <= set(OFFLOAD_KINDS):
+                raise ValueError(f"offload={{{role!r}: {kinds}}}: roles {list(DIST_ROLES)}, kinds {list(OFFLOAD_KINDS)}")
+        if self.offload and distributed_optimizer:
+            raise ValueError("offload with distributed_optimizer=True: Megatron's distributed optimizer offloads with "
+                             "optimizer_overrides={'optimizer_cpu_offload': True}; rlflow's offload moves the default "
+                             "optimizer's tensors")
+        self._offloader: Offloader | None = None
+        self._optimizer_roles: dict[int, str | None] = {}
         self.loaded_policy_weights = False  # the policy started from a dist checkpoint: its engine needs them
         self._converted: list[nn.Module] = []  # the Megatron modules set up, for the distributed optimizer
         self._cpu_workarounds = None
@@ -131,7 +152,7 @@ class MegatronStrategy(ModelParallelStrategy):
             ", distributed_optimizer=True" if self.distributed_optimizer else "") + (
             f", dist_checkpoints={self.dist_checkpoints!r}" if self.dist_checkpoints else "") + (
             f", router_replay={self.router_replay!r}" if self.router_replay else "") + (
-            f", mtp={self.mtp!r}" if self.mtp else "")
+            f", mtp={self.mtp!r}" if self.mtp else "") + (f", offload={self.offload!r}" if self.offload else "")
         return f"MegatronStrategy({sizes or 'tensor_parallel=1'}{extra})"
 
     @property
@@ -164,6 +185,7 @@ class MegatronStrategy(ModelParallelStrategy):
             model_parallel_cuda_manual_seed(torch.initial_seed() % 2**31)
 
         self._checkpoint = ShardedCheckpoint(self.root_device.type)
+        self._offloader = Offloader(self.offload, self.root_device)
 
     def teardown(self) -> None:
         """Undo Megatron's process groups and the CPU workarounds. The process group stays (the Trainer, like
@@ -246,7 +268,28 @@ class MegatronStrategy(ModelParallelStrategy):
                                    else WeightExporter(megatron_mtp.engine_slots(slots))).buckets
         hf_model.to("meta")  # the Hugging Face tensors are not needed any more
         base.tie_weights()  # .to("meta") unties them; weight sync names a tied embedding's aliases (lm_head.weight)
+        if role in self.offload:
+            self._offloader.add_module(role, converted)
+            if role == "policy":
+                hf_model.weight_buckets = self._exported_by_policy(hf_model.weight_buckets)
         return converted
+
+    def _exported_by_policy(self, buckets: Callable) -> Callable:
+        """The policy's weight export with its offloaded tensors on the device; everything offloaded after it (the
+        end of the Trainer's RL step, as verl offloads after syncing the rollout)."""
+        def exported(*args, **kwargs):
+            self._offloader.use("policy")
+            try:
+                yield from buckets(*args, **kwargs)
+            finally:
+                self._offloader.offload_all()
+
+        return exported
+
+    def _use(self, optimizer: Optimizer) -> None:
+        """The role the optimizer trains is about to reduce, clip or step: its tensors onto the device."""
+        if self._offloader is not None and self._offloader.modules:
+            self._offloader.use(self._optimizer_roles.get(id(optimizer)))
 
     def _overrides(self, hf_model: nn.Module, on_cpu: bool) -> dict:
         """The ``TransformerConfig`` overrides; gradient checkpointing on the Hugging Face model becomes
@@ -269,6 +312,14 @@ class MegatronStrategy(ModelParallelStrategy):
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if not self.distributed_optimizer:
+            dtypes = precision_dtypes(self.optimizer_overrides)
+            if dtypes is not None and getattr(self.precision, "scaler", None) is not None:
+                raise ValueError("use_precision_aware_optimizer with float16 mixed precision: its gradient scaler "
+                                 "unscales param.grad, not the precision-aware optimizer's main_grad; use bf16-mixed "
+                                 "or 32-true")
+            optimizer = optimizer if dtypes is None else PrecisionAwareAdamW.replacing(optimizer, dtypes)
+            if self._offloader is not None:
+                self._optimizer_roles[id(optimizer)] = self._offloader.add_optimizer(optimizer)
             return optimizer
 
         return DistributedOptimizer(optimizer, self._converted, self.layout.model_parallel, self.optimizer_overrides)
@@ -284,6 +335,7 @@ class MegatronStrategy(ModelParallelStrategy):
                             error_if_nonfinite: bool = True) -> torch.Tensor:
         if isinstance(optimizer, DistributedOptimizer):
             return optimizer.clip(float(max_norm))
+        self._use(optimizer)
         self.precision.unscale_gradients(optimizer)
         params = self._finalize(optimizer)
         norm = global_grad_norm(params, float(norm_type))
@@ -293,13 +345,15 @@ class MegatronStrategy(ModelParallelStrategy):
         return norm
 
     def clip_gradients_value(self, module, optimizer: Optimizer, clip_val) -> None:
+        self._use(optimizer)
         self.precision.unscale_gradients(optimizer)
-        for p in self._finalize(optimizer):
-            if p.grad is not None:
-                p.grad.clamp_(-clip_val, clip_val)
+        for grad in map(main_grad, self._finalize(optimizer)):
+            if grad is not None:
+                grad.clamp_(-clip_val, clip_val)
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         if not isinstance(optimizer, DistributedOptimizer):  # that one reduces its own gradients
+            self._use(optimizer)
             self._finalize(optimizer)  # no-op when clip_gradients already reduced them
         return super().optimizer_step(optimizer, **kwargs)
 
@@ -308,9 +362,17 @@ class MegatronStrategy(ModelParallelStrategy):
                         filter: dict[str, Callable] | None = None) -> None:
         if storage_options is not None or filter is not None:
             raise TypeError("the Megatron strategy saves whole sharded checkpoints (no storage_options, no filter)")
-        self._checkpoint.save(Path(self.broadcast(str(path))), state, self.global_rank)
+        self._offloader.load_all()
+        try:
+            self._checkpoint.save(Path(self.broadcast(str(path))), state, self.global_rank)
+        finally:
+            self._offloader.offload_all()
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None) -> dict:
         if not isinstance(state, dict) or not state:
             raise ValueError("the Megatron strategy loads into a state dict holding the modules it set up")
-        return self._checkpoint.load(Path(self.broadcast(str(path))), state, strict)
+        self._offloader.load_all()
+        try:
+            return self._checkpoint.load(Path(self.broadcast(str(path))), state, strict)
+        finally:
+            self._offloader.offload_all()
