@@ -18,7 +18,7 @@ build on it, so none of them imports another for it. ``rlflow.rollout.weight_syn
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -86,13 +86,31 @@ def full_weight_buckets(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYT
 
     A bucket holds one dtype; row-sharded DTensors of a bucket are gathered with one collective.
     A model whose weights a strategy keeps elsewhere (the Megatron strategy's shards) provides
-    ``weight_buckets(bucket_bytes)``, which yields the same buckets.
+    ``weight_buckets(bucket_bytes)``, which yields the same buckets. A parameter a module serves another value
+    of (:func:`served_transforms`: quantization-aware training's fake-quantized weights) is sent as that value.
     """
     elsewhere = getattr(model, "weight_buckets", None)
     if elsewhere is not None:
         yield from elsewhere(bucket_bytes)
         return
-    yield from tensor_buckets(model.named_parameters(), bucket_bytes)
+    as_served = served_transforms(model)
+    for bucket in tensor_buckets(model.named_parameters(), bucket_bytes):
+        yield [(name, as_served[name](t) if name in as_served else t) for name, t in bucket] if as_served else bucket
+
+
+def served_transforms(model: nn.Module) -> dict[str, Callable[[Tensor], Tensor]]:
+    """``{parameter name: fn}`` for the parameters an engine is sent another value of: ``fn(full tensor)``.
+
+    A module with a ``served_weights()`` method says which of its parameters and how (quantization-aware
+    training's fake-quantized linear layers, ``rlflow.models.qat``: the quantized value the policy computes
+    with). Asked once per sync, in module order on every rank (it may run collectives).
+    """
+    out: dict[str, Callable[[Tensor], Tensor]] = {}
+    for prefix, module in model.named_modules():
+        hook = getattr(module, "served_weights", None)
+        if callable(hook):
+            out.update({f"{prefix}.{k}" if prefix else k: fn for k, fn in hook().items()})
+    return out
 
 
 def tensor_buckets(named: Iterable[tuple[str, Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES

@@ -74,7 +74,6 @@ def test_an_unknown_engine_is_a_config_error_listing_the_known(tiny):
 @pytest.mark.parametrize("override, needs", [
     (f"{R}.trace.backend=weave", "Weave project .weave: a W&B account and server"),
     (f"{R}.quantization=torchao", "torchao's quantized layers"),
-    ("actor_rollout_ref.actor.qat.enable=true", "NVFP4 .* NVIDIA GPUs"),
     (f"{R}.disaggregation.enabled=true", "prefill and decode replicas of SGLang/vLLM servers on GPUs"),
     ("trainer.default_hdfs_dir=hdfs://ckpt", "HDFS .* hdfs command-line client"),
 ])

@@ -148,8 +148,6 @@ def test_freeze_vision_tower_on_a_text_model_is_a_note(tiny):
 
 # ------------------------------------------------------------------------ refused, and inert
 @pytest.mark.parametrize("override, feature", [
-    (f"{A}.qat.enable=true", "quantization-aware training"),
-    (f"{A}.fsdp_config.qat.enable=true", "quantization-aware training"),
     (f"{M}.mtp.enable=true", "multi-token prediction"),
     (f"{R}.disaggregation.enabled=true", "prefill/decode disaggregation"),
     (f"{R}.quantization=torchao", "quantized rollouts"),

@@ -27,7 +27,7 @@ PAGE = (Path(__file__).parents[2] / "docs" / "verl-compat.md").read_text()
 REFUSAL = re.compile(r"not supported|refused", re.I)
 # Rows another helper is changing now (Megatron's precision-aware optimizer and *_offload keys, qat.*, sandbox_fusion.*):
 # checked once their work lands.
-SKIPPED = ("*use_precision_aware_optimizer", "*.megatron.*_offload", "*qat.*", "*sandbox_fusion.*")
+SKIPPED = ("*use_precision_aware_optimizer", "*.megatron.*_offload", "*sandbox_fusion.*")
 # Rows whose "refused" is not a refusal of their key.
 NOT_REFUSALS = {
     "actor_rollout_ref.rollout.server.retries": "the server's refused connections, which ServerRollout retries",
@@ -115,6 +115,13 @@ TRIGGERS: dict[str, list[tuple[str, list[str]]]] = {
         for t, epochs in ((3, []), (2, [f"{A}.ppo_epochs=2"]))],
     **{f"skip.{s}.enable": [(f"skip.{s}.enable", [f"skip.{s}.enable=true", "trainer.async_weight_update=true"])]
        for s in ("rollout", "rollout_tq", "async_rollout")},
+    f"{A}.qat.enable": [(f"{A}.qat.mode", [f"{A}.qat.enable=true", f"{A}.qat.mode=w4a4"]),
+                        (f"{A}.qat.enable", [f"{A}.qat.enable=true", f"{M}.lora_rank=4"]),
+                        (f"{A}.qat.enable", [f"{A}.qat.enable=true", f"{A}.strategy=megatron"])],
+    f"{A}.megatron.qat.enable": [(f"{A}.megatron.qat.enable", [f"{A}.megatron.qat.enable=true"]),
+                                 (f"{A}.megatron.qat.enable", [f"{A}.megatron.qat.enable=true", f"{A}.strategy=megatron"])],
+    "critic.megatron.qat.enable": [("critic.megatron.qat.enable", ["algorithm.adv_estimator=gae", "critic.model.path={model}",
+                                                                   "critic.megatron.qat.enable=true"])],
 }
 FILES = {"annotated.py": DATAPROTO_ONLY, "gen.py": VERL_DATAGEN, "verl_manager.py": VERL_MANAGER,
          "my_loop.py": VERL_LOOP, "loops.yaml": "- name: mine\n  _target_: {tmp}/my_loop.py:MyAgentLoop\n",

@@ -13,6 +13,7 @@ from rlflow.models.hub import locate_model
 from rlflow.models.liger import apply_liger
 from rlflow.models.logprobs import enable_sequence_parallel, response_hidden_states
 from rlflow.models.packing import pack, packed_hidden_states, unpack
+from rlflow.models.qat import apply_qat
 from rlflow.models.ulysses import sequence_parallel_outputs
 from rlflow.module import BatchModule
 from rlflow.trainer.batching import scoring_pieces
@@ -66,6 +67,9 @@ class Critic(BatchModule):
         lora: a ``peft.LoraConfig`` or an adapter folder: LoRA adapters on the backbone (``rlflow.models.lora``,
             verl's ``critic.model.lora_rank`` / ``lora_adapter_path``); the backbone's own weights are frozen and
             only the adapter and the value head (new, so always trained) train.
+        qat: quantization-aware training, as ``Policy``'s (``rlflow.models.qat.apply_qat``'s arguments): the
+            backbone's linear layers and the value head (``value_head``, unless an ignore pattern names it) compute
+            with NVFP4 fake-quantized weights (verl's critic engine quantizes its critic the same way).
     """
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS)
@@ -73,12 +77,16 @@ class Critic(BatchModule):
 
     def __init__(self, model: nn.Module, *, micro_batch_size: int | None = None,
                  max_tokens_per_micro_batch: int | None = None, remove_padding: bool = False, lora=None,
-                 activation_offload: bool = False):
+                 activation_offload: bool = False, qat: dict | None = None):
+        if qat is not None and lora is not None:
+            raise ValueError("Critic: qat with LoRA is not supported; use one or the other")
         if lora is not None:
             from rlflow.models.lora import apply_lora  # peft: imported only for LoRA
 
             model = apply_lora(model, lora)
         self.module: nn.Module = ValueHeadModel(model, remove_padding=remove_padding)
+        if qat is not None:
+            apply_qat(self.module, **qat)
         self.micro_batch_size, self.max_tokens_per_micro_batch = micro_batch_size, max_tokens_per_micro_batch
         self.remove_padding, self.activation_offload = remove_padding, activation_offload
 

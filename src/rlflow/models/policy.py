@@ -19,6 +19,7 @@ from rlflow.models.hf_config import load_config, model_kwargs
 from rlflow.models.hub import locate_model
 from rlflow.models.liger import apply_liger
 from rlflow.models.logprobs import TokenLogProbs
+from rlflow.models.qat import apply_qat, plain_copy, quantized_layers
 from rlflow.models.vision import freeze_vision_tower as freeze, load_processor
 from rlflow.module import BatchModule
 from rlflow.trainer.batching import scoring_pieces
@@ -58,6 +59,10 @@ class Policy(BatchModule):
             (``rlflow.models.shared_prompt``; padded layout, where the model allows it). Same results.
         freeze_vision_tower: a vision-language model's vision tower (with any LoRA adapters in it) is not trained
             (``rlflow.models.vision.freeze_vision_tower``); a text model is an error.
+        qat: quantization-aware training (verl's ``qat``): ``{"mode": "w4a16", "group_size": 16,
+            "ignore_patterns": [...]}`` (any subset; ``rlflow.models.qat.apply_qat``'s arguments) makes the model's
+            linear layers compute with NVFP4 fake-quantized weights, straight-through gradients to the master
+            weights; engines are sent the quantized values, and :meth:`reference` is the unquantized model.
     """
 
     in_keys = (K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS)
@@ -80,6 +85,7 @@ class Policy(BatchModule):
         share_prompts: bool = True,
         freeze_vision_tower: bool = False,
         activation_offload: bool = False,
+        qat: dict | None = None,
     ):
         if tokenizer is None and processor is not None:
             tokenizer = processor.tokenizer
@@ -88,6 +94,11 @@ class Policy(BatchModule):
             check_tokenizer(tokenizer, model)
             if tokenizer.pad_token is None:  # common for base models; prompts need a pad id for left padding
                 tokenizer.pad_token = tokenizer.eos_token
+        if qat is not None:
+            if lora is not None or lora_module(model) is not None:
+                raise ValueError("Policy: qat with LoRA is not supported (the adapter's merged weights would need "
+                                 "quantizing); use one or the other")
+            apply_qat(model, **qat)
         if lora is not None:
             from rlflow.models.lora import apply_lora
 
@@ -235,7 +246,7 @@ class Policy(BatchModule):
             else self.max_tokens_per_micro_batch
         if lora_module(self.model) is not None:
             return AdapterDisabledReference(self, micro, tokens)
-        frozen = copy.deepcopy(self.model).eval().requires_grad_(False)
+        frozen = plain_copy(self.model).eval().requires_grad_(False)  # quantization-aware training: unquantized
         return Policy(
             frozen,
             self.tokenizer,
@@ -252,9 +263,12 @@ class Policy(BatchModule):
     def engine_copy(self) -> nn.Module:
         """A full copy for a generation engine of its own (when training shards the weights): the model, or
         with LoRA a plain transformers model with the adapter merged (any engine loads it; weight sync then
-        sends the merged weights of the adapted layers)."""
+        sends the merged weights of the adapted layers), or with quantization-aware training a plain model holding
+        the fake-quantized weights (weight sync sends those, ``rlflow.models.qat``)."""
         lora = lora_module(self.model)
-        return lora.merged_copy(self.model) if lora is not None else copy.deepcopy(self.model)
+        if lora is not None:
+            return lora.merged_copy(self.model)
+        return plain_copy(self.model, served=True) if quantized_layers(self.model) else copy.deepcopy(self.model)
 
 
 class AdapterDisabledReference(Policy):

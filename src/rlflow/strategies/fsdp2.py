@@ -11,6 +11,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from rlflow.models.qat import quantized_layers
+
 
 def decoder_layers(module: nn.Module) -> list[nn.Module]:
     """The blocks to shard one by one: those Hugging Face marks as ``_no_split_modules``."""
@@ -47,6 +49,8 @@ def fsdp2_parallelize(
     for layer in decoder_layers(module):
         fully_shard(layer, **kwargs)
     fully_shard(module, **kwargs)
+    for layer in quantized_layers(module):  # QAT: engines get the weights quantized in the dtype computed with
+        layer.compute_dtype = param_dtype
     return module
 
 

@@ -45,7 +45,15 @@ _PRECISION_AWARE = ("only used with optim.use_precision_aware_optimizer=True (Me
                     "under actor.strategy=megatron); rlflow keeps float32 gradients and AdamW states")
 _PRECISION_AWARE_OPTIMIZER = ("only used with actor.strategy=megatron (Megatron's precision-aware optimizer: "
                               "rlflow.strategies.megatron.precision_aware)")
-_QAT_ONLY = "only used with qat.enable=True (quantization-aware training), which rlflow refuses"
+_QAT_ONLY = "only used with this block's qat.enable=True (quantization-aware training: rlflow.config.verl.qat)"
+_QAT_ROLLOUT = ("the rollout's copy of the actor's QAT block (verl's vLLM server reads it for NVFP4 kernels); with "
+                "actor QAT on, rlflow sends the engine the quantized-dequantized weights, which it runs in its own dtype")
+_QAT_OBSERVER = "only used with qat.mode=w4a4 (4-bit activations), which rlflow refuses"
+_QAT_VLLM_CONFIG = ("vLLM's NVFP4 quantization config (real FP4 kernels on Blackwell GPUs); rlflow sends the engine "
+                    "the quantized-dequantized weights, which it runs in its own dtype (no FP4 kernels)")
+_QAT_CRITIC_EXPORT = "a vLLM quantization config for exported weights; the critic is never sent to an engine"
+_QAT_REF = ("verl's reference engine is forward-only, where QAT is not applied: the reference scores with the "
+            "initial weights unquantized, here as in verl")
 _MTP_ROLLOUT = ("the rollout's copy of actor_rollout_ref.model.mtp (verl's engines read enable_rollout and the "
                 "speculative keys from it); rlflow reads actor_rollout_ref.model.mtp")
 _MTP_DRAFT = ("only used with mtp.enable_rollout=True (speculative decoding drafted by the MTP layers), which rlflow "
@@ -108,7 +116,12 @@ ROLE_INERT: dict[str, str] = {
     "critic.fsdp.model_dtype": "parameters stay float32; trainer.precision sets compute",
     f"{_REF_ENGINE}.model_dtype": "the reference is a frozen copy of the policy, in the policy's dtype",
     f"{_REF_ENGINE}.optimizer_offload": "the frozen reference has no optimizer",
-    f"{ACT}.qat.*": _QAT_ONLY, f"{ROLL}.qat.*": _QAT_ONLY,
+    f"{ACT}.qat.*": _QAT_ONLY, f"{ROLL}.qat.*": _QAT_ROLLOUT,
+    **{f"{b}.qat.*": _QAT_ONLY for b in (f"{ACT}.megatron", "critic.megatron")},
+    **{f"{b}.qat.{k}": v for b in (ACT, f"{ACT}.fsdp_config", f"{ACT}.megatron", "critic.fsdp", "critic.megatron")
+       for k, v in (("activation_observer", _QAT_OBSERVER), ("quantization_config_path", _QAT_VLLM_CONFIG
+                                                               if b.startswith(ACT) else _QAT_CRITIC_EXPORT))},
+    **{f"{AR}.ref.{e}.qat.*": _QAT_REF for e in ("fsdp_config", "megatron")},
     # the rollout
     f"{ROLL}.seed": ("with name=vllm, the engine's seed; the HF rollout samples from the trainer's random stream, "
                      "seeded by data.seed (rlflow's one seed)"),
@@ -151,8 +164,6 @@ ROLE_INERT: dict[str, str] = {
 }
 
 ROLE_NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "*.qat.enable": ("quantization-aware training (qat.enable: verl fake-quantizes linears to NVFP4 with Triton "
-                     "kernels and rolls out NVFP4 weights in vLLM, which needs NVIDIA GPUs)", _truthy),
     "critic.model.mtp.enable": ("multi-token prediction layers on the critic (verl trains them on the actor only)",
                                 _truthy),
     f"{ROLL}.disaggregation.enabled": ("prefill/decode disaggregation (rollout.disaggregation: separate prefill "

@@ -31,6 +31,7 @@ from rlflow.config.verl.determinism import determinism
 from rlflow.config.verl.lora import critic_lora_argument, lora_argument
 from rlflow.config.verl.modeldata import chat_template_kwargs, engine_loading, liger, model_loading, patch_size
 from rlflow.config.verl.optim import optim_kwargs
+from rlflow.config.verl.qat import qat_argument
 from rlflow.config.verl.resolve import class_kwargs
 from rlflow.config.verl.reward_class import manager_class
 from rlflow.config.verl.replay_keys import replay_plan
@@ -350,6 +351,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
     sp_size = sequence_parallel(cfg, notes, with_critic, procs)
     loggers, resume = logger_names(cfg, notes), resume_arg(cfg)
     rollout_cls, rollout_kwargs = rollout_plan(cfg, devices, notes, n, temperature, do_sample)
+    policy_loading |= qat_argument(cfg, notes, A, rollout_cls.__name__)  # quantization-aware training
+    critic_kwargs |= qat_argument(cfg, notes, C) if with_critic else {}
     if rollout_cls.__name__ == "VLLMRollout":
         engine_loading(rollout_kwargs, policy_loading)
     import_external_lib(cfg)
