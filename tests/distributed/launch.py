@@ -42,6 +42,9 @@ def _forked_rank(rank, nproc, port, out: Path, target, args) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="rlflow-forked",
                       OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # as torchrun's children (OMP_NUM_THREADS=1)
+    log = open(out / f"rank{rank}.log", "w", buffering=1)  # noqa: SIM115 - the rank's output, until os._exit
+    os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
     try:
         target(*args)
     except BaseException:
@@ -55,12 +58,13 @@ def can_fork_ranks() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-def fork_ranks(nproc: int, out: Path, target, *args, timeout: float = 600) -> None:
+def fork_ranks(nproc: int, out: Path, target, *args, timeout: float = 600) -> str:
     """``target(*args)`` on ``nproc`` ranks forked from this (already warm) process, each with the environment
     torchrun gives its workers (Lightning sees a torchelastic launch): a fresh interpreter pays ~6 CPU s importing
     rlflow (transformers, Lightning, TorchRL) per process, and torchrun's agent ~2 more; a forked child pays none.
     A rank that fails stops the others (they would wait in a collective) and its traceback (``out/rank*.error``)
-    is the assertion message. CUDA cannot be used after a fork: the ``gpu`` tests use torchrun."""
+    is the assertion message. Returns the ranks' output (``out/rank*.log``, rank 0's first), as torchrun's
+    stdout and stderr. CUDA cannot be used after a fork: the ``gpu`` tests use torchrun."""
     assert can_fork_ranks(), "this process holds a process group: launch fresh interpreters (torchrun)"
     port, fork = free_port(), multiprocessing.get_context("fork")
     ranks = [fork.Process(target=_forked_rank, args=(r, nproc, port, out, target, args)) for r in range(nproc)]
@@ -78,8 +82,11 @@ def fork_ranks(nproc: int, out: Path, target, *args, timeout: float = 600) -> No
                 p.kill()
             p.join()
     errors = "\n".join(f.read_text() for f in sorted(out.glob("rank*.error")))
+    output = "".join((out / f"rank{r}.log").read_text(errors="replace") for r in range(nproc)
+                     if (out / f"rank{r}.log").exists())
     codes = [p.exitcode for p in ranks]
-    assert codes == [0] * nproc, f"ranks' exit codes {codes} (timeout {timeout} s)\n{errors}"
+    assert codes == [0] * nproc, f"ranks' exit codes {codes} (timeout {timeout} s)\n{output[-3000:]}\n{errors}"
+    return output
 
 
 def run_ok(nproc, *args, worker=WORKER):
