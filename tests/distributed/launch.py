@@ -49,6 +49,8 @@ def _forked_rank(rank, nproc, port, out: Path, target, args) -> None:
         target(*args)
     except BaseException:
         (out / f"rank{rank}.error").write_text(traceback.format_exc())
+        sys.excepthook(*sys.exc_info())  # as an interpreter ends on an uncaught error (rlflow's watchdog explains it)
+        log.flush()
         os._exit(1)
     os._exit(0)
 
