@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -56,8 +57,13 @@ def _forked_rank(rank, nproc, port, out: Path, target, args) -> None:
 
 
 def can_fork_ranks() -> bool:
-    """Whether ranks may be forked from this process: not when it holds a process group (they would inherit it)."""
-    return not (dist.is_available() and dist.is_initialized())
+    """Whether ranks may be forked from this process: not when it holds a process group (they would inherit it);
+    then the caller starts fresh interpreters, slower, and a warning in the test report says so."""
+    if dist.is_available() and dist.is_initialized():
+        warnings.warn("this test process holds a process group (an in-process vLLM engine makes one): its ranks are "
+                      "started by torchrun, not forked (each fresh interpreter imports rlflow again)", stacklevel=2)
+        return False
+    return True
 
 
 def fork_ranks(nproc: int, out: Path, target, *args, timeout: float = 600) -> str:
@@ -67,7 +73,7 @@ def fork_ranks(nproc: int, out: Path, target, *args, timeout: float = 600) -> st
     A rank that fails stops the others (they would wait in a collective) and its traceback (``out/rank*.error``)
     is the assertion message. Returns the ranks' output (``out/rank*.log``, rank 0's first), as torchrun's
     stdout and stderr. CUDA cannot be used after a fork: the ``gpu`` tests use torchrun."""
-    assert can_fork_ranks(), "this process holds a process group: launch fresh interpreters (torchrun)"
+    assert not dist.is_initialized(), "this process holds a process group: launch fresh interpreters (torchrun)"
     port, fork = free_port(), multiprocessing.get_context("fork")
     ranks = [fork.Process(target=_forked_rank, args=(r, nproc, port, out, target, args)) for r in range(nproc)]
     for p in ranks:
