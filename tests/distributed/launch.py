@@ -74,6 +74,7 @@ def fork_ranks(nproc: int, out: Path, target, *args, timeout: float = 600) -> st
     is the assertion message. Returns the ranks' output (``out/rank*.log``, rank 0's first), as torchrun's
     stdout and stderr. CUDA cannot be used after a fork: the ``gpu`` tests use torchrun."""
     assert not dist.is_initialized(), "this process holds a process group: launch fresh interpreters (torchrun)"
+    out.mkdir(parents=True, exist_ok=True)  # the ranks' output goes there from the start
     port, fork = free_port(), multiprocessing.get_context("fork")
     ranks = [fork.Process(target=_forked_rank, args=(r, nproc, port, out, target, args)) for r in range(nproc)]
     for p in ranks:
