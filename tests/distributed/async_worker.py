@@ -1,4 +1,5 @@
-"""Run by torchrun from test_async_ranks.py: fully asynchronous RL on 2 processes, rank 0's engine feeding both.
+"""Run by test_async_ranks.py (:func:`main` in 2 forked ranks, or by torchrun): fully asynchronous RL on 2
+processes, rank 0's engine feeding both.
 
     python -m torch.distributed.run --nproc_per_node 2 async_worker.py OUT [VERL_OVERRIDE ...]
 
@@ -91,8 +92,8 @@ def python_api(out, resume=None, one_step_off=False, filtered=False):
     trainer.fabric.barrier()
 
 
-if __name__ == "__main__":
-    out, overrides = sys.argv[1], sys.argv[2:]
+def main(out: str, overrides: list[str]) -> None:
+    """One rank's part of the launch (ranks forked by test_async_ranks.py call it too)."""
     python_api(out)
     python_api(f"{out}/resumed", resume=f"{out}/global_step_2")  # the same run, resumed from its step 2
     python_api(f"{out}/one_step_off", one_step_off=True)  # AsyncRollout(max_staleness=1), the same way
@@ -100,3 +101,7 @@ if __name__ == "__main__":
     python_api(f"{out}/filtered_one_step_off", one_step_off=True, filtered=True)
     assert main_ppo(overrides + [f"trainer.default_local_dir={out}/verl"]) == 0
     torch.distributed.barrier()  # gloo can abort at teardown unless every rank is done
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,5 +1,6 @@
-"""Fully asynchronous RL on 2 gloo processes (one torchrun launch, async_worker.py): rank 0's engine generates for
-both ranks, each step's groups are split whole among them, the weights reach the engine from rank 0."""
+"""Fully asynchronous RL on 2 gloo processes (one launch of async_worker.py, ranks forked from the test process):
+rank 0's engine generates for both ranks, each step's groups are split whole among them, the weights reach the
+engine from rank 0."""
 
 import json
 
@@ -11,8 +12,9 @@ from rlflow.data.prompts import PromptData
 from rlflow.models.tiny import char_tokenizer
 from rlflow.tasks.addition import AdditionTask
 
+from . import async_worker
 from .async_worker import BATCH, STEPS, THRESHOLD
-from .launch import torchrun, WORKER
+from .launch import WORKER, can_fork_ranks, fork_ranks, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +24,13 @@ def launched(job, tmp_path_factory):
         "trainer.n_gpus_per_node=2", "trainer.total_training_steps=2", "trainer.logger=[console,file]",
         "trainer.use_v1=true", "trainer.v1.trainer_mode=colocate_async", "trainer.v1.sampler.max_off_policy_threshold=1",
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score"]  # DAPO's filter, on rank 0
-    proc = torchrun(2, out, *verl, worker=WORKER.with_name("async_worker.py"), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(out / "result.pt", weights_only=False), out, proc.stdout
+    if can_fork_ranks():  # 2 ranks forked from this warm process: no fresh interpreters importing rlflow
+        stdout = fork_ranks(2, out, async_worker.main, str(out), verl, timeout=600)
+    else:
+        proc = torchrun(2, out, *verl, worker=WORKER.with_name("async_worker.py"), timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        stdout = proc.stdout
+    return torch.load(out / "result.pt", weights_only=False), out, stdout
 
 
 def drawn_in_order(count):

@@ -11,7 +11,8 @@ import torch
 
 from rlflow.trainer.distributed import partition_equal_counts
 
-from .launch import assert_same_weights, assert_updates, run_ok, torchrun
+from . import worker
+from .launch import assert_same_weights, assert_updates, can_fork_ranks, fork_ranks, run_ok, torchrun
 from .worker import build
 
 
@@ -29,7 +30,11 @@ def launched(tmp_path_factory):
     root = tmp_path_factory.mktemp("launched")
     for name in JOBS:
         (root / name).mkdir()
-    run_ok(2, *[a for name, job in JOBS.items() for a in ("+", *worker_job(root / name, job))][1:])
+    args = [str(a) for name, job in JOBS.items() for a in ("+", *worker_job(root / name, job))][1:]
+    if can_fork_ranks():  # 2 ranks forked from this warm process: no fresh interpreters importing rlflow
+        fork_ranks(2, root, worker.main, args)
+    else:
+        run_ok(2, *args)
     return {name: (torch.load(root / name / "result.pt", weights_only=False) if (root / name / "result.pt").exists()
                    else None, root / name) for name in JOBS}
 

@@ -1,4 +1,5 @@
-"""Run by torchrun from test_fsdp2.py: a tiny GRPO job under a given strategy.
+"""Run by torchrun from test_fsdp2.py (or :func:`main` in ranks forked by test_parallelism.py): a tiny GRPO job
+under a given strategy.
 
     python -m torch.distributed.run --nproc_per_node N worker.py OUT STRATEGY STEPS [RESUME] [FAIL_RANK] [KEY=VALUE ...]
         [+ OUT STRATEGY STEPS ...]
@@ -150,7 +151,8 @@ def build(out, strategy, steps, resume=None, fail_rank=None, devices=None, sp=1,
 
 def run(argv):
     if argv[0] in ("ulysses_worker", "collectives_worker"):  # another worker of this folder, in this launch
-        return importlib.import_module(argv[0]).main(*argv[1:])  # this script's folder is on sys.path
+        # run by torchrun this script's folder is on sys.path; in ranks forked from the tests, its package is known
+        return importlib.import_module(f"{__package__}.{argv[0]}" if __package__ else argv[0]).main(*argv[1:])
     positional = [a for a in argv if "=" not in a]
     options = {k: int(v) for k, v in (a.split("=", 1) for a in argv if "=" in a)}
     out, strategy, steps = positional[0], positional[1], int(positional[2])
@@ -169,9 +171,10 @@ def run(argv):
     trainer.fabric.barrier()  # gloo can abort at teardown unless every rank is done
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> None:
+    """One rank's part of a launch: the jobs of ``argv`` (this script's arguments), one after another."""
     job = []
-    for arg in [*sys.argv[1:], "+"]:  # jobs separated by "+" run one after another in this launch
+    for arg in [*argv, "+"]:  # jobs separated by "+" run one after another in this launch
         if arg == "+":
             run(job)
             job = []
@@ -179,3 +182,7 @@ if __name__ == "__main__":
             job.append(arg)
     if torch.distributed.is_initialized():  # an orderly gloo teardown: left to interpreter exit, a rank can abort
         torch.distributed.destroy_process_group()  # ("terminate called without an active exception", seen in CI)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -2,6 +2,8 @@
 
     python -m torch.distributed.run --nproc_per_node 2 fsdp2_worker.py MODEL_DIR OUT fsdp2
 
+(the test forks its ranks, tests/distributed/launch.py's ``fork_ranks``, and calls :func:`main` in each)
+
 Greedy samples (the same on any number of processes), an advantage that depends on the sample alone (so the update
 does not depend on how samples are split over processes), AdamW. Rank 0 writes OUT/result.pt: the step's metrics,
 a fixed sample of every parameter after the step (:func:`sample`; the full model is 538 MB), and after the weight
@@ -11,6 +13,7 @@ FSDP2, with SmolLM2's tied embedding and LM head).
 
 from __future__ import annotations
 
+import os
 import sys
 import zlib
 
@@ -85,10 +88,16 @@ def build(model_dir: str, out: str, strategy: str, devices: int):
     return trainer, PromptData(rows, shuffle=False), record
 
 
-if __name__ == "__main__":
-    model_dir, out, strategy = sys.argv[1:4]
-    trainer, data, record = build(model_dir, out, strategy, int(__import__("os").environ.get("WORLD_SIZE", 1)))
+def main(model_dir: str, out: str, strategy: str) -> None:
+    """One rank's run (``WORLD_SIZE`` ranks); rank 0 writes OUT/result.pt."""
+    trainer, data, record = build(model_dir, out, strategy, int(os.environ.get("WORLD_SIZE", 1)))
     trainer.fit(data)
     if trainer.fabric.global_rank == 0:
         torch.save(record.result, f"{out}/result.pt")
     trainer.fabric.barrier()  # gloo can abort at teardown unless every rank is done
+    if torch.distributed.is_initialized():  # an orderly gloo teardown (tests/distributed/worker.py says why)
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

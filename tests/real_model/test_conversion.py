@@ -3,6 +3,7 @@ a ``.gguf`` path anywhere a model path is taken resolves to it."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -29,12 +30,17 @@ def test_get_model_prints_the_folder_alone(model_cache, smollm2_dir, capsys):
                      "generation_config.json"}
 
 
-def test_folder_holds_transformers_gguf_load(model_cache, smollm2_dir):
+def test_folder_holds_transformers_gguf_load(model_cache, smollm2_dir, monkeypatch):
     """Weights, config and tokenizer of the folder are exactly what transformers reads from the GGUF file."""
+    import gguf as gguf_package
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlflow.models.gguf import smollm2_gguf
 
+    # transformers' reads below, unchanged but memoized (both are pure reads): it asks for the same tensor-name map
+    # 397 times and parses the file's metadata three times: measured 18.6 -> 7.8 CPU s for this test
+    for name in ("get_tensor_name_map", "GGUFReader"):
+        monkeypatch.setattr(gguf_package, name, functools.lru_cache(maxsize=None)(getattr(gguf_package, name)))
     gguf = smollm2_gguf()
     reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     expected = dict(reference.named_parameters())

@@ -1,4 +1,5 @@
-"""FSDP2 on 2 CPU processes (gloo, launched with torchrun) equals one process, for one step on the real model.
+"""FSDP2 on 2 CPU processes (gloo; ranks forked from the test process with torchrun's environment) equals one
+process, for one step on the real model.
 
 The samples are greedy and the advantage is per sample, so both runs make the same update from the same four
 samples (two per rank under FSDP2): loss, gradient norm and weights must agree. AdamW's first step moves each weight
@@ -13,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.distributed.launch import torchrun
+from tests.distributed.launch import can_fork_ranks, fork_ranks, torchrun
 from tests.real_model import fsdp2_worker
 from tests.real_model.fsdp2_worker import LR, build, sample
 
@@ -24,8 +25,11 @@ def test_fsdp2_on_two_processes_equals_one_process(smollm2_dir, tmp_path):
     one = record.result
     del trainer, data, record
 
-    proc = torchrun(2, smollm2_dir, tmp_path, "fsdp2", worker=fsdp2_worker.__file__, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if can_fork_ranks():  # 2 ranks forked from this warm process: no fresh interpreters importing rlflow
+        fork_ranks(2, tmp_path, fsdp2_worker.main, str(smollm2_dir), str(tmp_path), "fsdp2", timeout=600)
+    else:
+        proc = torchrun(2, smollm2_dir, tmp_path, "fsdp2", worker=fsdp2_worker.__file__, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     two = torch.load(tmp_path / "result.pt", weights_only=False)
 
     for key in ("actor/pg_loss", "critic/score/mean", "response_length/mean"):
