@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 
@@ -48,9 +48,11 @@ A, R, C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
 FG, OB = "algorithm.filter_groups", "reward_model.reward_kwargs.overlong_buffer_cfg"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """Everything the entry point will build; each ``*_kwargs`` is passed to the public constructor."""
+    """Everything the entry point will build; each ``*_kwargs`` is passed to the public constructor. A value:
+    :func:`make_plan` computes every field first and makes it once; nothing changes it after (what building
+    finds goes in notes of its own, :func:`rlflow.config.verl.build.run_notes`)."""
 
     cfg: VerlConfig
     devices: Devices
@@ -97,7 +99,7 @@ class Plan:
     critic_lora: dict | str | None = None  # the critic's LoRA, as lora (critic.model.lora_*)
     dataset_cls: type | None = None        # data.custom_cls: the user's dataset class the rows come from
     ref_model_path: str | None = None      # actor_rollout_ref.ref.model: the reference's own weights
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()            # about the keys, in the order they were read
 
     @property
     def reward_fn(self) -> Callable | None:
@@ -272,8 +274,7 @@ def reward_and_shaping(cfg: VerlConfig, notes: list[str]) -> tuple[RewardPlan, d
         if plan.model is not None:
             raise ConfigError("reward_model.enable=True with a reward-manager class from a file: not supported yet "
                               "(score with the reward model inside the class, or drop one)")
-        plan.manager = user_class
-        return plan, None
+        return replace(plan, manager=user_class), None
     overlong = overlong_penalty(manager, manager_kwargs, cfg[f"{R}.response_length"])
     if manager in ("prime", "dapo"):
         notes.append(f"reward_model.reward_manager={manager}: scores like 'naive' (rlflow runs reward calls on "
@@ -287,11 +288,12 @@ def around_the_rollout(cfg: VerlConfig, notes: list[str], devices: Devices, afte
     generation, asynchronous generation); multi_turn_async checks what the agent loop combines with."""
     agent = agent_plan(cfg, notes)
     if agent is not None and template_kwargs:
-        agent["template_kwargs"] = template_kwargs
+        agent = agent | {"template_kwargs": template_kwargs}
     v1_mode(cfg, notes)
     distill = distillation_plan(cfg, notes)
-    if distill is not None:
-        distill["loss_cls"] = getattr(rlflow.algorithms, distill.pop("loss"))
+    if distill is not None:  # the loss by name -> its class
+        loss_cls = getattr(rlflow.algorithms, distill["loss"])
+        distill = {k: v for k, v in distill.items() if k != "loss"} | {"loss_cls": loss_cls}
     sync_cadence(cfg, notes)
     fully_async = v1_async_plan(cfg, notes, devices, after, sampling)
     asynchronous = async_plan(cfg, notes, devices, after, sampling)
@@ -390,7 +392,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
         trace=trace_plan(cfg, notes),
         determinism=determinism(cfg, notes, devices.accelerator),
         critic_lora=critic_lora_argument(cfg, notes) if with_critic else None,
-        dataset_cls=dataset_class(cfg, notes), ref_model_path=ref_model(cfg, notes), notes=notes,
+        dataset_cls=dataset_class(cfg, notes), ref_model_path=ref_model(cfg, notes),
+        notes=tuple(notes),  # last: the arguments above add theirs
     )
 
 
