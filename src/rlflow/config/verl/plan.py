@@ -392,8 +392,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         trace=trace_plan(cfg, notes),
         determinism=determinism(cfg, notes, devices.accelerator),
         critic_lora=critic_lora_argument(cfg, notes) if with_critic else None,
-        dataset_cls=dataset_class(cfg, notes), ref_model_path=ref_model(cfg, notes),
-        notes=tuple(notes),  # last: the arguments above add theirs
+        dataset_cls=dataset_class(cfg, notes), ref_model_path=ref_model(cfg, notes), notes=tuple(notes),  # last
     )
 
 
