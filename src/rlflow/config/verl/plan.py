@@ -212,7 +212,7 @@ def critic_on(cfg: VerlConfig, algo: str, estimator_cls: type) -> bool:
     return with_critic
 
 
-def critic_keys(cfg: VerlConfig, notes: list[str], procs: int, micro: int | None) -> tuple:
+def critic_keys(cfg: VerlConfig, notes: list[str], procs: int, micro: int | None, devices: Devices) -> tuple:
     """The critic's keys -> (its model path, ``Critic.from_pretrained``'s kwargs, ``ValueLoss``'s kwargs, the one
     micro-batch size of actor and critic)."""
     critic_micro = one_of(cfg, f"{C}.ppo_micro_batch_size_per_gpu", f"{C}.ppo_micro_batch_size", procs)
@@ -229,7 +229,7 @@ def critic_keys(cfg: VerlConfig, notes: list[str], procs: int, micro: int | None
               "gradient_checkpointing": cfg[f"{C}.model.enable_gradient_checkpointing"],
               "remove_padding": cfg[f"{C}.model.use_remove_padding"], **model_loading(cfg, C),
               **({"activation_offload": True} if cfg[f"{C}.model.enable_activation_offload"] else {}),
-              **model_paths(cfg, f"{C}.model")}  # critic.model.hf_config_path
+              **model_paths(cfg, f"{C}.model"), **liger(cfg, devices, C)}  # critic.model.hf_config_path
     value_loss = {"clip_range": cfg[f"{C}.cliprange_value"], "agg": cfg[f"{C}.loss_agg_mode"],
                   "loss_scale_factor": cfg[f"{C}.loss_scale_factor"]}
     return cfg[f"{C}.model.path"], kwargs, value_loss, micro
@@ -339,10 +339,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
     temperature = 1.0 if not do_sample and temperature == 0 else temperature  # greedy: the unscaled distribution
     optimizer = optim_kwargs(cfg, notes, with_critic, same, devices)  # lr, schedule, clipping, shuffling
     ppo_epochs, warmup = same("ppo_epochs"), (same("optim.lr_warmup_steps"), same("optim.lr_warmup_steps_ratio"))
-
-    critic_path, critic_kwargs, value_loss_kwargs, micro = (critic_keys(cfg, notes, procs, micro) if with_critic
-                                                            else (None, {}, {}, micro))
-    critic_kwargs |= liger(cfg, devices, C) if with_critic else {}
+    critic_path, critic_kwargs, value_loss_kwargs, micro = (critic_keys(cfg, notes, procs, micro, devices)
+                                                            if with_critic else (None, {}, {}, micro))
     before, after, kl_controller, estimator_kwargs, loss_cls, bypass = estimator_and_loss(cfg, estimator_cls, notes)
     reward, overlong = reward_and_shaping(cfg, notes)
     sampling = dynamic_sampling(cfg, notes)
