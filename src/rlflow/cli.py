@@ -39,9 +39,18 @@ TASK_JOBS = {"addition": ("rlflow.tasks.default_job", "default"), "vision": ("rl
              "tools": ("rlflow.tasks.tool_job", "tools")}
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
+    """The ``rlflow`` command's arguments: a sub-command each for train, export, prepare-task, get-model, launch and
+    sandbox."""
     parser = argparse.ArgumentParser(prog="rlflow", description="Reinforcement-learning post-training for language models.")
     sub = parser.add_subparsers(dest="command", required=True)
+    train_arguments(sub)
+    tool_arguments(sub)
+    return parser
+
+
+def train_arguments(sub) -> None:
+    """``rlflow train``: the default job's flags, and a config's (verl YAML, recipe, overrides)."""
     train = sub.add_parser(
         "train", help="train; with no arguments, GRPO on the built-in addition task (CPU, minutes)",
         description="With no arguments: the default job. With key=value overrides, --config-path/--config-name "
@@ -68,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--show-config", action="store_true", help="with --dry-run: also print the full resolved config")
     train.add_argument("overrides", nargs="*", help="verl keys in Hydra syntax: key=value, +key=value, key=[a,b]; "
                                                      "first, a recipe file may stand for --config (RECIPE.yaml)")
+
+
+def tool_arguments(sub) -> None:
+    """``rlflow export``, ``prepare-task``, ``get-model``, ``launch`` and ``sandbox``."""
     export = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face folder",
                             description="Write a checkpoint's policy (config.json, safetensors weights, tokenizer) "
                                         "as a folder transformers' from_pretrained loads. Checkpoints are "
@@ -103,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     serve = sandbox_sub.add_parser("serve", help="serve POST /run_code until stopped (Ctrl-C)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)")
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080, SandboxFusion's; 0: a free one)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
     args, extra = parser.parse_known_args(argv)  # overrides may come before and after the flags
     if (extra and args.command not in ("train", "launch")) or any(x.startswith("-") for x in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -121,14 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "get-model":
-        log = lambda line: print(line, file=sys.stderr)  # noqa: E731  stdout is the folder alone, for $(...)
-        if args.model == "smollm2":
-            folder = smollm2_folder(args.out, log=log)
-        elif args.model.endswith(".gguf"):
-            folder = gguf_to_folder(args.model, args.out, log=log)
-        else:
-            parser.error(f"get-model: {args.model!r} is neither smollm2 nor a .gguf file")
-        print(folder)
+        print(_get_model(parser, args))
         return 0
     if args.command == "prepare-task":
         from rlflow.tasks.prepare import main as prepare_task
@@ -140,21 +150,36 @@ def main(argv: list[str] | None = None) -> int:
             args.config = args.overrides.pop(0)  # rlflow train RECIPE.yaml: as --config RECIPE.yaml
         if args.overrides or args.config_name or args.config_path or args.config:
             return _train_from_config(parser, args)
-        if args.dry_run or args.show_config:
-            parser.error("--dry-run needs a config: key=value overrides, --config-path/--config-name, or --config")
-        started = time.perf_counter()  # the setup time the summary line reports includes the imports
-        module, name = TASK_JOBS[args.task]
-        kwargs = {"seed": args.seed, "run_dir": args.run_dir or f"runs/{name}-seed{args.seed}",
-                  "progress": not args.no_progress}
-        if args.steps is not None:
-            kwargs["steps"] = args.steps
-        if args.task == "addition":
-            kwargs.update(rollout=args.rollout, max_staleness=args.max_staleness, started=started)
-        elif args.rollout != "hf" or args.max_staleness is not None:
-            parser.error(f"--task {args.task} generates with transformers (--rollout hf) in the training process "
-                         "(no --max-staleness): --rollout vllm and --max-staleness are for the addition task")
-        importlib.import_module(module).run(**kwargs)
+        _default_job(parser, args)
     return 0
+
+
+def _get_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """``rlflow get-model``: the folder made (its progress goes to stderr: stdout is the folder alone, for $(...))."""
+    log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    if args.model == "smollm2":
+        return smollm2_folder(args.out, log=log)
+    if args.model.endswith(".gguf"):
+        return gguf_to_folder(args.model, args.out, log=log)
+    parser.error(f"get-model: {args.model!r} is neither smollm2 nor a .gguf file")
+
+
+def _default_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``rlflow train`` without a config: the built-in task's job (``--task``) with the default-job flags."""
+    if args.dry_run or args.show_config:
+        parser.error("--dry-run needs a config: key=value overrides, --config-path/--config-name, or --config")
+    started = time.perf_counter()  # the setup time the summary line reports includes the imports
+    module, name = TASK_JOBS[args.task]
+    kwargs = {"seed": args.seed, "run_dir": args.run_dir or f"runs/{name}-seed{args.seed}",
+              "progress": not args.no_progress}
+    if args.steps is not None:
+        kwargs["steps"] = args.steps
+    if args.task == "addition":
+        kwargs.update(rollout=args.rollout, max_staleness=args.max_staleness, started=started)
+    elif args.rollout != "hf" or args.max_staleness is not None:
+        parser.error(f"--task {args.task} generates with transformers (--rollout hf) in the training process "
+                     "(no --max-staleness): --rollout vllm and --max-staleness are for the addition task")
+    importlib.import_module(module).run(**kwargs)
 
 
 def _train_from_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

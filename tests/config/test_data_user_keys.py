@@ -126,7 +126,7 @@ def test_curriculum_sampler_orders_the_prompts_and_learns_each_step(tiny, tmp_pa
 def test_ref_model_is_the_reference_instead_of_a_policy_copy(tiny, tmp_path, model_dir):
     import torch
 
-    from rlflow.config.verl.build import build_trainer
+    from rlflow.config.verl.build import build_trainer, run_notes
     from rlflow.models.tiny import char_tokenizer, tiny_qwen2
 
     other = tmp_path / "ref-model"
@@ -140,11 +140,17 @@ def test_ref_model_is_the_reference_instead_of_a_policy_copy(tiny, tmp_path, mod
     plain, _ = build_trainer(make_plan(load_config(kl)))
     assert torch.equal(weights(plain.reference.model), weights(plain.policy.model))  # a copy of the policy
     plan = make_plan(load_config(kl + [f"actor_rollout_ref.ref.model={other}"]))
-    trainer, _ = build_trainer(plan)
+    trainer, data = build_trainer(plan)
     assert not torch.equal(weights(trainer.reference.model), weights(trainer.policy.model))
     assert trainer.reference.log_prob_key == "ref_log_probs" and not trainer.reference.model.training
     assert not any(p.requires_grad for p in trainer.reference.model.parameters())
     assert any("actor_rollout_ref.ref.model=" in n for n in plan.notes)
+    assert not any("nothing in this run reads" in n for n in run_notes(plan, data, trainer))
+    unread = make_plan(load_config(tiny + [f"actor_rollout_ref.ref.model={other}"]))  # no KL: nothing reads it
+    trainer, data = build_trainer(unread)
+    assert trainer.reference is None
+    assert any(n.startswith(f"actor_rollout_ref.ref.model={other} has no effect: nothing in this run reads")
+               for n in run_notes(unread, data, trainer))
     small = tmp_path / "small-vocab"
     tiny_qwen2(8, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
                seed=7).save_pretrained(small)

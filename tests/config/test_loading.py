@@ -179,7 +179,7 @@ def test_batch_units_are_checked():
 def test_keys_that_change_nothing_get_a_note():
     p = plan("critic.ppo_mini_batch_size=64", "actor_rollout_ref.rollout.gpu_memory_utilization=0.9",
              "algorithm.kl_ctrl.target_kl=0.2")
-    notes = "\n".join(p.notes + unused_notes(p.cfg))
+    notes = "\n".join([*p.notes, *unused_notes(p.cfg)])
     assert "critic.ppo_mini_batch_size=64 is not used by this configuration" in notes
     assert "gpu_memory_utilization=0.9 has no effect in rlflow: a vLLM/SGLang engine setting" in notes
     assert "algorithm.kl_ctrl.target_kl=0.2 is not used" in notes

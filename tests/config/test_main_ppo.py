@@ -11,7 +11,7 @@ import rlflow.config.verl.devices as devices
 from rlflow.models.checks import activation_checkpointing
 from rlflow.cli import main as cli_main
 from rlflow.config import load_config, make_plan
-from rlflow.config.verl.build import build_trainer
+from rlflow.config.verl.build import build_trainer, run_notes
 from rlflow.trainer.main_ppo import main
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "config" / "grpo_math.yaml"
@@ -234,7 +234,7 @@ def test_data_options(tiny, data_dir, capsys):
     plan = make_plan(load_config(argv))
     trainer, data = build_trainer(plan)
     assert all(len(r["prompt"][0]["content"]) <= 4 for r in data.train)  # "a+b" + "=" within 5 tokens
-    assert len(data.train) < 24 and any("dropped" in n for n in plan.notes)
+    assert len(data.train) < 24 and any("dropped" in n for n in run_notes(plan, data, trainer))
     from rlflow.data.prompts import collate
 
     batch = collate([{**data.train[0], "prompt": "123456789"}], trainer.policy.tokenizer, 4, "middle")

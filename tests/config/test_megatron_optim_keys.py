@@ -90,7 +90,7 @@ def test_schedule_keys_reach_the_plan(tiny, model_dir):
     assert s.min_lr_ratio == pytest.approx(0.1)
     p = plan(tiny, "algorithm.adv_estimator=gae", f"critic.model.path={model_dir}", f"{OPT}.lr=1e-4",
              f"{C}.optim.lr=1e-3", f"{OPT}.lr_warmup_init=5e-5", f"{OPT}.weight_decay_incr_style=cosine")
-    s, text = p.trainer_kwargs["lr_schedule"], "\n".join(p.notes + unused_notes(p.cfg))
+    s, text = p.trainer_kwargs["lr_schedule"], "\n".join([*p.notes, *unused_notes(p.cfg)])
     assert s.init_lr_ratio == pytest.approx(0.5) and s.weight_decay_style == "cosine"
     assert "critic uses the same fraction of its own lr (0.0005)" in text
     assert "as in verl, which passes start_wd = end_wd = optim.weight_decay to megatron-core" in text

@@ -31,7 +31,7 @@ def plan(tiny, *overrides):
 
 
 def notes(p):
-    return "\n".join(p.notes + unused_notes(p.cfg))
+    return "\n".join([*p.notes, *unused_notes(p.cfg)])
 
 
 def verl_cosine(step, warmup, total, min_lr_ratio=0.0, num_cycles=0.5):

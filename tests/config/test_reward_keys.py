@@ -1,5 +1,6 @@
 """The reward keys of the verl entry point: reward models, several weighted functions, time-outs, workers."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -84,6 +85,15 @@ def test_reward_model_alone_through_the_entry_point(tiny, rm_dir, capsys):
     logged = steps(capsys.readouterr().out)
     last = logged[max(logged)]
     assert last["critic/score/mean"] != 0.0 and last["reward/errors"] == 0 and "timing_s/reward" in last
+
+
+def test_the_plan_and_its_reward_are_values_made_once(tiny, rm_dir):
+    plan = plan_of(tiny, "reward_model.enable=true", f"reward_model.model.path={rm_dir}")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.notes = ()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.reward.mode = "sum"
+    assert isinstance(plan.notes, tuple)  # building adds notes of its own elsewhere (build.run_notes)
 
 
 def test_input_tokenizer_null_reads_the_policy_ids(tiny, rm_dir):

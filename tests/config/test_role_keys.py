@@ -10,7 +10,7 @@ import torch
 import rlflow.config.verl.devices as devices
 from rlflow.algorithms import ValueLoss
 from rlflow.config import ConfigError, NotSupportedError, load_config, make_plan
-from rlflow.config.verl.build import build_critic, build_policy, load_tokenizer
+from rlflow.config.verl.build import build_critic, build_policy, load_tokenizer, model_notes
 from rlflow.config.verl.run import unused_notes
 from rlflow.data import keys as K
 from rlflow.models.tiny_vlm import save_model_folder, tiny_processor, tiny_qwen2_5_vl
@@ -31,7 +31,7 @@ def no_gpus(monkeypatch):
 def test_the_fsdp_config_ulysses_size_is_the_sequence_parallel_size():
     p = make_plan(load_config(PARALLEL + [f"{A}.fsdp_config.ulysses_sequence_parallel_size=2"]))
     assert p.trainer_kwargs["sequence_parallel_size"] == 2
-    assert not any("ulysses" in n for n in p.notes + unused_notes(p.cfg))  # the reference follows, as in verl
+    assert not any("ulysses" in n for n in [*p.notes, *unused_notes(p.cfg)])  # the reference follows, as in verl
     # the role-level key, when above 1, wins (verl's FSDPActorConfig.__post_init__)
     assert make_plan(load_config(PARALLEL + [f"{A}.ulysses_sequence_parallel_size=2",
                                              f"{A}.fsdp_config.ulysses_sequence_parallel_size=1"])
@@ -143,7 +143,7 @@ def test_freeze_vision_tower_on_a_text_model_is_a_note(tiny):
     p = make_plan(load_config(tiny + [f"{A}.freeze_vision_tower=true"]))
     policy = build_policy(p)
     assert all(q.requires_grad for q in policy.model.parameters())
-    assert any("freeze_vision_tower=True" in n and "no vision tower" in n for n in p.notes)
+    assert any("freeze_vision_tower=True" in n and "no vision tower" in n for n in model_notes(p))
 
 
 # ------------------------------------------------------------------------ refused, and inert

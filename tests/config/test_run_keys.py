@@ -8,7 +8,7 @@ import pytest
 
 import rlflow.config.verl.devices as devices
 from rlflow.config import ConfigError, load_config, make_plan
-from rlflow.config.verl.build import build_trainer
+from rlflow.config.verl.build import build_trainer, run_notes
 from rlflow.config.verl.run import unused_notes
 from rlflow.trainer.main_ppo import main
 from tests.config.conftest import CHAT_TEMPLATE, verl_rows
@@ -76,8 +76,10 @@ def test_mm_processor_kwargs_reach_the_processor_call(vlm_files, tmp_path):  # n
 
 def test_mm_processor_kwargs_without_a_processor_get_a_note(tiny):
     plan = make_plan(load_config(tiny + ["+data.mm_processor_kwargs.max_pixels=100"]))
-    build_trainer(plan)
-    assert any("data.mm_processor_kwargs={'max_pixels': 100} has no effect" in n for n in plan.notes)
+    trainer, data = build_trainer(plan)
+    said = run_notes(plan, data, trainer)
+    assert any("data.mm_processor_kwargs={'max_pixels': 100} has no effect" in n for n in said)
+    assert said[:len(plan.notes)] == list(plan.notes)  # the plan's notes first: building adds its own apart
 
 
 def test_v1_sync_is_rlflows_loop_and_its_async_modes_are_fully_async(tiny):

@@ -8,7 +8,7 @@ import pytest
 
 import rlflow.config.verl.devices as devices
 from rlflow.config import load_config, make_plan
-from rlflow.config.verl.build import build_trainer
+from rlflow.config.verl.build import build_trainer, run_notes
 from rlflow.models.tiny_vlm import save_model_folder, tiny_processor, tiny_qwen2_5_vl
 from rlflow.tasks import shapes
 from rlflow.trainer.main_ppo import main
@@ -120,9 +120,10 @@ def test_bad_images_stop_the_run_naming_the_row_or_are_skipped_and_counted(vlm_f
     with pytest.raises(ConfigError, match=r"bad.parquet, row 3, image 0"):
         build_trainer(make_plan(load_config(keys)))
     plan = make_plan(load_config(keys + ["data.bad_images=skip"]))
-    _, data = build_trainer(plan)
+    trainer, data = build_trainer(plan)
     assert len(data.train) == 7 and data.skipped_images == {"train": 1, "val": 0}
-    assert any("data.bad_images=skip: dropped 1 training and 0 validation row(s)" in n for n in plan.notes)
+    assert any("data.bad_images=skip: dropped 1 training and 0 validation row(s)" in n
+               for n in run_notes(plan, data, trainer))
     with pytest.raises(ConfigError, match="data.bad_images='drop': choose 'error'"):
         make_plan(load_config(keys + ["data.bad_images=drop"]))
 

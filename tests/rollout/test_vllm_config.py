@@ -90,7 +90,7 @@ def test_engine_keys_are_honoured_or_noted():
     assert kw["engine_kwargs"] == {"kv_cache_memory_bytes": 1000000, "compilation_config": {"cudagraph_capture_sizes": [1, 2]}}
     assert kw["gpu_memory_utilization"] is None  # a GPU fraction; on CPU the KV cache is sized in bytes
     assert plan.val_sampling["temperature"] == 0.6
-    notes = "\n".join(plan.notes + unused_notes(plan.cfg))
+    notes = "\n".join([*plan.notes, *unused_notes(plan.cfg)])
     for key in ("tensor_model_parallel_size=2: rlflow runs one in-process vLLM engine per training process",
                 "gpu_memory_utilization=0.9: a fraction of GPU memory", "load_format='dummy': the engine starts",
                 "free_cache_engine=True: sleeping", "layered_summon=True"):

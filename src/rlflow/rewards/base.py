@@ -224,71 +224,87 @@ def run_calls(calls: list[Callable[[], Any]], timeout_s: float | None, workers: 
     and scheduling of the others; slow or waiting ones (judges, sandboxes) reach ``workers`` threads
     within a few milliseconds. The caller sleeps until the last result or the next deadline.
     """
-    results: list[tuple[str, Any] | None] = [None] * len(calls)
-    pending, started, left = collections.deque(range(len(calls))), {}, len(calls)
-    cond = threading.Condition()
-    alive, last_start = 0, 0.0  # threads taking calls (not counting abandoned ones); when the last one started
-    last_done = time.monotonic()  # when a call last finished (or the batch started)
+    run = _CallThreads(calls, timeout_s)
+    with run.cond:
+        if calls:
+            run.spawn()
+        while run.left:
+            now = time.monotonic()
+            wait, replace = None, 0
+            if timeout_s is not None:
+                replace = run.expire(now)  # their threads are abandoned: new ones take their places
+                wait = min((t0 + timeout_s - now for t0 in run.started.values()), default=timeout_s)
+            if give_up_s is not None and run.left and now - run.last_done >= give_up_s:
+                run.give_up()
+                break
+            for _ in range(replace):
+                run.spawn()
+            if give_up_s is not None:
+                wait = min(wait if wait is not None else give_up_s, run.last_done + give_up_s - now)
+            if run.pending and run.alive < workers:  # calls still waiting: one more thread every RAMP_S
+                if now - run.last_start >= RAMP_S:
+                    run.spawn()
+                ramp = max(run.last_start + RAMP_S - now, 0.0)
+                wait = ramp if wait is None else min(wait, ramp)
+            if run.left:
+                run.cond.wait(timeout=wait)
+    return run.results  # type: ignore[return-value]
 
-    def worker() -> None:
-        nonlocal left, alive, last_done
+
+class _CallThreads:
+    """The calls of one :func:`run_calls` and the daemon threads taking them, under one condition (``cond``)."""
+
+    def __init__(self, calls: list[Callable[[], Any]], timeout_s: float | None):
+        self.calls, self.timeout_s = calls, timeout_s
+        self.results: list[tuple[str, Any] | None] = [None] * len(calls)
+        self.pending, self.started, self.left = collections.deque(range(len(calls))), {}, len(calls)
+        self.cond = threading.Condition()
+        self.alive, self.last_start = 0, 0.0  # threads taking calls (not counting abandoned ones); the last start
+        self.last_done = time.monotonic()  # when a call last finished (or the batch started)
+
+    def worker(self) -> None:
+        """Take waiting calls until none is left; a call that timed out meanwhile ends this (replaced) thread."""
         while True:
-            with cond:
-                if not pending:
-                    alive -= 1
+            with self.cond:
+                if not self.pending:
+                    self.alive -= 1
                     return
-                i = pending.popleft()
-                started[i] = time.monotonic()
+                i = self.pending.popleft()
+                self.started[i] = time.monotonic()
             try:
-                out = ("ok", _resolve(calls[i](), timeout_s))
+                out = ("ok", _resolve(self.calls[i](), self.timeout_s))
             except _Timeout:
                 out = ("timeout", None)
             except BaseException as exc:  # noqa: BLE001 - a scorer's failure is data, not a crash
                 out = ("error", exc)
-            with cond:
-                if results[i] is not None:  # timed out meanwhile: this thread was replaced
+            with self.cond:
+                if self.results[i] is not None:  # timed out meanwhile: this thread was replaced
                     return
-                results[i], left, last_done = out, left - 1, time.monotonic()
-                del started[i]
-                if not left:
-                    cond.notify()
+                self.results[i], self.left, self.last_done = out, self.left - 1, time.monotonic()
+                del self.started[i]
+                if not self.left:
+                    self.cond.notify()
 
-    def spawn() -> None:
-        nonlocal alive, last_start
-        alive, last_start = alive + 1, time.monotonic()
-        threading.Thread(target=worker, daemon=True, name="rlflow-reward").start()
+    def spawn(self) -> None:
+        self.alive, self.last_start = self.alive + 1, time.monotonic()
+        threading.Thread(target=self.worker, daemon=True, name="rlflow-reward").start()
 
-    with cond:
-        if calls:
-            spawn()
-        while left:
-            now = time.monotonic()
-            wait = None
-            replace = 0
-            if timeout_s is not None:
-                for i in [i for i, t0 in started.items() if now - t0 >= timeout_s]:
-                    results[i], left = ("timeout", None), left - 1
-                    del started[i]
-                    alive, replace = alive - 1, replace + 1  # its thread is abandoned: a new one takes its place
-                wait = min((t0 + timeout_s - now for t0 in started.values()), default=timeout_s)
-            if give_up_s is not None and left and now - last_done >= give_up_s:
-                for i in [*started, *pending]:
-                    results[i] = ("timeout", GAVE_UP)
-                started.clear()
-                pending.clear()  # the threads still running calls are abandoned; idle ones find nothing to do
-                break
-            for _ in range(replace):
-                spawn()
-            if give_up_s is not None:
-                wait = min(wait if wait is not None else give_up_s, last_done + give_up_s - now)
-            if pending and alive < workers:  # calls still waiting: one more thread every RAMP_S
-                if now - last_start >= RAMP_S:
-                    spawn()
-                ramp = max(last_start + RAMP_S - now, 0.0)
-                wait = ramp if wait is None else min(wait, ramp)
-            if left:
-                cond.wait(timeout=wait)
-    return results  # type: ignore[return-value]
+    def expire(self, now: float) -> int:
+        """Time out the running calls past ``timeout_s``; returns how many threads that abandoned."""
+        over = [i for i, t0 in self.started.items() if now - t0 >= self.timeout_s]
+        for i in over:
+            self.results[i], self.left = ("timeout", None), self.left - 1
+            del self.started[i]
+        self.alive -= len(over)
+        return len(over)
+
+    def give_up(self) -> None:
+        """Every call not finished comes back as ``("timeout", GAVE_UP)``: the threads still running calls are
+        abandoned, idle ones find nothing to do."""
+        for i in [*self.started, *self.pending]:
+            self.results[i] = ("timeout", GAVE_UP)
+        self.started.clear()
+        self.pending.clear()
 
 
 def _resolve(result: Any, timeout_s: float | None) -> Any:

@@ -216,3 +216,19 @@ def resolve(given: dict[str, Any], legacy: dict[str, Any]) -> tuple:
         warnings.warn(f"Trainer(...): flat keyword arguments ({', '.join(legacy)}) are deprecated; pass them grouped: "
                       f"{spelled(legacy)} (rlflow.trainer.options)", DeprecationWarning, stacklevel=3)
     return tuple(given[arg] or from_flat.get(arg) or cls() for arg, cls in GROUPS.items())
+
+
+def check_settings(policy, rollout, estimator, critic, value_loss, batching: Batching, loop: Loop) -> None:
+    """A ``ValueError`` for settings the Trainer's roles cannot run with, before any device is touched."""
+    if abs(policy.temperature - rollout.temperature) > 1e-9:
+        raise ValueError(f"policy temperature {policy.temperature} != rollout temperature {rollout.temperature}: "
+                         "log-probs must be computed from the distribution that was sampled")
+    if estimator.needs_critic and (critic is None or value_loss is None):
+        raise ValueError(f"{type(estimator).__name__} needs a critic: pass critic=Critic(...) and "
+                         "value_loss=ValueLoss()")
+    if loop.critic_warmup_steps and critic is None:
+        raise ValueError(f"critic_warmup_steps={loop.critic_warmup_steps} needs a critic: without one no step would "
+                         "train")
+    if batching.mini_batch_size is not None and batching.batch_size % batching.mini_batch_size:
+        raise ValueError(f"batch_size={batching.batch_size} is not a multiple of "
+                         f"mini_batch_size={batching.mini_batch_size}")

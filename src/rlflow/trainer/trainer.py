@@ -14,7 +14,6 @@ from itertools import islice
 from pathlib import Path
 from typing import Callable
 
-import lightning_fabric as L
 import torch
 from tensordict import TensorDict
 from tqdm.auto import tqdm
@@ -26,15 +25,12 @@ from rlflow.module import check_chain
 from rlflow.roles import AdvantageEstimator, Loss, Policy, Reward, Rollout, check_roles, optional
 from rlflow.rewards.base import setup_rewards
 from rlflow.rollout.stream import Experience, PromptStream
-from rlflow.strategies import resolve_strategy, shards_parameters
-from rlflow.logs import quiet_other_ranks
+from rlflow.strategies import shards_parameters
 from rlflow.threads import choose_threads
 from rlflow.trainer import numerics, training_state as ckpt, validation
 from rlflow.trainer.batching import micro_batches, shuffled_mini_batches, split_rows
-from rlflow.trainer.callbacks import with_defaults
-from rlflow.trainer.distributed import (balance_tokens, gather_in_group, global_sum, reduce_metrics,
-                                        sequence_parallel_group)
-from rlflow.trainer.loggers import make_loggers
+from rlflow.trainer.distributed import balance_tokens, gather_in_group, global_sum, reduce_metrics
+from rlflow.trainer.fabric import launch_fabric, rank_groups
 from rlflow.trainer.metrics import MeanAccumulator, MismatchMetrics, Timer, batch_metrics, sum_micro_batches
 from rlflow.trainer import options
 from rlflow.trainer.options import Batching, Hardware, Loop, Optim, RunDir
@@ -81,7 +77,7 @@ class Trainer:
         lr, critic_lr, weight_decay, warmup_steps, lr_schedule, optimizer, max_grad_norm = options.values(optim)
         max_steps, epochs, val_every, val_n, val_sampling, critic_warmup_steps, seed, progress = options.values(loop)
         run_dir, save_every, resume, keep_checkpoints, loggers, self.async_save = options.values(run)
-        accelerator, devices, num_nodes, strategy, precision, sequence_parallel_size = options.values(hardware)
+        accelerator, sequence_parallel_size = hardware.accelerator, hardware.sequence_parallel_size
         self.experience = Experience.of(rollout, reward, stages, experience)
         rollout, reward = self.experience.rollout, self.experience.reward  # with Prefetch: the AsyncRollout
         check_roles([("policy", policy, Policy), ("rollout", rollout, Rollout), ("reward", reward, Reward),
@@ -94,15 +90,7 @@ class Trainer:
             wants_ref = K.REF_LOG_PROBS in set(loss.in_keys) | set(estimator.in_keys)
             reference = (policy.reference() if reference == "auto" else reference(policy)) if wants_ref else None
         self.reference = reference
-        if abs(policy.temperature - rollout.temperature) > 1e-9:
-            raise ValueError(f"policy temperature {policy.temperature} != rollout temperature {rollout.temperature}: "
-                             "log-probs must be computed from the distribution that was sampled")
-        if estimator.needs_critic and (critic is None or value_loss is None):
-            raise ValueError(f"{type(estimator).__name__} needs a critic: pass critic=Critic(...) and value_loss=ValueLoss()")
-        if critic_warmup_steps and critic is None:
-            raise ValueError(f"critic_warmup_steps={critic_warmup_steps} needs a critic: without one no step would train")
-        if mini_batch_size is not None and batch_size % mini_batch_size:
-            raise ValueError(f"batch_size={batch_size} is not a multiple of mini_batch_size={mini_batch_size}")
+        options.check_settings(policy, rollout, estimator, critic, value_loss, batching, loop)
         self.batch_size, self.mini_batch_size = batch_size, mini_batch_size or batch_size
         self.micro_batch_size, self.ppo_epochs, self.shuffle_seed = micro_batch_size, ppo_epochs, shuffle_seed
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
@@ -118,25 +106,9 @@ class Trainer:
         self.check_chain()
         if accelerator == "cpu":  # one thread per core is wrong on a busy machine or for a tiny model
             choose_threads(sum(p.numel() for p in policy.model.parameters()))
-
-        quiet_other_ranks()  # under torchrun (RANK set): rank 0 alone prints warnings and library logs
-        self.fabric = L.Fabric(
-            accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=resolve_strategy(strategy, devices * num_nodes),
-            precision=precision, loggers=make_loggers(loggers, self.run_dir), callbacks=with_defaults(callbacks),
-        )
-        self.fabric.launch()  # no-op under torchrun or on one device
-        quiet_other_ranks(self.fabric.global_rank)  # processes Fabric launched itself
-        # ranks that train on one batch: a sequence-parallel group, or a model replica (Megatron's tensor x pipeline)
-        replica = getattr(self.fabric.strategy, "model_parallel_size", 1)
-        self.sp_size, self.balance_batch = sequence_parallel_size * replica, balance_batch
-        self.sp_group = sequence_parallel_group(self.fabric, self.sp_size)
-        self.dp_rank, self.dp_size = self.fabric.global_rank // self.sp_size, self.fabric.world_size // self.sp_size
-        if self.sp_group is not None and sequence_parallel_size > 1:  # before the strategy wraps the modules
-            for role in (policy, self.reference, critic):
-                if role is not None:
-                    role.module.sequence_parallel(self.sp_group)
-            self.fabric.print(f"[rlflow] sequence parallelism: {self.dp_size} group(s) of {self.sp_size} processes "
-                              "split each sequence (Ulysses)")
+        self.fabric, self.balance_batch = launch_fabric(hardware, loggers, self.run_dir, callbacks), balance_batch
+        self.sp_size, self.sp_group, self.dp_rank, self.dp_size = rank_groups(self.fabric, sequence_parallel_size,
+                                                                              (policy, self.reference, critic))
         sharded = shards_parameters(self.fabric.strategy)
         # A sharded policy cannot generate rank by rank (its forward is collective), so the engine gets a full copy
         # (with LoRA, merged), unless it holds weights of its own (vLLM, a server): those are gathered and sent to

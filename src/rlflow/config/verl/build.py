@@ -19,9 +19,10 @@ from hydra.utils import instantiate
 from rlflow.config import components
 from rlflow.config.verl.agent import name_loops_of_rows
 from rlflow.config.verl.distillation import check_routes
+from rlflow.config.verl.key_notes import unused_notes
 from rlflow.config.verl.data_classes import data_node, dataset_rows
 from rlflow.config.verl.folders import (TRUST, TRUST_TOKENIZER, load_vision_processor, local_model, model_files,
-                                        policy_config, remote_code_errors)
+                                        policy_config, remote_code_errors, vision_policy)
 from rlflow.config.verl.loading import ConfigError
 from rlflow.config.verl.megatron import check_mtp_layers
 from rlflow.config.verl.plan import Plan
@@ -68,9 +69,6 @@ def build_data(plan: Plan, tokenizer, processor=None) -> PromptData:
                                     node.get(cap[split]) or -1) if node[split] is not None else None
                 for split in ("train", "val")}
         node = {k: v for k, v in node.items() if k not in rows} | {"_partial_": True}
-    if "processor" not in node and node.get("mm_processor_kwargs"):
-        plan.notes.append(f"data.mm_processor_kwargs={node['mm_processor_kwargs']!r} has no effect: "
-                          f"{plan.model_path} has no processor (not a vision-language model)")
     try:
         data = instantiate(components.resolved(node, "data"), _convert_="all")
         data = data(rows["train"], val=rows["val"]) if rows else data
@@ -79,19 +77,10 @@ def build_data(plan: Plan, tokenizer, processor=None) -> PromptData:
         if not isinstance(cause, DataError):
             raise cause from None
         raise ConfigError(f"data.train_files / data.val_files: {cause}") from cause
-    if any(data.skipped_images.values()):
-        plan.notes.append(f"data.bad_images=skip: dropped {data.skipped_images['train']} training and "
-                          f"{data.skipped_images['val']} validation row(s) with a missing or corrupt image")
-    if any(data.skipped.values()):
-        plan.notes.append(f"data.missing_ground_truth=skip: dropped {data.skipped['train']} training and "
-                          f"{data.skipped['val']} validation row(s) without reward_model.ground_truth")
     try:
-        dropped = data.filter_overlong(tokenizer)
+        data.filter_overlong(tokenizer)
     except DataError as e:
         raise ConfigError(f"data.train_files / data.val_files: {e}") from e
-    if any(dropped.values()):
-        plan.notes.append(f"data.filter_overlong_prompts: dropped {dropped['train']} training and {dropped['val']} "
-                          f"validation prompt(s) longer than max_prompt_length={data.max_prompt_length} tokens")
     if not plan.custom_reward and plan.reward.functions:  # the built-in scorers must know every data_source
         check_data_sources({r["data_source"] for r in data.train + data.val}, f"{data.train_name}")
     check_routes(plan.distillation, {r["data_source"] for r in data.train + data.val}, data.train_name)
@@ -145,9 +134,6 @@ def check_models(plan: Plan) -> None:
     config = policy_config(plan)
     vision = getattr(config, "vision_config", None) is not None
     check_mtp_layers(plan, config)
-    if plan.policy_kwargs.get("freeze_vision_tower") and not vision:
-        plan.notes.append(f"actor_rollout_ref.actor.freeze_vision_tower=True: {plan.model_path} is a text model, "
-                          "so there is no vision tower to freeze")
     if plan.vision and not vision:
         raise ConfigError(f"actor_rollout_ref.rollout.enable_vision=True but actor_rollout_ref.model.path="
                           f"{plan.model_path} is not an image-text-to-text model (its config has no vision_config)")
@@ -232,9 +218,43 @@ def build_trainer(plan: Plan, data: PromptData | None = None) -> tuple[Trainer, 
     check_models(plan)
     data = data or build_data(plan, load_tokenizer(plan), load_vision_processor(plan))
     trainer = build_tree(plan, total_steps(plan, data))
-    if plan.ref_model_path is not None and trainer.reference is None:
-        plan.notes.append(f"actor_rollout_ref.ref.model={plan.ref_model_path} has no effect: nothing in this run reads "
-                          "reference log-probs (no KL loss or KL in the reward)")
     if plan.distillation is not None:
         check_teachers(plan, trainer)
     return trainer, data
+
+
+def run_notes(plan: Plan, data: PromptData, trainer: Trainer | None = None) -> list[str]:
+    """Every note of a run, in the order printed: the plan's (about the keys), what building the ``trainer`` (when
+    given) and loading ``data`` found, and last the keys that change nothing (building reads keys too)."""
+    found = (model_notes(plan) if trainer is not None else []) + data_notes(plan, data)
+    if trainer is not None and plan.ref_model_path is not None and trainer.reference is None:
+        found.append(f"actor_rollout_ref.ref.model={plan.ref_model_path} has no effect: nothing in this run reads "
+                     "reference log-probs (no KL loss or KL in the reward)")
+    return [*plan.notes, *found, *unused_notes(plan.cfg)]
+
+
+def model_notes(plan: Plan) -> list[str]:
+    """What :func:`check_models` lets through with a note."""
+    if plan.policy_kwargs.get("freeze_vision_tower") and not vision_policy(plan):
+        return [f"actor_rollout_ref.actor.freeze_vision_tower=True: {plan.model_path} is a text model, so there is "
+                "no vision tower to freeze"]
+    return []
+
+
+def data_notes(plan: Plan, data: PromptData) -> list[str]:
+    """What :func:`build_data` dropped or could not use."""
+    notes = []
+    if data.processor is None and data.mm_processor_kwargs:
+        notes.append(f"data.mm_processor_kwargs={data.mm_processor_kwargs!r} has no effect: "
+                     f"{plan.model_path} has no processor (not a vision-language model)")
+    if any(data.skipped_images.values()):
+        notes.append(f"data.bad_images=skip: dropped {data.skipped_images['train']} training and "
+                     f"{data.skipped_images['val']} validation row(s) with a missing or corrupt image")
+    if any(data.skipped.values()):
+        notes.append(f"data.missing_ground_truth=skip: dropped {data.skipped['train']} training and "
+                     f"{data.skipped['val']} validation row(s) without reward_model.ground_truth")
+    dropped = data.filtered or {}  # data.filter_overlong's counts
+    if any(dropped.values()):
+        notes.append(f"data.filter_overlong_prompts: dropped {dropped['train']} training and {dropped['val']} "
+                     f"validation prompt(s) longer than max_prompt_length={data.max_prompt_length} tokens")
+    return notes

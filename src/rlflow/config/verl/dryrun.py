@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlflow.config.verl.build import build_data, load_tokenizer, total_steps
+from rlflow.config.verl.build import build_data, load_tokenizer, run_notes, total_steps
 from rlflow.config.verl.folders import critic_config, load_vision_processor, policy_config
-from rlflow.config.verl.key_notes import unused_notes
 from rlflow.config.verl.plan import Plan
 from rlflow.config.report import gib, line
 from rlflow.config.components_python import python
@@ -199,7 +198,7 @@ def dry_run(plan: Plan, show_config: bool = False) -> tuple[str, list[str]]:
         config = policy_config(plan)
         prompt = min(plan.data_kwargs["max_prompt_length"] or max(lengths), max(lengths))
         sections.append(dry_run_section(plan, config, prompt + plan.rollout_kwargs["max_new_tokens"]))
-    notes = plan.notes + unused_notes(plan.cfg)
+    notes = run_notes(plan, data)
     if notes:
         sections.append(["Notes"] + [f"  - {n}" for n in notes])
     if problems:

@@ -59,6 +59,11 @@ def policy_config(plan: Plan):
                            kw.get("trust_remote_code", False))
 
 
+def vision_policy(plan: Plan) -> bool:
+    """Whether the policy is a vision-language model (its config has a ``vision_config``)."""
+    return getattr(policy_config(plan), "vision_config", None) is not None
+
+
 def critic_config(plan: Plan):
     """The critic's transformers config with its overrides (no weights read)."""
     kw, key = plan.critic_kwargs, "critic.model"
@@ -72,7 +77,7 @@ def load_vision_processor(plan: Plan):
     """The processor of an image-text-to-text model folder (its images' size bounds from ``data.min/max_pixels``),
     else ``None``; no weights are read."""
     files, kw = model_files(plan), plan.policy_kwargs
-    if getattr(policy_config(plan), "vision_config", None) is None:
+    if not vision_policy(plan):
         return None
     trust = kw.get("tokenizer_trust_remote_code", kw.get("trust_remote_code", False))
     with remote_code_errors("actor_rollout_ref.model.path", TRUST_TOKENIZER):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 
@@ -48,9 +48,11 @@ A, R, C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
 FG, OB = "algorithm.filter_groups", "reward_model.reward_kwargs.overlong_buffer_cfg"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """Everything the entry point will build; each ``*_kwargs`` is passed to the public constructor."""
+    """Everything the entry point will build; each ``*_kwargs`` is passed to the public constructor. A value:
+    :func:`make_plan` computes every field first and makes it once; nothing changes it after (what building
+    finds goes in notes of its own, :func:`rlflow.config.verl.build.run_notes`)."""
 
     cfg: VerlConfig
     devices: Devices
@@ -97,7 +99,7 @@ class Plan:
     critic_lora: dict | str | None = None  # the critic's LoRA, as lora (critic.model.lora_*)
     dataset_cls: type | None = None        # data.custom_cls: the user's dataset class the rows come from
     ref_model_path: str | None = None      # actor_rollout_ref.ref.model: the reference's own weights
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()            # about the keys, in the order they were read
 
     @property
     def reward_fn(self) -> Callable | None:
@@ -210,7 +212,7 @@ def critic_on(cfg: VerlConfig, algo: str, estimator_cls: type) -> bool:
     return with_critic
 
 
-def critic_keys(cfg: VerlConfig, notes: list[str], procs: int, micro: int | None) -> tuple:
+def critic_keys(cfg: VerlConfig, notes: list[str], procs: int, micro: int | None, devices: Devices) -> tuple:
     """The critic's keys -> (its model path, ``Critic.from_pretrained``'s kwargs, ``ValueLoss``'s kwargs, the one
     micro-batch size of actor and critic)."""
     critic_micro = one_of(cfg, f"{C}.ppo_micro_batch_size_per_gpu", f"{C}.ppo_micro_batch_size", procs)
@@ -227,7 +229,7 @@ def critic_keys(cfg: VerlConfig, notes: list[str], procs: int, micro: int | None
               "gradient_checkpointing": cfg[f"{C}.model.enable_gradient_checkpointing"],
               "remove_padding": cfg[f"{C}.model.use_remove_padding"], **model_loading(cfg, C),
               **({"activation_offload": True} if cfg[f"{C}.model.enable_activation_offload"] else {}),
-              **model_paths(cfg, f"{C}.model")}  # critic.model.hf_config_path
+              **model_paths(cfg, f"{C}.model"), **liger(cfg, devices, C)}  # critic.model.hf_config_path
     value_loss = {"clip_range": cfg[f"{C}.cliprange_value"], "agg": cfg[f"{C}.loss_agg_mode"],
                   "loss_scale_factor": cfg[f"{C}.loss_scale_factor"]}
     return cfg[f"{C}.model.path"], kwargs, value_loss, micro
@@ -272,8 +274,7 @@ def reward_and_shaping(cfg: VerlConfig, notes: list[str]) -> tuple[RewardPlan, d
         if plan.model is not None:
             raise ConfigError("reward_model.enable=True with a reward-manager class from a file: not supported yet "
                               "(score with the reward model inside the class, or drop one)")
-        plan.manager = user_class
-        return plan, None
+        return replace(plan, manager=user_class), None
     overlong = overlong_penalty(manager, manager_kwargs, cfg[f"{R}.response_length"])
     if manager in ("prime", "dapo"):
         notes.append(f"reward_model.reward_manager={manager}: scores like 'naive' (rlflow runs reward calls on "
@@ -287,11 +288,12 @@ def around_the_rollout(cfg: VerlConfig, notes: list[str], devices: Devices, afte
     generation, asynchronous generation); multi_turn_async checks what the agent loop combines with."""
     agent = agent_plan(cfg, notes)
     if agent is not None and template_kwargs:
-        agent["template_kwargs"] = template_kwargs
+        agent = agent | {"template_kwargs": template_kwargs}
     v1_mode(cfg, notes)
     distill = distillation_plan(cfg, notes)
-    if distill is not None:
-        distill["loss_cls"] = getattr(rlflow.algorithms, distill.pop("loss"))
+    if distill is not None:  # the loss by name -> its class
+        loss_cls = getattr(rlflow.algorithms, distill["loss"])
+        distill = {k: v for k, v in distill.items() if k != "loss"} | {"loss_cls": loss_cls}
     sync_cadence(cfg, notes)
     fully_async = v1_async_plan(cfg, notes, devices, after, sampling)
     asynchronous = async_plan(cfg, notes, devices, after, sampling)
@@ -337,10 +339,8 @@ def make_plan(cfg: VerlConfig) -> Plan:
     temperature = 1.0 if not do_sample and temperature == 0 else temperature  # greedy: the unscaled distribution
     optimizer = optim_kwargs(cfg, notes, with_critic, same, devices)  # lr, schedule, clipping, shuffling
     ppo_epochs, warmup = same("ppo_epochs"), (same("optim.lr_warmup_steps"), same("optim.lr_warmup_steps_ratio"))
-
-    critic_path, critic_kwargs, value_loss_kwargs, micro = (critic_keys(cfg, notes, procs, micro) if with_critic
-                                                            else (None, {}, {}, micro))
-    critic_kwargs |= liger(cfg, devices, C) if with_critic else {}
+    critic_path, critic_kwargs, value_loss_kwargs, micro = (critic_keys(cfg, notes, procs, micro, devices)
+                                                            if with_critic else (None, {}, {}, micro))
     before, after, kl_controller, estimator_kwargs, loss_cls, bypass = estimator_and_loss(cfg, estimator_cls, notes)
     reward, overlong = reward_and_shaping(cfg, notes)
     sampling = dynamic_sampling(cfg, notes)
@@ -390,7 +390,7 @@ def make_plan(cfg: VerlConfig) -> Plan:
         trace=trace_plan(cfg, notes),
         determinism=determinism(cfg, notes, devices.accelerator),
         critic_lora=critic_lora_argument(cfg, notes) if with_critic else None,
-        dataset_cls=dataset_class(cfg, notes), ref_model_path=ref_model(cfg, notes), notes=notes,
+        dataset_cls=dataset_class(cfg, notes), ref_model_path=ref_model(cfg, notes), notes=tuple(notes),  # last
     )
 
 

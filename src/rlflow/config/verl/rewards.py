@@ -30,13 +30,14 @@ RM = "reward_model"
 CRF = "custom_reward_function"
 
 
-@dataclass
+@dataclass(frozen=True)
 class RewardPlan:
     """What the tree's reward node makes. ``functions``: ``(name, function, weight)``; ``model``: the
     ``ModelReward.from_pretrained`` arguments (with ``path``) or None; ``mode``: ``"functions"`` (their
     weighted sum), ``"model"`` (the model's score alone), ``"rm_argument"`` (the one function, given
     ``rm_score``), ``"sum"`` (model and functions, weighted). ``manager``: the user's reward class, which
-    then scores in place of the functions (the one function is its ``compute_score``)."""
+    then scores in place of the functions (the one function is its ``compute_score``). Made once, by
+    :func:`reward_plan`, and never changed."""
 
     functions: list[tuple[str, Callable, float]]
     mode: str = "functions"
@@ -55,28 +56,33 @@ def reward_plan(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[
     custom = bool(crf["path"] or crf["functions"] or ":" in str(crf["name"]))
     sandbox = sandbox_fusion(cfg, workers or 0, custom, notes)
     functions = _functions(crf, reward_kwargs, manager, cfg["trainer.experiment_name"], sandbox)
-    plan = RewardPlan(functions=functions, timeout_s=timeout, processes=workers or 0, custom=custom)
+    timing = {"timeout_s": timeout, "processes": workers or 0, "custom": custom}
     if not cfg[f"{RM}.enable"]:
         if cfg[f"{RM}.weight"] is not None:
             raise ConfigError(f"{RM}.weight={cfg[f'{RM}.weight']} is set but {RM}.enable=False")
-        return plan
-    plan.model, plan.model_weight = model_arguments(cfg, notes), cfg[f"{RM}.weight"]
-    if plan.model_weight is not None:
-        if plan.model_weight != plan.model_weight or abs(plan.model_weight) == float("inf"):
-            raise ConfigError(f"{RM}.weight={plan.model_weight}: must be a finite number")
-        plan.mode = "sum"
-        return plan
-    plan.model_weight = 1.0
-    if not plan.custom:
-        plan.mode, plan.functions = "model", []
+        return RewardPlan(functions=functions, **timing)
+    model, weight = model_arguments(cfg, notes), cfg[f"{RM}.weight"]
+    mode = model_mode(cfg, functions, custom, weight, notes)
+    return RewardPlan(functions=[] if mode == "model" else functions, mode=mode, model=model,
+                      model_weight=1.0 if weight is None else weight, **timing)
+
+
+def model_mode(cfg: VerlConfig, functions: list, custom: bool, weight: float | None, notes: list[str]) -> str:
+    """How the reward model's score and the functions make the reward (the module's header): ``sum`` with
+    ``reward_model.weight``; else verl's rules, ``model`` (its score alone) or ``rm_argument`` (the custom function,
+    given the score)."""
+    if weight is not None:
+        if weight != weight or abs(weight) == float("inf"):
+            raise ConfigError(f"{RM}.weight={weight}: must be a finite number")
+        return "sum"
+    if not custom:
         notes.append(f"{RM}.enable=True: the reward model's score is the reward, as in verl (rule scorers are not "
                      f"called; set {RM}.weight to add them)")
-        return plan
+        return "model"
     if not cfg[f"{RM}.use_reward_loop"]:
-        plan.mode, plan.functions = "model", []
         notes.append(f"{RM}.use_reward_loop=False: as verl's legacy reward workers, the reward model's score is the "
                      f"reward and {CRF} is not called")
-        return plan
+        return "model"
     takes = [name for name, fn, _ in functions if {"rm_score", "rm_scores"} & _parameters(fn)]
     if len(functions) != 1 or not takes:
         raise ConfigError(
@@ -84,8 +90,7 @@ def reward_plan(cfg: VerlConfig, manager: str, reward_kwargs: dict, notes: list[
             f"the reward model's score through an rm_score parameter, which {functions[0][0]!r} does not take "
             "(the reward model would be loaded for nothing). Add rm_score to the function (one function), or "
             f"set {RM}.weight=1.0 to add the model's score to the functions'")
-    plan.mode = "rm_argument"
-    return plan
+    return "rm_argument"
 
 
 def sandbox_fusion(cfg: VerlConfig, processes: int, custom: bool, notes: list[str]) -> dict | None:

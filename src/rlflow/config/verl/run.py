@@ -104,8 +104,8 @@ def recipe_names(problems: list[ConfigError]) -> list[ConfigError]:
     return problems
 
 
-def print_notes(plan: Plan) -> None:
-    for note in plan.notes + unused_notes(plan.cfg):
+def print_notes(notes: list[str]) -> None:
+    for note in notes:
         print(f"[rlflow] note: {note}", flush=True)
 
 
@@ -119,7 +119,7 @@ def train(plan: Plan, started: float | None = None) -> list[dict]:
 
 def _train(plan: Plan, started: float | None) -> list[dict]:
     started = time.perf_counter() if started is None else started
-    from rlflow.config.verl.build import build_trainer
+    from rlflow.config.verl.build import build_trainer, run_notes
 
     run_dir = Path(plan.trainer_kwargs["run_dir"]).expanduser()
     try:  # before the model loads
@@ -127,7 +127,7 @@ def _train(plan: Plan, started: float | None) -> list[dict]:
     except ckpt.CheckpointError as e:
         raise ConfigError(f"trainer.default_local_dir: {e}") from None
     trainer, data = build_trainer(plan)
-    print_notes(plan)
+    print_notes(run_notes(plan, data, trainer))
     (run_dir / "config.yaml").write_text(plan.cfg.to_yaml())
     before, t0 = {}, time.perf_counter()
     setup_s = t0 - started  # config checks, imports, model and data loading

@@ -24,7 +24,7 @@ from typing import Any
 
 from rlflow.algorithms import ValueLoss
 from rlflow.config.verl.agent import CATALOGUE
-from rlflow.config.verl.folders import load_vision_processor, local_model, model_files, policy_config
+from rlflow.config.verl.folders import load_vision_processor, local_model, model_files, vision_policy
 from rlflow.config.verl.rewards import RM, RewardPlan
 from rlflow.config.components import locate
 from rlflow.config.verl.resolve import Fill, init_parameters
@@ -100,7 +100,7 @@ def policy_node(plan, deferred: list[str]) -> dict:
     """``Policy.from_pretrained`` with the folders :func:`rlflow.config.verl.build.build_policy` loads."""
     files, kwargs = model_files(plan), dict(plan.policy_kwargs)
     kwargs |= {k: files[k] for k in ("tokenizer_path", "config_path") if k in kwargs}
-    if kwargs.get("freeze_vision_tower") and getattr(policy_config(plan), "vision_config", None) is None:
+    if kwargs.get("freeze_vision_tower") and not vision_policy(plan):
         del kwargs["freeze_vision_tower"]  # as build_policy: a text model has no vision tower
     out = {"_target_": "rlflow.Policy.from_pretrained", "path": files["model"], **node(kwargs, "policy", deferred)}
     if isinstance(plan.lora, dict):
@@ -249,7 +249,7 @@ def prompts_node(plan, deferred: list[str]) -> dict:
     if plan.dataset_cls is not None:
         deferred.append("data: data.custom_cls reads the files with the policy's tokenizer")
     kw = plan.policy_kwargs
-    if getattr(policy_config(plan), "vision_config", None) is not None:
+    if vision_policy(plan):
         kwargs["processor"] = {"_target_": "rlflow.models.vision.load_processor",
                                "path": model_files(plan)["tokenizer_path"], "min_pixels": kw.get("min_pixels"),
                                "max_pixels": kw.get("max_pixels"),

@@ -8,10 +8,13 @@
 2. rules between keys (``CROSS_CHECKS``): batch units, per-GPU vs deprecated sizes, loggers,
    sequence parallelism, DAPO's overlong buffer, ...;
 3. devices: the processes asked for against this machine;
-4. with ``environment=True`` (the command line does this): files exist, model folders look like
-   models (``config.json``, weights, tokenizer), ``max_prompt_length + max_response_length`` fits the
-   model's ``max_position_embeddings`` (read from ``config.json``, no weights), a model for
-   ``rollout.enable_vision`` has a vision config, data files have the prompt column and enough rows for one batch.
+4. with ``environment=True`` (the command line does this; :mod:`rlflow.config.verl.validate_files`): files exist,
+   model folders look like models (``config.json``, weights, tokenizer), ``max_prompt_length +
+   max_response_length`` fits the model's ``max_position_embeddings`` (read from ``config.json``, no weights), a
+   model for ``rollout.enable_vision`` has a vision config, data files have the prompt column and enough rows for
+   one batch.
+
+The checks share a :class:`~rlflow.config.verl.validate_context.Context`.
 
 Reading keys here does not count as "used" (the unused-key notes come from building the plan).
 Nothing here imports torch, transformers or Lightning.
@@ -21,9 +24,6 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from rlflow.config.verl import checks, tables
@@ -31,49 +31,17 @@ from rlflow.config.verl import devices as verl_devices
 from rlflow.config.verl.devices import resolve_devices
 from rlflow.config.verl.distillation import loss_problems as distillation_loss_problems
 from rlflow.config.verl.reward_class import class_from_file
-from rlflow.config.verl.reward_fn import reward_file_problem, split_reward_spec
 from rlflow.config.verl.reward_section import user_names
 from rlflow.config.verl.loading import ConfigError, NotSupportedError, VerlConfig, raise_problems
 from rlflow.config.verl.role_keys import sequence_parallel_keys
-from rlflow.models.checks import ModelFolderError, check_model_folder
-from rlflow.models.hub import ModelNotFoundError, locate_model
+from rlflow.config.verl.validate_context import Context, positive_int
+from rlflow.config.verl.validate_files import check_environment
+from rlflow.config.verl.validate_files import (DATA_SUFFIXES, POSITION_KEYS, check_data_files, check_model,  # noqa: F401
+                                               check_position_embeddings, check_reward_files, check_vision_model,
+                                               parquet_rows)  # (importable from here, as before they moved)
 from rlflow.registry import module_defines
 
 A, R, C = checks.A, checks.R, checks.C
-DATA_SUFFIXES = (".parquet", ".json", ".jsonl")
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-
-
-@dataclass
-class Context:
-    """What the checks share: the config, the problems so far, facts found on the way."""
-
-    cfg: VerlConfig
-    environment: bool
-    dry_run: bool = False  # model folders need no weights (a dry run reads config.json only)
-    problems: list[ConfigError] = field(default_factory=list)
-    model_configs: dict[str, dict] = field(default_factory=dict)  # model key -> its config.json
-    processes: int | None = None
-
-    def get(self, key: str) -> Any:
-        """A value without marking it read (the unused-key notes must not count validation)."""
-        return self.cfg.flat.get(key)
-
-    def ok(self, *keys: str) -> bool:
-        """Every key has a value of the right type (a badly typed one was reported already)."""
-        return not any(k in self.cfg.bad_keys for k in keys)
-
-    def set_by_user_or_own(self, key: str) -> bool:
-        """False for a key whose value only interpolates another key (its problem is reported there)."""
-        return key in self.cfg.provided or key not in self.cfg.deps
-
-    def add(self, message: str | ConfigError) -> None:
-        self.problems.append(message if isinstance(message, ConfigError) else ConfigError(message))
-
-    @property
-    def with_critic(self) -> bool:
-        enable = self.get("critic.enable")
-        return bool(enable) if enable is not None else self.get("algorithm.adv_estimator") in checks.NEEDS_CRITIC
 
 
 # ---------------------------------------------------------------------------------------------- tables
@@ -139,10 +107,6 @@ def cross_check(fn: Callable[[Context], None]) -> Callable[[Context], None]:
     return fn
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 def mini_batch_key(ctx: Context) -> str:
     """The ``ppo_mini_batch_size`` the Trainer uses for actor and critic alike (the plan's ``shared`` rule): the
     critic's when only the critic's is set (verl's PPO example), else the actor's."""
@@ -157,16 +121,16 @@ def batch_units(ctx: Context) -> None:
     """verl's units: mini-batches count prompts and divide the batch; micro-batches count trajectories."""
     key = mini_batch_key(ctx)
     bs, mini, n = ctx.get("data.train_batch_size"), ctx.get(key), ctx.get(f"{R}.n")
-    if not all(map(_positive_int, (bs, mini, n))):
+    if not all(map(positive_int, (bs, mini, n))):
         return  # a range problem, reported already
     if mini > bs or bs % mini:
         why = (f"; it applies to the actor too, whose {A}.ppo_mini_batch_size is not set: rlflow's Trainer uses one "
                "mini-batch size for both" if key.startswith(C) else "")
         ctx.add(f"data.train_batch_size={bs} must be a multiple of {key}={mini} (both count prompts{why})")
     micro = ctx.get(f"{A}.ppo_micro_batch_size_per_gpu")
-    if micro is None and _positive_int(ctx.get(f"{A}.ppo_micro_batch_size")) and ctx.processes:
+    if micro is None and positive_int(ctx.get(f"{A}.ppo_micro_batch_size")) and ctx.processes:
         micro = max(1, ctx.get(f"{A}.ppo_micro_batch_size") // ctx.processes)
-    if _positive_int(micro) and (mini * n) % micro:
+    if positive_int(micro) and (mini * n) % micro:
         ctx.add(f"a mini-batch holds ppo_mini_batch_size x rollout.n = {mini} x {n} = {mini * n} trajectories, "
                 f"not a multiple of {A}.ppo_micro_batch_size_per_gpu={micro}")
 
@@ -175,7 +139,7 @@ def batch_units(ctx: Context) -> None:
 def prompts_split_over_processes(ctx: Context) -> None:
     """Each process takes an equal share of a step's prompts (``rlflow.trainer.distributed.rank_shard``)."""
     bs, per_node, nnodes = (ctx.get(k) for k in ("data.train_batch_size", "trainer.n_gpus_per_node", "trainer.nnodes"))
-    if not all(map(_positive_int, (bs, per_node, nnodes))):
+    if not all(map(positive_int, (bs, per_node, nnodes))):
         return  # a range problem, reported already
     if bs % (per_node * nnodes):
         ctx.add(f"data.train_batch_size={bs} must be a multiple of the number of processes, trainer.n_gpus_per_node "
@@ -380,7 +344,7 @@ VLLM_ROUTING = ("vLLM returns routed experts only from its GPU Model Runner V2, 
 def sequence_parallel(ctx: Context) -> None:
     keys = sequence_parallel_keys(ctx.get, ctx.cfg.is_provided, ctx.with_critic)  # verl 0.9: or the engine's key
     sizes = {k: ctx.get(k) for k in keys}
-    if not all(map(_positive_int, sizes.values())):
+    if not all(map(positive_int, sizes.values())):
         return
     size = sizes[keys[0]]
     if size <= 1:
@@ -426,7 +390,7 @@ def external_lib(ctx: Context) -> None:
 # ---------------------------------------------------------------------------------------------- devices
 
 def check_devices(ctx: Context) -> None:
-    if not all(_positive_int(ctx.get(k)) for k in ("trainer.n_gpus_per_node", "trainer.nnodes")):
+    if not all(positive_int(ctx.get(k)) for k in ("trainer.n_gpus_per_node", "trainer.nnodes")):
         return  # a type or range problem, reported by its own check
     try:
         devices = resolve_devices(ctx.cfg, [], ctx.with_critic, record=False)
@@ -434,123 +398,6 @@ def check_devices(ctx: Context) -> None:
         ctx.add(e)
     else:
         ctx.processes = devices.processes
-
-
-# ---------------------------------------------------------------------------------------------- files, models
-
-def check_data_files(ctx: Context, key: str) -> None:
-    value = ctx.get(key)
-    if value is None or not ctx.ok(key):
-        if key == "data.train_files" and value is None:
-            ctx.add("data.train_files is not set: give the training prompts (a .parquet, .json or .jsonl file)")
-        return
-    rows, prompt_key = 0, ctx.get("data.prompt_key")
-    for item in value if isinstance(value, list) else [value]:
-        path = Path(str(item)).expanduser()
-        if not path.is_file():
-            ctx.add(f"{key}={str(item)!r}: no such file {path.resolve()}" if not path.exists() else
-                    f"{key}={str(item)!r}: {path} is a folder; give the data file(s) in it (.parquet, .json, .jsonl)")
-            continue
-        if path.suffix not in DATA_SUFFIXES:
-            ctx.add(f"{key}={str(item)!r}: unsupported file type '{path.suffix}' (use .parquet, .json or .jsonl)")
-            continue
-        if path.suffix == ".parquet":
-            rows += parquet_rows(ctx, key, path, prompt_key)
-    bs = ctx.get("data.train_batch_size")
-    if key == "data.train_files" and rows and _positive_int(bs) and bs > rows:
-        ctx.add(f"data.train_batch_size={bs} > {rows} training prompts in {value}")
-
-
-def parquet_rows(ctx: Context, key: str, path: Path, prompt_key: str) -> int:
-    """Rows of a parquet file, from its footer (no data read); a missing prompt column is a problem."""
-    try:
-        import pyarrow.parquet as pq
-
-        meta = pq.ParquetFile(path)
-        columns = meta.schema_arrow.names
-    except Exception as e:  # noqa: BLE001 - any unreadable file: say which
-        ctx.add(f"{key}: cannot read {path} as parquet ({e})")
-        return 0
-    if prompt_key not in columns:
-        close = difflib.get_close_matches(prompt_key, columns, n=1)
-        ctx.add(f"data.prompt_key={prompt_key!r}: {path} has no such column (columns: {', '.join(columns)})"
-                + (f"; set data.prompt_key={close[0]}" if close else ""))
-    return meta.metadata.num_rows
-
-
-def check_model(ctx: Context, key: str, tokenizer: bool = True) -> None:
-    """A local folder or a hub id (:func:`rlflow.models.hub.locate_model`); a local folder must hold a model
-    (:func:`rlflow.models.checks.check_model_folder`); its ``config.json`` is kept for the cross-checks."""
-    value = ctx.get(key)
-    if not value or not ctx.ok(key):
-        ctx.add(f"{key} is not set: give a model folder (or a Hugging Face hub id)")
-        return
-    try:
-        located = locate_model(value, key)
-        if located.folder is None:
-            return  # a hub id transformers will download: nothing local to look at yet
-        check_model_folder(located.folder, tokenizer=tokenizer, weights=not ctx.dry_run)
-        ctx.model_configs[key] = json.loads((located.folder / "config.json").read_text())
-    except (ModelNotFoundError, ModelFolderError, OSError, ValueError) as e:
-        ctx.add(str(e) if str(e).startswith(key) else f"{key}: {e}")
-
-
-def check_reward_files(ctx: Context) -> None:
-    """``custom_reward_function.path``/``.name`` (or ``name: file.py:fn``) and each of ``.functions`` name a
-    function that exists, read from the files without running them."""
-    crf = "custom_reward_function"
-    path, name = split_reward_spec(ctx.get(f"{crf}.path"), ctx.get(f"{crf}.name"))
-    items = ctx.cfg.tree.get(crf, {}).get("functions") or []
-    specs = [(path, name)] if path and not items else []
-    for item in items if isinstance(items, list) else []:
-        if isinstance(item, str) and ":" in item:
-            specs.append(tuple(item.rsplit(":", 1)))
-        elif isinstance(item, dict) and item.get("name"):
-            specs.append(split_reward_spec(item.get("path") or path, item["name"]))
-    for file, fn in specs:  # (a malformed entry is reported by the reward plan, naming it)
-        problem = reward_file_problem(file, fn) if file else None
-        if problem:
-            ctx.add(problem)
-
-
-def check_position_embeddings(ctx: Context) -> None:
-    """``max_prompt_length + max_response_length`` must fit the model's context (from its config.json)."""
-    prompt, response = ctx.get("data.max_prompt_length"), ctx.get(f"{R}.response_length")
-    if not (_positive_int(prompt) and _positive_int(response)):
-        return
-    for key, config in ctx.model_configs.items():
-        limit = next((config[k] for k in POSITION_KEYS if isinstance(config.get(k), int)), None)
-        if limit is not None and prompt + response > limit:
-            ctx.add(f"data.max_prompt_length + data.max_response_length = {prompt} + {response} = {prompt + response} "
-                    f"tokens exceeds the model's max_position_embeddings={limit} ({key}={ctx.get(key)!r})")
-
-
-def check_vision_model(ctx: Context) -> None:
-    """``rollout.enable_vision`` needs an image-text-to-text model; a local folder's (or the cache's) config.json
-    tells (a vision-language config nests a ``vision_config`` or ``text_config``; a hub id to download is
-    checked when it loads)."""
-    key = "actor_rollout_ref.model.path"
-    config = ctx.model_configs.get(key)
-    if ctx.get(f"{R}.enable_vision") and config is not None and not {"vision_config", "text_config"} & set(config):
-        ctx.add(f"{R}.enable_vision=True but {key}={ctx.get(key)!r} is a text-only model (its config.json has no "
-                f"vision_config; model_type={config.get('model_type')!r}): give an image-text-to-text model "
-                f"(Qwen2-VL, Qwen2.5-VL, ...) or set {R}.enable_vision=False")
-
-
-def check_environment(ctx: Context) -> None:
-    for key, kind in checks.PATHS.items():
-        if kind == "data":
-            check_data_files(ctx, key)
-        elif kind == "model":
-            check_model(ctx, key)
-        elif kind == "critic model" and ctx.with_critic and ctx.set_by_user_or_own(key):
-            check_model(ctx, key, tokenizer=False)  # (a critic path that only repeats the actor's is checked there)
-        elif kind == "reward model" and ctx.get("reward_model.enable"):
-            re_encodes = ctx.get("reward_model.model.input_tokenizer") is not None  # then it needs its own tokenizer
-            check_model(ctx, key, tokenizer=re_encodes)
-    check_reward_files(ctx)
-    check_position_embeddings(ctx)
-    check_vision_model(ctx)
 
 
 # ---------------------------------------------------------------------------------------------- entry points
