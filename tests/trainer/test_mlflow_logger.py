@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from rlflow.trainer.generations import LogValidationGenerations
 from rlflow.trainer.logger_packages import LOGGER_PACKAGES, install_command
 from rlflow.trainer.mlflow_logger import flat_params, sanitize
 
@@ -45,7 +46,8 @@ def test_a_tiny_run_logs_the_jsonl_loggers_metrics_to_an_mlflow_run_in_the_run_f
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # recorded, so what mlflow.set_tracking_uri writes is undone
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    trainer, data = make_trainer(model, tokenizer, addition_rows, tmp_path, max_steps=2, loggers=("jsonl", "mlflow"))
+    trainer, data = make_trainer(model, tokenizer, addition_rows, tmp_path, max_steps=2, loggers=("jsonl", "mlflow"),
+                                 val_every=1, callbacks=[LogValidationGenerations(2)])
     trainer.fit(data)
     [logger] = [lg for lg in trainer.fabric.loggers if lg.name == "mlflow"]
     assert logger.tracking_uri == (tmp_path / "mlruns").as_uri()
@@ -56,6 +58,12 @@ def test_a_tiny_run_logs_the_jsonl_loggers_metrics_to_an_mlflow_run_in_the_run_f
     jsonl = jsonl_rows(tmp_path / "metrics.jsonl")
     assert sorted(jsonl) == [1, 2] and len(jsonl[1]) > 10
     assert_same_metrics(jsonl, mlflow_metrics(client, runs[0].info.run_id, jsonl[1]))
+    # the validation samples, as verl's MLflow logger keeps them: an artifact val_step{N}.json per validation
+    samples = [json.loads(line) for line in (tmp_path / "val_generations.jsonl").read_text().splitlines()]
+    for step in (1, 2):
+        artifact = client.download_artifacts(runs[0].info.run_id, f"val_step{step}.json", str(tmp_path / "dl"))
+        assert json.loads(open(artifact).read()) == [{k: r[k] for k in ("input", "output", "score")}
+                                                     for r in samples if r["step"] == step]
 
 
 def test_mlflow_tracking_uri_is_honoured_and_restored(model, tokenizer, addition_rows, tmp_path, monkeypatch):

@@ -2,8 +2,9 @@
 
 As verl's (``verl/utils/tracking.py``): the MLflow experiment is the project name and the run is named after the
 experiment name; ``$MLFLOW_RUN_ID`` attaches to an existing run (Azure ML and Databricks set it); the config is
-logged as params flattened with ``/`` (a list becomes ``list_len`` and its indices); metric names MLflow refuses
-are sanitized (``@`` -> ``_at_``, repeated ``/`` -> one, other refused characters -> ``_``). The store is
+logged as params flattened with ``/`` (a list becomes ``list_len`` and its indices); validation samples
+(``LogValidationGenerations``, verl's ``trainer.log_val_generations``) are the artifact ``val_step{N}.json``; metric
+names MLflow refuses are sanitized (``@`` -> ``_at_``, repeated ``/`` -> one, other refused characters -> ``_``). The store is
 ``$MLFLOW_TRACKING_URI`` when set, else a ``file:`` store in ``<run_dir>/mlruns`` (verl's default is a SQLite file
 in /tmp, which mlflow-skinny cannot write: it lacks SQLAlchemy), found as rollout tracing finds it
 (:func:`rlflow.rollout.tracing.open_store`).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import numbers
 import os
 import re
@@ -105,6 +107,12 @@ class MLflowLogger(Logger):
         rows = [Param(sanitize(k), v) for k, v in flat_params(params).items()]
         for start in range(0, len(rows), _BATCH):
             client.log_batch(self.run_id, params=rows[start:start + _BATCH])
+
+    @rank_zero_only
+    def log_generations(self, step: int, samples: list[tuple]) -> None:
+        """Validation samples (input, output, score) as verl logs them: the artifact ``val_step{step}.json``."""
+        rows = [{"input": inp, "output": out, "score": score} for inp, out, score in samples]
+        self._run().log_text(self.run_id, json.dumps(rows, default=str), f"val_step{step}.json")
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
