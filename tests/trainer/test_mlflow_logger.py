@@ -79,6 +79,23 @@ def test_mlflow_tracking_uri_is_honoured_and_restored(model, tokenizer, addition
     assert os.environ["MLFLOW_TRACKING_URI"] == store
 
 
+def test_mlflow_run_id_attaches_to_an_existing_run_and_leaves_it_running(model, tokenizer, addition_rows, tmp_path,
+                                                                          monkeypatch):
+    mlflow = pytest.importorskip("mlflow", reason="the mlflow logger needs mlflow-skinny (pip install 'rlflow[tracing]')")
+    store = (tmp_path / "store").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow.MlflowClient(store)
+    outer = client.create_run(client.create_experiment("platform")).info.run_id  # as Azure ML or Databricks make it
+    monkeypatch.setenv("MLFLOW_RUN_ID", outer)
+    trainer, data = make_trainer(model, tokenizer, addition_rows, tmp_path / "run", max_steps=1, loggers=("mlflow",))
+    trainer.fit(data)
+    run = client.get_run(outer)
+    assert "actor/pg_loss" in run.data.metrics and run.info.status == "RUNNING"
+    assert client.get_experiment_by_name("rlflow") is not None and not client.search_runs(
+        [client.get_experiment_by_name("rlflow").experiment_id])
+
+
 def test_metric_names_and_config_params_follow_verls_mlflow_logger():
     assert sanitize("val-core/gsm8k/reward/mean@4") == "val-core/gsm8k/reward/mean_at_4"
     assert sanitize("a//b(c)") == "a/b_c_"
