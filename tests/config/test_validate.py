@@ -82,7 +82,7 @@ BAD_VALUES = [
     (["trainer.resume_mode=resume_path"], ["trainer.resume_mode=resume_path needs trainer.resume_from_path"]),
     (["trainer.val_only=true", "data.val_files=null"], ["trainer.val_only=True needs data.val_files"]),
     (["trainer.logger=[console,foo]"], ["trainer.logger: unknown logger 'foo'"]),
-    (["trainer.logger=[mlflow]"], ["trainer.logger='mlflow': the mlflow logger is not supported yet"]),
+    (["trainer.logger=[swanlab]"], ["trainer.logger='swanlab': the swanlab logger is not supported yet"]),
     (["algorithm.adv_estimator=grpoo"], ["algorithm.adv_estimator='grpoo': not a registered advantage estimator",
                                          "Did you mean: grpo"]),
     ([f"{A}.policy_loss.loss_mode=no_such_pkg.losses:MyLoss"], ["no importable module 'no_such_pkg.losses'"]),

@@ -166,6 +166,8 @@ class LogValidationGenerations:
                 for i, (inp, out, score) in enumerate(picked))
             logger.experiment.add_text("val/generations", text, step)
             logger.experiment.flush()
+        elif kind == "MLflowLogger":  # verl's artifact: val_step{N}.json, a list of {input, output, score}
+            logger.log_generations(step, picked)
         elif kind == "ConsoleLogger":
             for i, (inp, out, score) in enumerate(picked):
                 print(f"[val/generations step:{step} sample {i + 1}] score:{score} input:{inp!r} output:{out!r}",

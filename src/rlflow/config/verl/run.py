@@ -129,6 +129,9 @@ def _train(plan: Plan, started: float | None) -> list[dict]:
     trainer, data = build_trainer(plan)
     print_notes(run_notes(plan, data, trainer))
     (run_dir / "config.yaml").write_text(plan.cfg.to_yaml())
+    for logger in trainer.fabric.loggers:  # the config as params where a logger keeps them (MLflow's, as verl's)
+        if getattr(logger, "logs_config", False):
+            logger.log_hyperparams(plan.cfg.tree)
     before, t0 = {}, time.perf_counter()
     setup_s = t0 - started  # config checks, imports, model and data loading
     if data.val and (plan.val_before_train or plan.val_only):

@@ -10,12 +10,12 @@ rules every key is checked against (ranges, choices, paths) are in :mod:`rlflow.
 
 from __future__ import annotations
 
-import importlib.util
 from fnmatch import fnmatchcase
 from typing import Any, Callable
 
 from rlflow.config.verl import keys_0_9 as verl_0_9_keys
 from rlflow.config.verl.configs import FOREIGN_STRATEGIES, VERL_VERSION
+from rlflow.trainer.logger_packages import LOGGER_PACKAGES, install_command
 
 # Estimator and policy-loss names live in rlflow.registry (ESTIMATORS, POLICY_LOSSES), with users' own.
 
@@ -58,17 +58,26 @@ MEGATRON_OPTIMIZERS = {"adam": "AdamW", "sgd": "SGD"}
 
 # trainer.logger names -> rlflow logger names (rlflow.trainer.loggers)
 LOGGERS = {"console": "console", "tensorboard": "tensorboard", "wandb": "wandb", "file": "jsonl", "jsonl": "jsonl",
-           "csv": "csv"}
-VERL_ONLY_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
-# the wandb logger is Lightning's (pytorch_lightning.loggers.WandbLogger; rlflow itself needs only lightning_fabric):
-# its modules -> the pip packages that install them (rlflow[wandb])
-WANDB_PACKAGES = {"wandb": "wandb", "pytorch_lightning": "pytorch-lightning"}
+           "csv": "csv", "mlflow": "mlflow", "clearml": "clearml"}
+# verl's loggers rlflow lacks -> what each needs (the same metrics: the jsonl logger, always on)
+VERL_ONLY_LOGGERS = {
+    "swanlab": "the swanlab package (pip install swanlab) and a SwanLab account, or its self-hosted server",
+    "vemlp_wandb": "Volcano Engine's W&B (the volcengine_ml_platform package and a Volcano Engine ML Platform "
+                   "account: VOLC_ACCESS_KEY_ID, VOLC_SECRET_ACCESS_KEY, MLP_TRACKING_REGION)",
+    "trackio": "the trackio package (pip install trackio: a Gradio client and its dashboard server)",
+}
+# the wandb logger is Lightning's (pytorch_lightning.loggers.WandbLogger; rlflow itself needs only lightning_fabric)
+WANDB_PACKAGES = LOGGER_PACKAGES["wandb"]
+
+
+def logger_install(name: str) -> str | None:
+    """The pip command that installs what logger ``name`` lacks here, or None when nothing is missing."""
+    return install_command(LOGGER_PACKAGES[name]) if name in LOGGER_PACKAGES else None
 
 
 def wandb_install() -> str | None:
     """The pip command that installs what the wandb logger lacks here, or None when nothing is missing."""
-    missing = [package for module, package in WANDB_PACKAGES.items() if importlib.util.find_spec(module) is None]
-    return f"pip install {' '.join(missing)}" if missing else None
+    return logger_install("wandb")
 
 # ---------------------------------------------------------------------------------------------
 # Keys recognised but not supported yet: key -> (feature, predicate on the value that triggers it)

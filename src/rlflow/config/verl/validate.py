@@ -253,12 +253,13 @@ def loggers(ctx: Context) -> None:
     names = ctx.get("trainer.logger") or []
     for name in names if isinstance(names, list) else [names]:
         if name in tables.VERL_ONLY_LOGGERS:
-            ctx.add(NotSupportedError("trainer.logger", name, f"the {name} logger",
-                                      f"Available: {', '.join(tables.LOGGERS)}."))
+            ctx.add(NotSupportedError("trainer.logger", name, f"the {name} logger", (
+                f"It needs {tables.VERL_ONLY_LOGGERS[name]}. The same metrics: every run writes "
+                f"metrics.jsonl in trainer.default_local_dir; other loggers: {', '.join(tables.LOGGERS)}.")))
         elif name not in tables.LOGGERS:
             ctx.add(f"trainer.logger: unknown logger {name!r}; choose from {', '.join(tables.LOGGERS)}")
-        elif name == "wandb" and "trainer.logger" in ctx.cfg.provided and tables.wandb_install():
-            ctx.add(f"trainer.logger contains wandb, which is not installed: {tables.wandb_install()}")
+        elif "trainer.logger" in ctx.cfg.provided and tables.logger_install(name):
+            ctx.add(f"trainer.logger contains {name}, which is not installed: {tables.logger_install(name)}")
 
 
 @cross_check
