@@ -107,10 +107,14 @@ def choose_backend(requested: str | None, *, on_gpu: bool, server: bool, where: 
 # ---------------------------------------------------------------------------------------------- worker side
 @functools.cache
 def _worker_classes():
-    """The worker-side engine, defined on first use so that importing this module does not import vLLM."""
-    from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeightTransferEngine,
-                                                       WeightTransferEngine, WeightTransferInitInfo,
-                                                       WeightTransferUpdateInfo)
+    """The worker-side engine and the trainer side's, defined on first use so that importing this module does not
+    import vLLM: ``(SharedMemoryWeightTransferEngine, SharedMemoryTrainerEngine, SharedMemoryTrainerInitInfo)``."""
+    return (_worker_engine(), *_trainer_engine())
+
+
+def _worker_infos():
+    """The worker's init infos (``rlflow_shm``'s, ``rlflow_gloo``'s) and its update info, as vLLM dataclasses."""
+    from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
     @dataclass
     class SharedMemoryInitInfo(WeightTransferInitInfo):
@@ -132,6 +136,15 @@ def _worker_classes():
         shapes: list[list[int]]
         offsets: list[int]
         path: str | None = None  # None: the bytes come by broadcast over the gloo group
+
+    return SharedMemoryInitInfo, GlooInitInfo, SharedMemoryUpdateInfo
+
+
+def _worker_engine():
+    """The worker-side engine class, taking the infos of :func:`_worker_infos`."""
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    SharedMemoryInitInfo, GlooInitInfo, SharedMemoryUpdateInfo = _worker_infos()
 
     class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, SharedMemoryUpdateInfo]):
         """Receives buckets from files in shared memory (see the module docstring), or by broadcast over a gloo
@@ -203,6 +216,13 @@ def _worker_classes():
         def shutdown(self) -> None:
             self.ready, self.gloo = False, None
 
+    return SharedMemoryWeightTransferEngine
+
+
+def _trainer_engine():
+    """The trainer-side engine class of ``rlflow_shm`` and its init info."""
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+
     @dataclass
     class SharedMemoryTrainerInitInfo(TrainerInitInfo):
         backend: ClassVar[str] = SHM
@@ -244,7 +264,7 @@ def _worker_classes():
                 path.unlink(missing_ok=True)
             return unique_bytes(bucket)
 
-    return SharedMemoryWeightTransferEngine, SharedMemoryTrainerEngine, SharedMemoryTrainerInitInfo
+    return SharedMemoryTrainerEngine, SharedMemoryTrainerInitInfo
 
 
 def register() -> None:
