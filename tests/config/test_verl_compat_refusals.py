@@ -100,6 +100,8 @@ TRIGGERS: dict[str, list[tuple[str, list[str]]]] = {
                                       MEGATRON_LORA + [f"{M}.lora.lora_B_init_method=xavier"])],
     f"{M}.lora.adapter_path": [(f"{M}.lora.adapter_path", MEGATRON_LORA + [f"{M}.lora.adapter_path=x"])],
     "reward_model.strategy": [("reward_model.strategy", REWARD_MODEL + ["reward_model.strategy=megatron"])],
+    "trainer.logger": [("trainer.logger", ["trainer.logger=[console,swanlab]"]),
+                       ("trainer.logger", ["trainer.logger=[console,vemlp_wandb]"])],
     "reward_model.ulysses_sequence_parallel_size": [("reward_model.ulysses_sequence_parallel_size", REWARD_MODEL + [
         "reward_model.ulysses_sequence_parallel_size=2"])],
     "reward.reward_manager.source": [("reward.reward_manager.module.path", [
