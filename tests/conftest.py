@@ -23,6 +23,25 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("RLFLOW_CACHE", os.environ.get("RLFLOW_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "cache"))
 
 
+@pytest.fixture(scope="session")
+def trackio_dir(tmp_path_factory):
+    """Trackio's folder for the session. trackio reads ``$TRACKIO_DIR`` once, when first imported: the suite imports
+    it here, pointed under the session's temp folder, so no test writes to ~/.cache/huggingface/trackio."""
+    folder = tmp_path_factory.getbasetemp() / "trackio"
+    before = os.environ.get("TRACKIO_DIR")
+    os.environ["TRACKIO_DIR"] = str(folder)
+    try:
+        pytest.importorskip("trackio", reason="Trackio tracing needs trackio (pip install 'rlflow[tracing]')")
+    finally:
+        if before is None:
+            del os.environ["TRACKIO_DIR"]
+        else:
+            os.environ["TRACKIO_DIR"] = before
+    from trackio import utils
+    assert utils.TRACKIO_DIR == folder, f"trackio was imported before the trackio_dir fixture: {utils.TRACKIO_DIR}"
+    return folder
+
+
 @pytest.fixture
 def tokenizer():
     return char_tokenizer()

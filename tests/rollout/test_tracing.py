@@ -25,11 +25,11 @@ def test_a_run_writes_one_trace_per_traced_sample_capped_per_step(model, tokeniz
                       reward=FunctionReward(starts_with_digit), estimator=GRPO(), loss=PPOLoss(),
                       **groups(batch_size=4, lr=1e-3, max_steps=2, run_dir=tmp_path / "run", progress=False))
     trainer.fit(PromptData(train, val=val, seed=0))
-    assert rollout.tracking_uri == (tmp_path / "run" / "mlruns").as_uri()
+    assert rollout.location == (tmp_path / "run" / "mlruns").as_uri()
     # MLflow writes $MLFLOW_TRACKING_URI when pointed at a store; a second run in this process must not find this
     # run's store there and take it for the user's (the suite's next tracing test did)
     assert "MLFLOW_TRACKING_URI" not in os.environ
-    mlflow.set_tracking_uri(rollout.tracking_uri)
+    mlflow.set_tracking_uri(rollout.location)
     experiment = mlflow.get_experiment_by_name("tiny")
     traces = mlflow.search_traces(locations=[experiment.experiment_id], return_type="list")
     by_step = {}

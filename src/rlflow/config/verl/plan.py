@@ -94,7 +94,7 @@ class Plan:
     distillation: dict | None = None       # the teacher stage and the distillation loss (rlflow.config.verl.distillation)
     fully_async: dict | None = None        # FullyAsyncRollout's kwargs (trainer.v1.trainer_mode=*_async)
     replay: dict | None = None             # ReplayRollout's kwargs: dumped rollouts replayed (skip.*, skip_rollout)
-    trace: dict | None = None              # TracedRollout's kwargs: rollout.trace.backend=mlflow
+    trace: dict | None = None              # TracedRollout's kwargs: rollout.trace.backend=mlflow|trackio
     determinism: dict | None = None        # full_determinism's kwargs (the *.full_determinism keys)
     critic_lora: dict | str | None = None  # the critic's LoRA, as lora (critic.model.lora_*)
     dataset_cls: type | None = None        # data.custom_cls: the user's dataset class the rows come from

@@ -111,9 +111,9 @@ NOT_SUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "actor_rollout_ref.model.backend": (OTHER_BACKENDS, _not(None, "fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.actor.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "actor_rollout_ref.rollout.trace.backend": ("rollout tracing into a Weights & Biases Weave project (weave: a "
-                                                "W&B account and server) or a Trackio space (trackio), backends "
-                                                "rlflow lacks; trace.backend=mlflow traces here (rlflow.rollout."
-                                                "TracedRollout)", _not(None, "mlflow")),
+                                                "W&B account and server), a backend rlflow lacks; trace.backend="
+                                                "mlflow or trackio traces here (rlflow.rollout.TracedRollout)",
+                                                _not(None, "mlflow", "trackio")),
     "critic.strategy": (OTHER_BACKENDS, _not("fsdp", "fsdp2", "megatron")),
     "trainer.default_hdfs_dir": ("checkpoints copied to HDFS (a Hadoop file system, reached by verl through the hdfs "
                                  "command-line client; rlflow writes trainer.default_local_dir)", _truthy),
