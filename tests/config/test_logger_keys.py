@@ -1,6 +1,7 @@
-"""verl's trainer.logger=mlflow and clearml through the verl entry point: a tiny run's per-step metrics in an MLflow run
-(read back with MLflow's client) or an offline ClearML task equal the jsonl logger's, the config is logged as verl
-logs it; the loggers rlflow lacks are refused naming what they need."""
+"""verl's trainer.logger=mlflow, clearml and trackio through the verl entry point: a tiny run's per-step metrics in an
+MLflow run (read back with MLflow's client), an offline ClearML task or a local Trackio run (read back with Trackio's
+SQLite store) equal the jsonl logger's, the config is logged as verl logs it; the loggers rlflow lacks are refused
+naming what they need."""
 
 import json
 
@@ -53,8 +54,26 @@ def test_clearml_logger_of_a_tiny_run_records_the_jsonl_loggers_metrics_in_an_of
     assert len(expected) > 20 and scalars == pytest.approx(expected)
 
 
+def test_trackio_logger_of_a_tiny_run_equals_the_jsonl_logger_and_keeps_the_config(tiny, tmp_path, trackio_dir,
+                                                                                     monkeypatch):
+    from trackio.sqlite_storage import SQLiteStorage
+    monkeypatch.setenv("TRACKIO_DIR", str(trackio_dir))
+    assert main(tiny + ["trainer.logger=[console,trackio]", "trainer.project_name=verl-trackio",
+                        "trainer.experiment_name=e", "trainer.test_freq=1"]) == 0
+    config = SQLiteStorage.get_run_config("verl-trackio", "e")
+    assert config["trainer"]["logger"] == ["console", "trackio"] and config["data"]["train_batch_size"] == 4
+    logged = {row["step"]: row for row in SQLiteStorage.get_logs("verl-trackio", run="e")}
+    jsonl = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in jsonl] == [0, 1, 2] == sorted(logged) and any("@" in key for key in jsonl[0])
+    for row in jsonl:
+        numeric = {k: v for k, v in row.items() if k != "step" and (v is None or isinstance(v, (int, float)))}
+        assert set(logged[row["step"]]) - {"step", "timestamp"} == set(numeric), row["step"]
+        for key, value in numeric.items():
+            if value is not None:  # None: not finite
+                assert logged[row["step"]][key] == pytest.approx(value), (key, row["step"])
+
+
 @pytest.mark.parametrize("name, needs", [("swanlab", "swanlab package.*SwanLab account"),
-                                         ("trackio", "trackio package"),
                                          ("vemlp_wandb", "Volcano Engine's W&B.*volcengine_ml_platform")])
 def test_the_loggers_rlflow_lacks_are_refused_naming_what_they_need(tiny, name, needs):
     with pytest.raises(NotSupportedError, match=f"trainer.logger='{name}'.*{needs}.*metrics.jsonl"):
@@ -63,3 +82,4 @@ def test_the_loggers_rlflow_lacks_are_refused_naming_what_they_need(tiny, name, 
 
 def test_no_pip_command_for_an_installed_logger_or_one_that_needs_nothing():
     assert tables.logger_install("mlflow") is None and tables.logger_install("console") is None
+    assert tables.logger_install("trackio") is None

@@ -52,6 +52,37 @@ def open_store(tracking_uri: str | None, folder: str | None, experiment: str):
     return mlflow, uri
 
 
+def import_trackio(folder: str | None, who: str, what: str):
+    """The trackio module, pointed at ``folder/trackio`` unless ``$TRACKIO_DIR`` is set, and the folder of its
+    databases. Trackio fixes its folder when first imported: an earlier import that fixed another is warned about
+    (``who``: the component, ``what``: what it writes, for the messages)."""
+    wanted = os.environ.get("TRACKIO_DIR")
+    if not wanted:
+        if folder is None:
+            raise ValueError(f"{who}: set TRACKIO_DIR or give a folder for trackio")
+        wanted = str(Path(folder).expanduser().resolve() / "trackio")
+        os.environ["TRACKIO_DIR"] = wanted  # read once, when trackio is first imported; then taken back, so
+        try:                                # the next run in this process does not take it for the user's
+            trackio = _import("trackio", "trackio")
+        finally:
+            os.environ.pop("TRACKIO_DIR", None)
+    else:
+        trackio = _import("trackio", "trackio")
+    from trackio import utils
+    location = Path(utils.TRACKIO_DIR)
+    if location.resolve() != Path(wanted).resolve():
+        warnings.warn(f"{who}: {what} go to {location}, where trackio was pointed when first imported, not {wanted}",
+                      stacklevel=4)
+    return trackio, location
+
+
+def flush_trackio(run) -> None:
+    """Write what a trackio run has queued to its database now (its thread writes every 0.5 s; trackio 0.43, pinned,
+    flushes inline)."""
+    with run._client_lock:
+        run._flush_queues_inline()
+
+
 class MlflowTraceWriter:
     """MLflow traces in ``experiment`` at ``tracking_uri`` (:func:`open_store`); ``location``: the URI used."""
 
@@ -91,23 +122,8 @@ class TrackioTraceWriter:
         self.location, self._run, self._trackio = None, None, None
 
     def _open(self) -> None:
-        wanted = os.environ.get("TRACKIO_DIR")
-        if not wanted:
-            if self.folder is None:
-                raise ValueError("TracedRollout(backend='trackio'): set TRACKIO_DIR or give a folder for trackio")
-            wanted = str(Path(self.folder).expanduser().resolve() / "trackio")
-            os.environ["TRACKIO_DIR"] = wanted  # read once, when trackio is first imported; then taken back, so
-            try:                                # the next run in this process does not take it for the user's
-                trackio = _import("trackio", "trackio")
-            finally:
-                os.environ.pop("TRACKIO_DIR", None)
-        else:
-            trackio = _import("trackio", "trackio")
-        from trackio import context_vars, utils
-        self.location = Path(utils.TRACKIO_DIR)
-        if self.location.resolve() != Path(wanted).resolve():
-            warnings.warn(f"TracedRollout(backend='trackio'): traces go to {self.location}, where trackio was pointed "
-                          f"when first imported, not {wanted}", stacklevel=3)
+        trackio, self.location = import_trackio(self.folder, "TracedRollout(backend='trackio')", "traces")
+        from trackio import context_vars
         current = context_vars.current_run.get()
         self._run = trackio.init(project=self.experiment, name=self.run_name, config={"framework": "rlflow"},
                                  embed=False, auto_log_cpu=False, auto_log_gpu=False)
@@ -125,6 +141,5 @@ class TrackioTraceWriter:
         self._run.log({self.KEY: trace}, step=attributes["step"])
 
     def flush(self) -> None:
-        if self._run is not None:  # the run's thread writes every 0.5 s; trackio 0.43 (pinned) flushes inline so
-            with self._run._client_lock:  # a step's traces are in the database when the step returns
-                self._run._flush_queues_inline()
+        if self._run is not None:  # a step's traces are in the database when the step returns
+            flush_trackio(self._run)

@@ -8,7 +8,8 @@ import importlib.util
 # logger name -> its modules -> the pip packages that install them
 LOGGER_PACKAGES = {"wandb": {"wandb": "wandb", "pytorch_lightning": "pytorch-lightning"},  # W&B's is Lightning's
                    "mlflow": {"mlflow": "mlflow-skinny"},  # rlflow[tracing]; the full mlflow package serves too
-                   "clearml": {"clearml": "clearml"}}
+                   "clearml": {"clearml": "clearml"},
+                   "trackio": {"trackio": "trackio"}}  # rlflow[tracing]
 
 
 def install_command(packages: dict[str, str]) -> str | None:

@@ -1,5 +1,5 @@
-"""Loggers: Lightning's CSV and TensorBoard loggers, a JSONL logger, a console logger, and W&B, MLflow and ClearML
-when installed."""
+"""Loggers: Lightning's CSV and TensorBoard loggers, a JSONL logger, a console logger, and W&B, MLflow, ClearML and
+Trackio when installed."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from lightning_fabric.utilities.rank_zero import rank_zero_only
 from rlflow.trainer.clearml_logger import ClearMLLogger
 from rlflow.trainer.logger_packages import LOGGER_PACKAGES, install_command
 from rlflow.trainer.mlflow_logger import MLflowLogger
+from rlflow.trainer.trackio_logger import TrackioLogger
 
-LOGGER_NAMES = ("jsonl", "csv", "tensorboard", "wandb", "mlflow", "clearml", "console")
+LOGGER_NAMES = ("jsonl", "csv", "tensorboard", "wandb", "mlflow", "clearml", "trackio", "console")
 
 
 class JSONLLogger(Logger):
@@ -104,7 +105,7 @@ class ConsoleLogger(Logger):
 
 def make_loggers(names, run_dir: str | Path, project: str = "rlflow", experiment: str = "run") -> list[Logger]:
     """Build loggers by name (a ``Logger`` instance passes through); an unknown name or an uninstalled
-    W&B, MLflow or ClearML is a clear error."""
+    W&B, MLflow, ClearML or Trackio is a clear error."""
     out: list[Logger] = []
     for name in names:
         if isinstance(name, Logger):
@@ -121,11 +122,11 @@ def make_loggers(names, run_dir: str | Path, project: str = "rlflow", experiment
             except ImportError as e:  # pragma: no cover - depends on the environment
                 raise ImportError("logger 'wandb' needs `pip install wandb pytorch-lightning` (or rlflow[wandb])") from e
             out.append(WandbLogger(project=project, name=experiment, save_dir=str(run_dir)))
-        elif name in ("mlflow", "clearml"):
+        elif name in ("mlflow", "clearml", "trackio"):
             missing = install_command(LOGGER_PACKAGES[name])
             if missing:
                 raise ImportError(f"logger '{name}' needs `{missing}`")
-            made = MLflowLogger if name == "mlflow" else ClearMLLogger
+            made = {"mlflow": MLflowLogger, "clearml": ClearMLLogger, "trackio": TrackioLogger}[name]
             out.append(made(run_dir, project=project, experiment=experiment))
         elif name == "console":
             out.append(ConsoleLogger())

@@ -7,7 +7,7 @@ logged as params flattened with ``/`` (a list becomes ``list_len`` and its indic
 names MLflow refuses are sanitized (``@`` -> ``_at_``, repeated ``/`` -> one, other refused characters -> ``_``). The store is
 ``$MLFLOW_TRACKING_URI`` when set, else a ``file:`` store in ``<run_dir>/mlruns`` (verl's default is a SQLite file
 in /tmp, which mlflow-skinny cannot write: it lacks SQLAlchemy), found as rollout tracing finds it
-(:func:`rlflow.rollout.tracing.open_store`).
+(:func:`rlflow.rollout.trace_writers.open_store`).
 
 Needs ``mlflow-skinny`` (``pip install 'rlflow[tracing]'``), imported when the logger is built.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 from lightning_fabric.loggers import Logger
 from lightning_fabric.utilities.rank_zero import rank_zero_only
 
-from rlflow.rollout.tracing import open_store
+from rlflow.rollout.trace_writers import open_store
 
 _REFUSED = re.compile(r"[^/\w.\- :]")  # MLflow takes slashes, alphanumerics, _ . - : and spaces in a name
 _BATCH = 100  # MLflow's limit on params per log_batch (metrics: 1000)

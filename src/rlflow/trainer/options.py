@@ -113,8 +113,8 @@ class RunDir:
             any run, written by any number of processes.
         keep_checkpoints: keep only the newest N ``global_step_*`` folders (``None`` or <= 0: all; verl's
             ``max_actor_ckpt_to_keep``); older ones are deleted after each save.
-        loggers: names from ``jsonl``, ``csv``, ``tensorboard``, ``wandb``, ``mlflow``, ``clearml``, ``console``
-            (or logger objects).
+        loggers: names from ``jsonl``, ``csv``, ``tensorboard``, ``wandb``, ``mlflow``, ``clearml``, ``trackio``,
+            ``console`` (or logger objects).
         async_save: write each checkpoint in a background thread after copying the state to CPU memory (verl's
             ``checkpoint.async_save``); the next save, a load and the end of ``fit`` wait for it. Sharded
             checkpoints (FSDP2, Megatron) are written synchronously.

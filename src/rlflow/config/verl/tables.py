@@ -58,13 +58,12 @@ MEGATRON_OPTIMIZERS = {"adam": "AdamW", "sgd": "SGD"}
 
 # trainer.logger names -> rlflow logger names (rlflow.trainer.loggers)
 LOGGERS = {"console": "console", "tensorboard": "tensorboard", "wandb": "wandb", "file": "jsonl", "jsonl": "jsonl",
-           "csv": "csv", "mlflow": "mlflow", "clearml": "clearml"}
+           "csv": "csv", "mlflow": "mlflow", "clearml": "clearml", "trackio": "trackio"}
 # verl's loggers rlflow lacks -> what each needs (the same metrics: the jsonl logger, always on)
 VERL_ONLY_LOGGERS = {
     "swanlab": "the swanlab package (pip install swanlab) and a SwanLab account, or its self-hosted server",
     "vemlp_wandb": "Volcano Engine's W&B (the volcengine_ml_platform package and a Volcano Engine ML Platform "
                    "account: VOLC_ACCESS_KEY_ID, VOLC_SECRET_ACCESS_KEY, MLP_TRACKING_REGION)",
-    "trackio": "the trackio package (pip install trackio: a Gradio client and its dashboard server)",
 }
 # the wandb logger is Lightning's (pytorch_lightning.loggers.WandbLogger; rlflow itself needs only lightning_fabric)
 WANDB_PACKAGES = LOGGER_PACKAGES["wandb"]
