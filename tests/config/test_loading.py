@@ -79,7 +79,7 @@ def test_plus_on_a_key_the_tree_has_sets_it():
 @pytest.mark.parametrize("override, feature", [
     ("actor_rollout_ref.actor.strategy=deepspeed", "names no backend of rlflow (fsdp, fsdp2, megatron) nor of verl"),
     ("actor_rollout_ref.model.backend=deepspeed", "names no backend of rlflow (fsdp, fsdp2, megatron) nor of verl"),
-    ("trainer.logger=[mlflow]", "mlflow logger"),
+    ("trainer.logger=[swanlab]", "swanlab logger"),
 ])
 def test_recognised_features_fail_as_not_supported_yet(override, feature):
     with pytest.raises(NotSupportedError, match="not supported yet") as e:
