@@ -8,6 +8,7 @@ objects are put one way first (``same_spelling``: each with the reason it is the
 purpose (``runs/tree/X``, ``runs/yaml/X``). One pair also trains a step each and logs the same metrics."""
 
 import copy
+import importlib.util
 import inspect
 from pathlib import Path
 
@@ -124,7 +125,10 @@ def test_every_short_recipe_has_a_tree_twin():
     assert sorted(p.stem for p in TREES.glob("*.yaml")) == sorted([*TWINS, "default_job"])
 
 
-@pytest.mark.parametrize("name", TWINS)
+NEEDS_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[NEEDS_VLLM] if "vllm" in n else []) for n in TWINS])
 def test_the_tree_recipe_builds_the_run_its_short_twin_builds(name, model_dir, data_dir):
     overrides = paths(model_dir, data_dir) + ([f"critic.path={model_dir}"] if name == "ppo" else [])
     mine = components.load(TREES / f"{name}.yaml", overrides)
