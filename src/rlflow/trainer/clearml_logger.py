@@ -3,8 +3,14 @@
 
 As verl's (``verl/utils/tracking.py``): ``Task.init(project_name=project, task_name=experiment,
 continue_last_task=True, output_uri=False)``; a metric ``a/b/c`` is the scalar of title ``a`` and series ``b/c``
-(a name without ``/`` is its own title and series). Unlike verl's, ClearML's automatic logging of frameworks is off
-(``auto_connect_frameworks=False``): it would patch ``torch.save`` and rlflow's checkpoints under it. The server and
+(a name without ``/`` is its own title and series). Unlike verl's, two of ClearML's automatic features are off:
+
+- logging of frameworks: it would patch ``torch.save`` and rlflow's checkpoints under it;
+- repository detection: ClearML runs ``git`` from a thread while ``Task.init`` forks its reporting process, and the
+  fork can inherit the pipe that ``subprocess`` waits on, so the thread never ends. Seen on a 2-core machine: a run's
+  end stalled for ClearML's 300 s timeout, and one test run never ended.
+
+The server and
 credentials are ClearML's (``clearml.conf``, ``$CLEARML_API_*``); ``CLEARML_OFFLINE_MODE=1`` records the task on this
 machine (``~/.clearml/cache/offline/<task id>``, uploaded later with ``Task.import_offline_session``).
 
@@ -46,12 +52,17 @@ class ClearMLLogger(Logger):
     def root_dir(self) -> str:
         return str(self._root)
 
+    # auto_connect_frameworks as a dict: a framework it does not name is connected (clearml.Task.init)
+    _AUTO_CONNECT = dict.fromkeys(
+        ["hydra", "scikit", "joblib", "matplotlib", "tensorflow", "tensorboard", "tfdefines", "pytorch", "megengine",
+         "xgboost", "catboost", "fastai", "lightgbm", "gradio", "detect_repository"], False)
+
     def _task(self):
         if self.task is None:
             from clearml import Task  # deferred: clearml is optional
 
             self.task = Task.init(project_name=self.project, task_name=self.experiment, continue_last_task=True,
-                                  output_uri=False, auto_connect_frameworks=False)
+                                  output_uri=False, auto_connect_frameworks=self._AUTO_CONNECT)
         return self.task
 
     @rank_zero_only
