@@ -6,6 +6,13 @@ import os
 _THREADS = os.environ.get("RLFLOW_TEST_THREADS", "1")
 os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = _THREADS
 
+# No usage reports from the suite: MLflow decides at import (here, during collection, before pytest sets
+# PYTEST_CURRENT_TEST, which it would read as a test run) and sends from background threads; gradio-client (trackio's)
+# and huggingface_hub have their own switches. Subprocesses inherit these too.
+for _name, _value in {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", "HF_HUB_DISABLE_TELEMETRY": "1",
+                      "GRADIO_ANALYTICS_ENABLED": "False"}.items():
+    os.environ.setdefault(_name, _value)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
