@@ -10,9 +10,8 @@ continue_last_task=True, output_uri=False)``; a metric ``a/b/c`` is the scalar o
   fork can inherit the pipe that ``subprocess`` waits on, so the thread never ends. Seen on a 2-core machine: a run's
   end stalled for ClearML's 300 s timeout, and one test run never ended.
 
-The server and
-credentials are ClearML's (``clearml.conf``, ``$CLEARML_API_*``); ``CLEARML_OFFLINE_MODE=1`` records the task on this
-machine (``~/.clearml/cache/offline/<task id>``, uploaded later with ``Task.import_offline_session``).
+The server and credentials are ClearML's (``clearml.conf``, ``$CLEARML_API_*``); ``CLEARML_OFFLINE_MODE=1`` records
+the task on this machine (``~/.clearml/cache/offline/<task id>``, uploaded later with ``Task.import_offline_session``).
 
 Needs the ``clearml`` package (``pip install clearml``), imported when the first step is logged.
 """
